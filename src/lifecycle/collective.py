@@ -1,0 +1,244 @@
+"""Collectives the step reduces over.
+
+The core never talks to a network: it hands an int32 buffer to a
+:class:`Collective` and reads the result back. Implementations:
+
+- :class:`TorchCollective`: ``torch.distributed`` on any process group
+  (gloo on CPU), zero-copy between numpy and torch;
+- :class:`Hierarchical`: TP then CP (then any further level); MIN is
+  associative, so this equals the MIN over the product of the groups;
+- :class:`SingleRank`: a world of one;
+- :class:`SimulatedWorld`: W ranks in one process (one thread per rank),
+  for tests and the simulator; it checks buffer sizes the way a careful
+  network would, raising instead of aborting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.errors import LifecycleError, RankFailure
+
+__all__ = [
+    "Collective",
+    "SingleRank",
+    "TorchCollective",
+    "Hierarchical",
+    "SimulatedWorld",
+    "CountingCollective",
+]
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """What a step needs from a group of ranks."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's id as stamped into reduced words (a global rank)."""
+        ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        """Element-wise MIN over the group, in place. Same length on every rank."""
+        ...
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        """Every rank's ``buf`` stacked: shape ``(world_size, len(buf))``."""
+        ...
+
+
+class SingleRank:
+    """A group of one: reduce and gather are identities."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        return None
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        return buf.reshape(1, -1).copy()
+
+
+class TorchCollective:
+    """``torch.distributed`` over ``group`` (None: the default group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise LifecycleError(
+                "TorchCollective: torch.distributed is not initialised; call "
+                "init_process_group('gloo', ...) first"
+            )
+        self._dist = dist
+        self.group = group
+        self._rank = dist.get_rank()
+        self._world = dist.get_world_size(group)
+        self._min = dist.ReduceOp.MIN
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        import torch
+
+        try:
+            self._dist.all_reduce(torch.from_numpy(buf), op=self._min, group=self.group)
+        except RuntimeError as exc:  # gloo reports a dead or hung peer this way
+            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        import torch
+
+        out = torch.empty((self._world, buf.size), dtype=torch.int32)
+        try:
+            self._dist.all_gather(list(out.unbind(0)), torch.from_numpy(buf), group=self.group)
+        except RuntimeError as exc:
+            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+        result: NDArray[np.int32] = out.numpy()
+        return result
+
+
+class Hierarchical:
+    """Reduce over each level in order (TP, then CP, ...)."""
+
+    def __init__(self, levels: Sequence[Collective]) -> None:
+        if not levels:
+            raise ValueError("Hierarchical needs at least one level")
+        self.levels = tuple(levels)
+
+    @property
+    def rank(self) -> int:
+        return self.levels[0].rank
+
+    @property
+    def world_size(self) -> int:
+        return int(np.prod([lvl.world_size for lvl in self.levels]))
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        for lvl in self.levels:
+            lvl.all_reduce_min(buf)
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        out = buf.reshape(1, -1)
+        for lvl in self.levels:
+            out = lvl.all_gather(out.ravel()).reshape(-1, buf.size)
+        return out
+
+
+class CountingCollective:
+    """Wraps a collective and counts calls (for tests and metrics)."""
+
+    def __init__(self, inner: Collective) -> None:
+        self.inner = inner
+        self.reduces = 0
+        self.gathers = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        self.reduces += 1
+        self.inner.all_reduce_min(buf)
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        self.gathers += 1
+        return self.inner.all_gather(buf)
+
+
+class SimulatedWorld:
+    """W ranks in one process. ``world.rank(r)`` is rank r's collective.
+
+    Each rank runs in its own thread; a collective call blocks until every
+    rank has made it (or ``timeout`` passes, which raises
+    :class:`RankFailure` naming the ranks that never arrived).
+    """
+
+    def __init__(self, world_size: int, timeout: float = 30.0) -> None:
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._bufs: dict[int, NDArray[np.int32]] = {}
+        self._gen = 0
+        self._result: dict[int, NDArray[np.int32] | BaseException] = {}
+
+    def rank(self, r: int) -> _SimRank:
+        return _SimRank(self, r)
+
+    def _exchange(self, r: int, buf: NDArray[np.int32], op: str) -> NDArray[np.int32]:
+        with self._cond:
+            gen = self._gen
+            self._bufs[r] = buf.copy()
+            if len(self._bufs) == self.size:
+                self._result[gen] = self._combine(op)
+                self._bufs = {}
+                self._gen += 1
+                self._cond.notify_all()
+            elif not self._cond.wait_for(lambda: self._gen != gen, timeout=self.timeout):
+                missing = sorted(set(range(self.size)) - set(self._bufs))
+                raise RankFailure(r, missing, f"no answer within {self.timeout} s")
+            res = self._result[gen]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def _combine(self, op: str) -> NDArray[np.int32] | BaseException:
+        bufs = [self._bufs[i] for i in range(self.size)]
+        sizes = {b.size for b in bufs}
+        if len(sizes) != 1:
+            return LifecycleError(
+                f"simulated {op}: buffer sizes differ across ranks "
+                f"{[b.size for b in bufs]} (a real gloo group would abort the process)"
+            )
+        if op == "min":
+            return np.minimum.reduce(bufs)
+        return np.stack(bufs)
+
+
+class _SimRank:
+    def __init__(self, world: SimulatedWorld, r: int) -> None:
+        self.world = world
+        self._rank = r
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+        buf[...] = self.world._exchange(self._rank, buf, "min")
+
+    def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        return self.world._exchange(self._rank, buf, "gather")

@@ -1,0 +1,141 @@
+"""Typed errors. Every message names the request, the rank, the states and
+what to do, because the person reading it is debugging a hung or diverged
+group at 3 a.m."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "LifecycleError",
+    "IllegalTransition",
+    "UnknownTrigger",
+    "InvalidStatus",
+    "CollectiveMismatch",
+    "DuplicateRequest",
+    "UnknownRequest",
+    "ReservedRoom",
+    "FaultPlanError",
+    "RankFailure",
+]
+
+
+class LifecycleError(Exception):
+    """Base class of every error raised by :mod:`lifecycle`."""
+
+
+def _name(status: int) -> str:
+    from lifecycle.status import KVPoll
+
+    try:
+        return KVPoll(status).name
+    except ValueError:
+        return f"<invalid {status}>"
+
+
+class IllegalTransition(LifecycleError):
+    """A request was asked to move along an edge the graph does not declare."""
+
+    def __init__(self, room: int, rank: int, src: int, dst: int, trigger: str) -> None:
+        self.room, self.rank, self.src, self.dst, self.trigger = room, rank, src, dst, trigger
+        super().__init__(
+            f"request room={room} on rank {rank}: illegal transition "
+            f"{_name(src)} -> {_name(dst)} (trigger {trigger!r}). Agreed statuses never "
+            "regress and Success/Failed latch; retire a request once a step reports it "
+            "finished, and make sure every rank steps the same requests in the same order."
+        )
+
+
+class UnknownTrigger(LifecycleError):
+    def __init__(self, trigger: object, known: Iterable[str]) -> None:
+        self.trigger = trigger
+        super().__init__(
+            f"unknown trigger {trigger!r}; the graph declares: {', '.join(sorted(known))}"
+        )
+
+
+class InvalidStatus(LifecycleError):
+    """A poller returned a value outside :class:`KVPoll`."""
+
+    def __init__(self, room: int, rank: int, value: object) -> None:
+        self.room, self.rank, self.value = room, rank, value
+        super().__init__(
+            f"request room={room} on rank {rank}: poll returned {value!r}, which is not a "
+            "KVPoll value (0..4). Fix the backend, or configure the step with "
+            "invalid_status='fail' to turn such values into an agreed Failed "
+            "(reason 'invalid status')."
+        )
+
+
+class CollectiveMismatch(LifecycleError):
+    """Ranks stepped different request lists; raised on every rank of the group."""
+
+    def __init__(
+        self,
+        rank: int,
+        local_len: int,
+        lens: tuple[int, int],
+        local_fingerprint: int,
+        fingerprints: tuple[int, int],
+    ) -> None:
+        self.rank = rank
+        self.local_len = local_len
+        self.lens = lens
+        self.local_fingerprint = local_fingerprint
+        self.fingerprints = fingerprints
+        super().__init__(
+            f"rank {rank}: the ranks' request lists diverged (local length {local_len}, "
+            f"lengths across ranks {lens[0]}..{lens[1]}; local fingerprint "
+            f"{local_fingerprint:#018x}, fingerprints across ranks {fingerprints[0]:#018x}"
+            f"..{fingerprints[1]:#018x}). No request was advanced. Every rank must add, "
+            "remove and order requests identically (no early return on an empty queue, "
+            "no rank-local filtering before the step)."
+        )
+
+
+class DuplicateRequest(LifecycleError):
+    def __init__(self, room: int, rank: int) -> None:
+        self.room, self.rank = room, rank
+        super().__init__(
+            f"request room={room} is already live in this table on rank {rank}; "
+            "bootstrap rooms must be unique among live requests. Remove the old one first."
+        )
+
+
+class UnknownRequest(LifecycleError):
+    def __init__(self, room: int, rank: int) -> None:
+        self.room, self.rank = room, rank
+        super().__init__(
+            f"request room={room} is not live in this table on rank {rank}; it was never "
+            "added or was already removed."
+        )
+
+
+class ReservedRoom(LifecycleError):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        super().__init__(
+            f"rank {rank}: bootstrap room 0 means 'not written' in metadata rows, so a real "
+            "request cannot use it. Give the request a non-zero room, or add it with "
+            "fake=True if it is a warm-up request whose metadata is never written."
+        )
+
+
+class FaultPlanError(LifecycleError):
+    """A fault plan failed validation; ``field`` names the offending entry."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        super().__init__(f"fault plan: {field}: {problem}")
+
+
+class RankFailure(LifecycleError):
+    """A peer rank stopped answering collectives (dead or hung)."""
+
+    def __init__(self, rank: int, dead: Iterable[int], detail: str) -> None:
+        self.rank = rank
+        self.dead = tuple(dead)
+        super().__init__(
+            f"rank {rank}: rank(s) {list(self.dead) or 'unknown'} stopped taking part in the "
+            f"collective ({detail}). The group cannot agree without them: restart the group."
+        )

@@ -1,0 +1,126 @@
+"""The reduced word: one int32 per request that carries what, why and where.
+
+Layout of a request's word (bit 31, the sign, is always 0)::
+
+    30..28  status   (KVPoll, 0..4)
+    27..24  reason   (FailureReason; NONE unless status is Failed)
+    23..0   origin   (the rank that produced this value)
+
+Because the status sits in the high bits, MIN over ranks yields the agreed
+status. Among ranks at that status, MIN then keeps the smallest reason code
+(the documented priority in :mod:`lifecycle.reasons`) and then the smallest
+rank: for a Failed request every rank decodes the same reason and the same
+origin; for a pending one the origin names a rank holding it back.
+
+A buffer is ``HEADER`` words followed by ``capacity`` request words (padded
+with :data:`PAD`). The header carries the list length and a 62-bit
+fingerprint of the ordered request list, each as the pair ``(x, -x)``: after
+MIN every rank knows both the minimum and the maximum across ranks, and a
+divergence is seen by all ranks in the very call that would otherwise have
+mixed requests up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.reasons import REASON_BITS, FailureReason
+
+__all__ = [
+    "STATUS_SHIFT",
+    "REASON_SHIFT",
+    "ORIGIN_BITS",
+    "MAX_RANK",
+    "HEADER",
+    "PAD",
+    "pack",
+    "unpack",
+    "fingerprint",
+    "write_header",
+    "read_header",
+    "Header",
+]
+
+ORIGIN_BITS = 24
+REASON_SHIFT = ORIGIN_BITS
+STATUS_SHIFT = ORIGIN_BITS + REASON_BITS
+MAX_RANK = (1 << ORIGIN_BITS) - 1
+_ORIGIN_MASK = np.int32(MAX_RANK)
+_REASON_MASK = np.int32((1 << REASON_BITS) - 1)
+HEADER = 6
+PAD = np.int32(np.iinfo(np.int32).max)
+_HALF = (1 << 31) - 1
+
+
+def pack(
+    status: NDArray[np.integer], reason: NDArray[np.integer], origin: int, out: NDArray[np.int32]
+) -> None:
+    """Pack local values into ``out`` (int32, same length)."""
+    np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.int32, casting="unsafe")
+    out |= np.left_shift(reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
+    out |= np.int32(origin)
+
+
+def unpack(
+    words: NDArray[np.int32],
+) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]]:
+    """Split words into (status, reason, origin)."""
+    status = (words >> STATUS_SHIFT).astype(np.int8)
+    reason = ((words >> REASON_SHIFT) & _REASON_MASK).astype(np.int8)
+    origin = words & _ORIGIN_MASK
+    return status, reason, origin
+
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    # splitmix64 finaliser, vectorised (uint64 arithmetic wraps)
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def fingerprint(rooms: NDArray[np.uint64]) -> int:
+    """A 62-bit hash of the ordered list of rooms (order and length sensitive)."""
+    n = rooms.size
+    with np.errstate(over="ignore"):
+        pos = np.arange(1, n + 1, dtype=np.uint64) * _GOLD
+        h = np.bitwise_xor.reduce(_mix(rooms ^ _mix(pos)), initial=np.uint64(0))
+        h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
+    return int(h) & ((1 << 62) - 1)
+
+
+def write_header(buf: NDArray[np.int32], n: int, fp: int) -> None:
+    hi, lo = fp >> 31, fp & _HALF
+    buf[:HEADER] = (hi, -hi, lo, -lo, n, -n)
+
+
+class Header:
+    """What the reduced header says about every rank's list."""
+
+    __slots__ = ("fp_min", "fp_max", "len_min", "len_max")
+
+    def __init__(self, buf: NDArray[np.int32]) -> None:
+        hi_min, hi_max, lo_min, lo_max = int(buf[0]), -int(buf[1]), int(buf[2]), -int(buf[3])
+        # (hi, lo) pairs are compared component-wise: all ranks equal iff min == max in both
+        self.fp_min = (hi_min << 31) | lo_min
+        self.fp_max = (hi_max << 31) | lo_max
+        self.len_min, self.len_max = int(buf[4]), -int(buf[5])
+
+    @property
+    def agreed(self) -> bool:
+        return self.fp_min == self.fp_max and self.len_min == self.len_max
+
+
+def read_header(buf: NDArray[np.int32]) -> Header:
+    return Header(buf)
+
+
+NONE_REASON = np.int8(FailureReason.NONE)

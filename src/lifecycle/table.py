@@ -1,0 +1,287 @@
+"""The live requests of one queue on one rank, held column-wise in arrays.
+
+A :class:`RequestTable` is what a step runs over: the ordered list of live
+requests of one scheduler queue. Every per-request field (state, reason,
+origin, clocks, metadata slot...) is a numpy column indexed by a *slot*
+that never moves while the request lives; ``order`` lists the slots in queue
+order (insertion order, which every rank reproduces by making the same
+calls). Removal is O(1): the slot is marked dead and the order is compacted
+with one array operation the next time it is read. The only Python objects
+kept per request are the optional per-request pollers (``handles``), for
+backends that have no batch poll.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from lifecycle.errors import DuplicateRequest, ReservedRoom, UnknownRequest
+from lifecycle.reasons import FailureReason
+from lifecycle.status import KVPoll, Role
+
+__all__ = ["RequestTable", "RequestInfo"]
+
+_INITIAL = 64
+
+
+class RequestInfo:
+    """A read-only snapshot of one request's row (for humans and slow paths)."""
+
+    __slots__ = (
+        "room",
+        "state",
+        "role",
+        "reason",
+        "origin",
+        "entered_step",
+        "entered_time",
+        "fake",
+        "metadata_slot",
+    )
+
+    def __init__(self, table: RequestTable, slot: int) -> None:
+        self.room = int(table.room[slot])
+        self.state = KVPoll(int(table.state[slot]))
+        self.role = Role(int(table.role[slot]))
+        self.reason = FailureReason(int(table.reason[slot]))
+        self.origin = int(table.origin[slot])
+        self.entered_step = int(table.entered_step[slot])
+        self.entered_time = float(table.entered_time[slot])
+        self.fake = bool(table.fake[slot])
+        self.metadata_slot = int(table.metadata_slot[slot])
+
+    def __repr__(self) -> str:
+        extra = f", reason={self.reason.label}, origin={self.origin}" if self.state == 0 else ""
+        return f"RequestInfo(room={self.room}, state={self.state.name}{extra})"
+
+
+class RequestTable:
+    """Live requests of one queue, keyed by bootstrap room.
+
+    ``rank`` is only used to name this rank in error messages.
+    """
+
+    _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
+        ("room", np.uint64, 0),
+        ("state", np.int8, KVPoll.Bootstrapping),
+        ("role", np.int8, Role.SENDER),
+        ("reason", np.int8, FailureReason.NONE),
+        ("origin", np.int32, -1),
+        ("entered_step", np.int64, 0),
+        ("entered_time", np.float64, 0.0),
+        ("added_step", np.int64, 0),
+        ("fake", np.bool_, False),
+        ("abort_requested", np.bool_, False),
+        ("metadata_slot", np.int64, -1),
+        ("metadata_sent_at", np.float64, np.nan),
+        ("alive", np.bool_, False),
+    )
+
+    room: NDArray[np.uint64]
+    state: NDArray[np.int8]
+    role: NDArray[np.int8]
+    reason: NDArray[np.int8]
+    origin: NDArray[np.int32]
+    entered_step: NDArray[np.int64]
+    entered_time: NDArray[np.float64]
+    added_step: NDArray[np.int64]
+    fake: NDArray[np.bool_]
+    abort_requested: NDArray[np.bool_]
+    metadata_slot: NDArray[np.int64]
+    metadata_sent_at: NDArray[np.float64]
+    alive: NDArray[np.bool_]
+
+    def __init__(self, rank: int = 0, capacity: int = _INITIAL) -> None:
+        self.rank = rank
+        self._cap = max(1, capacity)
+        for name, dtype, fill in self._COLUMNS:
+            setattr(self, name, np.full(self._cap, fill, dtype=dtype))
+        self.handles: list[Any] = [None] * self._cap
+        self._index: dict[int, int] = {}
+        self._order = np.empty(self._cap, dtype=np.int64)
+        self._len = 0  # used prefix of _order, dead slots included
+        self._free: list[int] = list(range(self._cap - 1, -1, -1))
+        self._limbo: list[int] = []  # dead slots still listed in _order
+        self.version = 0  # bumped on every add/remove: invalidates cached fingerprints
+        self.step_no = 0  # advanced by the stepper
+        self.now = 0.0  # time of the last step, for rows added between steps
+
+    # -- size and lookup -------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rooms().tolist())
+
+    def slot_of(self, room: int) -> int:
+        try:
+            return self._index[room]
+        except KeyError:
+            raise UnknownRequest(room, self.rank) from None
+
+    def info(self, room: int) -> RequestInfo:
+        return RequestInfo(self, self.slot_of(room))
+
+    def order(self) -> NDArray[np.int64]:
+        """Slots of the live requests in queue order (a view; do not keep it)."""
+        if self._limbo:
+            live = self._order[: self._len]
+            live = live[self.alive[live]]
+            self._len = live.size
+            self._order[: self._len] = live
+            self._free.extend(self._limbo)
+            self._limbo.clear()
+        return self._order[: self._len]
+
+    def rooms(self) -> NDArray[np.uint64]:
+        return self.room[self.order()]
+
+    def states(self) -> NDArray[np.int8]:
+        return self.state[self.order()]
+
+    # -- mutation ----------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        new_cap = self._cap
+        while new_cap < need:
+            new_cap *= 2
+        if new_cap == self._cap:
+            return
+        for name, dtype, fill in self._COLUMNS:
+            col = np.full(new_cap, fill, dtype=dtype)
+            col[: self._cap] = getattr(self, name)
+            setattr(self, name, col)
+        self.handles.extend([None] * (new_cap - self._cap))
+        order = np.empty(new_cap, dtype=np.int64)
+        order[: self._len] = self._order[: self._len]
+        self._order = order
+        self._free[:0] = range(new_cap - 1, self._cap - 1, -1)
+        self._cap = new_cap
+
+    def _check_rooms(self, rooms: Sequence[int], fake: NDArray[np.bool_]) -> None:
+        for r, f in zip(rooms, fake.tolist()):
+            if r in self._index:
+                raise DuplicateRequest(r, self.rank)
+            if r == 0 and not f:
+                raise ReservedRoom(self.rank)
+        if len(set(rooms)) != len(rooms):
+            seen: set[int] = set()
+            dup = next(r for r in rooms if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            raise DuplicateRequest(dup, self.rank)
+
+    def add(
+        self,
+        room: int,
+        *,
+        role: Role = Role.SENDER,
+        state: KVPoll = KVPoll.Bootstrapping,
+        handle: Any = None,
+        fake: bool = False,
+        metadata_slot: int = -1,
+    ) -> int:
+        """Add one request at the end of the queue; returns its slot."""
+        return int(
+            self.extend(
+                [room],
+                role=role,
+                state=state,
+                handles=None if handle is None else [handle],
+                fake=fake,
+                metadata_slots=metadata_slot,
+            )[0]
+        )
+
+    def extend(
+        self,
+        rooms: Iterable[int] | NDArray[np.uint64],
+        *,
+        role: Role = Role.SENDER,
+        state: KVPoll = KVPoll.Bootstrapping,
+        handles: Sequence[Any] | None = None,
+        fake: ArrayLike = False,
+        metadata_slots: ArrayLike = -1,
+    ) -> NDArray[np.int64]:
+        """Add many requests at the end of the queue, in order; returns their slots.
+
+        Validation happens first: a duplicate room or a real request with
+        room 0 raises and the table is left as it was.
+        """
+        room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
+        k = len(room_list)
+        fake_arr = np.broadcast_to(np.asarray(fake, dtype=bool), (k,))
+        self._check_rooms(room_list, fake_arr)
+        if handles is not None and len(handles) != k:
+            raise ValueError(f"extend: {k} rooms but {len(handles)} handles")
+        self.order()  # recycle dead slots before taking new ones
+        if len(self._free) < k:
+            self._grow(len(self._index) + k)
+        slots = np.array(self._free[len(self._free) - k :][::-1], dtype=np.int64)
+        del self._free[len(self._free) - k :]
+        self.room[slots] = np.asarray(room_list, dtype=np.uint64)
+        self.state[slots] = state
+        self.role[slots] = role
+        self.reason[slots] = FailureReason.NONE
+        self.origin[slots] = -1
+        self.entered_step[slots] = self.step_no
+        self.added_step[slots] = self.step_no
+        self.entered_time[slots] = self.now
+        self.fake[slots] = fake_arr
+        self.abort_requested[slots] = False
+        self.metadata_slot[slots] = metadata_slots
+        self.metadata_sent_at[slots] = np.nan
+        self.alive[slots] = True
+        if handles is not None:
+            for s, h in zip(slots.tolist(), handles):
+                self.handles[s] = h
+        self._index.update(zip(room_list, slots.tolist()))
+        self._order[self._len : self._len + k] = slots
+        self._len += k
+        self.version += 1
+        return slots
+
+    def remove(self, room: int) -> RequestInfo:
+        """Remove one request (O(1)); returns its last row."""
+        slot = self.slot_of(room)
+        info = RequestInfo(self, slot)
+        del self._index[room]
+        self.alive[slot] = False
+        self.handles[slot] = None
+        self._limbo.append(slot)
+        self.version += 1
+        return info
+
+    def remove_many(self, rooms: Iterable[int] | NDArray[np.uint64]) -> int:
+        """Remove several requests; all must be live (checked before any is removed)."""
+        room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
+        for r in room_list:
+            self.slot_of(r)
+        if len(set(room_list)) != len(room_list):
+            raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
+        slots = [self._index.pop(r) for r in room_list]
+        self.alive[slots] = False
+        for s in slots:
+            self.handles[s] = None
+        self._limbo.extend(slots)
+        self.version += 1
+        return len(slots)
+
+    # -- requests from the scheduler, acted on at the next step ----------
+    def request_abort(self, room: int) -> None:
+        """Ask for ``room`` to fail with reason ABORTED at the next step (on every rank)."""
+        self.abort_requested[self.slot_of(room)] = True
+
+    def mark_metadata_sent(self, room: int, now: float) -> None:
+        """Start the waiting-timeout clock (decode: metadata sent to prefill)."""
+        self.metadata_sent_at[self.slot_of(room)] = now
+
+    def set_metadata_slot(self, room: int, slot: int) -> None:
+        self.metadata_slot[self.slot_of(room)] = slot
+
+    def set_handle(self, room: int, handle: Any) -> None:
+        self.handles[self.slot_of(room)] = handle
