@@ -96,9 +96,7 @@ def fire(
     return np.where(moves, dest, st).astype(np.int8, copy=False), illegal
 
 
-def demote(
-    values: NDArray[np.int8], trigger: str, closed: NDArray[np.bool_]
-) -> NDArray[np.int8]:
+def demote(values: NDArray[np.int8], trigger: str, closed: NDArray[np.bool_]) -> NDArray[np.int8]:
     """Apply a gate's demotion edge to local observations where ``closed``.
 
     Rows the edge is not declared from (anything but Success) are left as
@@ -129,7 +127,9 @@ def advance(
     trig = ADVANCE[st, tg]
     if reasons is not None:
         trig = np.where(
-            (trig >= 0) & (trig != STAY) & (tg == KVPoll.Failed)
+            (trig >= 0)
+            & (trig != STAY)
+            & (tg == KVPoll.Failed)
             & (np.asarray(reasons) == FailureReason.ABORTED),
             np.int16(_ABORT),
             trig,

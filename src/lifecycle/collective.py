@@ -73,7 +73,8 @@ class SingleRank:
         return None
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
-        return buf.reshape(1, -1).copy()
+        out: NDArray[np.int32] = buf.reshape(1, -1).copy()
+        return out
 
 
 class TorchCollective:
@@ -219,9 +220,8 @@ class SimulatedWorld:
                 f"simulated {op}: buffer sizes differ across ranks "
                 f"{[b.size for b in bufs]} (a real gloo group would abort the process)"
             )
-        if op == "min":
-            return np.minimum.reduce(bufs)
-        return np.stack(bufs)
+        out: NDArray[np.int32] = np.minimum.reduce(bufs) if op == "min" else np.stack(bufs)
+        return out
 
 
 class _SimRank:

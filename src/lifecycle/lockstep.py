@@ -26,7 +26,8 @@ def reduce_min(bufs: Sequence[NDArray[np.int32]]) -> NDArray[np.int32]:
             f"lockstep: buffer sizes differ across ranks {sizes}; capacity must be agreed "
             "(a real gloo group would abort the process here)"
         )
-    return np.minimum.reduce(list(bufs))
+    out: NDArray[np.int32] = np.minimum.reduce(list(bufs))
+    return out
 
 
 def lockstep(steppers: Sequence[Stepper]) -> list[StepResult | BaseException]:

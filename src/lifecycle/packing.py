@@ -105,7 +105,7 @@ def write_header(buf: NDArray[np.int32], n: int, fp: int) -> None:
 class Header:
     """What the reduced header says about every rank's list."""
 
-    __slots__ = ("fp_min", "fp_max", "len_min", "len_max")
+    __slots__ = ("fp_max", "fp_min", "len_max", "len_min")
 
     def __init__(self, buf: NDArray[np.int32]) -> None:
         hi_min, hi_max, lo_min, lo_max = int(buf[0]), -int(buf[1]), int(buf[2]), -int(buf[3])

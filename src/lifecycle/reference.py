@@ -8,6 +8,7 @@ through, and what draws the diagrams. All machines share one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from transitions import EventData, Machine, MachineError
@@ -63,6 +64,7 @@ class RequestMachine:
     """One request's lifecycle on one rank, driven through ``transitions``."""
 
     state: KVPoll
+    trigger: Callable[..., bool]  # bound by transitions when the model is added
 
     def __init__(
         self,
@@ -92,7 +94,7 @@ class RequestMachine:
             raise UnknownTrigger(trigger, TRIGGERS)
         src = self.state
         try:
-            return bool(getattr(self, "trigger")(trigger, **guards))
+            return bool(self.trigger(trigger, **guards))
         except MachineError:
             dst = next(e.dest for e in EDGES if e.trigger == trigger)
             raise IllegalTransition(self.room, self.rank, src, dst, trigger) from None

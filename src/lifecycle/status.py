@@ -56,9 +56,7 @@ _MEANINGS: dict[tuple[Role, KVPoll], str] = {
     (Role.SENDER, KVPoll.Success): "all chunks and the metadata row written",
     (Role.RECEIVER, KVPoll.Failed): "transfer failed or aborted",
     (Role.RECEIVER, KVPoll.Bootstrapping): "registering with the bootstrap service",
-    (Role.RECEIVER, KVPoll.WaitingForInput): (
-        "handshake done; metadata sent, waiting for data"
-    ),
+    (Role.RECEIVER, KVPoll.WaitingForInput): ("handshake done; metadata sent, waiting for data"),
     (Role.RECEIVER, KVPoll.Transferring): "data arriving (backends rarely report it)",
     (Role.RECEIVER, KVPoll.Success): "all expected senders reported done",
 }

@@ -134,7 +134,8 @@ class StepResult:
     stuck: tuple[StuckReport, ...] = ()
 
     def _new(self, status: int) -> NDArray[np.int64]:
-        return self.changed[self.statuses[self.changed] == status]
+        rows: NDArray[np.int64] = self.changed[self.statuses[self.changed] == status]
+        return rows
 
     @property
     def succeeded(self) -> NDArray[np.uint64]:
@@ -165,7 +166,8 @@ class StepResult:
         return {s: int(c[s]) for s in KVPoll}
 
     def with_status(self, status: KVPoll) -> NDArray[np.uint64]:
-        return self.rooms[self.statuses == status]
+        rooms: NDArray[np.uint64] = self.rooms[self.statuses == status]
+        return rooms
 
 
 def _bucket(n: int, floor: int) -> int:
@@ -376,9 +378,7 @@ class Stepper:
                 breason[i] = _reason_of(handles[slots[i]])
         if invalid.any():
             for i in np.flatnonzero(invalid).tolist():
-                self._raw_invalid[int(rooms[i])] = (
-                    arr[i] if self.poller is not None else out[i]  # type: ignore[index]
-                )
+                self._raw_invalid[int(rooms[i])] = arr[i] if self.poller is not None else out[i]
         return vals, exc, invalid, breason
 
     def _metadata_check(
@@ -450,7 +450,11 @@ class Stepper:
             i = int(np.flatnonzero(illegal)[0])
             self._prepared = False
             raise IllegalTransition(
-                int(self.table.room[self._rows[i]]), self.rank, int(state[i]), int(agreed[i]), "advance"
+                int(self.table.room[self._rows[i]]),
+                self.rank,
+                int(state[i]),
+                int(agreed[i]),
+                "advance",
             )
         t = self.table
         step = t.step_no + 1

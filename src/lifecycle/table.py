@@ -32,15 +32,15 @@ class RequestInfo:
     """A read-only snapshot of one request's row (for humans and slow paths)."""
 
     __slots__ = (
-        "room",
-        "state",
-        "role",
-        "reason",
-        "origin",
         "entered_step",
         "entered_time",
         "fake",
         "metadata_slot",
+        "origin",
+        "reason",
+        "role",
+        "room",
+        "state",
     )
 
     def __init__(self, table: RequestTable, slot: int) -> None:

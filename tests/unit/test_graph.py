@@ -1,8 +1,15 @@
 import numpy as np
 import pytest
 
-from lifecycle import EDGES, EdgeKind, IllegalTransition, KVPoll, RequestMachine, UnknownTrigger
-from lifecycle import batch
+from lifecycle import (
+    EDGES,
+    EdgeKind,
+    IllegalTransition,
+    KVPoll,
+    RequestMachine,
+    UnknownTrigger,
+    batch,
+)
 from lifecycle.graph import TRIGGERS
 
 B, W, T, S, F = (
@@ -119,9 +126,7 @@ def test_gates_only_demote_success():
     vals = np.array([F, B, W, T, S], dtype=np.int8)
     out = batch.demote(vals, "hold_metadata", np.ones(5, dtype=bool))
     assert out.tolist() == [F, B, W, T, T]
-    assert all(
-        e.sources == (S,) and e.dest == T for e in EDGES if e.kind is EdgeKind.DEMOTE
-    )
+    assert all(e.sources == (S,) and e.dest == T for e in EDGES if e.kind is EdgeKind.DEMOTE)
 
 
 def test_terminal_states_have_no_progress_or_fail_edges():

@@ -1,0 +1,66 @@
+"""Metadata rows, the slot allocator, page and state helpers, KV args."""
+
+from buffers.allocator import SlotAllocator
+from buffers.engine import DisaggregationMode, FinishAbort, engine_type, record_abort
+from buffers.errors import (
+    BuffersError,
+    DoubleFree,
+    GeometryMismatch,
+    LayoutError,
+    NotQuarantined,
+    SlotError,
+    SlotNotOwned,
+    SlotOutOfRange,
+    SlotQuarantined,
+)
+from buffers.kv_args import (
+    DescribesState,
+    KVArgs,
+    StateComponent,
+    StateType,
+    check_draft_geometry,
+    collect_state,
+)
+from buffers.metadata import (
+    MIN_ROW_BYTES,
+    CachedTokens,
+    FieldSpec,
+    MetadataBuffers,
+    MetadataLayout,
+    MetadataRecord,
+)
+from buffers.pages import C128, cp_filter_chunk, cp_filter_pages, cp_split, ring_state_page
+
+__all__ = [
+    "C128",
+    "MIN_ROW_BYTES",
+    "BuffersError",
+    "CachedTokens",
+    "DescribesState",
+    "DisaggregationMode",
+    "DoubleFree",
+    "FieldSpec",
+    "FinishAbort",
+    "GeometryMismatch",
+    "KVArgs",
+    "LayoutError",
+    "MetadataBuffers",
+    "MetadataLayout",
+    "MetadataRecord",
+    "NotQuarantined",
+    "SlotAllocator",
+    "SlotError",
+    "SlotNotOwned",
+    "SlotOutOfRange",
+    "SlotQuarantined",
+    "StateComponent",
+    "StateType",
+    "check_draft_geometry",
+    "collect_state",
+    "cp_filter_chunk",
+    "cp_filter_pages",
+    "cp_split",
+    "engine_type",
+    "record_abort",
+    "ring_state_page",
+]

@@ -1,0 +1,76 @@
+"""Typed errors of the buffers layer; each leaves the object unchanged."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BuffersError",
+    "SlotError",
+    "DoubleFree",
+    "SlotNotOwned",
+    "SlotOutOfRange",
+    "SlotQuarantined",
+    "NotQuarantined",
+    "LayoutError",
+    "GeometryMismatch",
+]
+
+
+class BuffersError(Exception):
+    """Base class of every error raised by :mod:`buffers`."""
+
+
+class SlotError(BuffersError):
+    pass
+
+
+class DoubleFree(SlotError):
+    def __init__(self, slot: int, room: int) -> None:
+        self.slot, self.room = slot, room
+        super().__init__(
+            f"metadata slot {slot} freed by room={room} but it is already free: a double "
+            "free would let two live requests share one row. Free a slot exactly once, "
+            "when its request leaves the last queue."
+        )
+
+
+class SlotNotOwned(SlotError):
+    def __init__(self, slot: int, room: int, owner: int) -> None:
+        self.slot, self.room, self.owner = slot, room, owner
+        super().__init__(
+            f"metadata slot {slot} freed by room={room} but it belongs to room={owner}; "
+            "nothing was freed. Free the slot with the room that allocated it."
+        )
+
+
+class SlotOutOfRange(SlotError):
+    def __init__(self, slot: int, size: int) -> None:
+        self.slot, self.size = slot, size
+        super().__init__(f"metadata slot {slot} is outside the pool of {size} rows (0..{size - 1})")
+
+
+class SlotQuarantined(SlotError):
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        super().__init__(
+            f"metadata slot {slot} is quarantined (freed while a remote writer may still be "
+            "writing); release() it once the writer has drained"
+        )
+
+
+class NotQuarantined(SlotError):
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        super().__init__(f"metadata slot {slot} is not quarantined; nothing to release")
+
+
+class LayoutError(BuffersError):
+    pass
+
+
+class GeometryMismatch(BuffersError):
+    def __init__(self, what: str, target: object, draft: object) -> None:
+        self.what, self.target, self.draft = what, target, draft
+        super().__init__(
+            f"draft state cannot ride along with the target's: {what} differs "
+            f"(target {target!r}, draft {draft!r}); give the draft model its own transfer"
+        )

@@ -1,0 +1,233 @@
+"""First-token metadata rows, written by prefill and read by decode.
+
+A pool of ``size`` rows; each field is one 2-D tensor ``(size, width)``.
+``buf_infos()`` returns three parallel lists, in :attr:`MetadataLayout.fields`
+order, for registering with a transfer engine: base pointer, total bytes and
+bytes per row; row ``k`` of a field is at ``ptr + k * item_len``. Both sides
+build the same layout, so the lists line up.
+
+The ``bootstrap_room`` field is written last: a non-zero room equal to the
+request's means the whole row has landed; zero means not written; another
+non-zero room means the row belongs to someone else (corruption).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from buffers.errors import LayoutError, SlotOutOfRange
+
+__all__ = [
+    "FieldSpec",
+    "MetadataLayout",
+    "MetadataRecord",
+    "MetadataBuffers",
+    "MIN_ROW_BYTES",
+    "CachedTokens",
+]
+
+MIN_ROW_BYTES = 64  # the smallest RDMA write; rows narrower than this get torn
+
+
+class CachedTokens:
+    """Meaning of the ``cached_tokens`` entries."""
+
+    NONE, DEVICE, HOST, STORAGE, IMAGE, AUDIO, VIDEO = range(7)
+
+
+@attrs.frozen
+class FieldSpec:
+    name: str
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _uint64_supported() -> bool:
+    try:
+        torch.zeros(1, dtype=torch.uint64)
+        return True
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+@attrs.frozen
+class MetadataLayout:
+    """Fields, widths and dtypes; the default matches the field's buffers."""
+
+    hidden_size: int = 4096
+    hidden_dtype: torch.dtype = torch.bfloat16
+    max_top_logprobs: int = 128
+    room_dtype: torch.dtype = attrs.field(
+        factory=lambda: torch.uint64 if _uint64_supported() else torch.int64
+    )
+
+    @property
+    def fields(self) -> tuple[FieldSpec, ...]:
+        f = FieldSpec
+        return (
+            f("output_ids", 16, torch.int32),
+            f("cached_tokens", 16, torch.int32),
+            f("output_token_logprobs_val", 16, torch.float32),
+            f("output_token_logprobs_idx", 16, torch.int32),
+            f("output_top_logprobs_val", self.max_top_logprobs, torch.float32),
+            f("output_top_logprobs_idx", self.max_top_logprobs, torch.int32),
+            f("output_topk_p", 16, torch.float32),
+            f("output_topk_index", 16, torch.int64),
+            f("output_hidden_states", self.hidden_size, self.hidden_dtype),
+            f("bootstrap_room", 8, self.room_dtype),
+        )
+
+    def validate(self) -> None:
+        if self.room_dtype not in (torch.int64, getattr(torch, "uint64", torch.int64)):
+            raise LayoutError(
+                f"bootstrap_room dtype must be uint64 or int64, got {self.room_dtype}"
+            )
+        for spec in self.fields:
+            if spec.width < 1:
+                raise LayoutError(f"field {spec.name}: width must be >= 1, got {spec.width}")
+            if spec.row_bytes < MIN_ROW_BYTES:
+                raise LayoutError(
+                    f"field {spec.name}: a row is {spec.row_bytes} bytes "
+                    f"({spec.width} x {spec.dtype}), below the {MIN_ROW_BYTES}-byte minimum "
+                    "RDMA write; widen the field (e.g. max_top_logprobs >= 16, "
+                    "hidden_size large enough)"
+                )
+
+
+@attrs.frozen(eq=False)
+class MetadataRecord:
+    """One row's contents (copies: the slot will be reused)."""
+
+    output_ids: NDArray[Any]
+    cached_tokens: NDArray[Any]
+    output_token_logprobs_val: NDArray[Any]
+    output_token_logprobs_idx: NDArray[Any]
+    output_top_logprobs_val: NDArray[Any]
+    output_top_logprobs_idx: NDArray[Any]
+    output_topk_p: NDArray[Any]
+    output_topk_index: NDArray[Any]
+    output_hidden_states: NDArray[Any]
+    bootstrap_room: int
+
+    @property
+    def first_token(self) -> int:
+        return int(self.output_ids[0])
+
+
+class MetadataBuffers:
+    """``size`` metadata rows on ``device`` (CPU by default)."""
+
+    def __init__(
+        self, size: int, layout: MetadataLayout | None = None, device: str = "cpu"
+    ) -> None:
+        if size < 1:
+            raise LayoutError(f"MetadataBuffers size must be >= 1, got {size}")
+        self.size = size
+        self.layout = layout or MetadataLayout()
+        self.layout.validate()
+        self.device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {
+            spec.name: torch.zeros((size, spec.width), dtype=spec.dtype, device=self.device)
+            for spec in self.layout.fields
+        }
+        rooms = self.tensors["bootstrap_room"]
+        # a CPU int64 view of the room column for vectorised checks (uint64 viewed as int64)
+        self._rooms = rooms.view(torch.int64).numpy() if self.device.type == "cpu" else None
+
+    # -- registration ----------------------------------------------------
+    def buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """(base pointers, total bytes, bytes per row), one entry per field in layout order."""
+        ptrs, lens, items = [], [], []
+        for spec in self.layout.fields:
+            t = self.tensors[spec.name]
+            ptrs.append(t.data_ptr())
+            lens.append(t.nbytes)
+            items.append(t[0].nbytes)
+        return ptrs, lens, items
+
+    # -- rows --------------------------------------------------------------
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.size:
+            raise SlotOutOfRange(slot, self.size)
+
+    def write(self, slot: int, room: int, values: Mapping[str, Any]) -> None:
+        """Write a row; ``bootstrap_room`` goes last, so a reader that sees the room sees all."""
+        self._check(slot)
+        if room == 0:
+            raise LayoutError("room 0 means 'not written'; a real request needs a non-zero room")
+        _signed(room)
+        unknown = set(values) - {s.name for s in self.layout.fields} - {"bootstrap_room"}
+        if unknown:
+            raise LayoutError(f"unknown metadata fields {sorted(unknown)}")
+        staged = {}
+        for name, v in values.items():
+            t = self.tensors[name]
+            src = torch.as_tensor(v, dtype=t.dtype).reshape(-1)
+            if src.numel() > t.shape[1]:
+                raise LayoutError(
+                    f"field {name}: {src.numel()} values do not fit a row of {t.shape[1]}"
+                )
+            staged[name] = src
+        room_col = self.tensors["bootstrap_room"].view(torch.int64)
+        room_col[slot, 0] = 0  # a reader must not pair the old room with new data
+        for name, src in staged.items():
+            row = self.tensors[name][slot]
+            row.zero_()
+            row[: src.numel()] = src
+        room_col[slot, 0] = _signed(room)
+
+    def read(self, slot: int) -> MetadataRecord:
+        self._check(slot)
+        values = {
+            spec.name: self.tensors[spec.name][slot].detach().to("cpu").clone()
+            for spec in self.layout.fields
+            if spec.name != "bootstrap_room"
+        }
+        np_values = {
+            k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in values.items()
+        }
+        return MetadataRecord(bootstrap_room=self.room_of(slot), **np_values)
+
+    def room_of(self, slot: int) -> int:
+        self._check(slot)
+        v = int(self.tensors["bootstrap_room"][slot, 0].view(torch.int64).item())
+        return v & 0xFFFFFFFFFFFFFFFF
+
+    def clear_room(self, slot: int) -> None:
+        """Mark a row 'not written' (on free: the next owner must not see a stale room)."""
+        self._check(slot)
+        self.tensors["bootstrap_room"][slot].zero_()
+
+    def landed(
+        self, slots: NDArray[np.int64], rooms: NDArray[np.uint64]
+    ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        """Vectorised metadata gate: ``(landed, corrupt)`` for each (slot, room).
+
+        landed: the row carries this room. corrupt: it carries another
+        non-zero room (someone else's row). Zero: not written yet.
+        """
+        if self._rooms is not None:
+            got = self._rooms[slots, 0]
+        else:
+            got = self.tensors["bootstrap_room"][torch.as_tensor(slots), 0].view(torch.int64)
+            got = got.cpu().numpy()
+        want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
+        landed = got == want
+        return landed, ~landed & (got != 0)
+
+
+def _signed(room: int) -> int:
+    """The same 64 bits as a signed integer (rooms are uint64; storage may be int64)."""
+    if not 0 < room < 1 << 64:
+        raise LayoutError(f"room {room} is not a non-zero uint64")
+    return room - (1 << 64) if room >= 1 << 63 else room

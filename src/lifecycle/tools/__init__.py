@@ -1,0 +1,14 @@
+"""Tooling on top of the core (simulator, replay, benchmarks). The core never
+imports this package; it may import everything, transports included."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["register_commands"]
+
+
+def register_commands(sub: Any) -> None:
+    """Add the tooling subcommands to the ``pdlife`` parser."""
+    _ = argparse  # subcommands register themselves below as they are built
