@@ -34,11 +34,14 @@ class Poller(Protocol):
 class BatchPoller(Protocol):
     """A backend that can report the statuses of many requests in one call.
 
-    May also define ``failure_reasons(rooms) -> ArrayLike`` returning a
-    :class:`~lifecycle.reasons.FailureReason` code for each (Failed) room.
+    ``indices`` are the backend's own per-request indices as stored in the
+    table's ``handle_index`` column (-1 where never set); a backend that keeps
+    its statuses in an array answers with one gather. May also define
+    ``failure_reasons(rooms, indices) -> ArrayLike`` giving a
+    :class:`~lifecycle.reasons.FailureReason` code for each (Failed) request.
     """
 
-    def poll_many(self, rooms: NDArray[np.uint64]) -> ArrayLike: ...
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> ArrayLike: ...
 
 
 @runtime_checkable

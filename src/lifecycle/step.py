@@ -335,8 +335,9 @@ class Stepper:
         exc = np.zeros(k, dtype=bool)
         breason = np.full(k, FailureReason.UNKNOWN, dtype=np.int8)
         if self.poller is not None:
+            hidx = self.table.handle_index[rows if all_active else rows[active]]
             try:
-                arr = np.asarray(self.poller.poll_many(rooms))
+                arr = np.asarray(self.poller.poll_many(rooms, hidx))
                 if arr.shape != (k,):
                     raise ValueError(f"poll_many returned shape {arr.shape}, expected ({k},)")
             except Exception as e:  # never let one rank's error desync the group
@@ -350,7 +351,7 @@ class Stepper:
             failed = (vals == _F) & ~invalid
             reasons_fn = getattr(self.poller, "failure_reasons", None)
             if failed.any() and reasons_fn is not None:
-                breason[failed] = np.asarray(reasons_fn(rooms[failed]), dtype=np.int8)
+                breason[failed] = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int8)
         else:
             handles = self.table.handles
             slots = (rows if all_active else rows[active]).tolist()

@@ -77,6 +77,7 @@ class RequestTable:
         ("fake", np.bool_, False),
         ("abort_requested", np.bool_, False),
         ("metadata_slot", np.int64, -1),
+        ("handle_index", np.int64, -1),
         ("metadata_sent_at", np.float64, np.nan),
         ("alive", np.bool_, False),
     )
@@ -92,6 +93,7 @@ class RequestTable:
     fake: NDArray[np.bool_]
     abort_requested: NDArray[np.bool_]
     metadata_slot: NDArray[np.int64]
+    handle_index: NDArray[np.int64]
     metadata_sent_at: NDArray[np.float64]
     alive: NDArray[np.bool_]
 
@@ -184,6 +186,7 @@ class RequestTable:
         handle: Any = None,
         fake: bool = False,
         metadata_slot: int = -1,
+        handle_index: int = -1,
     ) -> int:
         """Add one request at the end of the queue; returns its slot."""
         return int(
@@ -194,6 +197,7 @@ class RequestTable:
                 handles=None if handle is None else [handle],
                 fake=fake,
                 metadata_slots=metadata_slot,
+                handle_indices=handle_index,
             )[0]
         )
 
@@ -206,6 +210,7 @@ class RequestTable:
         handles: Sequence[Any] | None = None,
         fake: ArrayLike = False,
         metadata_slots: ArrayLike = -1,
+        handle_indices: ArrayLike = -1,
     ) -> NDArray[np.int64]:
         """Add many requests at the end of the queue, in order; returns their slots.
 
@@ -234,6 +239,7 @@ class RequestTable:
         self.fake[slots] = fake_arr
         self.abort_requested[slots] = False
         self.metadata_slot[slots] = metadata_slots
+        self.handle_index[slots] = handle_indices
         self.metadata_sent_at[slots] = np.nan
         self.alive[slots] = True
         if handles is not None:
@@ -282,6 +288,10 @@ class RequestTable:
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
         self.metadata_slot[self.slot_of(room)] = slot
+
+    def set_handle_index(self, room: int, index: int) -> None:
+        """The backend's own index for this request (passed to ``poll_many``)."""
+        self.handle_index[self.slot_of(room)] = index
 
     def set_handle(self, room: int, handle: Any) -> None:
         self.handles[self.slot_of(room)] = handle
