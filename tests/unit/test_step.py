@@ -252,9 +252,9 @@ def test_regression_is_illegal_and_changes_nothing():
 
 
 def test_stuck_requests_are_diagnosed_with_their_holders():
-    from lifecycle import SimulatedWorld
-
     import threading
+
+    from lifecycle import SimulatedWorld
 
     sim = SimulatedWorld(3, timeout=10)
     boards, tables, steppers = world(3, [1, 2], config=StepConfig(stuck_after=2))
