@@ -57,10 +57,11 @@ class UnknownTrigger(LifecycleError):
 class InvalidStatus(LifecycleError):
     """A poller returned a value outside :class:`KVPoll`."""
 
-    def __init__(self, room: int, rank: int, value: object) -> None:
+    def __init__(self, room: int, rank: int, value: object = None) -> None:
         self.room, self.rank, self.value = room, rank, value
+        seen = f"returned {value!r}" if value is not None else "returned a value"
         super().__init__(
-            f"request room={room} on rank {rank}: poll returned {value!r}, which is not a "
+            f"request room={room}: the poll on rank {rank} {seen}, which is not a "
             "KVPoll value (0..4). Fix the backend, or configure the step with "
             "invalid_status='fail' to turn such values into an agreed Failed "
             "(reason 'invalid status')."

@@ -65,6 +65,19 @@ __all__ = ["StepConfig", "StepResult", "Failure", "StuckReport", "Stepper"]
 _F = np.int8(KVPoll.Failed)
 _S = np.int8(KVPoll.Success)
 _NONE = np.int8(FailureReason.NONE)
+_UNKNOWN = np.int8(FailureReason.UNKNOWN)
+#: reasons a backend may report; the rest are the step's own verdicts
+_BACKEND_REASONS = np.array(
+    [
+        FailureReason.ABORTED,
+        FailureReason.PEER_DEAD,
+        FailureReason.BOOTSTRAP_TIMEOUT,
+        FailureReason.WAITING_TIMEOUT,
+        FailureReason.METADATA_CORRUPT,
+        FailureReason.TRANSFER_ERROR,
+        FailureReason.UNKNOWN,
+    ]
+)
 
 
 @attrs.frozen
@@ -351,7 +364,8 @@ class Stepper:
             failed = (vals == _F) & ~invalid
             reasons_fn = getattr(self.poller, "failure_reasons", None)
             if failed.any() and reasons_fn is not None:
-                breason[failed] = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int8)
+                given = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int64)
+                breason[failed] = np.where(np.isin(given, _BACKEND_REASONS), given, _UNKNOWN)
         else:
             handles = self.table.handles
             slots = (rows if all_active else rows[active]).tolist()
@@ -402,6 +416,12 @@ class Stepper:
             corrupt[check] = bad
         return landed, corrupt
 
+    @property
+    def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:
+        """(rooms, gated local status, local reason) of the last prepare: what
+        this rank contributed to the reduce (for traces, replay and tests)."""
+        return self.table.room[self._rows], self._local, self._reason
+
     # ------------------------------------------------------------------
     # reduce-side decisions (identical on every rank: they read reduced data)
     # ------------------------------------------------------------------
@@ -445,7 +465,7 @@ class Stepper:
                 i = int(np.flatnonzero(bad)[0])
                 room = int(self.table.room[self._rows[i]])
                 self._prepared = False
-                raise InvalidStatus(room, int(holder[i]), self._raw_invalid.get(room, "?"))
+                raise InvalidStatus(room, int(holder[i]), self._raw_invalid.get(room))
         new, trig, illegal = batch.advance(state, agreed, reason)
         if illegal.any():
             i = int(np.flatnonzero(illegal)[0])
@@ -550,9 +570,10 @@ def _reason_of(handle: Any) -> FailureReason:
     fn = getattr(handle, "failure_reason", None)
     if fn is not None:
         try:
-            return FailureReason(int(fn()))
+            code = int(fn())
         except Exception:
             return FailureReason.UNKNOWN
+        return FailureReason(code) if code in _BACKEND_REASONS else FailureReason.UNKNOWN
     fn = getattr(handle, "failure_exception", None)
     if fn is not None:
         try:
