@@ -10,6 +10,7 @@ instead of blocking CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -72,10 +73,8 @@ def _entry(
                 payload = pickle.dumps(("err", repr(e), traceback.format_exc()))
             out.put((rank, payload))
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
     except BaseException as e:
         out.put((rank, pickle.dumps(("err", repr(e), traceback.format_exc()))))
 
