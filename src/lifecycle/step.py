@@ -291,7 +291,7 @@ class Stepper:
         verdict(t.abort_requested[rows], FailureReason.ABORTED)
         verdict(exc_full, FailureReason.LOCAL_EXCEPTION)
         verdict(inv_full, FailureReason.INVALID_STATUS)
-        success = raw == _S
+        success = (raw == _S) & active  # latched rows are neither checked nor gated
         landed: NDArray[np.bool_] | None = None
         if self.metadata is not None and success.any():
             landed, corrupt = self._metadata_check(rows, rooms, success)
@@ -302,16 +302,17 @@ class Stepper:
             reason[upgrade] = breason[upgrade]
         local = np.where(reason != _NONE, _F, raw).astype(np.int8)
 
-        # 3. gates: only the declared Success -> Transferring demotion
-        if self.staging is not None and (local == _S).any():
-            sel = local == _S
+        # 3. gates: only the declared Success -> Transferring demotion, and only on
+        # requests not yet agreed terminal (a latched Success is never held back)
+        if self.staging is not None and ((local == _S) & active).any():
+            sel = (local == _S) & active
             pend = np.zeros(n, dtype=bool)
             pend[sel] = np.asarray(self.staging.pending(rooms[sel]), dtype=bool)
             local = batch.demote(local, "hold_staging", pend)
         if landed is not None:
             local = batch.demote(local, "hold_metadata", ~landed)
         for gate in self.gates:
-            sel = local == _S
+            sel = (local == _S) & active
             if not sel.any():
                 break
             closed = np.zeros(n, dtype=bool)

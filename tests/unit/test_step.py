@@ -299,3 +299,18 @@ def test_entered_step_and_time_recorded():
     info = tables[0].info(1)
     assert (info.entered_step, info.entered_time) == (1, 4.5)
     np.testing.assert_array_equal(tables[0].states(), [W])
+
+
+def test_latched_success_is_not_gated_or_metadata_checked_again():
+    meta = MetadataBuffers(2)
+    gate = SetGate()
+    table, board = RequestTable(), StatusBoard()
+    table.add(5, metadata_slot=0)
+    stepper = Stepper(table, 0, poller=board, metadata=meta, gates=[gate])
+    board.set([5], S)
+    meta.write(0, 5, {"output_ids": [1]})
+    assert ok(lockstep([stepper]))[0].succeeded.tolist() == [5]
+    gate.closed_rooms.add(5)
+    meta.clear_room(0)  # the slot is freed and zeroed while the request is still listed
+    (res,) = ok(lockstep([stepper]))
+    assert res.statuses.tolist() == [S]

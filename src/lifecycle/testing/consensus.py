@@ -1,0 +1,342 @@
+"""A reusable hypothesis state machine for the consensus invariants.
+
+Point it at your own backend by subclassing :class:`ConsensusMachine` and
+overriding :meth:`~ConsensusMachine.make_board` (anything with the
+``StatusBoard`` surface: ``set(rooms, status)``, a ``raising`` attribute and
+``poll_many``); the rules then drive your poller inside a simulated world of
+1 to 8 ranks and every invariant is checked after every step::
+
+    class MyBackendMachine(ConsensusMachine):
+        def make_board(self, rank):
+            return MyBoardAdapter(...)
+
+    TestMyBackend = MyBackendMachine.TestCase
+
+Invariants (checked after every step):
+
+1. agreement -- every rank holds the same agreed status, reason and origin;
+2. validity -- agreed status == MIN over ranks of the gated local values;
+3. Failed absorbs, Success latches, the agreed status never regresses;
+4. Success only if every rank's raw poll was Success and all its gates open;
+5. a failure's reason and origin name a rank that failed it for that reason;
+6. every slot has at most one live owner; a retired request frees its slot
+   exactly once; in use + free == size;
+7. the reference executor (``transitions``) agrees with the batch executor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from numpy.typing import NDArray
+
+from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
+from lifecycle.errors import LifecycleError
+from lifecycle.lockstep import reduce_min
+from lifecycle.packing import pack
+from lifecycle.reference import RequestMachine
+from lifecycle.status import KVPoll, Role
+from lifecycle.step import Stepper, StepResult
+from lifecycle.table import RequestTable
+from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
+
+__all__ = ["ConsensusMachine", "InvariantViolation"]
+
+B, W, T, S, F = (int(s) for s in (1, 2, 3, 4, 0))
+SLOTS = 12
+_LAYOUT = MetadataLayout(
+    hidden_size=16, hidden_dtype=__import__("torch").float32, max_top_logprobs=16
+)
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the consensus failed; the message names which."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        super().__init__(f"invariant '{name}' violated: {detail}")
+
+
+def _check(cond: bool, name: str, detail: str) -> None:
+    if not cond:
+        raise InvariantViolation(name, detail)
+
+
+class ConsensusMachine(RuleBasedStateMachine):
+    """W ranks of decode-side request tables stepped in lockstep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = 0
+        self.next_room = 1
+        self.agreed: dict[int, int] = {}
+        self.slot_of: dict[int, int] = {}
+        self.fake: dict[int, bool] = {}
+        self.reference: dict[int, RequestMachine] = {}
+        self.freed: list[tuple[int, int]] = []
+        self.last: list[StepResult] = []
+
+    # -- hooks a subclass may override --------------------------------------
+    def make_board(self, rank: int) -> Any:
+        return StatusBoard()
+
+    def make_stepper(self, rank: int) -> Stepper:
+        return Stepper(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            gates=[self.gates[rank]],
+            faults=self.faults[rank],
+        )
+
+    def reduce(self, bufs: list[NDArray[np.int32]]) -> NDArray[np.int32]:
+        return reduce_min(bufs)
+
+    def adjust_local(self, rank: int, local: NDArray[np.int8]) -> NDArray[np.int8]:
+        """Change a rank's gated local values before the reduce (for negative controls)."""
+        return local
+
+    def after_apply(self, rank: int, result: StepResult) -> StepResult:
+        """Act on a rank's result after the reduce (for negative controls)."""
+        return result
+
+    # -- world ---------------------------------------------------------------
+    @initialize(world=st.integers(1, 8))
+    def init_world(self, world: int) -> None:
+        self.world = world
+        self.tables = [RequestTable(rank=r) for r in range(world)]
+        self.boards = [self.make_board(r) for r in range(world)]
+        self.gates = [SetGate() for _ in range(world)]
+        self.staging = [SetStaging() for _ in range(world)]
+        self.faults = [ListFaults() for _ in range(world)]
+        self.metas = [MetadataBuffers(SLOTS, _LAYOUT) for _ in range(world)]
+        self.allocs = [SlotAllocator(SLOTS, self.metas[r]) for r in range(world)]
+        self.steppers = [self.make_stepper(r) for r in range(world)]
+
+    def _live(self) -> list[int]:
+        return list(self.agreed)
+
+    def _pick(self, data: st.DataObject) -> tuple[int, int]:
+        rank = data.draw(st.integers(0, self.world - 1), label="rank")
+        room = data.draw(st.sampled_from(self._live()), label="room")
+        return rank, room
+
+    # -- rules -----------------------------------------------------------------
+    @rule(k=st.integers(1, 3), fake=st.booleans())
+    def admit(self, k: int, fake: bool) -> None:
+        for _ in range(k):
+            room = self.next_room
+            slots = [a.alloc(room) for a in self.allocs]
+            if slots[0] is None:
+                _check(all(s is None for s in slots), "slots", "allocators diverged")
+                return
+            _check(len(set(slots)) == 1, "slots", f"ranks got different slots {slots}")
+            self.next_room += 1
+            for t in self.tables:
+                t.add(room, role=Role.RECEIVER, metadata_slot=slots[0], fake=fake)
+            self.agreed[room] = B
+            self.slot_of[room] = int(slots[0])
+            self.fake[room] = fake
+            self.reference[room] = RequestMachine(room, 0, Role.RECEIVER)
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data(), everywhere=st.booleans())
+    def set_raw(self, data: st.DataObject, everywhere: bool) -> None:
+        """A backend reports progress (or failure) on one rank, or on all of them."""
+        rank, room = self._pick(data)
+        floor = max(self.agreed[room], B)
+        status = data.draw(st.sampled_from([F, *range(floor, S + 1)]), label="status")
+        for r in range(self.world) if everywhere else [rank]:
+            self.boards[r].set([room], status)
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data())
+    def land_everywhere(self, data: st.DataObject) -> None:
+        """The whole transfer lands: every rank reports Success and has the row."""
+        room = data.draw(st.sampled_from(self._live()), label="room")
+        for r in range(self.world):
+            self.boards[r].set([room], S)
+            self.metas[r].write(self.slot_of[room], room, {"output_ids": [room % 1000]})
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data(), which=st.sampled_from(["gate", "staging"]))
+    def toggle_gate(self, data: st.DataObject, which: str) -> None:
+        rank, room = self._pick(data)
+        target = (
+            self.gates[rank].closed_rooms if which == "gate" else self.staging[rank].pending_rooms
+        )
+        target.symmetric_difference_update({room})
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data(), corrupt=st.booleans())
+    def write_metadata(self, data: st.DataObject, corrupt: bool) -> None:
+        rank, room = self._pick(data)
+        owner = self.next_room + 1000 if corrupt else room
+        self.metas[rank].write(self.slot_of[room], owner, {"output_ids": [room % 1000]})
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rank, room = self._pick(data)
+        self.tables[rank].request_abort(room)
+
+    @precondition(lambda self: self.agreed)
+    @rule(data=st.data())
+    def inject_failure(self, data: st.DataObject) -> None:
+        rank, room = self._pick(data)
+        self.faults[rank].rooms.add(room)
+
+    @rule(data=st.data())
+    def raise_in_poll(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, self.world - 1), label="rank")
+        self.boards[rank].raising = RuntimeError(f"injected poll error on rank {rank}")
+
+    @rule()
+    def step(self) -> None:
+        rows = self.tables[0].rooms().tolist()
+        before = {room: self.agreed[room] for room in rows}
+        gates_open = self._gates_open(rows)
+        bufs = []
+        for r, stp in enumerate(self.steppers):
+            buf = stp.prepare()
+            adj = self.adjust_local(r, stp._local)
+            if adj is not stp._local:
+                stp._local = adj
+                pack(adj, stp._reason, r, stp._words)
+                buf = stp.repack()
+            bufs.append(buf)
+        red = self.reduce(bufs)
+        results: list[StepResult] = []
+        for r, stp in enumerate(self.steppers):
+            try:
+                results.append(self.after_apply(r, stp.apply(red.copy())))
+            except LifecycleError as e:
+                raise InvariantViolation("step", f"rank {r} raised {e!r}") from e
+        self.last = results
+        self._check_step(rows, before, gates_open, results)
+
+    @precondition(lambda self: self.agreed)
+    @rule()
+    def retire(self) -> None:
+        done = [r for r, s in self.agreed.items() if s in (S, F)]
+        for room in done:
+            for t in self.tables:
+                t.remove(room)
+            for rank, alloc in enumerate(self.allocs):
+                owner = alloc.owner_of(self.slot_of[room])
+                _check(owner == room, "slots", f"slot of room {room} owned by {owner} on {rank}")
+                alloc.free(self.slot_of[room], room)
+                self.freed.append((rank, room))
+            del self.agreed[room]
+            self.reference.pop(room).close()
+
+    # -- invariants --------------------------------------------------------------
+    def _gates_open(self, rows: list[int]) -> dict[int, bool]:
+        """Per room: was every rank's raw poll Success with all its gates open?"""
+        out = {}
+        for room in rows:
+            ok = True
+            for r in range(self.world):
+                board = self.boards[r]
+                t = self.tables[r]
+                slot = self.slot_of[room]
+                ok &= board.raising is None
+                ok &= board.status.get(room, board.default) == S
+                ok &= room not in self.gates[r].closed_rooms
+                ok &= room not in self.staging[r].pending_rooms
+                ok &= room not in self.faults[r].rooms
+                ok &= not bool(t.abort_requested[t.slot_of(room)])
+                ok &= self.fake[room] or self.metas[r].room_of(slot) == room
+            out[room] = bool(ok)
+        return out
+
+    def _check_step(
+        self,
+        rows: list[int],
+        before: dict[int, int],
+        gates_open: dict[int, bool],
+        results: list[StepResult],
+    ) -> None:
+        first = results[0]
+        for r, res in enumerate(results[1:], start=1):
+            same = (
+                res.rooms.tolist() == first.rooms.tolist()
+                and res.statuses.tolist() == first.statuses.tolist()
+                and res.reasons.tolist() == first.reasons.tolist()
+                and res.holders.tolist() == first.holders.tolist()
+            )
+            _check(same, "agreement", f"rank {r} disagrees with rank 0 at step {res.step}")
+        _check(first.rooms.tolist() == rows, "agreement", "result rows are not the table rows")
+        locals_ = np.array([s._local for s in self.steppers]).reshape(self.world, -1)
+        if rows:
+            expect = np.minimum.reduce(locals_, axis=0)
+            _check(
+                first.statuses.tolist() == expect.tolist(),
+                "validity",
+                f"agreed {first.statuses.tolist()} != MIN of locals {expect.tolist()}",
+            )
+        for i, room in enumerate(rows):
+            old, new = before[room], int(first.statuses[i])
+            if old in (S, F):
+                _check(new == old, "latch", f"room {room} left terminal {old} for {new}")
+            else:
+                _check(new >= old or new == F, "monotone", f"room {room} went {old} -> {new}")
+            if new != old:
+                event(f"transition {KVPoll(old).name} -> {KVPoll(new).name}")
+            if new == S and old != S:
+                _check(
+                    gates_open[room],
+                    "success",
+                    f"room {room} succeeded though some rank's poll or gate said otherwise",
+                )
+            if new == F and old != F:
+                origin, reason = int(first.holders[i]), int(first.reasons[i])
+                _check(0 <= origin < self.world, "origin", f"room {room} origin {origin}")
+                stp = self.steppers[origin]
+                _check(
+                    int(stp._local[i]) == F and int(stp._reason[i]) == reason,
+                    "origin",
+                    f"room {room}: origin rank {origin} did not fail it for reason {reason}",
+                )
+            self.agreed[room] = new
+            ref = self.reference[room]
+            try:
+                ref.advance(KVPoll(new), reason=first.reasons[i], origin=int(first.holders[i]))
+            except LifecycleError as e:
+                raise InvariantViolation("reference", str(e)) from e
+            _check(
+                int(ref.state) == int(self.tables[0].state[self.tables[0].slot_of(room)]),
+                "reference",
+                f"room {room}: reference executor {ref.state!r} != batch executor",
+            )
+
+    @invariant()
+    def slots_consistent(self) -> None:
+        if not self.world:
+            return
+        for rank, alloc in enumerate(self.allocs):
+            _check(
+                alloc.in_use + alloc.available + alloc.quarantined == alloc.size,
+                "slots",
+                f"rank {rank}: in use {alloc.in_use} + free {alloc.available} != {alloc.size}",
+            )
+            live = alloc.live()
+            _check(len(set(live.values())) == len(live), "slots", "a room owns two slots")
+            _check(
+                sorted(live.values()) == sorted(self.agreed),
+                "slots",
+                f"rank {rank}: slot owners {sorted(live.values())} != live {sorted(self.agreed)}",
+            )
+        _check(len(self.freed) == len(set(self.freed)), "slots", "a slot was freed twice")

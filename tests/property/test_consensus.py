@@ -1,0 +1,68 @@
+"""The consensus invariants, and proof that the suite catches broken variants."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from lifecycle.testing.consensus import ConsensusMachine, InvariantViolation
+
+TestConsensus = ConsensusMachine.TestCase
+
+
+class MaxReduce(ConsensusMachine):
+    def reduce(self, bufs):
+        return np.maximum.reduce(bufs)
+
+
+class GateAfterReduce(ConsensusMachine):
+    """The field's bug class: a local gate consulted after the reduce."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+
+        return Stepper(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            faults=self.faults[rank],
+        )
+
+    def after_apply(self, rank, result):
+        closed = np.array(
+            [r in self.gates[rank].closed_rooms for r in result.rooms.tolist()], dtype=bool
+        )
+        statuses = np.where(closed & (result.statuses == 4), 3, result.statuses).astype(np.int8)
+        import attrs
+
+        return attrs.evolve(result, statuses=statuses)
+
+
+class PromotingGate(ConsensusMachine):
+    def adjust_local(self, rank, local):
+        return np.where(local == 3, 4, local).astype(np.int8)
+
+
+BROKEN = settings(
+    max_examples=300,
+    phases=[Phase.generate],
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    stateful_step_count=40,
+)
+
+
+@pytest.mark.parametrize(
+    ("variant", "caught_by"),
+    [
+        (MaxReduce, "validity|agreement|success|monotone|latch|step|origin"),
+        (GateAfterReduce, "agreement"),
+        (PromotingGate, "success|validity"),
+    ],
+)
+def test_property_suite_catches_broken_variants(variant, caught_by):
+    with pytest.raises(InvariantViolation, match=caught_by):
+        run_state_machine_as_test(variant, settings=BROKEN)
