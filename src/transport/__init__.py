@@ -1,0 +1,14 @@
+"""Transfer backends behind one registry: fake, Mooncake (TCP), NIXL (UCX)."""
+
+from transport.errors import BackendUnavailable, TransferFailed, TransportError, UnknownBackend
+from transport.registry import Backend, get_backend, known_backends
+
+__all__ = [
+    "Backend",
+    "BackendUnavailable",
+    "TransferFailed",
+    "TransportError",
+    "UnknownBackend",
+    "get_backend",
+    "known_backends",
+]

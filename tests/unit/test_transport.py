@@ -1,0 +1,90 @@
+import numpy as np
+import pytest
+
+from lifecycle import FailureReason, KVPoll, RequestTable, SingleRank, Stepper
+from transport import BackendUnavailable, TransferFailed, UnknownBackend, get_backend
+from transport.compat import KVClassType, TransferBackend, get_kv_class
+from transport.fake import FakeManager
+
+
+def test_unknown_backend_lists_known():
+    with pytest.raises(UnknownBackend, match=r"fake, mooncake, mori, nixl"):
+        get_backend("carrier-pigeon")
+
+
+@pytest.mark.parametrize("name", ["mori", "ascend"])
+def test_hardware_backends_say_what_they_need(name):
+    with pytest.raises(BackendUnavailable, match=r"hardware|GPUs|NPUs"):
+        get_backend(name)
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **kw):
+        if name.startswith("nixl"):
+            raise ImportError("No module named 'nixl'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(BackendUnavailable, match=r"pd-lifecycle\[nixl\]"):
+        get_backend("nixl")
+
+
+def test_compat_get_kv_class():
+    assert get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER) is FakeManager
+    from buffers import KVArgs
+
+    assert get_kv_class("fake", KVClassType.KVARGS) is KVArgs
+
+
+def test_fake_sender_semantics():
+    m = FakeManager(capacity=2)
+    s = m.sender(5)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(num_pages=3, metadata_slot=0)
+    assert s.poll() == KVPoll.Transferring
+    s.send([1, 2])
+    assert s.poll() == KVPoll.Transferring
+    s.send([3])
+    assert s.poll() == KVPoll.Success
+    s.abort()
+    assert s.poll() == KVPoll.Success  # latched
+    z = m.sender(6)
+    z.init(0, None)
+    assert z.poll() == KVPoll.Success
+    grow = [m.sender(10 + i) for i in range(5)]  # grows past capacity
+    assert {g.poll() for g in grow} == {KVPoll.WaitingForInput}
+
+
+def test_fake_receiver_semantics_and_abort():
+    m = FakeManager()
+    r = m.receiver(9)
+    assert r.poll() == KVPoll.Bootstrapping
+    r.init()
+    assert r.poll() == KVPoll.WaitingForInput
+    r.abort()
+    assert r.poll() == KVPoll.Failed
+    assert r.failure_reason() == FailureReason.ABORTED
+    with pytest.raises(TransferFailed, match="room=9"):
+        r.failure_exception()
+    r.send_metadata([1], 0)
+    assert r.poll() == KVPoll.Failed
+
+
+def test_fake_manager_is_a_batch_poller_for_the_step():
+    m = FakeManager()
+    table = RequestTable()
+    recvs = [m.receiver(room) for room in (1, 2, 3)]
+    table.extend([1, 2, 3], handle_indices=[r.index for r in recvs])
+    stepper = Stepper(table, 0, poller=m)
+    recvs[0].init()
+    recvs[1].init()
+    recvs[1].send_metadata([4], 0)
+    recvs[2].abort()
+    res = stepper.step(SingleRank())
+    assert res.statuses.tolist() == [2, 4, 0]
+    assert res.failures()[0].reason == FailureReason.ABORTED
+    np.testing.assert_array_equal(res.succeeded, [2])
