@@ -16,6 +16,7 @@ __all__ = [
     "UnknownRequest",
     "ReservedRoom",
     "FaultPlanError",
+    "PartialPollError",
     "RankFailure",
 ]
 
@@ -120,6 +121,20 @@ class ReservedRoom(LifecycleError):
             "request cannot use it. Give the request a non-zero room, or add it with "
             "fake=True if it is a warm-up request whose metadata is never written."
         )
+
+
+class PartialPollError(LifecycleError):
+    """Raised by a batch poll that answered for most requests but not all.
+
+    ``statuses`` has one value per polled request (ignored where ``errors``
+    has an entry); ``errors`` maps positions in the batch to what went wrong.
+    The step fails just those requests (reason local exception).
+    """
+
+    def __init__(self, statuses: object, errors: dict[int, BaseException]) -> None:
+        self.statuses = statuses
+        self.errors = errors
+        super().__init__(f"batch poll failed for {len(errors)} request(s)")
 
 
 class FaultPlanError(LifecycleError):

@@ -46,7 +46,12 @@ from numpy.typing import NDArray
 
 from lifecycle import batch
 from lifecycle.collective import Collective
-from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
+from lifecycle.errors import (
+    CollectiveMismatch,
+    IllegalTransition,
+    InvalidStatus,
+    PartialPollError,
+)
 from lifecycle.packing import HEADER, PAD, Header, fingerprint, pack, unpack, write_header
 from lifecycle.protocols import (
     BatchPoller,
@@ -351,7 +356,13 @@ class Stepper:
         if self.poller is not None:
             hidx = self.table.handle_index[rows if all_active else rows[active]]
             try:
-                arr = np.asarray(self.poller.poll_many(rooms, hidx))
+                try:
+                    arr = np.asarray(self.poller.poll_many(rooms, hidx))
+                except PartialPollError as pe:
+                    arr = np.asarray(pe.statuses)
+                    for i, err in pe.errors.items():
+                        exc[i] = True
+                        self._exceptions[int(rooms[i])] = err
                 if arr.shape != (k,):
                     raise ValueError(f"poll_many returned shape {arr.shape}, expected ({k},)")
             except Exception as e:  # never let one rank's error desync the group
@@ -360,9 +371,10 @@ class Stepper:
                 return np.zeros(k, np.int8), np.ones(k, bool), np.zeros(k, bool), breason
             if arr.dtype.kind not in "iub":
                 raise TypeError(f"poll_many must return integers, got dtype {arr.dtype}")
-            invalid = (arr < 0) | (arr > KVPoll.Success)
+            arr = np.where(exc, KVPoll.Failed, arr)
+            invalid = ((arr < 0) | (arr > KVPoll.Success)) & ~exc
             vals = np.where(invalid, _F, arr).astype(np.int8)
-            failed = (vals == _F) & ~invalid
+            failed = (vals == _F) & ~invalid & ~exc
             reasons_fn = getattr(self.poller, "failure_reasons", None)
             if failed.any() and reasons_fn is not None:
                 given = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int64)

@@ -314,3 +314,18 @@ def test_latched_success_is_not_gated_or_metadata_checked_again():
     meta.clear_room(0)  # the slot is freed and zeroed while the request is still listed
     (res,) = ok(lockstep([stepper]))
     assert res.statuses.tolist() == [S]
+
+
+def test_partial_batch_poll_error_fails_only_those_requests():
+    from lifecycle.errors import PartialPollError
+
+    class Partial:
+        def poll_many(self, rooms, indices):
+            raise PartialPollError(np.full(rooms.size, S), {1: KeyError("gone")})
+
+    table = RequestTable()
+    table.extend([1, 2, 3])
+    (res,) = ok(lockstep([Stepper(table, 0, poller=Partial())]))
+    assert res.statuses.tolist() == [S, F, S]
+    assert res.failures()[0].reason == R.LOCAL_EXCEPTION
+    assert isinstance(res.exceptions[2], KeyError)
