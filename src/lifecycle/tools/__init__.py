@@ -3,7 +3,6 @@ imports this package; it may import everything, transports included."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 __all__ = ["register_commands"]
@@ -11,4 +10,6 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    _ = argparse  # subcommands register themselves below as they are built
+    from lifecycle.tools import simulate
+
+    simulate.add_parser(sub)

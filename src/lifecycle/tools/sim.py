@@ -1,0 +1,468 @@
+"""One rank of the simulated PD cluster: reference prefill and decode
+scheduler loops (the behaviour of SPEC §3) driven by the consensus step.
+
+Ranks ``0..P-1`` are the prefill TP group, ``P..P+D-1`` the decode TP group.
+Every rank of a side sees the same requests (same seed), makes the same
+queue decisions from the same agreed statuses, and checks the invariants as
+it goes. Time is logical (one unit per scheduler iteration) so a seed
+reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
+from lifecycle.collective import Collective, TorchCollective
+from lifecycle.errors import LifecycleError, PartialPollError, RankFailure
+from lifecycle.packing import fingerprint
+from lifecycle.status import KVPoll, Role
+from lifecycle.step import StepConfig, Stepper, StepResult
+from lifecycle.table import RequestTable
+from lifecycle.tools.plan import FaultPlan, RankFaults
+from lifecycle.tools.trace import TraceWriter
+
+__all__ = ["SimConfig", "Workload", "run_rank"]
+
+B, W, T, S, F = (
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+    KVPoll.Success,
+    KVPoll.Failed,
+)
+SIM_LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+
+
+@attrs.frozen
+class SimConfig:
+    prefill: int = 2
+    decode: int = 2
+    requests: int = 200
+    seed: int = 0
+    abort_prob: float = 0.02
+    arrival: int = 16
+    max_pages: int = 32
+    chunk_pages: int = 8
+    metadata_slots: int = 64
+    kv_pages: int = 1024
+    max_steps: int = 3000
+    bootstrap_timeout: int = 400
+    waiting_timeout: int = 200
+    stuck_after: int = 100
+    backend: str = "fake"
+    pg_timeout: float = 30.0
+    plan: FaultPlan = attrs.field(factory=FaultPlan)
+
+    @property
+    def world(self) -> int:
+        return self.prefill + self.decode
+
+
+@attrs.frozen
+class Workload:
+    rooms: tuple[int, ...]
+    pages: tuple[int, ...]
+    arrival: tuple[int, ...]
+    abort_at: tuple[int, ...]  # 0: never
+
+    @classmethod
+    def make(cls, cfg: SimConfig) -> Workload:
+        rng = np.random.default_rng([cfg.seed, 0xC0FFEE])
+        rooms: list[int] = []
+        seen: set[int] = set()
+        while len(rooms) < cfg.requests:
+            r = int(rng.integers(1, 2**63 - 1))
+            if r not in seen:
+                seen.add(r)
+                rooms.append(r)
+        pages = rng.integers(1, cfg.max_pages + 1, cfg.requests)
+        arrival = np.arange(cfg.requests) // max(cfg.arrival, 1) + 1
+        aborted = rng.random(cfg.requests) < cfg.abort_prob
+        abort_at = np.where(aborted, arrival + rng.integers(0, 4, cfg.requests), 0)
+        return cls(
+            tuple(rooms), tuple(pages.tolist()), tuple(arrival.tolist()), tuple(abort_at.tolist())
+        )
+
+
+class SimPoller:
+    """The backend's batch poll with the plan's delay and raise-in-poll faults."""
+
+    def __init__(self, manager: Any, faults: RankFaults, table: RequestTable) -> None:
+        self.manager = manager
+        self.faults = faults
+        self.table = table
+        self.step = 0
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
+        out = np.asarray(self.manager.poll_many(rooms, indices)).astype(np.int64)
+        errors: dict[int, BaseException] = {}
+        for i, room in enumerate(rooms.tolist()):
+            if self.faults.delayed(room, self.step):
+                out[i] = self.table.state[self.table.slot_of(room)]  # no news this step
+            if self.faults.raises(room, self.step):
+                errors[i] = RuntimeError(f"injected poll error for room {room}")
+        if errors:
+            raise PartialPollError(out, errors)
+        return out
+
+    def failure_reasons(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
+        return self.manager.failure_reasons(rooms, indices)
+
+
+class HoldGate:
+    name = "plan"
+
+    def __init__(self, faults: RankFaults) -> None:
+        self.faults = faults
+        self.step = 0
+
+    def closed(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]:
+        return np.array([self.faults.gate_held(r, self.step) for r in rooms.tolist()], dtype=bool)
+
+
+class _Queue:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        manager: Any,
+        faults: RankFaults,
+        cfg: SimConfig,
+        clock: Any,
+        metadata: MetadataBuffers | None = None,
+    ) -> None:
+        self.name = name
+        self.table = RequestTable(rank=rank)
+        self.poller = SimPoller(manager, faults, self.table)
+        self.gate = HoldGate(faults)
+        self.stepper = Stepper(
+            self.table,
+            rank,
+            poller=self.poller,
+            metadata=metadata,
+            gates=[self.gate],
+            faults=faults,
+            config=StepConfig(
+                bootstrap_timeout=float(cfg.bootstrap_timeout),
+                waiting_timeout=float(cfg.waiting_timeout),
+                stuck_after=cfg.stuck_after,
+                initial_capacity=max(64, cfg.requests),
+            ),
+            clock=clock,
+        )
+
+
+class RankRun:
+    """Scheduler loops for one rank."""
+
+    def __init__(self, cfg: SimConfig, rank: int, out: Path, coll: Collective, store: Any) -> None:
+        from transport.registry import get_backend
+
+        self.cfg = cfg
+        self.rank = rank
+        self.side = "prefill" if rank < cfg.prefill else "decode"
+        self.coll = coll
+        self.store = store
+        self.work = Workload.make(cfg)
+        self.index = {room: i for i, room in enumerate(self.work.rooms)}
+        self.faults = RankFaults(cfg.plan, rank, self.work.rooms)
+        backend = get_backend(cfg.backend)
+        self.manager = backend.manager()
+        self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
+        self.alloc = SlotAllocator(cfg.metadata_slots, self.meta)
+        self.step_no = 0
+        clock = self._clock
+        if self.side == "prefill":
+            self.q1 = _Queue("bootstrap", rank, self.manager, self.faults, cfg, clock)
+            self.q2 = _Queue("inflight", rank, self.manager, self.faults, cfg, clock)
+        else:
+            self.q1 = _Queue("handshake", rank, self.manager, self.faults, cfg, clock)
+            self.q2 = _Queue("transfer", rank, self.manager, self.faults, cfg, clock, self.meta)
+        self.handles: dict[int, Any] = {}
+        self.sent: dict[int, int] = {}
+        self.kv_free = cfg.kv_pages
+        self.kv_held: dict[int, int] = {}
+        self.ready: deque[int] = deque()
+        self.outcome: dict[int, tuple[str, int, int]] = {}  # room -> (status, reason, origin)
+        self.violations: list[str] = []
+        self.disagreements = 0
+        self.latency_us: list[float] = []
+        self.counts: list[list[int]] = []
+        self.failure_steps: list[int] = []
+        self.stuck_reports = 0
+        self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
+
+    def _clock(self) -> float:
+        return float(self.step_no)
+
+    # -- request lifecycle -------------------------------------------------------
+    def _arrive(self) -> None:
+        w = self.work
+        new = [i for i in range(len(w.rooms)) if w.arrival[i] == self.step_no]
+        for i in new:
+            room = w.rooms[i]
+            if self.side == "prefill":
+                h = self.manager.sender(room)
+            else:
+                h = self.manager.receiver(room)
+                h.init(prefill_dp_rank=0)
+            self.handles[room] = h
+            role = Role.SENDER if self.side == "prefill" else Role.RECEIVER
+            self.q1.table.add(room, role=role, handle=h, handle_index=h.index)
+
+    def _client_aborts(self) -> None:
+        w = self.work
+        for i, at in enumerate(w.abort_at):
+            room = w.rooms[i]
+            if at == self.step_no and room in self.handles:
+                self.handles[room].abort()
+                for q in (self.q1, self.q2):
+                    if room in q.table:
+                        q.table.request_abort(room)
+
+    def _finish(self, room: int, status: int, reason: int, origin: int) -> None:
+        self.outcome[room] = (KVPoll(status).name, reason, origin)
+        slot = self._slot.pop(room, None)
+        if slot is not None:
+            self.alloc.free(slot, room)  # zeroes the room row
+        self.kv_free += self.kv_held.pop(room, 0)
+        h = self.handles.pop(room)
+        h.clear()
+
+    _slot: dict[int, int]
+
+    def _step_queue(self, q: _Queue) -> StepResult:
+        q.poller.step = self.step_no
+        q.gate.step = self.step_no
+        t0 = time.perf_counter()
+        res = q.stepper.step(self.coll)
+        self.latency_us.append((time.perf_counter() - t0) * 1e6)
+        _, local, reason = q.stepper.last_local
+        self.trace.step(self.side, q.name, res, local, reason)
+        if res.stuck:
+            self.stuck_reports += len(res.stuck)
+            for s in res.stuck:
+                self.trace.event(
+                    kind="stuck",
+                    step=self.step_no,
+                    room=s.room,
+                    status=s.status.name,
+                    holders=list(s.holders),
+                )
+        if res.failed.size:
+            self.failure_steps.append(self.step_no)
+        return res
+
+    def _prefill_iteration(self) -> list[StepResult]:
+        r1 = self._step_queue(self.q1)
+        for room, st, reason, origin in zip(
+            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.holders.tolist()
+        ):
+            if st == W:
+                slot = self.alloc.alloc(room)
+                if slot is None:
+                    continue  # wait for a metadata slot
+                self._slot[room] = slot
+                h = self.handles[room]
+                h.init(self.work.pages[self.index[room]], slot)
+                self.sent[room] = 0
+                self.q1.table.remove(room)
+                self.q2.table.add(room, state=W, handle=h, handle_index=h.index)
+            elif st == F:
+                self.q1.table.remove(room)
+                self._finish(room, st, reason, origin)
+            elif st in (T, S):
+                self.violations.append(
+                    f"step {self.step_no}: room {room} {KVPoll(st).name} in bootstrap queue"
+                )
+        # the forward pass: send the next chunk of every in-flight request
+        for room in self.q2.table.rooms().tolist():
+            total = self.work.pages[self.index[room]]
+            k = min(self.cfg.chunk_pages, total - self.sent[room])
+            if k > 0:
+                self.handles[room].send(np.arange(self.sent[room], self.sent[room] + k))
+                self.sent[room] += k
+        r2 = self._step_queue(self.q2)
+        for room, st, reason, origin in zip(
+            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.holders.tolist()
+        ):
+            if st in (S, F):
+                self.q2.table.remove(room)
+                self.sent.pop(room, None)
+                self._finish(room, st, reason, origin)
+            elif st == B:
+                self.violations.append(f"step {self.step_no}: room {room} Bootstrapping in flight")
+        return [r1, r2]
+
+    def _decode_iteration(self) -> list[StepResult]:
+        r1 = self._step_queue(self.q1)
+        for room, st, reason, origin in zip(
+            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.holders.tolist()
+        ):
+            if st == F:
+                self.q1.table.remove(room)
+                if room in self.ready:
+                    self.ready.remove(room)
+                self._finish(room, st, reason, origin)
+            elif st == W and room not in self.ready:
+                self.ready.append(room)
+            elif st in (T, S):
+                self.violations.append(
+                    f"step {self.step_no}: room {room} {KVPoll(st).name} in handshake"
+                )
+        # allocation: in order, head-of-line blocking on slot or KV pages
+        while self.ready:
+            room = self.ready[0]
+            need = self.work.pages[self.index[room]]
+            if need > self.kv_free or self.alloc.available == 0:
+                break
+            slot = self.alloc.alloc(room)
+            assert slot is not None
+            self.ready.popleft()
+            self._slot[room] = slot
+            self.kv_free -= need
+            self.kv_held[room] = need
+            h = self.handles[room]
+            h.send_metadata(np.arange(need), slot)
+            self._simulate_remote_write(room, slot)
+            self.q1.table.remove(room)
+            self.q2.table.add(
+                room,
+                role=Role.RECEIVER,
+                state=W,
+                handle=h,
+                handle_index=h.index,
+                metadata_slot=slot,
+            )
+            self.q2.table.mark_metadata_sent(room, self._clock())
+        r2 = self._step_queue(self.q2)
+        for room, st, reason, origin in zip(
+            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.holders.tolist()
+        ):
+            if st == S:
+                slot = self._slot[room]
+                got = self.meta.room_of(slot)
+                if got != room:
+                    self.violations.append(
+                        f"step {self.step_no}: room {room} committed with metadata row room {got}"
+                    )
+                self.q2.table.remove(room)
+                self._finish(room, st, reason, origin)
+            elif st == F:
+                self.q2.table.remove(room)
+                self._finish(room, st, reason, origin)
+        return [r1, r2]
+
+    def _simulate_remote_write(self, room: int, slot: int) -> None:
+        """What prefill's metadata write would land (the fake backend moves no bytes)."""
+        fault = self.faults.metadata_fault(room)
+        if fault == "drop_metadata":
+            return
+        owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
+        self.meta.write(slot, owner, {"output_ids": [room % 50000]})
+
+    # -- the loop ----------------------------------------------------------------
+    def _agree_digest(self, results: list[StepResult]) -> None:
+        parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
+        h = fingerprint(np.concatenate(parts).astype(np.uint64)) if parts else 0
+        mine = np.array([h >> 31, h & 0x7FFFFFFF], dtype=np.int32)
+        got = self.coll.all_gather(mine)
+        if not (got == got[0]).all():
+            self.disagreements += 1
+
+    def run(self) -> dict[str, Any]:
+        self._slot = {}
+        n = len(self.work.rooms)
+        last_arrival = max(self.work.arrival) if n else 0
+        error = None
+        try:
+            while self.step_no < self.cfg.max_steps:
+                self.step_no += 1
+                if self.faults.kill_at(self.step_no):
+                    self.trace.event(kind="killed", step=self.step_no)
+                    self.trace.close()
+                    os._exit(17)
+                self.store.set(f"hb/{self.rank}", str(self.step_no))
+                self._arrive()
+                self._client_aborts()
+                results = (
+                    self._prefill_iteration()
+                    if self.side == "prefill"
+                    else self._decode_iteration()
+                )
+                self._agree_digest(results)
+                states = np.concatenate([self.q1.table.states(), self.q2.table.states()])
+                self.counts.append([*np.bincount(states, minlength=5).tolist(), len(self.outcome)])
+                self._check_slots()
+                if self.rank in (0, self.cfg.prefill) and self.step_no % 10 == 0:
+                    self.store.set(f"progress/{self.side}", str(len(self.outcome)))
+                if self.step_no >= last_arrival and len(self.outcome) == n:
+                    break
+        except RankFailure as e:
+            error = self._who_died(e)
+        except LifecycleError as e:
+            self.violations.append(f"step {self.step_no}: {type(e).__name__}: {e}")
+        self.trace.close()
+        return {
+            "rank": self.rank,
+            "side": self.side,
+            "steps": self.step_no,
+            "outcome": {str(k): v for k, v in self.outcome.items()},
+            "unfinished": n - len(self.outcome),
+            "violations": self.violations,
+            "disagreements": self.disagreements,
+            "leaked_slots": self.alloc.in_use,
+            "leaked_kv_pages": self.cfg.kv_pages - self.kv_free if self.side == "decode" else 0,
+            "latency_us": self.latency_us,
+            "counts": self.counts,
+            "failure_steps": self.failure_steps,
+            "stuck_reports": self.stuck_reports,
+            "faults_fired": len(self.faults.fired),
+            "error": error,
+        }
+
+    def _check_slots(self) -> None:
+        a = self.alloc
+        if a.in_use + a.available + a.quarantined != a.size:
+            self.violations.append(f"step {self.step_no}: slot accounting broken")
+        if len(self._slot) != a.in_use:
+            self.violations.append(
+                f"step {self.step_no}: {a.in_use} slots in use but {len(self._slot)} requests hold one"
+            )
+
+    def _who_died(self, e: RankFailure) -> str:
+        beats = {}
+        for r in range(self.cfg.world):
+            try:
+                beats[r] = int(self.store.get(f"hb/{r}").decode())
+            except Exception:
+                beats[r] = -1
+        dead = sorted(r for r, b in beats.items() if b < self.step_no and r != self.rank)
+        cause = str(e.__cause__ or e).splitlines()[0][:160]
+        return (
+            f"rank {self.rank} ({self.side}) at step {self.step_no}: the collective failed; "
+            f"dead rank(s) {dead or 'unknown'} (last heartbeat step per rank {beats}); "
+            f"gloo said: {cause}"
+        )
+
+
+def run_rank(
+    cfg: SimConfig, rank: int, out: Path, store: Any, groups: dict[str, Any]
+) -> dict[str, Any]:
+    side = "prefill" if rank < cfg.prefill else "decode"
+    run = RankRun(cfg, rank, out, TorchCollective(groups[side]), store)
+    result = run.run()
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
+    return result

@@ -1,0 +1,153 @@
+"""Per-rank JSONL traces of a run, and their deterministic offline replay.
+
+Each rank writes ``trace/rank{R}.jsonl`` with two kinds of record:
+
+- ``{"t": "obs", "step", "side", "queue", "rooms", "local", "reason", "agreed"}``:
+  what the rank contributed to one collective step (its gated local statuses
+  and reasons) and the agreed statuses it got back;
+- ``{"t": "tr", "step", "side", "queue", "room", "from", "to", "trigger",
+  "reason", "origin"}``: one transition of an agreed status.
+
+:func:`replay` recomputes every step from the recorded local observations
+alone (pack, MIN over the side's ranks, the declared transitions) and
+reports the first step whose recorded outcome differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import numpy as np
+
+from lifecycle import batch
+from lifecycle.graph import TRIGGERS
+from lifecycle.packing import pack, unpack
+from lifecycle.step import StepResult
+
+__all__ = ["TraceWriter", "ReplayReport", "replay", "read_trace"]
+
+
+class TraceWriter:
+    def __init__(self, path: Path, rank: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._f: IO[str] = path.open("w")
+
+    def step(self, side: str, queue: str, result: StepResult, local: Any, reason: Any) -> None:
+        rooms = result.rooms.tolist()
+        rec = {
+            "t": "obs",
+            "step": result.step,
+            "rank": self.rank,
+            "side": side,
+            "queue": queue,
+            "rooms": rooms,
+            "local": np.asarray(local).tolist(),
+            "reason": np.asarray(reason).tolist(),
+            "agreed": result.statuses.tolist(),
+        }
+        lines = [json.dumps(rec, separators=(",", ":"))]
+        for i, prev, trig in zip(
+            result.changed.tolist(), result.previous.tolist(), result.triggers.tolist()
+        ):
+            lines.append(
+                json.dumps(
+                    {
+                        "t": "tr",
+                        "step": result.step,
+                        "rank": self.rank,
+                        "side": side,
+                        "queue": queue,
+                        "room": rooms[i],
+                        "from": prev,
+                        "to": int(result.statuses[i]),
+                        "trigger": TRIGGERS[trig],
+                        "reason": int(result.reasons[i]),
+                        "origin": int(result.holders[i]),
+                    },
+                    separators=(",", ":"),
+                )
+            )
+        self._f.write("\n".join(lines) + "\n")
+
+    def event(self, **fields: Any) -> None:
+        self._f.write(json.dumps({"t": "event", "rank": self.rank, **fields}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_trace(directory: Path) -> Iterator[dict[str, Any]]:
+    for path in sorted((directory / "trace").glob("rank*.jsonl")):
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+
+
+@attrs.frozen
+class ReplayReport:
+    steps_checked: int
+    first_difference: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None
+
+
+def replay(directory: Path) -> ReplayReport:
+    """Recompute every recorded step from the ranks' local observations."""
+    groups: dict[tuple[str, str, int], dict[int, dict[str, Any]]] = defaultdict(dict)
+    for rec in read_trace(directory):
+        if rec.get("t") == "obs":
+            groups[(rec["side"], rec["queue"], rec["step"])][rec["rank"]] = rec
+    prev_agreed: dict[tuple[str, str, int], int] = {}
+    checked = 0
+    for key in sorted(groups, key=lambda k: (k[2], k[0], k[1])):
+        side, queue, step = key
+        ranks = groups[key]
+        first = next(iter(ranks.values()))
+        rooms = first["rooms"]
+        diff = None
+        for r, rec in ranks.items():
+            if rec["rooms"] != rooms:
+                diff = f"rank {r} stepped a different request list"
+        words = []
+        for r, rec in sorted(ranks.items()):
+            w = np.empty(len(rooms), dtype=np.int32)
+            pack(np.asarray(rec["local"], np.int8), np.asarray(rec["reason"], np.int8), r, w)
+            words.append(w)
+        agreed, _, _ = unpack(np.minimum.reduce(words)) if rooms else (np.empty(0, np.int8),) * 3
+        prev = np.array([prev_agreed.get((side, queue, room), 1) for room in rooms], np.int8)
+        # a request entering this queue carries its status from the previous queue
+        new, _, illegal = batch.advance(prev, agreed)
+        for r, rec in sorted(ranks.items()):
+            if diff is None and rec["agreed"] != agreed.tolist():
+                i = next(
+                    j for j, (a, b) in enumerate(zip(rec["agreed"], agreed.tolist())) if a != b
+                )
+                diff = (
+                    f"rank {r}: recorded agreed status {rec['agreed'][i]} for room {rooms[i]} "
+                    f"but the ranks' local values reduce to {int(agreed[i])}"
+                )
+        if diff is None and illegal.any():
+            i = int(np.flatnonzero(illegal)[0])
+            diff = (
+                f"room {rooms[i]}: {int(prev[i])} -> {int(agreed[i])} is not a declared transition"
+            )
+        checked += 1
+        if diff is not None:
+            return ReplayReport(
+                checked, {"step": step, "side": side, "queue": queue, "detail": diff}
+            )
+        for room, s in zip(rooms, new.tolist()):
+            prev_agreed[(side, queue, room)] = s
+    return ReplayReport(checked, None)
