@@ -1,0 +1,145 @@
+"""`pdlife simulate` end to end: real gloo ranks on 127.0.0.1, fake backend."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def run(tmp_path, name, *args):
+    out = tmp_path / name
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lifecycle",
+            "simulate",
+            "--backend",
+            "fake",
+            "--quiet",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    return proc, summary, out
+
+
+def strip_timings(s):
+    return {k: v for k, v in s.items() if k not in ("step_latency_us", "elapsed_s")}
+
+
+def test_default_run_is_clean_and_reproducible(tmp_path):
+    p1, s1, out1 = run(tmp_path, "a")
+    p2, s2, out2 = run(tmp_path, "b")
+    assert p1.returncode == 0, p1.stdout + p1.stderr
+    assert s1["ok"]
+    assert s1["disagreements"] == 0
+    assert s1["leaked_slots"] == 0
+    assert s1["stuck"] == 0
+    assert s1["succeeded"] + s1["aborted"] + sum(s1["failed"].values()) == s1["requests"]
+    assert strip_timings(s1) == strip_timings(s2)
+    assert (out1 / "trace" / "rank2.jsonl").read_bytes() == (
+        out2 / "trace" / "rank2.jsonl"
+    ).read_bytes()
+    assert (out1 / "timeline.png").stat().st_size > 1000
+    assert "stateDiagram-v2" in (out1 / "lifecycle.mmd").read_text()
+    for key in (
+        "requests",
+        "succeeded",
+        "failed",
+        "aborted",
+        "disagreements",
+        "leaked_slots",
+        "stuck",
+        "steps",
+        "step_latency_us",
+        "backend",
+        "seed",
+    ):
+        assert key in s1
+
+
+def test_failure_probability_under_load(tmp_path):
+    proc, s, out = run(tmp_path, "p", "--fail-prob", "0.05", "--requests", "2000")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert s["failed"].get("injected fault", 0) > 0
+    assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
+    rp = subprocess.run(
+        [sys.executable, "-m", "lifecycle", "replay", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rp.returncode == 0, rp.stdout
+    assert "no difference" in rp.stdout
+
+
+def test_targeted_plan(tmp_path):
+    plan = {
+        "faults": [
+            {"kind": "fail", "rank": 0, "request": 3},
+            {"kind": "raise_in_poll", "rank": 1, "request": 5},
+            {"kind": "corrupt_metadata", "rank": 3, "request": 7},
+            {"kind": "drop_metadata", "rank": 2, "request": 9},
+            {"kind": "delay", "rank": 2, "request": 11, "steps": 5},
+            {"kind": "hold_gate", "rank": 3, "request": 13, "steps": 5},
+        ]
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc, s, out = run(tmp_path, "t", "--plan", str(tmp_path / "plan.json"), "--abort-prob", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert s["failed"] == {
+        "injected fault": 1,
+        "local exception": 1,
+        "metadata corrupt": 1,
+        "waiting timeout": 1,
+    }
+    assert s["succeeded"] == s["requests"] - 4  # delay and hold only slow a request down
+    assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
+    fails = [
+        json.loads(line)
+        for line in (out / "trace" / "rank0.jsonl").read_text().splitlines()
+        if '"tr"' in line and '"to":0' in line
+    ]
+    assert {(f["reason"], f["origin"]) for f in fails} == {(8, 0), (7, 1)}
+
+
+def test_killed_rank_is_named_by_the_survivors(tmp_path):
+    proc, s, _ = run(tmp_path, "k", "--kill-rank", "3", "--kill-step", "4", "--pg-timeout", "10")
+    assert proc.returncode != 0
+    assert s["dead_ranks"] == [3]
+    assert any("dead rank(s) [3]" in e for e in s["rank_errors"])
+    assert "dead rank(s) [3]" in proc.stdout
+
+
+def test_replay_finds_a_hand_edit(tmp_path):
+    proc, _, out = run(tmp_path, "r", "--requests", "64")
+    assert proc.returncode == 0
+    path = out / "trace" / "rank1.jsonl"
+    lines = path.read_text().splitlines()
+    edited_step = None
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec["t"] == "obs" and rec["step"] >= 3 and rec["rooms"] and rec["local"][0] != 0:
+            rec["local"][0] = 0
+            rec["reason"][0] = 8
+            lines[i] = json.dumps(rec)
+            edited_step = rec["step"]
+            break
+    path.write_text("\n".join(lines) + "\n")
+    rp = subprocess.run(
+        [sys.executable, "-m", "lifecycle", "replay", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rp.returncode == 1
+    assert f"first difference at step {edited_step}" in rp.stdout
