@@ -1,5 +1,9 @@
 """What the step asks of backends, gates and fault hooks.
 
+Every per-request call passes the requests' rooms and, in parallel, the
+backend's own indices from the table's ``handle_index`` column, so an
+implementation that keeps its state in arrays answers with one gather.
+
 All are structural (``typing.Protocol``): a backend or a scheduler satisfies
 them by having the methods, with no import of this package.
 """
@@ -48,11 +52,11 @@ class BatchPoller(Protocol):
 class StagingGate(Protocol):
     """Scatter from a staging buffer when prefill and decode TP sizes differ."""
 
-    def advance(self, rooms: NDArray[np.uint64]) -> None:
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Make progress on the scatter of these unfinished requests (before polling)."""
         ...
 
-    def pending(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
         """True where the request's scatter is not done yet."""
         ...
 
@@ -74,7 +78,9 @@ class Gate(Protocol):
 
     name: str
 
-    def closed(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]: ...
+    def closed(
+        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
+    ) -> NDArray[np.bool_]: ...
 
 
 @attrs.frozen

@@ -251,8 +251,9 @@ class Stepper:
         self._exceptions = {}
         self._raw_invalid = {}
 
+        hidx_all = t.handle_index[rows]
         if self.staging is not None and act_rooms.size:
-            self.staging.advance(act_rooms)
+            self.staging.advance(act_rooms, hidx_all if all_active else hidx_all[active])
 
         # 1. observe
         raw = state.copy()
@@ -312,7 +313,7 @@ class Stepper:
         if self.staging is not None and ((local == _S) & active).any():
             sel = (local == _S) & active
             pend = np.zeros(n, dtype=bool)
-            pend[sel] = np.asarray(self.staging.pending(rooms[sel]), dtype=bool)
+            pend[sel] = np.asarray(self.staging.pending(rooms[sel], hidx_all[sel]), dtype=bool)
             local = batch.demote(local, "hold_staging", pend)
         if landed is not None:
             local = batch.demote(local, "hold_metadata", ~landed)
@@ -321,7 +322,7 @@ class Stepper:
             if not sel.any():
                 break
             closed = np.zeros(n, dtype=bool)
-            closed[sel] = np.asarray(gate.closed(rooms[sel]), dtype=bool)
+            closed[sel] = np.asarray(gate.closed(rooms[sel], hidx_all[sel]), dtype=bool)
             local = batch.demote(local, "hold_gate", closed)
 
         self._rows, self._state, self._local, self._reason = rows, state, local, reason

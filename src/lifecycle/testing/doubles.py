@@ -69,7 +69,7 @@ class SetGate:
         self.name = name
         self.closed_rooms: set[int] = set()
 
-    def closed(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    def closed(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
         return np.array([r in self.closed_rooms for r in rooms.tolist()], dtype=bool)
 
 
@@ -80,10 +80,10 @@ class SetStaging:
         self.pending_rooms: set[int] = set()
         self.advanced: list[list[int]] = []
 
-    def advance(self, rooms: NDArray[np.uint64]) -> None:
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         self.advanced.append(rooms.tolist())
 
-    def pending(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
         return np.array([r in self.pending_rooms for r in rooms.tolist()], dtype=bool)
 
 

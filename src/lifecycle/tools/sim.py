@@ -127,7 +127,7 @@ class HoldGate:
         self.faults = faults
         self.step = 0
 
-    def closed(self, rooms: NDArray[np.uint64]) -> NDArray[np.bool_]:
+    def closed(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
         return np.array([self.faults.gate_held(r, self.step) for r in rooms.tolist()], dtype=bool)
 
 
