@@ -142,7 +142,7 @@ class MetadataBuffers:
         }
         rooms = self.tensors["bootstrap_room"]
         # a CPU int64 view of the room column for vectorised checks (uint64 viewed as int64)
-        self._rooms = rooms.view(torch.int64).numpy() if self.device.type == "cpu" else None
+        self._rooms = rooms.view(torch.int64).numpy()[:, 0] if self.device.type == "cpu" else None
 
     # -- registration ----------------------------------------------------
     def buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -217,10 +217,10 @@ class MetadataBuffers:
         non-zero room (someone else's row). Zero: not written yet.
         """
         if self._rooms is not None:
-            got = self._rooms[slots, 0]
+            got = np.take(self._rooms, slots)
         else:
-            got = self.tensors["bootstrap_room"][torch.as_tensor(slots), 0].view(torch.int64)
-            got = got.cpu().numpy()
+            col = self.tensors["bootstrap_room"][torch.as_tensor(slots), 0].view(torch.int64)
+            got = col.cpu().numpy()
         want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
         landed = got == want
         return landed, ~landed & (got != 0)

@@ -96,19 +96,30 @@ def fire(
     return np.where(moves, dest, st).astype(np.int8, copy=False), illegal
 
 
-def demote(values: NDArray[np.int8], trigger: str, closed: NDArray[np.bool_]) -> NDArray[np.int8]:
-    """Apply a gate's demotion edge to local observations where ``closed``.
+def _demotions() -> dict[str, tuple[int, int]]:
+    out = {}
+    for edge in EDGES:
+        if edge.kind is EdgeKind.DEMOTE:
+            (src,) = edge.sources
+            out[edge.trigger] = (int(src), int(edge.dest))
+    return out
 
-    Rows the edge is not declared from (anything but Success) are left as
-    they are: a closed gate has nothing to hold back there, and in particular
-    it can never hide a Failed.
+
+_DEMOTE = _demotions()
+
+
+def demote(values: NDArray[np.int8], trigger: str, closed: NDArray[np.bool_]) -> NDArray[np.int8]:
+    """Apply a gate's demotion edge, in place, to local observations where ``closed``.
+
+    Only rows at the edge's source (Success) move: a closed gate has nothing
+    to hold back elsewhere, and in particular it can never hide a Failed.
     """
-    t = TRIGGER_ID[trigger]
-    dest = DEST[t, values]
-    hit = closed & (dest >= 0)
-    if not GUARDED[t]:
-        raise AssertionError(f"{trigger} is not a gate edge")
-    return np.where(hit, dest, values).astype(np.int8, copy=False)
+    try:
+        src, dst = _DEMOTE[trigger]
+    except KeyError:
+        raise UnknownTrigger(trigger, tuple(_DEMOTE)) from None
+    np.putmask(values, closed & (values == src), dst)
+    return values
 
 
 def advance(

@@ -52,7 +52,17 @@ from lifecycle.errors import (
     InvalidStatus,
     PartialPollError,
 )
-from lifecycle.packing import HEADER, PAD, Header, fingerprint, pack, unpack, write_header
+from lifecycle.packing import (
+    HEADER,
+    MAX_RANK,
+    PAD,
+    REASON_SHIFT,
+    STATUS_SHIFT,
+    Header,
+    fingerprint,
+    unpack,
+    write_header,
+)
 from lifecycle.protocols import (
     BatchPoller,
     FaultHook,
@@ -143,13 +153,25 @@ class StepResult:
     step: int
     rooms: NDArray[np.uint64]  # live requests in queue order
     statuses: NDArray[np.int8]  # agreed status per request
-    reasons: NDArray[np.int8]  # agreed reason (NONE unless Failed)
-    holders: NDArray[np.int32]  # Failed: origin rank; pending: lowest rank at that status
+    words: NDArray[np.int32]  # the reduced words (reason and origin are decoded lazily)
     changed: NDArray[np.int64]  # row indices whose status changed this step
     previous: NDArray[np.int8]  # their status before the step
     triggers: NDArray[np.int16]  # the trigger each changed row took
     exceptions: dict[int, BaseException] = attrs.field(factory=dict)
     stuck: tuple[StuckReport, ...] = ()
+
+    @property
+    def reasons(self) -> NDArray[np.int8]:
+        """Agreed failure reason per request (NONE unless Failed)."""
+        r = ((self.words >> REASON_SHIFT) & 0xF).astype(np.int8)
+        out: NDArray[np.int8] = np.where(self.statuses == _F, r, _NONE).astype(np.int8)
+        return out
+
+    @property
+    def holders(self) -> NDArray[np.int32]:
+        """Failed: the origin rank; pending: the lowest rank at the agreed status."""
+        out: NDArray[np.int32] = self.words & np.int32(MAX_RANK)
+        return out
 
     def _new(self, status: int) -> NDArray[np.int64]:
         rows: NDArray[np.int64] = self.changed[self.statuses[self.changed] == status]
@@ -168,12 +190,13 @@ class StepResult:
     def failures(self) -> list[Failure]:
         """The newly failed requests with the agreed reason and origin rank."""
         rows = self._new(KVPoll.Failed)
+        w = self.words[rows]
         return [
             Failure(int(r), FailureReason(int(c)), int(o))
             for r, c, o in zip(
                 self.rooms[rows].tolist(),
-                self.reasons[rows].tolist(),
-                self.holders[rows].tolist(),
+                ((w >> REASON_SHIFT) & 0xF).tolist(),
+                (w & MAX_RANK).tolist(),
             )
         ]
 
@@ -193,6 +216,45 @@ def _bucket(n: int, floor: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+class _View:
+    """Per-table arrays that change only when the table's membership or
+    columns change; rebuilt then, reused by every step in between."""
+
+    __slots__ = (
+        "fake",
+        "fp",
+        "hidx",
+        "key",
+        "meta_rooms",
+        "meta_rows",
+        "meta_slots",
+        "mslots",
+        "n",
+        "rooms",
+        "rows",
+    )
+
+    def __init__(self, t: RequestTable) -> None:
+        self.key = (t.version, t.columns_version)
+        self.rows = t.order().copy()
+        self.rooms = t.room[self.rows]
+        self.hidx = t.handle_index[self.rows]
+        self.mslots = t.metadata_slot[self.rows]
+        self.fake = t.fake[self.rows]
+        self.n = self.rows.size
+        self.fp = fingerprint(self.rooms)
+        # rows the metadata gate reads: real requests with a row (None: all of them)
+        checkable = ~self.fake & (self.mslots >= 0)
+        self.meta_rows: NDArray[np.int64] | None = None
+        self.meta_slots, self.meta_rooms = self.mslots, self.rooms
+        if not checkable.all():
+            self.meta_rows = np.flatnonzero(checkable)
+            self.meta_slots, self.meta_rooms = self.mslots[checkable], self.rooms[checkable]
+
+
 class Stepper:
     """Steps the requests of one :class:`RequestTable` on one rank."""
 
@@ -209,6 +271,8 @@ class Stepper:
         config: StepConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not 0 <= rank <= MAX_RANK:
+            raise ValueError(f"rank {rank} does not fit the reduced word (0..{MAX_RANK})")
         self.table = table
         self.rank = rank
         self.poller = poller
@@ -221,10 +285,9 @@ class Stepper:
         table.rank = rank
         self.capacity = _bucket(0, self.config.initial_capacity)
         self._floor = self.capacity
-        self._fp_version = -1
-        self._fp = 0
+        self._view: _View | None = None
+        self._buf = np.empty(0, dtype=np.int32)
         self._prepared = False
-        self._rows: NDArray[np.int64] = np.empty(0, dtype=np.int64)
         self._state: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self._local: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self._reason: NDArray[np.int8] = np.empty(0, dtype=np.int8)
@@ -232,6 +295,15 @@ class Stepper:
         self._raw_invalid: dict[int, object] = {}
         self._exceptions: dict[int, BaseException] = {}
         self._now = 0.0
+        self._const_word = np.int32((int(FailureReason.NONE) << REASON_SHIFT) | rank)
+
+    def _current_view(self) -> _View:
+        t = self.table
+        t.order()  # compacts removed rows (bumps nothing: membership already counted)
+        v = self._view
+        if v is None or v.key != (t.version, t.columns_version):
+            v = self._view = _View(t)
+        return v
 
     # ------------------------------------------------------------------
     # prepare: observe, verdicts, gates -> buffer
@@ -239,107 +311,165 @@ class Stepper:
     def prepare(self) -> NDArray[np.int32]:
         """Local work of a step; returns the int32 buffer to MIN-reduce."""
         t = self.table
-        rows = t.order().copy()
-        n = rows.size
-        rooms = t.room[rows]
+        v = self._current_view()
+        rows, rooms, hidx, n = v.rows, v.rooms, v.hidx, v.n
         state = t.state[rows]
         now = self.clock()
         step = t.step_no + 1
-        active = ~TERMINAL[state]
-        all_active = bool(active.all())
-        act_rooms = rooms if all_active else rooms[active]
         self._exceptions = {}
         self._raw_invalid = {}
-
-        hidx_all = t.handle_index[rows]
-        if self.staging is not None and act_rooms.size:
-            self.staging.advance(act_rooms, hidx_all if all_active else hidx_all[active])
-
-        # 1. observe
-        raw = state.copy()
-        reason = np.full(n, _NONE, dtype=np.int8)
-        if act_rooms.size:
-            vals, exc, invalid, backend_reason = self._observe(rows, active, all_active, act_rooms)
-            if all_active:
-                raw[:] = np.where(invalid | exc, _F, vals)
-                exc_full, inv_full, breason = exc, invalid, backend_reason
-            else:
-                raw[active] = np.where(invalid | exc, _F, vals)
-                exc_full = np.zeros(n, dtype=bool)
-                inv_full = np.zeros(n, dtype=bool)
-                breason = np.full(n, FailureReason.UNKNOWN, dtype=np.int8)
-                exc_full[active] = exc
-                inv_full[active] = invalid
-                breason[active] = backend_reason
+        active = (state > _F) & (state < _S)  # not latched (cheaper than a table lookup)
+        all_active = n == 0 or bool(active.all())
+        if all_active:
+            act_rooms, act_hidx = rooms, hidx
         else:
-            exc_full = inv_full = np.zeros(n, dtype=bool)
-            breason = np.full(n, FailureReason.UNKNOWN, dtype=np.int8)
+            act_rooms, act_hidx = rooms[active], hidx[active]
 
-        # 2. local verdicts, first one wins
-        def verdict(mask: NDArray[np.bool_], code: FailureReason) -> None:
-            hit = mask & active & (reason == _NONE)
-            if hit.any():
-                reason[hit] = code
+        if self.staging is not None and act_rooms.size:
+            self.staging.advance(act_rooms, act_hidx)
+
+        # 1. observe (terminal rows keep their latched status)
+        reason: NDArray[np.int8] | None = None
+        if act_rooms.size:
+            vals, exc, invalid, breason = self._observe(
+                rows, active, all_active, act_rooms, act_hidx
+            )
+            if all_active:
+                local = vals
+            else:
+                local = state.copy()
+                local[active] = vals
+        else:
+            local = state.copy()
+            exc = invalid = breason = None
+
+        # 2. local verdicts, first one wins; `reason` exists only once one hits
+        def verdict(mask: NDArray[np.bool_] | None, code: FailureReason, sub: bool = False) -> None:
+            nonlocal reason
+            if mask is None or not mask.any():
+                return
+            if sub and not all_active:  # mask is over the active rows only
+                full = np.zeros(n, dtype=bool)
+                full[active] = mask
+                mask = full
+            hit = mask if all_active else mask & active
+            if reason is None:
+                reason = np.full(n, _NONE, dtype=np.int8)
+            else:
+                hit = hit & (reason == _NONE)
+            reason[hit] = code
 
         if self.faults is not None and n:
             ctx = StepContext(self.rank, step, now, rooms, state, t.added_step[rows])
             verdict(np.asarray(self.faults.inject(ctx), dtype=bool), FailureReason.INJECTED_FAULT)
         cfg = self.config
-        if cfg.bootstrap_timeout is not None:
+        if cfg.bootstrap_timeout is not None and n:
             late = (state == KVPoll.Bootstrapping) & (
                 now - t.entered_time[rows] >= cfg.bootstrap_timeout
             )
             verdict(late, FailureReason.BOOTSTRAP_TIMEOUT)
-        if cfg.waiting_timeout is not None:
-            sent = t.metadata_sent_at[rows]
+        if cfg.waiting_timeout is not None and n:
             with np.errstate(invalid="ignore"):
-                verdict(now - sent >= cfg.waiting_timeout, FailureReason.WAITING_TIMEOUT)
-        verdict(t.abort_requested[rows], FailureReason.ABORTED)
-        verdict(exc_full, FailureReason.LOCAL_EXCEPTION)
-        verdict(inv_full, FailureReason.INVALID_STATUS)
-        success = (raw == _S) & active  # latched rows are neither checked nor gated
+                verdict(
+                    now - t.metadata_sent_at[rows] >= cfg.waiting_timeout,
+                    FailureReason.WAITING_TIMEOUT,
+                )
+        if t.abort_count:
+            verdict(t.abort_requested[rows], FailureReason.ABORTED)
+        verdict(exc, FailureReason.LOCAL_EXCEPTION, sub=True)
+        verdict(invalid, FailureReason.INVALID_STATUS, sub=True)
         landed: NDArray[np.bool_] | None = None
-        if self.metadata is not None and success.any():
-            landed, corrupt = self._metadata_check(rows, rooms, success)
-            verdict(corrupt, FailureReason.METADATA_CORRUPT)
-        verdict(raw == _F, FailureReason.UNKNOWN)
-        if (breason != FailureReason.UNKNOWN).any():
-            upgrade = (reason == FailureReason.UNKNOWN) & (raw == _F) & active
-            reason[upgrade] = breason[upgrade]
-        local = np.where(reason != _NONE, _F, raw).astype(np.int8)
+        if self.metadata is not None and n:
+            success = local == _S
+            if not all_active:
+                success &= active  # latched rows are neither checked nor gated
+            if success.any():
+                landed, corrupt = self._metadata_check(v, success)
+                verdict(corrupt, FailureReason.METADATA_CORRUPT)
+        if n and int(local.min()) == 0:
+            backend_failed = local == _F
+            if not all_active:
+                backend_failed &= active
+            if breason is not None and reason is None and backend_failed.any():
+                reason = np.full(n, _NONE, dtype=np.int8)
+            if reason is not None:
+                hit = backend_failed & (reason == _NONE)
+                if breason is None:
+                    reason[hit] = FailureReason.UNKNOWN
+                elif all_active:
+                    reason[hit] = breason[hit]
+                else:
+                    full_b = np.full(n, FailureReason.UNKNOWN, dtype=np.int8)
+                    full_b[active] = breason
+                    reason[hit] = full_b[hit]
+            else:
+                verdict(backend_failed, FailureReason.UNKNOWN)
+        if reason is not None:
+            local = np.where(reason != _NONE, _F, local).astype(np.int8)
 
         # 3. gates: only the declared Success -> Transferring demotion, and only on
         # requests not yet agreed terminal (a latched Success is never held back)
-        if self.staging is not None and ((local == _S) & active).any():
-            sel = (local == _S) & active
-            pend = np.zeros(n, dtype=bool)
-            pend[sel] = np.asarray(self.staging.pending(rooms[sel], hidx_all[sel]), dtype=bool)
-            local = batch.demote(local, "hold_staging", pend)
+        if self.staging is not None and n:
+            sel = local == _S
+            if not all_active:
+                sel &= active
+            if sel.any():
+                pend = self._ask(self.staging.pending, v, active, all_active, act_rooms, act_hidx)
+                local = batch.demote(local, "hold_staging", pend)
         if landed is not None:
             local = batch.demote(local, "hold_metadata", ~landed)
         for gate in self.gates:
-            sel = (local == _S) & active
+            sel = local == _S
+            if not all_active:
+                sel &= active
             if not sel.any():
                 break
-            closed = np.zeros(n, dtype=bool)
-            closed[sel] = np.asarray(gate.closed(rooms[sel], hidx_all[sel]), dtype=bool)
+            closed = self._ask(gate.closed, v, active, all_active, act_rooms, act_hidx)
             local = batch.demote(local, "hold_gate", closed)
 
-        self._rows, self._state, self._local, self._reason = rows, state, local, reason
+        self._state, self._local = state, local
+        self._reason = reason if reason is not None else np.full(n, _NONE, dtype=np.int8)
         self._now = now
-        self._words = np.empty(n, dtype=np.int32)
-        pack(local, reason, self.rank, self._words)
-        if self._fp_version != t.version:
-            self._fp, self._fp_version = fingerprint(rooms), t.version
         self._prepared = True
-        return self._pack_buffer()
+        return self._pack_buffer(v)
 
-    def _pack_buffer(self) -> NDArray[np.int32]:
-        n = self._words.size
-        buf = np.empty(HEADER + self.capacity, dtype=np.int32)
-        write_header(buf, n, self._fp)
+    @staticmethod
+    def _ask(
+        fn: Callable[..., Any],
+        v: _View,
+        active: NDArray[np.bool_],
+        all_active: bool,
+        act_rooms: NDArray[np.uint64],
+        act_hidx: NDArray[np.int64],
+    ) -> NDArray[np.bool_]:
+        """A gate's answer for every active row (False on latched rows).
+
+        Asking about all active rows, not only those at Success, costs one
+        gather in an array-backed gate and saves two mask selections here.
+        """
+        if all_active:
+            out: NDArray[np.bool_] = np.asarray(fn(v.rooms, v.hidx), dtype=bool)
+            return out
+        full = np.zeros(v.n, dtype=bool)
+        full[active] = np.asarray(fn(act_rooms, act_hidx), dtype=bool)
+        return full
+
+    def _pack_buffer(self, v: _View) -> NDArray[np.int32]:
+        n = v.n
+        size = HEADER + self.capacity
+        if self._buf.size != size:
+            self._buf = np.full(size, PAD, dtype=np.int32)
+        buf = self._buf
+        write_header(buf, n, v.fp)
+        words = self._words = np.empty(n, dtype=np.int32)
+        np.left_shift(self._local, STATUS_SHIFT, out=words, dtype=np.int32, casting="unsafe")
+        if self._reason is not None and (self._reason != _NONE).any():
+            words |= np.left_shift(self._reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
+            words |= np.int32(self.rank)
+        else:
+            words |= self._const_word
         k = min(n, self.capacity)
-        buf[HEADER : HEADER + k] = self._words[:k]
+        buf[HEADER : HEADER + k] = words[:k]
         buf[HEADER + k :] = PAD
         return buf
 
@@ -349,37 +479,40 @@ class Stepper:
         active: NDArray[np.bool_],
         all_active: bool,
         rooms: NDArray[np.uint64],
-    ) -> tuple[NDArray[np.int8], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.int8]]:
-        """Raw statuses of the active rows: (values, raised, invalid, backend reason)."""
+        hidx: NDArray[np.int64],
+    ) -> tuple[
+        NDArray[np.int8],
+        NDArray[np.bool_] | None,
+        NDArray[np.bool_] | None,
+        NDArray[np.int8] | None,
+    ]:
+        """Raw statuses of the active rows: (values, raised, invalid, backend reason).
+
+        Masks are None when nothing raised / nothing was invalid / the backend
+        gave no reasons (the common case costs no arrays).
+        """
         k = rooms.size
-        exc = np.zeros(k, dtype=bool)
-        breason = np.full(k, FailureReason.UNKNOWN, dtype=np.int8)
+        exc: NDArray[np.bool_] | None = None
+        breason: NDArray[np.int8] | None = None
         if self.poller is not None:
-            hidx = self.table.handle_index[rows if all_active else rows[active]]
             try:
                 try:
                     arr = np.asarray(self.poller.poll_many(rooms, hidx))
                 except PartialPollError as pe:
                     arr = np.asarray(pe.statuses)
+                    exc = np.zeros(k, dtype=bool)
                     for i, err in pe.errors.items():
                         exc[i] = True
                         self._exceptions[int(rooms[i])] = err
                 if arr.shape != (k,):
                     raise ValueError(f"poll_many returned shape {arr.shape}, expected ({k},)")
+                if arr.dtype.kind not in "iub":
+                    raise TypeError(f"poll_many must return integers, got dtype {arr.dtype}")
             except Exception as e:  # never let one rank's error desync the group
                 for r in rooms.tolist():
                     self._exceptions[r] = e
-                return np.zeros(k, np.int8), np.ones(k, bool), np.zeros(k, bool), breason
-            if arr.dtype.kind not in "iub":
-                raise TypeError(f"poll_many must return integers, got dtype {arr.dtype}")
-            arr = np.where(exc, KVPoll.Failed, arr)
-            invalid = ((arr < 0) | (arr > KVPoll.Success)) & ~exc
-            vals = np.where(invalid, _F, arr).astype(np.int8)
-            failed = (vals == _F) & ~invalid & ~exc
-            reasons_fn = getattr(self.poller, "failure_reasons", None)
-            if failed.any() and reasons_fn is not None:
-                given = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int64)
-                breason[failed] = np.where(np.isin(given, _BACKEND_REASONS), given, _UNKNOWN)
+                return np.zeros(k, np.int8), np.ones(k, bool), None, None
+            values: Any = arr
         else:
             handles = self.table.handles
             slots = (rows if all_active else rows[active]).tolist()
@@ -393,48 +526,72 @@ class Stepper:
                 except Exception as e:
                     self._exceptions[int(rooms[pos])] = e
                     out.append(KVPoll.Failed)
+                    if exc is None:
+                        exc = np.zeros(k, dtype=bool)
                     exc[pos] = True
                     pos += 1
+            values = out
             try:
                 arr = np.fromiter(out, dtype=np.int64, count=k)
-                invalid = (arr < 0) | (arr > KVPoll.Success)
             except (TypeError, ValueError):
-                invalid = np.array([not isinstance(v, int) or not 0 <= v <= 4 for v in out])
-                arr = np.array([v if not bad else 0 for v, bad in zip(out, invalid)])
-            vals = np.where(invalid, _F, arr).astype(np.int8)
-            failed = (vals == _F) & ~invalid & ~exc
-            for i in np.flatnonzero(failed).tolist():
-                breason[i] = _reason_of(handles[slots[i]])
-        if invalid.any():
+                arr = np.array([v if isinstance(v, int) else -1 for v in out], dtype=np.int64)
+        invalid: NDArray[np.bool_] | None = None
+        if k and (int(arr.min()) < 0 or int(arr.max()) > 4):
+            invalid = (arr < 0) | (arr > 4)
+            if exc is not None:
+                invalid &= ~exc
             for i in np.flatnonzero(invalid).tolist():
-                self._raw_invalid[int(rooms[i])] = arr[i] if self.poller is not None else out[i]
+                self._raw_invalid[int(rooms[i])] = values[i]
+            arr = np.where(invalid, KVPoll.Failed, arr)
+        if exc is not None:
+            arr = np.where(exc, KVPoll.Failed, arr)
+        vals = arr.astype(np.int8)  # a fresh array: the backend's is never written to
+        if k and int(vals.min()) == 0:
+            failed = vals == _F
+            if exc is not None:
+                failed &= ~exc
+            if invalid is not None:
+                failed &= ~invalid
+            if failed.any():
+                breason = np.full(k, FailureReason.UNKNOWN, dtype=np.int8)
+                if self.poller is not None:
+                    reasons_fn = getattr(self.poller, "failure_reasons", None)
+                    if reasons_fn is not None:
+                        given = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int64)
+                        breason[failed] = np.where(
+                            np.isin(given, _BACKEND_REASONS), given, _UNKNOWN
+                        )
+                else:
+                    handles = self.table.handles
+                    slots_l = (rows if all_active else rows[active]).tolist()
+                    for i in np.flatnonzero(failed).tolist():
+                        breason[i] = _reason_of(handles[slots_l[i]])
         return vals, exc, invalid, breason
 
     def _metadata_check(
-        self, rows: NDArray[np.int64], rooms: NDArray[np.uint64], success: NDArray[np.bool_]
+        self, v: _View, success: NDArray[np.bool_]
     ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-        """(landed, corrupt) per row; fake-path requests count as landed."""
+        """(landed, corrupt) per row, for rows at Success; fake-path requests
+        count as landed, a real request without a metadata row never does."""
         assert self.metadata is not None
-        t = self.table
-        n = rows.size
-        landed = np.ones(n, dtype=bool)
-        corrupt = np.zeros(n, dtype=bool)
-        check = success & ~t.fake[rows]
-        slots = t.metadata_slot[rows]
-        no_slot = check & (slots < 0)
-        landed[no_slot] = False
-        check &= slots >= 0
-        if check.any():
-            ok, bad = self.metadata.landed(slots[check], rooms[check])
-            landed[check] = ok
-            corrupt[check] = bad
-        return landed, corrupt
+        ok, bad = self.metadata.landed(v.meta_slots, v.meta_rooms)
+        if v.meta_rows is None:
+            landed = np.asarray(ok, dtype=bool)
+            corrupt = np.asarray(bad, dtype=bool) & success
+        else:
+            landed = v.fake.copy()  # fake rows are exempt; real rows without a slot stay False
+            landed[v.meta_rows] = ok
+            corrupt = np.zeros(v.n, dtype=bool)
+            corrupt[v.meta_rows] = bad
+            corrupt &= success
+        return landed | ~success, corrupt
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:
         """(rooms, gated local status, local reason) of the last prepare: what
         this rank contributed to the reduce (for traces, replay and tests)."""
-        return self.table.room[self._rows], self._local, self._reason
+        rooms = self._view.rooms if self._view is not None else np.empty(0, np.uint64)
+        return rooms, self._local, self._reason
 
     # ------------------------------------------------------------------
     # reduce-side decisions (identical on every rank: they read reduced data)
@@ -452,69 +609,67 @@ class Stepper:
 
     def repack(self) -> NDArray[np.int32]:
         """The prepared local values at the current capacity (no second poll)."""
-        if not self._prepared:
+        if not self._prepared or self._view is None:
             raise RuntimeError("repack() before prepare()")
-        return self._pack_buffer()
+        return self._pack_buffer(self._view)
 
     def apply(self, reduced: NDArray[np.int32]) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
-        if not self._prepared:
+        if not self._prepared or self._view is None:
             raise RuntimeError("apply() before prepare(): every step is prepare, reduce, apply")
+        v = self._view
         hdr = Header(reduced)
-        n = self._rows.size
+        n = v.n
         if hdr.len_max > self.capacity:
             raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
         if hdr.len_max * 4 < self.capacity and self.capacity > self._floor:
             self.capacity = max(self._floor, _bucket(hdr.len_max * 2, self._floor))
+        self._prepared = False
         if not hdr.agreed:
-            self._prepared = False
             raise CollectiveMismatch(
-                self.rank, n, (hdr.len_min, hdr.len_max), self._fp, (hdr.fp_min, hdr.fp_max)
+                self.rank, n, (hdr.len_min, hdr.len_max), v.fp, (hdr.fp_min, hdr.fp_max)
             )
-        agreed, reason, holder = unpack(reduced[HEADER : HEADER + n])
+        words = reduced[HEADER : HEADER + n].copy()
+        agreed = (words >> STATUS_SHIFT).astype(np.int8)
         state = self._state
-        if self.config.invalid_status == "raise":
-            bad = (agreed == _F) & (reason == FailureReason.INVALID_STATUS) & (state != _F)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                room = int(self.table.room[self._rows[i]])
-                self._prepared = False
-                raise InvalidStatus(room, int(holder[i]), self._raw_invalid.get(room))
-        new, trig, illegal = batch.advance(state, agreed, reason)
-        if illegal.any():
-            i = int(np.flatnonzero(illegal)[0])
-            self._prepared = False
-            raise IllegalTransition(
-                int(self.table.room[self._rows[i]]),
-                self.rank,
-                int(state[i]),
-                int(agreed[i]),
-                "advance",
-            )
         t = self.table
         step = t.step_no + 1
-        changed = np.flatnonzero(new != state)
-        if changed.size:
-            slots = self._rows[changed]
+        if np.array_equal(agreed, state):  # the common case: nothing moved
+            changed, trig = _EMPTY_I64, np.empty(0, dtype=np.int16)
+        else:
+            reason = ((words >> REASON_SHIFT) & 0xF).astype(np.int8)
+            if self.config.invalid_status == "raise":
+                bad = (agreed == _F) & (reason == FailureReason.INVALID_STATUS) & (state != _F)
+                if bad.any():
+                    i = int(np.flatnonzero(bad)[0])
+                    room = int(v.rooms[i])
+                    raise InvalidStatus(room, int(words[i] & MAX_RANK), self._raw_invalid.get(room))
+            new, trig_all, illegal = batch.advance(state, agreed, reason)
+            if illegal.any():
+                i = int(np.flatnonzero(illegal)[0])
+                raise IllegalTransition(
+                    int(v.rooms[i]), self.rank, int(state[i]), int(agreed[i]), "advance"
+                )
+            changed = np.flatnonzero(new != state)
+            trig = trig_all[changed]
+            slots = v.rows[changed]
             t.state[slots] = new[changed]
             t.entered_step[slots] = step
             t.entered_time[slots] = self._now
             failed = changed[new[changed] == _F]
             if failed.size:
-                t.reason[self._rows[failed]] = reason[failed]
-                t.origin[self._rows[failed]] = holder[failed]
+                t.reason[v.rows[failed]] = reason[failed]
+                t.origin[v.rows[failed]] = words[failed] & MAX_RANK
         t.step_no = step
         t.now = self._now
-        self._prepared = False
         return StepResult(
             step=step,
-            rooms=t.room[self._rows],
-            statuses=new,
-            reasons=np.where(new == _F, reason, _NONE).astype(np.int8),
-            holders=holder,
+            rooms=v.rooms,
+            statuses=agreed,
+            words=words,
             changed=changed,
             previous=state[changed],
-            triggers=trig[changed],
+            triggers=trig,
             exceptions=self._exceptions,
         )
 
@@ -530,32 +685,29 @@ class Stepper:
             collective.all_reduce_min(buf)
         result = self.apply(buf)
         k = self.config.stuck_after
-        if k is not None:
-            age = result.step - self.table.entered_step[self._rows]
+        if k is not None and self._view is not None and self._view.n:
+            age = result.step - self.table.entered_step[self._view.rows]
             stuck = ~TERMINAL[result.statuses] & (age >= k) & (age % k == 0)
             if stuck.any():
                 rows = np.flatnonzero(stuck)
-                result = attrs.evolve(result, stuck=self._diagnose(collective, rows, result))
+                result = attrs.evolve(
+                    result, stuck=self._diagnose_rows(collective, rows, result.statuses)
+                )
         return result
 
     def diagnose(self, collective: Collective) -> tuple[StuckReport, ...]:
         """On demand (collectively: every rank must call it): who holds each
         non-terminal request of the last step back."""
-        if self._local.size != self._rows.size:
+        if self._view is None or self._local.size != self._view.n:
             return ()
-        statuses = self.table.state[self._rows]
+        statuses = self.table.state[self._view.rows]
         rows = np.flatnonzero(~TERMINAL[statuses])
-        result_stub = statuses
-        return self._diagnose_rows(collective, rows, result_stub)
-
-    def _diagnose(
-        self, collective: Collective, rows: NDArray[np.int64], result: StepResult
-    ) -> tuple[StuckReport, ...]:
-        return self._diagnose_rows(collective, rows, result.statuses)
+        return self._diagnose_rows(collective, rows, statuses)
 
     def _diagnose_rows(
         self, collective: Collective, rows: NDArray[np.int64], statuses: NDArray[np.int8]
     ) -> tuple[StuckReport, ...]:
+        assert self._view is not None
         # one all-gather, of a length every rank agrees on (derived from agreed state)
         words = self._words[rows] if rows.size else np.empty(0, dtype=np.int32)
         gathered = collective.all_gather(np.ascontiguousarray(words, dtype=np.int32))
@@ -569,9 +721,9 @@ class Stepper:
             holders = tuple(sorted(r for r, s in zip(ranks, locs) if s == agreed))
             reports.append(
                 StuckReport(
-                    room=int(self.table.room[self._rows[i]]),
+                    room=int(self._view.rooms[i]),
                     status=KVPoll(agreed),
-                    steps=step - int(self.table.entered_step[self._rows[i]]),
+                    steps=step - int(self.table.entered_step[self._view.rows[i]]),
                     holders=holders,
                     local=tuple(sorted((r, KVPoll(s)) for r, s in zip(ranks, locs))),
                 )

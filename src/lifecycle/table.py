@@ -109,6 +109,8 @@ class RequestTable:
         self._free: list[int] = list(range(self._cap - 1, -1, -1))
         self._limbo: list[int] = []  # dead slots still listed in _order
         self.version = 0  # bumped on every add/remove: invalidates cached fingerprints
+        self.columns_version = 0  # bumped when a per-request column is edited by hand
+        self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.step_no = 0  # advanced by the stepper
         self.now = 0.0  # time of the last step, for rows added between steps
 
@@ -256,6 +258,8 @@ class RequestTable:
         slot = self.slot_of(room)
         info = RequestInfo(self, slot)
         del self._index[room]
+        self.abort_count -= int(self.abort_requested[slot])
+        self.abort_requested[slot] = False
         self.alive[slot] = False
         self.handles[slot] = None
         self._limbo.append(slot)
@@ -270,6 +274,8 @@ class RequestTable:
         if len(set(room_list)) != len(room_list):
             raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
         slots = [self._index.pop(r) for r in room_list]
+        self.abort_count -= int(self.abort_requested[slots].sum())
+        self.abort_requested[slots] = False
         self.alive[slots] = False
         for s in slots:
             self.handles[s] = None
@@ -280,7 +286,10 @@ class RequestTable:
     # -- requests from the scheduler, acted on at the next step ----------
     def request_abort(self, room: int) -> None:
         """Ask for ``room`` to fail with reason ABORTED at the next step (on every rank)."""
-        self.abort_requested[self.slot_of(room)] = True
+        slot = self.slot_of(room)
+        if not self.abort_requested[slot]:
+            self.abort_requested[slot] = True
+            self.abort_count += 1
 
     def mark_metadata_sent(self, room: int, now: float) -> None:
         """Start the waiting-timeout clock (decode: metadata sent to prefill)."""
@@ -288,10 +297,12 @@ class RequestTable:
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
         self.metadata_slot[self.slot_of(room)] = slot
+        self.columns_version += 1
 
     def set_handle_index(self, room: int, index: int) -> None:
         """The backend's own index for this request (passed to ``poll_many``)."""
         self.handle_index[self.slot_of(room)] = index
+        self.columns_version += 1
 
     def set_handle(self, room: int, handle: Any) -> None:
         self.handles[self.slot_of(room)] = handle

@@ -10,6 +10,7 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    from lifecycle.tools import simulate
+    from lifecycle.tools import bench, simulate
 
     simulate.add_parser(sub)
+    bench.add_parser(sub)

@@ -1,0 +1,278 @@
+"""``pdlife bench``: the step against the all-reduce floor and the per-request
+pattern, measured side by side in one run on 2 gloo ranks on 127.0.0.1.
+
+For each N live requests (metadata and staging gates on) every repetition
+times, back to back and in the same order on both ranks:
+
+- ``floor``: a bare gloo MIN all-reduce of N uint8 values;
+- ``ours``: :meth:`Stepper.step` -- batch poll, verdicts, staging and metadata
+  gates, packed reduce, apply, result;
+- ``pattern``: what engines do today -- a Python list of ``poll()`` calls, a
+  per-request metadata check reading one tensor element each,
+  ``torch.tensor``, all-reduce, ``tolist``;
+- ``transitions`` (fewer repetitions): one ``transitions`` machine per
+  request, the agreed status applied by a trigger per request.
+
+Ratios are of medians taken in the same run. Table mutation (add and remove
+10,000 requests) and memory per live request are measured on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+__all__ = ["add_parser", "run_bench"]
+
+SIZES = (64, 1024, 4096, 16384)
+
+
+class ArrayBackend:
+    """A backend that keeps statuses, scatter progress in arrays (batch poll)."""
+
+    def __init__(self, n: int) -> None:
+        # a third still transferring; the rest report Success, half of those
+        # still scattering from staging, half with the metadata row not landed
+        self.status = np.full(n, 4, dtype=np.int8)
+        self.status[0::3] = 3
+        self.scatter_left = np.zeros(n, dtype=np.int32)
+        self.scatter_left[1::3] = 1 << 30
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+    # staging gate
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        self.scatter_left[indices] -= 1
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        out: NDArray[np.bool_] = self.scatter_left[indices] > 0
+        return out
+
+
+class ObjPoller:
+    __slots__ = ("status",)
+
+    def __init__(self) -> None:
+        self.status = 4
+
+    def poll(self) -> int:
+        return self.status
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e6
+    return {"median_us": float(np.median(a)), "p90_us": float(np.percentile(a, 90))}
+
+
+def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from buffers import MetadataBuffers, MetadataLayout
+    from lifecycle import KVPoll, RequestMachine, RequestTable, Stepper, TorchCollective
+
+    coll = TorchCollective()
+    layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
+    rooms = np.arange(1, n + 1, dtype=np.uint64) * 7919
+    meta = MetadataBuffers(n, layout)
+    # rows landed except for one in three: the metadata gate holds those back
+    room_col = meta.tensors["bootstrap_room"].view(torch.int64)
+    room_col[:, 0] = torch.from_numpy(rooms.view(np.int64))
+    room_col[2::3, 0] = 0
+    backend = ArrayBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    table.extend(
+        rooms,
+        state=KVPoll.Transferring,
+        metadata_slots=np.arange(n),
+        handle_indices=np.arange(n),
+    )
+    stepper = Stepper(table, rank, poller=backend, staging=backend, metadata=meta)
+    # the pattern's per-request objects
+    pollers = [ObjPoller() for _ in range(n)]
+    slots = list(range(n))
+    room_list = rooms.tolist()
+    meta_rooms = meta.tensors["bootstrap_room"]
+    staging_left = backend.scatter_left
+    group = None
+    floor_buf = torch.zeros(n, dtype=torch.uint8)
+
+    def floor() -> None:
+        dist.all_reduce(floor_buf, op=dist.ReduceOp.MIN, group=group)
+
+    def ours() -> None:
+        stepper.step(coll)
+
+    def pattern() -> None:
+        polls = [int(p.poll()) for p in pollers]
+        for i in range(n):
+            if polls[i] == 4 and (
+                staging_left[i] > 0 or int(meta_rooms[slots[i], 0].item()) != room_list[i]
+            ):
+                polls[i] = 3
+        t = torch.tensor(polls, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        t.tolist()
+
+    for f in (floor, ours, pattern):  # warm-up (also sizes the step's capacity)
+        for _ in range(3):
+            f()
+    times: dict[str, list[float]] = {"floor": [], "ours": [], "pattern": []}
+    for _ in range(reps):
+        for name, f in (("floor", floor), ("ours", ours), ("pattern", pattern)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    # one transitions machine per request, one trigger per request per step
+    t0 = time.perf_counter()
+    machines = [RequestMachine(int(r), rank, initial=KVPoll.Bootstrapping) for r in room_list]
+    create = (time.perf_counter() - t0) / n
+    agreed_seq = [KVPoll.WaitingForInput, KVPoll.Transferring]
+    tr_times = []
+    for k in range(t_reps):
+        if k == 2:  # reset (not timed) so every timed step moves every machine
+            for m in machines:
+                m.state = KVPoll.Bootstrapping
+        target = agreed_seq[k % 2]
+        dist.barrier()
+        t0 = time.perf_counter()
+        polls = [int(p.poll()) for p in pollers]
+        tt = torch.tensor(polls, dtype=torch.uint8)
+        dist.all_reduce(tt, op=dist.ReduceOp.MIN, group=group)
+        for m in machines:
+            m.advance(target)
+        tr_times.append(time.perf_counter() - t0)
+        if k % 2 == 1:
+            for m in machines:
+                m.state = KVPoll.Bootstrapping
+    for m in machines:
+        m.close()
+    row = {name: _stats(ts) for name, ts in times.items()}
+    row["transitions"] = _stats(tr_times)
+    row["transitions"]["create_machine_us"] = create * 1e6
+    med = {k: v["median_us"] for k, v in row.items()}
+    row["ratios"] = {
+        "ours/floor": med["ours"] / med["floor"],
+        "pattern/ours": med["pattern"] / med["ours"],
+        "transitions/ours": med["transitions"] / med["ours"],
+    }
+    return row
+
+
+def _bench_rank(
+    rank: int, world: int, sizes: tuple[int, ...], reps: int, t_reps: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"sizes": {}}
+    for n in sizes:
+        out["sizes"][str(n)] = _bench_size(rank, n, reps, t_reps)
+    if rank == 0:
+        out["table"] = _table_costs()
+    return out
+
+
+def _table_costs() -> dict[str, float]:
+    from lifecycle import RequestTable
+
+    rooms = np.arange(1, 10_001, dtype=np.uint64)
+    add, rem = [], []
+    for _ in range(7):
+        t = RequestTable(capacity=64)
+        t0 = time.perf_counter()
+        t.extend(rooms)
+        add.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        t.remove_many(rooms)
+        t.order()
+        rem.append(time.perf_counter() - t0)
+    one = RequestTable(capacity=64)
+    t0 = time.perf_counter()
+    for r in range(1, 10_001):
+        one.add(r)
+    add_single = time.perf_counter() - t0
+    tracemalloc.start()
+    t = RequestTable(capacity=1)
+    before = tracemalloc.get_traced_memory()[0]
+    t.extend(np.arange(1, 16_385, dtype=np.uint64))
+    t.order()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {
+        "add_10k_ms": float(np.median(add) * 1e3),
+        "remove_10k_ms": float(np.median(rem) * 1e3),
+        "add_10k_one_by_one_ms": add_single * 1e3,
+        "bytes_per_live_request": (after - before) / 16_384,
+    }
+
+
+def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
+    from lifecycle.testing.spawn import run_ranks
+
+    results = run_ranks(_bench_rank, 2, sizes, reps, t_reps, timeout=1800, pg_timeout=300)
+    res: dict[str, Any] = results[0]
+    import os
+    import platform
+
+    res["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "ranks": 2,
+        "transport": "gloo over 127.0.0.1",
+        "reps": reps,
+        "transitions_reps": t_reps,
+    }
+    return res
+
+
+def format_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"{'N':>6} {'floor':>9} {'ours':>9} {'pattern':>10} {'transitions':>12}   "
+        f"{'ours/floor':>10} {'pattern/ours':>12} {'trans/ours':>10}   (median us; p90 in json)"
+    ]
+    for n, row in res["sizes"].items():
+        r = row["ratios"]
+        lines.append(
+            f"{n:>6} {row['floor']['median_us']:9.0f} {row['ours']['median_us']:9.0f} "
+            f"{row['pattern']['median_us']:10.0f} {row['transitions']['median_us']:12.0f}   "
+            f"{r['ours/floor']:10.2f} {r['pattern/ours']:12.1f} {r['transitions/ours']:10.1f}"
+        )
+    t = res.get("table")
+    if t:
+        lines.append(
+            f"table: add 10k {t['add_10k_ms']:.2f} ms (one by one {t['add_10k_one_by_one_ms']:.1f} ms), "
+            f"remove 10k {t['remove_10k_ms']:.2f} ms, {t['bytes_per_live_request']:.0f} bytes per live request"
+        )
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    res = run_bench(sizes, args.reps, args.transitions_reps)
+    print(format_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench", help="step cost vs. the all-reduce floor and the per-request pattern"
+    )
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--transitions-reps", type=int, default=6)
+    p.add_argument("--json", help="write medians, p90s and ratios here")
+    p.set_defaults(func=_run)
