@@ -223,6 +223,8 @@ class MetadataBuffers:
             got = col.cpu().numpy()
         want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
         landed = got == want
+        if landed.all():
+            return landed, np.zeros(landed.size, dtype=bool)
         return landed, ~landed & (got != 0)
 
 

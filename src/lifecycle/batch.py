@@ -34,6 +34,7 @@ __all__ = [
     "fire",
     "advance",
     "demote",
+    "DEMOTE_SOURCE",
 ]
 
 STAY = len(TRIGGERS)  # pseudo trigger id: agreed status unchanged
@@ -106,19 +107,28 @@ def _demotions() -> dict[str, tuple[int, int]]:
 
 
 _DEMOTE = _demotions()
+#: every gate edge leaves from this status (checked when the graph is declared)
+DEMOTE_SOURCE = next(iter(_DEMOTE.values()))[0]
 
 
-def demote(values: NDArray[np.int8], trigger: str, closed: NDArray[np.bool_]) -> NDArray[np.int8]:
+def demote(
+    values: NDArray[np.int8],
+    trigger: str,
+    closed: NDArray[np.bool_],
+    at: NDArray[np.bool_] | None = None,
+) -> NDArray[np.int8]:
     """Apply a gate's demotion edge, in place, to local observations where ``closed``.
 
     Only rows at the edge's source (Success) move: a closed gate has nothing
     to hold back elsewhere, and in particular it can never hide a Failed.
+    ``at`` may pass a precomputed subset of ``values == DEMOTE_SOURCE`` (the
+    step computes it once for all its gates).
     """
     try:
         src, dst = _DEMOTE[trigger]
     except KeyError:
         raise UnknownTrigger(trigger, tuple(_DEMOTE)) from None
-    np.putmask(values, closed & (values == src), dst)
+    np.putmask(values, closed & ((values == src) if at is None else at), dst)
     return values
 
 

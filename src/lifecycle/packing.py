@@ -108,15 +108,16 @@ class Header:
     __slots__ = ("fp_max", "fp_min", "len_max", "len_min")
 
     def __init__(self, buf: NDArray[np.int32]) -> None:
-        hi_min, hi_max, lo_min, lo_max = int(buf[0]), -int(buf[1]), int(buf[2]), -int(buf[3])
+        h: list[int] = buf[:HEADER].tolist()
+        hi_min, hi_max, lo_min, lo_max = h[0], -h[1], h[2], -h[3]
         # (hi, lo) pairs are compared component-wise: all ranks equal iff min == max in both
         self.fp_min = (hi_min << 31) | lo_min
         self.fp_max = (hi_max << 31) | lo_max
-        self.len_min, self.len_max = int(buf[4]), -int(buf[5])
+        self.len_min, self.len_max = h[4], -h[5]
 
     @property
     def agreed(self) -> bool:
-        return self.fp_min == self.fp_max and self.len_min == self.len_max
+        return bool(self.fp_min == self.fp_max and self.len_min == self.len_max)
 
 
 def read_header(buf: NDArray[np.int32]) -> Header:

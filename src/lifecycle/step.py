@@ -212,8 +212,11 @@ class StepResult:
 
 
 def _bucket(n: int, floor: int) -> int:
-    need = max(floor, n + n // 4, 1)
-    return 1 << (need - 1).bit_length()
+    """Capacity for ``n`` requests: 1/8 headroom, rounded up to an eighth of a
+    power of two (at most ~25% padding, and few distinct sizes)."""
+    need = max(floor, n + n // 8, 1)
+    grain = max(1, 1 << max(0, need.bit_length() - 3))
+    return -(-need // grain) * grain
 
 
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
@@ -226,6 +229,7 @@ class _View:
     __slots__ = (
         "fake",
         "fp",
+        "header",
         "hidx",
         "key",
         "meta_rooms",
@@ -233,6 +237,8 @@ class _View:
         "meta_slots",
         "mslots",
         "n",
+        "no_reason",
+        "ones",
         "rooms",
         "rows",
     )
@@ -246,6 +252,10 @@ class _View:
         self.fake = t.fake[self.rows]
         self.n = self.rows.size
         self.fp = fingerprint(self.rooms)
+        self.ones = np.ones(self.n, dtype=bool)
+        self.header = np.empty(HEADER, dtype=np.int32)
+        write_header(self.header, self.n, self.fp)
+        self.no_reason = np.full(self.n, _NONE, dtype=np.int8)
         # rows the metadata gate reads: real requests with a row (None: all of them)
         checkable = ~self.fake & (self.mslots >= 0)
         self.meta_rows: NDArray[np.int64] | None = None
@@ -291,7 +301,8 @@ class Stepper:
         self._state: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self._local: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self._reason: NDArray[np.int8] = np.empty(0, dtype=np.int8)
-        self._words: NDArray[np.int32] = np.empty(0, dtype=np.int32)
+        self._has_reason = False
+        self._packed = 0
         self._raw_invalid: dict[int, object] = {}
         self._exceptions: dict[int, BaseException] = {}
         self._now = 0.0
@@ -299,7 +310,8 @@ class Stepper:
 
     def _current_view(self) -> _View:
         t = self.table
-        t.order()  # compacts removed rows (bumps nothing: membership already counted)
+        if t._limbo:
+            t.order()  # compacts removed rows (membership changes were already counted)
         v = self._view
         if v is None or v.key != (t.version, t.columns_version):
             v = self._view = _View(t)
@@ -318,8 +330,9 @@ class Stepper:
         step = t.step_no + 1
         self._exceptions = {}
         self._raw_invalid = {}
-        active = (state > _F) & (state < _S)  # not latched (cheaper than a table lookup)
-        all_active = n == 0 or bool(active.all())
+        # rows not yet agreed terminal; the table's count settles the common case
+        all_active = t.terminal_count == 0
+        active = v.ones if all_active else (state > _F) & (state < _S)
         if all_active:
             act_rooms, act_hidx = rooms, hidx
         else:
@@ -407,28 +420,28 @@ class Stepper:
         if reason is not None:
             local = np.where(reason != _NONE, _F, local).astype(np.int8)
 
-        # 3. gates: only the declared Success -> Transferring demotion, and only on
-        # requests not yet agreed terminal (a latched Success is never held back)
-        if self.staging is not None and n:
-            sel = local == _S
+        # 3. gates: each may only apply its declared demotion (Success ->
+        # Transferring), and only on requests not yet agreed terminal (a
+        # latched Success is never held back)
+        if n and (self.staging is not None or landed is not None or self.gates):
+            at = local == batch.DEMOTE_SOURCE
             if not all_active:
-                sel &= active
-            if sel.any():
-                pend = self._ask(self.staging.pending, v, active, all_active, act_rooms, act_hidx)
-                local = batch.demote(local, "hold_staging", pend)
-        if landed is not None:
-            local = batch.demote(local, "hold_metadata", ~landed)
-        for gate in self.gates:
-            sel = local == _S
-            if not all_active:
-                sel &= active
-            if not sel.any():
-                break
-            closed = self._ask(gate.closed, v, active, all_active, act_rooms, act_hidx)
-            local = batch.demote(local, "hold_gate", closed)
+                at &= active
+            if at.any():
+                if self.staging is not None:
+                    pend = self._ask(
+                        self.staging.pending, v, active, all_active, act_rooms, act_hidx
+                    )
+                    batch.demote(local, "hold_staging", pend, at)
+                if landed is not None:
+                    batch.demote(local, "hold_metadata", ~landed, at)
+                for gate in self.gates:
+                    closed = self._ask(gate.closed, v, active, all_active, act_rooms, act_hidx)
+                    batch.demote(local, "hold_gate", closed, at)
 
         self._state, self._local = state, local
-        self._reason = reason if reason is not None else np.full(n, _NONE, dtype=np.int8)
+        self._has_reason = reason is not None
+        self._reason = reason if reason is not None else v.no_reason
         self._now = now
         self._prepared = True
         return self._pack_buffer(v)
@@ -454,23 +467,38 @@ class Stepper:
         full[active] = np.asarray(fn(act_rooms, act_hidx), dtype=bool)
         return full
 
+    def _local_words(self) -> NDArray[np.int32]:
+        """This rank's packed words of the last prepare."""
+        words = np.left_shift(self._local, STATUS_SHIFT, dtype=np.int32, casting="unsafe")
+        if self._has_reason:
+            words |= np.left_shift(self._reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
+            words |= np.int32(self.rank)
+        else:
+            words |= self._const_word
+        return words
+
     def _pack_buffer(self, v: _View) -> NDArray[np.int32]:
         n = v.n
         size = HEADER + self.capacity
         if self._buf.size != size:
             self._buf = np.full(size, PAD, dtype=np.int32)
+            self._packed = 0
         buf = self._buf
-        write_header(buf, n, v.fp)
-        words = self._words = np.empty(n, dtype=np.int32)
-        np.left_shift(self._local, STATUS_SHIFT, out=words, dtype=np.int32, casting="unsafe")
-        if self._reason is not None and (self._reason != _NONE).any():
-            words |= np.left_shift(self._reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
-            words |= np.int32(self.rank)
-        else:
-            words |= self._const_word
+        buf[:HEADER] = v.header
         k = min(n, self.capacity)
-        buf[HEADER : HEADER + k] = words[:k]
-        buf[HEADER + k :] = PAD
+        if k == n:  # the common case: pack straight into the buffer
+            words = buf[HEADER : HEADER + n]
+            np.left_shift(self._local, STATUS_SHIFT, out=words, dtype=np.int32, casting="unsafe")
+            if self._has_reason:
+                words |= np.left_shift(self._reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
+                words |= np.int32(self.rank)
+            else:
+                words |= self._const_word
+        else:
+            buf[HEADER : HEADER + k] = self._local_words()[:k]
+        if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
+            buf[HEADER + k : HEADER + self._packed] = PAD
+        self._packed = k
         return buf
 
     def _observe(
@@ -536,7 +564,8 @@ class Stepper:
             except (TypeError, ValueError):
                 arr = np.array([v if isinstance(v, int) else -1 for v in out], dtype=np.int64)
         invalid: NDArray[np.bool_] | None = None
-        if k and (int(arr.min()) < 0 or int(arr.max()) > 4):
+        lo = int(arr.min()) if k else 1
+        if k and (lo < 0 or int(arr.max()) > 4):
             invalid = (arr < 0) | (arr > 4)
             if exc is not None:
                 invalid &= ~exc
@@ -546,7 +575,9 @@ class Stepper:
         if exc is not None:
             arr = np.where(exc, KVPoll.Failed, arr)
         vals = arr.astype(np.int8)  # a fresh array: the backend's is never written to
-        if k and int(vals.min()) == 0:
+        if invalid is not None or exc is not None:
+            lo = int(vals.min()) if k else 1
+        if lo == 0:
             failed = vals == _F
             if exc is not None:
                 failed &= ~exc
@@ -584,7 +615,7 @@ class Stepper:
             corrupt = np.zeros(v.n, dtype=bool)
             corrupt[v.meta_rows] = bad
             corrupt &= success
-        return landed | ~success, corrupt
+        return landed, corrupt
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:
@@ -634,7 +665,7 @@ class Stepper:
         state = self._state
         t = self.table
         step = t.step_no + 1
-        if np.array_equal(agreed, state):  # the common case: nothing moved
+        if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
             changed, trig = _EMPTY_I64, np.empty(0, dtype=np.int16)
         else:
             reason = ((words >> REASON_SHIFT) & 0xF).astype(np.int8)
@@ -652,6 +683,7 @@ class Stepper:
                 )
             changed = np.flatnonzero(new != state)
             trig = trig_all[changed]
+            t.terminal_count += int(TERMINAL[new[changed]].sum())
             slots = v.rows[changed]
             t.state[slots] = new[changed]
             t.entered_step[slots] = step
@@ -709,7 +741,7 @@ class Stepper:
     ) -> tuple[StuckReport, ...]:
         assert self._view is not None
         # one all-gather, of a length every rank agrees on (derived from agreed state)
-        words = self._words[rows] if rows.size else np.empty(0, dtype=np.int32)
+        words = self._local_words()[rows] if rows.size else np.empty(0, dtype=np.int32)
         gathered = collective.all_gather(np.ascontiguousarray(words, dtype=np.int32))
         local, _, origin = unpack(gathered)
         step = self.table.step_no

@@ -21,7 +21,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from lifecycle.errors import DuplicateRequest, ReservedRoom, UnknownRequest
 from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll, Role
+from lifecycle.status import TERMINAL, KVPoll, Role
 
 __all__ = ["RequestTable", "RequestInfo"]
 
@@ -111,6 +111,7 @@ class RequestTable:
         self.version = 0  # bumped on every add/remove: invalidates cached fingerprints
         self.columns_version = 0  # bumped when a per-request column is edited by hand
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
+        self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
         self.step_no = 0  # advanced by the stepper
         self.now = 0.0  # time of the last step, for rows added between steps
 
@@ -232,6 +233,7 @@ class RequestTable:
         del self._free[len(self._free) - k :]
         self.room[slots] = np.asarray(room_list, dtype=np.uint64)
         self.state[slots] = state
+        self.terminal_count += k if KVPoll(state).terminal else 0
         self.role[slots] = role
         self.reason[slots] = FailureReason.NONE
         self.origin[slots] = -1
@@ -259,6 +261,7 @@ class RequestTable:
         info = RequestInfo(self, slot)
         del self._index[room]
         self.abort_count -= int(self.abort_requested[slot])
+        self.terminal_count -= int(TERMINAL[self.state[slot]])
         self.abort_requested[slot] = False
         self.alive[slot] = False
         self.handles[slot] = None
@@ -275,6 +278,7 @@ class RequestTable:
             raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
         slots = [self._index.pop(r) for r in room_list]
         self.abort_count -= int(self.abort_requested[slots].sum())
+        self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
         self.abort_requested[slots] = False
         self.alive[slots] = False
         for s in slots:

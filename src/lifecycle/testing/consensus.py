@@ -43,7 +43,6 @@ from numpy.typing import NDArray
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.errors import LifecycleError
 from lifecycle.lockstep import reduce_min
-from lifecycle.packing import pack
 from lifecycle.reference import RequestMachine
 from lifecycle.status import KVPoll, Role
 from lifecycle.step import Stepper, StepResult
@@ -214,7 +213,6 @@ class ConsensusMachine(RuleBasedStateMachine):
             adj = self.adjust_local(r, stp._local)
             if adj is not stp._local:
                 stp._local = adj
-                pack(adj, stp._reason, r, stp._words)
                 buf = stp.repack()
             bufs.append(buf)
         red = self.reduce(bufs)

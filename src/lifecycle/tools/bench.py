@@ -127,8 +127,12 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         for _ in range(3):
             f()
     times: dict[str, list[float]] = {"floor": [], "ours": [], "pattern": []}
-    for _ in range(reps):
-        for name, f in (("floor", floor), ("ours", ours), ("pattern", pattern)):
+    order = [("floor", floor), ("ours", ours), ("pattern", pattern)]
+    for rep in range(reps):
+        # rotate the order so each variant follows each other one equally often
+        # (what ran before decides how cold the caches are)
+        k = rep % len(order)
+        for name, f in order[k:] + order[:k]:
             dist.barrier()
             t0 = time.perf_counter()
             f()
