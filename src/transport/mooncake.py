@@ -1,0 +1,582 @@
+"""A real Mooncake backend: KV pages and metadata rows written over TCP.
+
+Data plane: a Mooncake ``TransferEngine`` per rank (``P2PHANDSHAKE``, TCP), on
+memory registered from the :class:`~buffers.KVArgs` of each side. Control
+plane: a ``torch.distributed.TCPStore`` as bootstrap store (endpoint records,
+heartbeats) and as mailbox (one queue per rank for handshake, page lists,
+completion and abort messages). No server of our own.
+
+Flow of one request (prefill TP rank *r* pairs with decode TP rank *r*):
+
+1. decode ``init``: look up the prefill endpoint (Bootstrapping until it is
+   published), register the room with prefill -> WaitingForInput;
+2. prefill: Bootstrapping until decode registered the room -> WaitingForInput;
+3. decode ``send_metadata(pages, slot)``: tells prefill where to write;
+4. prefill ``init(num_pages, slot)`` then ``send(pages)`` per chunk: each chunk
+   is written as soon as its destination is known (contiguous runs coalesced),
+   Transferring meanwhile; after the last chunk the metadata row is written,
+   the room field last; then prefill reports done -> Success on both sides.
+
+Failures: a submit to a dead peer returns batch id 0 (failed, reason peer
+dead); a failed write is a transfer error; an abort on either side reaches
+the other (reason aborted); a peer whose heartbeat stops for
+``heartbeat_misses`` intervals fails every unfinished request with it (peer
+dead); bootstrap and waiting timeouts fail requests locally. A transfer's
+status can be read only once from the engine, so every read is cached.
+
+All statuses live in numpy arrays indexed by a request's ``index``: the
+manager is a batch poller (``poll_many`` is one gather).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from buffers.kv_args import KVArgs
+from lifecycle.reasons import FailureReason
+from lifecycle.status import KVPoll
+from transport.errors import BackendUnavailable, TransferFailed
+
+__all__ = ["MooncakeConfig", "MooncakeManager", "MooncakeSender", "MooncakeReceiver", "probe"]
+
+B, W, T, S, F = (
+    int(KVPoll.Bootstrapping),
+    int(KVPoll.WaitingForInput),
+    int(KVPoll.Transferring),
+    int(KVPoll.Success),
+    int(KVPoll.Failed),
+)
+
+
+def probe() -> None:
+    """Raise BackendUnavailable unless the Mooncake engine imports here."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(
+            "mooncake",
+            f"cannot import mooncake.engine ({e})",
+            "Install it with `pip install 'pd-lifecycle[mooncake]'` and Debian's libibverbs1",
+        ) from None
+
+
+@attrs.frozen
+class MooncakeConfig:
+    role: str  # "prefill" | "decode"
+    tp_rank: int
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    hostname: str = "127.0.0.1"
+    namespace: str = "pd"
+    heartbeat_interval: float = 0.5
+    heartbeat_misses: int = 4
+    bootstrap_timeout: float | None = 300.0
+    waiting_timeout: float | None = 300.0
+    poll_interval: float = 0.0005
+
+    def __attrs_post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(
+                f"MooncakeConfig.role must be 'prefill' or 'decode', got {self.role!r}"
+            )
+
+
+def _runs(
+    src: NDArray[np.int64], dst: NDArray[np.int64]
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """Coalesce page pairs into runs contiguous on both sides: (src start, dst start, length)."""
+    if src.size == 0:
+        e = np.empty(0, dtype=np.int64)
+        return e, e, e
+    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], lens
+
+
+class _Req:
+    __slots__ = (
+        "batches",
+        "chunks",
+        "created",
+        "dst_pages",
+        "dst_slot",
+        "index",
+        "local_slot",
+        "meta_sent_at",
+        "meta_stage",
+        "num_pages",
+        "peer",
+        "registered",
+        "room",
+        "sent_pages",
+        "want_register",
+    )
+
+    def __init__(self, room: int, index: int, peer: int) -> None:
+        self.room, self.index, self.peer = room, index, peer
+        self.num_pages = -1
+        self.local_slot = -1
+        self.chunks: list[NDArray[np.int64]] = []
+        self.sent_pages = 0
+        self.dst_pages: NDArray[np.int64] | None = None
+        self.dst_slot = -1
+        self.batches: list[int] = []
+        self.meta_stage = 0  # 0 none, 1 fields in flight, 2 room in flight, 3 done
+        self.created = time.monotonic()
+        self.meta_sent_at = float("nan")
+        self.registered = False
+        self.want_register = False
+
+
+class MooncakeManager:
+    """One per rank. Create senders (prefill) or receivers (decode) from it."""
+
+    def __init__(self, kv_args: KVArgs, config: MooncakeConfig) -> None:
+        probe()
+        from mooncake.engine import TransferEngine
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        self.config = config
+        self.kv_args = kv_args
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise BackendUnavailable(
+                "mooncake", f"engine initialize returned {rc}", "check the host name"
+            )
+        self.endpoint = f"{config.hostname}:{self.engine.get_rpc_port()}"
+        ptrs = list(kv_args.kv_data_ptrs) + list(kv_args.aux_data_ptrs)
+        lens = list(kv_args.kv_data_lens) + list(kv_args.aux_data_lens)
+        if self.engine.batch_register_memory(ptrs, lens) != 0:
+            raise BackendUnavailable(
+                "mooncake", "registering the KV/metadata buffers failed", "check KVArgs"
+            )
+        self._store_args = (config.store_host, config.store_port)
+        self.store = TCPStore(
+            config.store_host, config.store_port, is_master=False, timeout=timedelta(seconds=30)
+        )
+        ns = config.namespace
+        self._me = f"{ns}/{config.role}/{config.tp_rank}"
+        self._peer_role = "decode" if config.role == "prefill" else "prefill"
+        self.store.set(
+            f"{self._me}/endpoint",
+            json.dumps(
+                {
+                    "endpoint": self.endpoint,
+                    "kv_ptrs": list(kv_args.kv_data_ptrs),
+                    "kv_item_lens": list(kv_args.kv_item_lens),
+                    "aux_ptrs": list(kv_args.aux_data_ptrs),
+                    "aux_item_lens": list(kv_args.aux_item_lens),
+                }
+            ),
+        )
+        cap = 1024
+        self.status = np.full(cap, F, dtype=np.int8)
+        self.reason = np.full(cap, FailureReason.NONE, dtype=np.int8)
+        self._free: list[int] = list(range(cap - 1, -1, -1))
+        self._reqs: dict[int, _Req] = {}  # room -> request
+        self._lock = threading.Lock()
+        self._peers: dict[int, dict[str, Any]] = {}
+        self._early: dict[int, list[dict[str, Any]]] = {}
+        self._cleared: set[int] = set()
+        self._peer_dead: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"mooncake-{config.role}{config.tp_rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- request slots ------------------------------------------------------
+    def _take(self, room: int, peer: int, initial: int) -> _Req:
+        with self._lock:
+            if room in self._reqs:
+                raise ValueError(f"room={room} already has a live request on this manager")
+            if not self._free:
+                old = self.status.size
+                self.status = np.concatenate((self.status, np.full(old, F, np.int8)))
+                self.reason = np.concatenate(
+                    (self.reason, np.full(old, FailureReason.NONE, np.int8))
+                )
+                self._free.extend(range(old * 2 - 1, old - 1, -1))
+            idx = self._free.pop()
+            self.status[idx] = initial
+            self.reason[idx] = FailureReason.NONE
+            req = _Req(room, idx, peer)
+            self._reqs[room] = req
+            self._cleared.discard(room)
+            early = self._early.pop(room, [])
+        for msg in early:
+            self._on_message(msg, None)
+        return req
+
+    def _release(self, req: _Req) -> None:
+        with self._lock:
+            if self._reqs.get(req.room) is req:
+                del self._reqs[req.room]
+                self._free.append(req.index)
+                self._cleared.add(req.room)
+                if len(self._cleared) > 100_000:
+                    self._cleared.clear()
+
+    def _set(self, req: _Req, status: int, reason: FailureReason = FailureReason.NONE) -> None:
+        if self.status[req.index] in (S, F):
+            return  # terminal states latch
+        self.status[req.index] = status
+        if status == F:
+            self.reason[req.index] = reason
+
+    def sender(self, room: int, peer: int | None = None) -> MooncakeSender:
+        return MooncakeSender(self, room, self.config.tp_rank if peer is None else peer)
+
+    def receiver(self, room: int, peer: int | None = None) -> MooncakeReceiver:
+        return MooncakeReceiver(self, room, self.config.tp_rank if peer is None else peer)
+
+    # -- batch poll ------------------------------------------------------------
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+    def failure_reasons(
+        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
+    ) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.reason[indices]
+        return out
+
+    # -- messaging -------------------------------------------------------------
+    def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
+        store.queue_push(
+            f"{self.config.namespace}/q/{self._peer_role}/{peer}", json.dumps(msg).encode()
+        )
+
+    def _inbox(self, store: Any) -> list[dict[str, Any]]:
+        key = f"{self.config.namespace}/q/{self.config.role}/{self.config.tp_rank}"
+        out: list[dict[str, Any]] = []
+        try:
+            n = store.queue_len(key)
+        except Exception:
+            return out
+        for _ in range(n):
+            out.append(json.loads(store.queue_pop(key, block=False)))
+        return out
+
+    def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
+        info = self._peers.get(peer)
+        if info is None:
+            key = f"{self.config.namespace}/{self._peer_role}/{peer}/endpoint"
+            if not store.check([key]):
+                return None
+            info = self._peers[peer] = json.loads(store.get(key))
+        return info
+
+    # -- the background loop -------------------------------------------------------
+    def _loop(self) -> None:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        store = TCPStore(*self._store_args, is_master=False, timeout=timedelta(seconds=30))
+        last_beat = 0.0
+        self._batch_results: dict[int, int] = {}
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if now - last_beat >= self.config.heartbeat_interval:
+                    store.set(f"{self._me}/hb", repr(time.time()))
+                    self._check_peers(store)
+                    last_beat = now
+                for msg in self._inbox(store):
+                    self._on_message(msg, store)
+                with self._lock:
+                    reqs = list(self._reqs.values())
+                for req in reqs:
+                    self._advance(req, store, now)
+            except Exception as e:  # the loop must survive anything one request does
+                with self._lock:
+                    reqs = list(self._reqs.values())
+                for req in reqs:
+                    self._set(req, F, FailureReason.TRANSFER_ERROR)
+                self.last_error = e
+            time.sleep(self.config.poll_interval)
+
+    def _check_peers(self, store: Any) -> None:
+        limit = self.config.heartbeat_interval * self.config.heartbeat_misses
+        with self._lock:
+            peers = {r.peer for r in self._reqs.values() if self.status[r.index] not in (S, F)}
+        for peer in peers - self._peer_dead:
+            key = f"{self.config.namespace}/{self._peer_role}/{peer}/hb"
+            if not store.check([key]):
+                continue  # not up yet: the bootstrap timeout covers a peer that never comes
+            if time.time() - float(store.get(key).decode()) > limit:
+                self._peer_dead.add(peer)
+        if self._peer_dead:
+            with self._lock:
+                reqs = [r for r in self._reqs.values() if r.peer in self._peer_dead]
+            for r in reqs:
+                self._set(r, F, FailureReason.PEER_DEAD)
+
+    def _on_message(self, msg: dict[str, Any], store: Any) -> None:
+        room = msg["room"]
+        with self._lock:
+            req = self._reqs.get(room)
+            if req is None:
+                if room not in self._cleared:
+                    # the peer may be ahead of our scheduler: keep it for the request
+                    self._early.setdefault(room, []).append(msg)
+                return  # a late message for a cleared request must not bring it back
+        kind = msg["kind"]
+        if kind == "register":
+            req.registered = True
+            if self.status[req.index] == B:
+                self._set(req, W)
+        elif kind == "pages":
+            req.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
+            req.dst_slot = int(msg["slot"])
+        elif kind == "done":
+            self._set(req, S)
+        elif kind == "failed":
+            self._set(req, F, FailureReason(int(msg["reason"])))
+        elif kind == "abort":
+            self._set(req, F, FailureReason.ABORTED)
+
+    def _check_batch(self, bid: int) -> int:
+        # the engine reports a finished batch once; later reads say "in progress"
+        done = self._batch_results.get(bid)
+        if done is not None:
+            return done
+        s = int(self.engine.transfer_check_status(bid))
+        if s != 0:
+            self._batch_results[bid] = s
+        return s
+
+    def _advance(self, req: _Req, store: Any, now: float) -> None:
+        st = int(self.status[req.index])
+        if st in (S, F):
+            return
+        cfg = self.config
+        if cfg.role == "decode":
+            if (
+                st == B
+                and req.want_register
+                and not req.registered
+                and self._peer_info(req.peer, store) is not None
+            ):
+                self._send(req.peer, {"kind": "register", "room": req.room}, store)
+                req.registered = True
+                self._set(req, W)
+            if (
+                cfg.bootstrap_timeout is not None
+                and st == B
+                and now - req.created > cfg.bootstrap_timeout
+            ):
+                self._set(req, F, FailureReason.BOOTSTRAP_TIMEOUT)
+            if cfg.waiting_timeout is not None and now - req.meta_sent_at > cfg.waiting_timeout:
+                self._set(req, F, FailureReason.WAITING_TIMEOUT)
+            return
+        # prefill
+        if (
+            cfg.bootstrap_timeout is not None
+            and st == B
+            and now - req.created > cfg.bootstrap_timeout
+        ):
+            self._set(req, F, FailureReason.BOOTSTRAP_TIMEOUT)
+            return
+        for bid in list(req.batches):
+            s = self._check_batch(bid)
+            if s < 0:
+                self._set(req, F, FailureReason.TRANSFER_ERROR)
+                self._send(
+                    req.peer,
+                    {
+                        "kind": "failed",
+                        "room": req.room,
+                        "reason": int(FailureReason.TRANSFER_ERROR),
+                    },
+                    store,
+                )
+                return
+            if s > 0:
+                req.batches.remove(bid)
+                self._batch_results.pop(bid, None)
+        if req.dst_pages is None or req.num_pages < 0:
+            return
+        info = self._peer_info(req.peer, store)
+        if info is None:
+            return
+        while req.chunks:
+            chunk = req.chunks.pop(0)
+            dst = req.dst_pages[req.sent_pages : req.sent_pages + chunk.size]
+            if dst.size != chunk.size:
+                self._fail(req, FailureReason.TRANSFER_ERROR, store)
+                return
+            self._submit_pages(req, chunk, dst, info)
+            req.sent_pages += chunk.size
+            if self.status[req.index] == F:
+                return
+        if req.sent_pages >= req.num_pages and not req.batches:
+            if req.meta_stage == 0:
+                self._submit_meta(req, info, room_field=False)
+                req.meta_stage = 1
+            elif req.meta_stage == 1:
+                self._submit_meta(req, info, room_field=True)
+                req.meta_stage = 2
+            elif req.meta_stage == 2:
+                req.meta_stage = 3
+                self._send(req.peer, {"kind": "done", "room": req.room}, store)
+                self._set(req, S)
+
+    def _fail(self, req: _Req, reason: FailureReason, store: Any) -> None:
+        self._set(req, F, reason)
+        self._send(req.peer, {"kind": "failed", "room": req.room, "reason": int(reason)}, store)
+
+    def _submit(
+        self, req: _Req, info: dict[str, Any], srcs: list[int], dsts: list[int], lens: list[int]
+    ) -> None:
+        if not srcs:
+            return
+        bid = int(self.engine.batch_transfer_async_write(info["endpoint"], srcs, dsts, lens))
+        if bid == 0:  # the engine's way of saying the peer is unreachable
+            self._peer_dead.add(req.peer)
+            self._set(req, F, FailureReason.PEER_DEAD)
+            return
+        req.batches.append(bid)
+
+    def _submit_pages(
+        self, req: _Req, src: NDArray[np.int64], dst: NDArray[np.int64], info: dict[str, Any]
+    ) -> None:
+        s0, d0, ln = _runs(src, dst)
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        for base, peer_base, item in zip(
+            self.kv_args.kv_data_ptrs, info["kv_ptrs"], self.kv_args.kv_item_lens
+        ):
+            srcs.extend((base + s0 * item).tolist())
+            dsts.extend((peer_base + d0 * item).tolist())
+            lens.extend((ln * item).tolist())
+        self._submit(req, info, srcs, dsts, lens)
+
+    def _submit_meta(self, req: _Req, info: dict[str, Any], room_field: bool) -> None:
+        if req.local_slot < 0 or req.dst_slot < 0:
+            return  # no row to write: decode's metadata gate will hold the request
+        fields = list(zip(self.kv_args.aux_data_ptrs, info["aux_ptrs"], self.kv_args.aux_item_lens))
+        # the last aux buffer is the room column: written alone, after everything else landed
+        chosen = fields[-1:] if room_field else fields[:-1]
+        self._submit(
+            req,
+            info,
+            [b + req.local_slot * it for b, _, it in chosen],
+            [p + req.dst_slot * it for _, p, it in chosen],
+            [it for _, _, it in chosen],
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class _Handle:
+    def __init__(self, manager: MooncakeManager, room: int, peer: int, initial: int) -> None:
+        self.manager = manager
+        self.bootstrap_room = room
+        self._req = manager._take(room, peer, initial)
+        self.index = self._req.index
+        self._cleared = False
+
+    def poll(self) -> int:
+        return int(self.manager.status[self.index])
+
+    def failure_reason(self) -> FailureReason:
+        return FailureReason(int(self.manager.reason[self.index]))
+
+    def failure_exception(self) -> None:
+        if self.poll() == F:
+            raise TransferFailed(self.bootstrap_room, self.failure_reason().label)
+
+    def abort(self) -> None:
+        m = self.manager
+        if m.status[self.index] in (S, F):
+            return
+        m._set(self._req, F, FailureReason.ABORTED)
+        # if the message cannot go out, the peer's heartbeat or timeout catches up
+        with contextlib.suppress(Exception):
+            m._send(self._req.peer, {"kind": "abort", "room": self.bootstrap_room}, m.store)
+
+    def clear(self) -> None:
+        if not self._cleared:
+            self._cleared = True
+            self.manager._release(self._req)
+
+
+class MooncakeSender(_Handle):
+    def __init__(self, manager: MooncakeManager, room: int, peer: int) -> None:
+        super().__init__(manager, room, peer, B)
+
+    def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
+        self._req.local_slot = -1 if metadata_slot is None else metadata_slot
+        self._req.num_pages = num_pages
+        if num_pages > 0:
+            self.manager._set(self._req, T)
+
+    def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        if pages.size:
+            self._req.chunks.append(pages)
+
+
+class MooncakeReceiver(_Handle):
+    def __init__(self, manager: MooncakeManager, room: int, peer: int) -> None:
+        super().__init__(manager, room, peer, B)
+
+    def init(self, prefill_dp_rank: int | None = None) -> None:
+        self._req.want_register = True  # registers once the prefill endpoint is known
+
+    def send_metadata(
+        self,
+        page_indices: ArrayLike,
+        metadata_slot: int,
+        state_indices: Any = None,
+        decode_prefix_len: int = 0,
+    ) -> None:
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        m = self.manager
+        self._req.meta_sent_at = time.monotonic()
+        m._send(
+            self._req.peer,
+            {
+                "kind": "pages",
+                "room": self.bootstrap_room,
+                "pages": pages.tolist(),
+                "slot": int(metadata_slot),
+            },
+            m.store,
+        )
+
+
+def kv_args_for(
+    tensors: Sequence[Any], aux: tuple[list[int], list[int], list[int]], engine_rank: int
+) -> KVArgs:
+    """KVArgs from a list of KV tensors shaped (num_pages, ...) and metadata ``buf_infos()``."""
+    return KVArgs(
+        engine_rank=engine_rank,
+        kv_data_ptrs=[t.data_ptr() for t in tensors],
+        kv_data_lens=[t.nbytes for t in tensors],
+        kv_item_lens=[t[0].nbytes for t in tensors],
+        aux_data_ptrs=aux[0],
+        aux_data_lens=aux[1],
+        aux_item_lens=aux[2],
+    )
+
+
+MANAGER = MooncakeManager
+SENDER = MooncakeSender
+RECEIVER = MooncakeReceiver
+BOOTSTRAP = None
