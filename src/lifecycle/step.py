@@ -81,17 +81,10 @@ _F = np.int8(KVPoll.Failed)
 _S = np.int8(KVPoll.Success)
 _NONE = np.int8(FailureReason.NONE)
 _UNKNOWN = np.int8(FailureReason.UNKNOWN)
-#: reasons a backend may report; the rest are the step's own verdicts
+#: reasons a backend may report (its own, or a peer's it relays); INVALID_STATUS
+#: is the step's own verdict (it can make every rank raise), NONE is not a reason
 _BACKEND_REASONS = np.array(
-    [
-        FailureReason.ABORTED,
-        FailureReason.PEER_DEAD,
-        FailureReason.BOOTSTRAP_TIMEOUT,
-        FailureReason.WAITING_TIMEOUT,
-        FailureReason.METADATA_CORRUPT,
-        FailureReason.TRANSFER_ERROR,
-        FailureReason.UNKNOWN,
-    ]
+    [r for r in FailureReason if r not in (FailureReason.INVALID_STATUS, FailureReason.NONE)]
 )
 
 
@@ -293,6 +286,8 @@ class Stepper:
         self.config = config or StepConfig()
         self.clock = clock
         table.rank = rank
+        if table.step_no == 0:
+            table.now = clock()  # rows added before the first step entered now
         self.capacity = _bucket(0, self.config.initial_capacity)
         self._floor = self.capacity
         self._view: _View | None = None

@@ -83,6 +83,7 @@ class MooncakeConfig:
     bootstrap_timeout: float | None = 300.0
     waiting_timeout: float | None = 300.0
     poll_interval: float = 0.0005
+    drain_timeout: float = 10.0
 
     def __attrs_post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -108,13 +109,17 @@ class _Req:
     __slots__ = (
         "batches",
         "chunks",
+        "cleared",
         "created",
+        "drained",
         "dst_pages",
         "dst_slot",
+        "failed_at",
         "index",
         "local_slot",
         "meta_sent_at",
         "meta_stage",
+        "notify",
         "num_pages",
         "peer",
         "registered",
@@ -137,6 +142,10 @@ class _Req:
         self.meta_sent_at = float("nan")
         self.registered = False
         self.want_register = False
+        self.drained = False  # no write for this request can land any more
+        self.cleared = False  # the scheduler let go; kept until in-flight writes drain
+        self.notify: dict[str, Any] | None = None  # told to the peer once drained
+        self.failed_at = float("nan")
 
 
 class MooncakeManager:
@@ -222,6 +231,9 @@ class MooncakeManager:
 
     def _release(self, req: _Req) -> None:
         with self._lock:
+            if req.batches or req.notify is not None:
+                req.cleared = True  # the loop drops it once its writes have drained
+                return
             if self._reqs.get(req.room) is req:
                 del self._reqs[req.room]
                 self._free.append(req.index)
@@ -235,6 +247,7 @@ class MooncakeManager:
         self.status[req.index] = status
         if status == F:
             self.reason[req.index] = reason
+            req.failed_at = time.monotonic()
 
     def sender(self, room: int, peer: int | None = None) -> MooncakeSender:
         return MooncakeSender(self, room, self.config.tp_rank if peer is None else peer)
@@ -254,7 +267,11 @@ class MooncakeManager:
         return out
 
     # -- messaging -------------------------------------------------------------
+    def _send_room(self, room: int, got: dict[str, Any], msg: dict[str, Any], store: Any) -> None:
+        self._send(int(got.get("from", self.config.tp_rank)), msg, store)
+
     def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
+        msg.setdefault("from", self.config.tp_rank)
         store.queue_push(
             f"{self.config.namespace}/q/{self._peer_role}/{peer}", json.dumps(msg).encode()
         )
@@ -322,6 +339,8 @@ class MooncakeManager:
                 reqs = [r for r in self._reqs.values() if r.peer in self._peer_dead]
             for r in reqs:
                 self._set(r, F, FailureReason.PEER_DEAD)
+                r.drained = True  # a dead peer writes nothing more
+                r.notify = None
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
         room = msg["room"]
@@ -331,6 +350,9 @@ class MooncakeManager:
                 if room not in self._cleared:
                     # the peer may be ahead of our scheduler: keep it for the request
                     self._early.setdefault(room, []).append(msg)
+                elif msg["kind"] == "abort" and store is not None:
+                    # already finished and drained here: nothing more will be written
+                    self._send_room(room, msg, {"kind": "stopped", "room": room}, store)
                 return  # a late message for a cleared request must not bring it back
         kind = msg["kind"]
         if kind == "register":
@@ -341,11 +363,16 @@ class MooncakeManager:
             req.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
             req.dst_slot = int(msg["slot"])
         elif kind == "done":
+            req.drained = True
             self._set(req, S)
-        elif kind == "failed":
+        elif kind == "failed":  # prefill failed it and its writes have drained
+            req.drained = True
             self._set(req, F, FailureReason(int(msg["reason"])))
-        elif kind == "abort":
-            self._set(req, F, FailureReason.ABORTED)
+        elif kind == "stopped":  # prefill acknowledged our abort; nothing more will land
+            req.drained = True
+        elif kind == "abort":  # decode gave up: stop writing, say so once drained
+            self._set(req, F, FailureReason(int(msg.get("reason", FailureReason.ABORTED))))
+            req.notify = {"kind": "stopped", "room": req.room}
 
     def _check_batch(self, bid: int) -> int:
         # the engine reports a finished batch once; later reads say "in progress"
@@ -359,6 +386,9 @@ class MooncakeManager:
 
     def _advance(self, req: _Req, store: Any, now: float) -> None:
         st = int(self.status[req.index])
+        if st == F and self.config.role == "prefill":
+            self._drain(req, store)
+            return
         if st in (S, F):
             return
         cfg = self.config
@@ -387,21 +417,12 @@ class MooncakeManager:
             and st == B
             and now - req.created > cfg.bootstrap_timeout
         ):
-            self._set(req, F, FailureReason.BOOTSTRAP_TIMEOUT)
+            self._fail(req, FailureReason.BOOTSTRAP_TIMEOUT)
             return
         for bid in list(req.batches):
             s = self._check_batch(bid)
             if s < 0:
-                self._set(req, F, FailureReason.TRANSFER_ERROR)
-                self._send(
-                    req.peer,
-                    {
-                        "kind": "failed",
-                        "room": req.room,
-                        "reason": int(FailureReason.TRANSFER_ERROR),
-                    },
-                    store,
-                )
+                self._fail(req, FailureReason.TRANSFER_ERROR)
                 return
             if s > 0:
                 req.batches.remove(bid)
@@ -415,7 +436,7 @@ class MooncakeManager:
             chunk = req.chunks.pop(0)
             dst = req.dst_pages[req.sent_pages : req.sent_pages + chunk.size]
             if dst.size != chunk.size:
-                self._fail(req, FailureReason.TRANSFER_ERROR, store)
+                self._fail(req, FailureReason.TRANSFER_ERROR)
                 return
             self._submit_pages(req, chunk, dst, info)
             req.sent_pages += chunk.size
@@ -433,9 +454,26 @@ class MooncakeManager:
                 self._send(req.peer, {"kind": "done", "room": req.room}, store)
                 self._set(req, S)
 
-    def _fail(self, req: _Req, reason: FailureReason, store: Any) -> None:
+    def _fail(self, req: _Req, reason: FailureReason) -> None:
+        """Fail locally; the peer hears of it once every write in flight has landed."""
         self._set(req, F, reason)
-        self._send(req.peer, {"kind": "failed", "room": req.room, "reason": int(reason)}, store)
+        if req.notify is None:
+            req.notify = {"kind": "failed", "room": req.room, "reason": int(reason)}
+
+    def _drain(self, req: _Req, store: Any) -> None:
+        for bid in list(req.batches):
+            if self._check_batch(bid) != 0:
+                req.batches.remove(bid)
+                self._batch_results.pop(bid, None)
+        if req.batches:
+            return
+        if req.notify is not None and req.peer not in self._peer_dead:
+            self._send(req.peer, req.notify, store)
+        req.notify = None
+        req.drained = True
+        if req.cleared:
+            req.cleared = False
+            self._release(req)
 
     def _submit(
         self, req: _Req, info: dict[str, Any], srcs: list[int], dsts: list[int], lens: list[int]
@@ -444,8 +482,12 @@ class MooncakeManager:
             return
         bid = int(self.engine.batch_transfer_async_write(info["endpoint"], srcs, dsts, lens))
         if bid == 0:  # the engine's way of saying the peer is unreachable
-            self._peer_dead.add(req.peer)
             self._set(req, F, FailureReason.PEER_DEAD)
+            req.notify = {
+                "kind": "failed",
+                "room": req.room,
+                "reason": int(FailureReason.PEER_DEAD),
+            }
             return
         req.batches.append(bid)
 
@@ -502,13 +544,37 @@ class _Handle:
             raise TransferFailed(self.bootstrap_room, self.failure_reason().label)
 
     def abort(self) -> None:
-        m = self.manager
-        if m.status[self.index] in (S, F):
+        self.fail(FailureReason.ABORTED)
+
+    def fail(self, reason: FailureReason) -> None:
+        """The scheduler gave up on this request (agreed Failed, or a client abort):
+        stop, and make the peer stop writing; see :attr:`drained`."""
+        m, req = self.manager, self._req
+        if m.status[self.index] == S or (req.notify is not None) or req.drained:
             return
-        m._set(self._req, F, FailureReason.ABORTED)
+        if m.config.role == "prefill":
+            m._fail(req, reason)  # the loop tells decode once in-flight writes drain
+            return
+        m._set(req, F, reason)
         # if the message cannot go out, the peer's heartbeat or timeout catches up
         with contextlib.suppress(Exception):
-            m._send(self._req.peer, {"kind": "abort", "room": self.bootstrap_room}, m.store)
+            m._send(
+                req.peer,
+                {"kind": "abort", "room": self.bootstrap_room, "reason": int(reason)},
+                m.store,
+            )
+
+    @property
+    def drained(self) -> bool:
+        """No write for this request can land any more: its pages and metadata
+        row may be reused. Until then, keep them quarantined."""
+        req, m = self._req, self.manager
+        if req.drained or req.peer in m._peer_dead:
+            return True
+        if m.status[self.index] == S and m.config.role == "prefill":
+            return True
+        # last resort, so that a lost peer cannot pin memory forever
+        return bool(time.monotonic() - req.failed_at > m.config.drain_timeout)
 
     def clear(self) -> None:
         if not self._cleared:

@@ -26,6 +26,7 @@ from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, PartialPollError, RankFailure
 from lifecycle.packing import fingerprint
+from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll, Role
 from lifecycle.step import StepConfig, Stepper, StepResult
 from lifecycle.table import RequestTable
@@ -42,6 +43,8 @@ B, W, T, S, F = (
     KVPoll.Failed,
 )
 SIM_LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+KV_LAYERS = 2
+PAGE_BYTES = 256
 
 
 @attrs.frozen
@@ -120,6 +123,23 @@ class SimPoller:
         return self.manager.failure_reasons(rooms, indices)
 
 
+class DrainPoller:
+    """Success once this rank's peer can no longer write into a failed
+    request's buffers (the backend's ``drained``), Transferring until then."""
+
+    def __init__(self, run: RankRun) -> None:
+        self.run = run
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        d = self.run.draining
+        return np.array(
+            [S if getattr(d[r][0], "drained", True) else T for r in rooms.tolist()], dtype=np.int8
+        )
+
+    def failure_reasons(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
+        return np.full(rooms.size, FailureReason.UNKNOWN, dtype=np.int8)
+
+
 class HoldGate:
     name = "plan"
 
@@ -154,8 +174,9 @@ class _Queue:
             gates=[self.gate],
             faults=faults,
             config=StepConfig(
-                bootstrap_timeout=float(cfg.bootstrap_timeout),
-                waiting_timeout=float(cfg.waiting_timeout),
+                bootstrap_timeout=float(cfg.bootstrap_timeout)
+                * (0.05 if cfg.backend != "fake" else 1),
+                waiting_timeout=float(cfg.waiting_timeout) * (0.05 if cfg.backend != "fake" else 1),
                 stuck_after=cfg.stuck_after,
                 initial_capacity=max(64, cfg.requests),
             ),
@@ -166,7 +187,15 @@ class _Queue:
 class RankRun:
     """Scheduler loops for one rank."""
 
-    def __init__(self, cfg: SimConfig, rank: int, out: Path, coll: Collective, store: Any) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        rank: int,
+        out: Path,
+        coll: Collective,
+        store: Any,
+        store_addr: tuple[str, int] = ("127.0.0.1", 0),
+    ) -> None:
         from transport.registry import get_backend
 
         self.cfg = cfg
@@ -177,9 +206,35 @@ class RankRun:
         self.work = Workload.make(cfg)
         self.index = {room: i for i, room in enumerate(self.work.rooms)}
         self.faults = RankFaults(cfg.plan, rank, self.work.rooms)
+        paired = rank + cfg.prefill if rank < cfg.prefill else rank
+        self.faults_for_decode = RankFaults(cfg.plan, paired, self.work.rooms)
         backend = get_backend(cfg.backend)
-        self.manager = backend.manager()
         self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
+        self.side_rank = rank if self.side == "prefill" else rank - cfg.prefill
+        # the KV pool: a few layers of pages; real bytes when the backend moves them
+        self.kv = [
+            torch.zeros((cfg.kv_pages, PAGE_BYTES), dtype=torch.uint8) for _ in range(KV_LAYERS)
+        ]
+        self.moves_bytes = cfg.backend != "fake"
+        if cfg.backend == "mooncake":
+            from transport.mooncake import MooncakeConfig, kv_args_for
+
+            if cfg.prefill != cfg.decode:
+                raise ValueError("the mooncake simulation pairs prefill and decode TP ranks 1:1")
+            self.manager = backend.manager(
+                kv_args_for(self.kv, self.meta.buf_infos(), rank),
+                MooncakeConfig(
+                    role=self.side,
+                    tp_rank=self.side_rank,
+                    store_host=store_addr[0],
+                    store_port=store_addr[1],
+                    namespace=f"sim{cfg.seed}",
+                    bootstrap_timeout=float(cfg.pg_timeout) * 4,
+                    waiting_timeout=float(cfg.pg_timeout) * 4,
+                ),
+            )
+        else:
+            self.manager = backend.manager()
         self.alloc = SlotAllocator(cfg.metadata_slots, self.meta)
         self.step_no = 0
         clock = self._clock
@@ -189,10 +244,14 @@ class RankRun:
         else:
             self.q1 = _Queue("handshake", rank, self.manager, self.faults, cfg, clock)
             self.q2 = _Queue("transfer", rank, self.manager, self.faults, cfg, clock, self.meta)
+            self.q3 = _Queue("drain", rank, DrainPoller(self), self.faults, cfg, clock)
+            self.q3.stepper.faults = None  # draining is bookkeeping, not a transfer
         self.handles: dict[int, Any] = {}
         self.sent: dict[int, int] = {}
-        self.kv_free = cfg.kv_pages
-        self.kv_held: dict[int, int] = {}
+        self.pages_free: deque[int] = deque(range(cfg.kv_pages))
+        self.draining: dict[int, tuple[Any, int | None, NDArray[np.int64] | None]] = {}
+        self.pages_of: dict[int, NDArray[np.int64]] = {}
+        self.bytes_checked = 0
         self.ready: deque[int] = deque()
         self.outcome: dict[int, tuple[str, int, int]] = {}  # room -> (status, reason, origin)
         self.violations: list[str] = []
@@ -204,7 +263,9 @@ class RankRun:
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
 
     def _clock(self) -> float:
-        return float(self.step_no)
+        # logical time (one unit per iteration) keeps fake runs reproducible;
+        # a real transport runs on the wall clock, like its heartbeats
+        return time.monotonic() if self.moves_bytes else float(self.step_no)
 
     # -- request lifecycle -------------------------------------------------------
     def _arrive(self) -> None:
@@ -233,14 +294,50 @@ class RankRun:
 
     def _finish(self, room: int, status: int, reason: int, origin: int) -> None:
         self.outcome[room] = (KVPoll(status).name, reason, origin)
-        slot = self._slot.pop(room, None)
-        if slot is not None:
-            self.alloc.free(slot, room)  # zeroes the room row
-        self.kv_free += self.kv_held.pop(room, 0)
         h = self.handles.pop(room)
+        slot = self._slot.pop(room, None)
+        pages = self.pages_of.pop(room, None)
+        if status == S or self.side == "prefill":
+            # success: every write has landed. prefill: its buffers are only read from
+            if status != S:
+                getattr(h, "fail", lambda _r: None)(FailureReason(reason))
+            self._release(room, h, slot, pages, quarantined=False)
+            return
+        # decode failure: the peer may still be writing into our pages and row.
+        # Tell it to stop and keep both out of reuse until it has drained.
+        getattr(h, "fail", lambda _r: None)(FailureReason(reason))
+        if slot is not None:
+            self.alloc.free(slot, room, quarantine=True)
+        self.draining[room] = (h, slot, pages)
+        # when to reuse them is decided together: a rank-local release would let
+        # the ranks' allocators, and so their queues, diverge
+        self.q3.table.add(room, role=Role.RECEIVER, state=T)
+
+    def _release(
+        self,
+        room: int,
+        h: Any,
+        slot: int | None,
+        pages: NDArray[np.int64] | None,
+        quarantined: bool,
+    ) -> None:
+        if slot is not None:
+            if quarantined:
+                self.alloc.release(slot)
+            else:
+                self.alloc.free(slot, room)  # zeroes the room row
+        if pages is not None:
+            self.pages_free.extend(pages.tolist())
         h.clear()
 
-    _slot: dict[int, int]
+    def _drain(self) -> StepResult:
+        """Release quarantined buffers once every rank's peer has stopped writing."""
+        res = self._step_queue(self.q3)
+        for room in res.succeeded.tolist():
+            h, slot, pages = self.draining.pop(room)
+            self.q3.table.remove(room)
+            self._release(room, h, slot, pages, quarantined=True)
+        return res
 
     def _step_queue(self, q: _Queue) -> StepResult:
         q.poller.step = self.step_no
@@ -270,12 +367,20 @@ class RankRun:
             r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.holders.tolist()
         ):
             if st == W:
+                need = self.work.pages[self.index[room]]
+                if need > len(self.pages_free):
+                    continue  # wait for KV pages
                 slot = self.alloc.alloc(room)
                 if slot is None:
                     continue  # wait for a metadata slot
                 self._slot[room] = slot
+                pages = np.array([self.pages_free.popleft() for _ in range(need)], dtype=np.int64)
+                self.pages_of[room] = pages
+                if self.moves_bytes:
+                    self._fill_pages(room, pages)
+                    self._write_first_token(room, slot)
                 h = self.handles[room]
-                h.init(self.work.pages[self.index[room]], slot)
+                h.init(need, slot)
                 self.sent[room] = 0
                 self.q1.table.remove(room)
                 self.q2.table.add(room, state=W, handle=h, handle_index=h.index)
@@ -291,7 +396,8 @@ class RankRun:
             total = self.work.pages[self.index[room]]
             k = min(self.cfg.chunk_pages, total - self.sent[room])
             if k > 0:
-                self.handles[room].send(np.arange(self.sent[room], self.sent[room] + k))
+                chunk = self.pages_of[room][self.sent[room] : self.sent[room] + k]
+                self.handles[room].send(chunk)
                 self.sent[room] += k
         r2 = self._step_queue(self.q2)
         for room, st, reason, origin in zip(
@@ -325,17 +431,18 @@ class RankRun:
         while self.ready:
             room = self.ready[0]
             need = self.work.pages[self.index[room]]
-            if need > self.kv_free or self.alloc.available == 0:
+            if need > len(self.pages_free) or self.alloc.available == 0:
                 break
             slot = self.alloc.alloc(room)
             assert slot is not None
             self.ready.popleft()
             self._slot[room] = slot
-            self.kv_free -= need
-            self.kv_held[room] = need
+            pages = np.array([self.pages_free.popleft() for _ in range(need)], dtype=np.int64)
+            self.pages_of[room] = pages
             h = self.handles[room]
-            h.send_metadata(np.arange(need), slot)
-            self._simulate_remote_write(room, slot)
+            h.send_metadata(pages, slot)
+            if not self.moves_bytes:
+                self._simulate_remote_write(room, slot)
             self.q1.table.remove(room)
             self.q2.table.add(
                 room,
@@ -357,12 +464,54 @@ class RankRun:
                     self.violations.append(
                         f"step {self.step_no}: room {room} committed with metadata row room {got}"
                     )
+                elif self.meta.read(slot).first_token != room % 50000:
+                    self.violations.append(f"step {self.step_no}: room {room} first token corrupt")
+                if self.moves_bytes:
+                    self._verify_pages(room)
                 self.q2.table.remove(room)
                 self._finish(room, st, reason, origin)
             elif st == F:
                 self.q2.table.remove(room)
                 self._finish(room, st, reason, origin)
         return [r1, r2]
+
+    def _pattern(self, room: int, n: int, layer: int, tp: int) -> NDArray[np.uint8]:
+        """What prefill TP rank ``tp`` writes into page ``j`` of ``room`` (deterministic)."""
+        seed = np.uint64((room * 1_000_003 + layer * 7919 + tp * 104729) & 0xFFFFFFFFFFFFFFFF)
+        words = PAGE_BYTES // 8
+        grid = np.arange(n * words, dtype=np.uint64).reshape(n, words)
+        with np.errstate(over="ignore"):
+            vals = (grid + seed) * np.uint64(0x9E3779B97F4A7C15)
+        out: NDArray[np.uint8] = vals.view(np.uint8).reshape(n, PAGE_BYTES)
+        return out
+
+    def _fill_pages(self, room: int, pages: NDArray[np.int64]) -> None:
+        for layer, t in enumerate(self.kv):
+            t.numpy()[pages] = self._pattern(room, pages.size, layer, self.side_rank)
+
+    def _write_first_token(self, room: int, slot: int) -> None:
+        """The prefill's metadata row (sent to decode): the plan may drop or corrupt it."""
+        fault = self.faults_for_decode.metadata_fault(room)
+        if fault == "drop_metadata":
+            self.meta.clear_room(slot)
+            self.meta.tensors["output_ids"][slot, 0] = room % 50000
+            return
+        owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
+        self.meta.write(slot, owner, {"output_ids": [room % 50000]})
+
+    def _verify_pages(self, room: int) -> None:
+        pages = self.pages_of[room]
+        for layer, t in enumerate(self.kv):
+            got = t.numpy()[pages]
+            want = self._pattern(room, pages.size, layer, self.side_rank)
+            if not np.array_equal(got, want):
+                bad = int(np.flatnonzero((got != want).any(axis=1))[0])
+                self.violations.append(
+                    f"step {self.step_no}: room {room} layer {layer} page {bad}: "
+                    "decode bytes differ from what prefill wrote"
+                )
+                return
+            self.bytes_checked += got.nbytes
 
     def _simulate_remote_write(self, room: int, slot: int) -> None:
         """What prefill's metadata write would land (the fake backend moves no bytes)."""
@@ -373,16 +522,19 @@ class RankRun:
         self.meta.write(slot, owner, {"output_ids": [room % 50000]})
 
     # -- the loop ----------------------------------------------------------------
-    def _agree_digest(self, results: list[StepResult]) -> None:
+    def _agree_digest(self, results: list[StepResult], done: bool) -> bool:
+        """Check the side's ranks agree, and decide together whether to stop
+        (a rank-local decision to leave the loop would hang the others)."""
         parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
         h = fingerprint(np.concatenate(parts).astype(np.uint64)) if parts else 0
-        mine = np.array([h >> 31, h & 0x7FFFFFFF], dtype=np.int32)
+        mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done)], dtype=np.int32)
         got = self.coll.all_gather(mine)
-        if not (got == got[0]).all():
+        if not (got[:, :2] == got[0, :2]).all():
             self.disagreements += 1
+        return bool(got[:, 2].all())
 
     def run(self) -> dict[str, Any]:
-        self._slot = {}
+        self._slot: dict[int, int] = {}
         n = len(self.work.rooms)
         last_arrival = max(self.work.arrival) if n else 0
         error = None
@@ -401,19 +553,25 @@ class RankRun:
                     if self.side == "prefill"
                     else self._decode_iteration()
                 )
-                self._agree_digest(results)
+                if self.side == "decode":
+                    results.append(self._drain())
+                done = self.step_no >= last_arrival and len(self.outcome) == n and not self.draining
+                all_done = self._agree_digest(results, done)
                 states = np.concatenate([self.q1.table.states(), self.q2.table.states()])
                 self.counts.append([*np.bincount(states, minlength=5).tolist(), len(self.outcome)])
                 self._check_slots()
                 if self.rank in (0, self.cfg.prefill) and self.step_no % 10 == 0:
                     self.store.set(f"progress/{self.side}", str(len(self.outcome)))
-                if self.step_no >= last_arrival and len(self.outcome) == n:
+                if all_done:
                     break
         except RankFailure as e:
             error = self._who_died(e)
         except LifecycleError as e:
             self.violations.append(f"step {self.step_no}: {type(e).__name__}: {e}")
         self.trace.close()
+        close = getattr(self.manager, "close", None)
+        if close is not None:
+            close()
         return {
             "rank": self.rank,
             "side": self.side,
@@ -422,8 +580,9 @@ class RankRun:
             "unfinished": n - len(self.outcome),
             "violations": self.violations,
             "disagreements": self.disagreements,
-            "leaked_slots": self.alloc.in_use,
-            "leaked_kv_pages": self.cfg.kv_pages - self.kv_free if self.side == "decode" else 0,
+            "leaked_slots": self.alloc.in_use + self.alloc.quarantined,
+            "leaked_kv_pages": self.cfg.kv_pages - len(self.pages_free),
+            "bytes_checked": self.bytes_checked,
             "latency_us": self.latency_us,
             "counts": self.counts,
             "failure_steps": self.failure_steps,
@@ -442,26 +601,43 @@ class RankRun:
             )
 
     def _who_died(self, e: RankFailure) -> str:
-        beats = {}
-        for r in range(self.cfg.world):
-            try:
-                beats[r] = int(self.store.get(f"hb/{r}").decode())
-            except Exception:
-                beats[r] = -1
-        dead = sorted(r for r, b in beats.items() if b < self.step_no and r != self.rank)
+        """Name the ranks of this side whose heartbeat stopped (read twice, a beat apart)."""
+        cfg = self.cfg
+        side = range(cfg.prefill) if self.side == "prefill" else range(cfg.prefill, cfg.world)
+
+        def beats() -> dict[int, int]:
+            out = {}
+            for r in side:
+                try:
+                    out[r] = int(self.store.get(f"hb/{r}").decode())
+                except Exception:
+                    out[r] = -1
+            return out
+
+        first = beats()
+        time.sleep(1.0)
+        second = beats()
+        dead = sorted(
+            r for r in side if r != self.rank and second[r] == first[r] and second[r] < self.step_no
+        )
         cause = str(e.__cause__ or e).splitlines()[0][:160]
         return (
             f"rank {self.rank} ({self.side}) at step {self.step_no}: the collective failed; "
-            f"dead rank(s) {dead or 'unknown'} (last heartbeat step per rank {beats}); "
+            f"dead rank(s) {dead or 'unknown'} (last heartbeat step per rank {second}); "
             f"gloo said: {cause}"
         )
 
 
 def run_rank(
-    cfg: SimConfig, rank: int, out: Path, store: Any, groups: dict[str, Any]
+    cfg: SimConfig,
+    rank: int,
+    out: Path,
+    store: Any,
+    groups: dict[str, Any],
+    store_addr: tuple[str, int] = ("127.0.0.1", 0),
 ) -> dict[str, Any]:
     side = "prefill" if rank < cfg.prefill else "decode"
-    run = RankRun(cfg, rank, out, TorchCollective(groups[side]), store)
+    run = RankRun(cfg, rank, out, TorchCollective(groups[side]), store, store_addr)
     result = run.run()
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))

@@ -61,7 +61,7 @@ def _worker(cfg: SimConfig, rank: int, out: str, port: int) -> None:
         "prefill": dist.new_group(list(range(cfg.prefill))),
         "decode": dist.new_group(list(range(cfg.prefill, cfg.world))),
     }
-    result = run_rank(cfg, rank, Path(out), store, groups)
+    result = run_rank(cfg, rank, Path(out), store, groups, ("127.0.0.1", port))
     if result["error"]:
         sys.stderr.write(result["error"] + "\n")
         os._exit(3)
@@ -148,9 +148,11 @@ def summarize(
         failed_on = [
             o for side in ("decode", "prefill") if (o := seen.get(side)) and o[0] == "Failed"
         ]
+        dec = seen.get("decode")
         if failed_on:
             final[room] = ("Failed", failed_on[0][1])
-        elif len(seen) == 2 and all(o and o[0] == "Success" for o in seen.values()):
+        elif dec and dec[0] == "Success":
+            # delivered: decode holds the KV and the first token (prefill may have died since)
             final[room] = ("Success", FailureReason.NONE)
     failed = Counter(
         FailureReason(reason).label for status, reason in final.values() if status == "Failed"
@@ -176,8 +178,10 @@ def summarize(
         "failed": dict(sorted(failed.items())),
         "aborted": aborted,
         "disagreements": disagreements,
-        "leaked_slots": sum(r["leaked_slots"] for r in ranks.values()),
-        "leaked_kv_pages": sum(r["leaked_kv_pages"] for r in ranks.values()),
+        # a rank that stopped on an error cannot have cleaned up: count the others
+        "leaked_slots": sum(r["leaked_slots"] for r in ranks.values() if not r["error"]),
+        "leaked_kv_pages": sum(r["leaked_kv_pages"] for r in ranks.values() if not r["error"]),
+        "kv_bytes_verified": sum(r.get("bytes_checked", 0) for r in ranks.values()),
         "stuck": cfg.requests - len(final),
         "stuck_reports": sum(r["stuck_reports"] for r in ranks.values()),
         "steps": max((r["steps"] for r in ranks.values()), default=0),
@@ -340,7 +344,8 @@ def _under_torchrun(cfg: SimConfig, out: Path) -> int:
         "decode": dist.new_group(list(range(cfg.prefill, cfg.world))),
     }
     start = time.monotonic()
-    result = run_rank(cfg, rank, out, store, groups)
+    addr = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
+    result = run_rank(cfg, rank, out, store, groups, addr)
     if result["error"]:
         print(result["error"], file=sys.stderr)
         return 3
