@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -83,6 +84,7 @@ class MooncakeConfig:
     bootstrap_timeout: float | None = 300.0
     waiting_timeout: float | None = 300.0
     poll_interval: float = 0.0005
+    idle_interval: float = 0.05
     drain_timeout: float = 10.0
 
     def __attrs_post_init__(self) -> None:
@@ -201,6 +203,10 @@ class MooncakeManager:
         self._cleared: set[int] = set()
         self._peer_dead: set[int] = set()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._mailbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._listener = threading.Thread(target=self._listen, name="mooncake-mailbox", daemon=True)
+        self._listener.start()
         self._thread = threading.Thread(
             target=self._loop, name=f"mooncake-{config.role}{config.tp_rank}", daemon=True
         )
@@ -276,16 +282,27 @@ class MooncakeManager:
             f"{self.config.namespace}/q/{self._peer_role}/{peer}", json.dumps(msg).encode()
         )
 
-    def _inbox(self, store: Any) -> list[dict[str, Any]]:
+    def _listen(self) -> None:
+        """Block on this rank's mailbox (no polling RPCs) and wake the loop."""
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        store = TCPStore(*self._store_args, is_master=False, timeout=timedelta(seconds=0.25))
         key = f"{self.config.namespace}/q/{self.config.role}/{self.config.tp_rank}"
+        while not self._stop.is_set():
+            try:
+                raw = store.queue_pop(key, block=True)
+            except Exception:
+                continue  # timed out: look at the stop flag again
+            self._mailbox.put(json.loads(raw))
+            self._wake.set()
+
+    def _inbox(self, store: Any) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        try:
-            n = store.queue_len(key)
-        except Exception:
-            return out
-        for _ in range(n):
-            out.append(json.loads(store.queue_pop(key, block=False)))
-        return out
+        while True:
+            try:
+                out.append(self._mailbox.get_nowait())
+            except queue.Empty:
+                return out
 
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
         info = self._peers.get(peer)
@@ -303,6 +320,7 @@ class MooncakeManager:
         store = TCPStore(*self._store_args, is_master=False, timeout=timedelta(seconds=30))
         last_beat = 0.0
         self._batch_results: dict[int, int] = {}
+        interval = self.config.poll_interval
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -310,19 +328,25 @@ class MooncakeManager:
                     store.set(f"{self._me}/hb", repr(time.time()))
                     self._check_peers(store)
                     last_beat = now
-                for msg in self._inbox(store):
+                msgs = self._inbox(store)
+                for msg in msgs:
                     self._on_message(msg, store)
                 with self._lock:
                     reqs = list(self._reqs.values())
                 for req in reqs:
                     self._advance(req, store, now)
+                # poll the engine closely only while writes are in flight; otherwise
+                # sleep until a message wakes us (the engine's threads need the CPU)
+                inflight = any(r.batches for r in reqs)
+                interval = self.config.poll_interval if inflight else self.config.idle_interval
             except Exception as e:  # the loop must survive anything one request does
                 with self._lock:
                     reqs = list(self._reqs.values())
                 for req in reqs:
                     self._set(req, F, FailureReason.TRANSFER_ERROR)
                 self.last_error = e
-            time.sleep(self.config.poll_interval)
+            self._wake.wait(interval)
+            self._wake.clear()
 
     def _check_peers(self, store: Any) -> None:
         limit = self.config.heartbeat_interval * self.config.heartbeat_misses
@@ -442,11 +466,12 @@ class MooncakeManager:
             req.sent_pages += chunk.size
             if self.status[req.index] == F:
                 return
+        if req.sent_pages >= req.num_pages and req.meta_stage == 0:
+            # the row's fields travel with the last pages; only the room waits for all
+            self._submit_meta(req, info, room_field=False)
+            req.meta_stage = 1
         if req.sent_pages >= req.num_pages and not req.batches:
-            if req.meta_stage == 0:
-                self._submit_meta(req, info, room_field=False)
-                req.meta_stage = 1
-            elif req.meta_stage == 1:
+            if req.meta_stage == 1:
                 self._submit_meta(req, info, room_field=True)
                 req.meta_stage = 2
             elif req.meta_stage == 2:
@@ -522,7 +547,9 @@ class MooncakeManager:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2)
+        self._listener.join(timeout=2)
 
 
 class _Handle:
@@ -591,11 +618,13 @@ class MooncakeSender(_Handle):
         self._req.num_pages = num_pages
         if num_pages > 0:
             self.manager._set(self._req, T)
+        self.manager._wake.set()
 
     def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         if pages.size:
             self._req.chunks.append(pages)
+            self.manager._wake.set()
 
 
 class MooncakeReceiver(_Handle):
@@ -604,6 +633,7 @@ class MooncakeReceiver(_Handle):
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         self._req.want_register = True  # registers once the prefill endpoint is known
+        self.manager._wake.set()
 
     def send_metadata(
         self,

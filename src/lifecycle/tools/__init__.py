@@ -10,7 +10,8 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    from lifecycle.tools import bench, simulate
+    from lifecycle.tools import bench, bench_transfer, simulate
 
     simulate.add_parser(sub)
     bench.add_parser(sub)
+    bench_transfer.add_parser(sub)
