@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import threading
 import time
@@ -61,6 +62,9 @@ B, W, T, S, F = (
 
 def probe() -> None:
     """Raise BackendUnavailable unless the Mooncake engine imports here."""
+    # the engine logs every connection at INFO through glog; keep warnings and up
+    # unless the user asked otherwise
+    os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ImportError as e:
@@ -205,6 +209,7 @@ class MooncakeManager:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._mailbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._mailbox_key = f"{config.namespace}/q/{config.role}/{config.tp_rank}"
         self._listener = threading.Thread(target=self._listen, name="mooncake-mailbox", daemon=True)
         self._listener.start()
         self._thread = threading.Thread(
@@ -286,14 +291,17 @@ class MooncakeManager:
         """Block on this rank's mailbox (no polling RPCs) and wake the loop."""
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-        store = TCPStore(*self._store_args, is_master=False, timeout=timedelta(seconds=0.25))
-        key = f"{self.config.namespace}/q/{self.config.role}/{self.config.tp_rank}"
+        # a long timeout: close() wakes this pop with a message of our own
+        store = TCPStore(*self._store_args, is_master=False, timeout=timedelta(days=1))
         while not self._stop.is_set():
             try:
-                raw = store.queue_pop(key, block=True)
+                raw = store.queue_pop(self._mailbox_key, block=True)
             except Exception:
-                continue  # timed out: look at the stop flag again
-            self._mailbox.put(json.loads(raw))
+                return  # the store is gone: so is the group
+            msg = json.loads(raw)
+            if msg.get("kind") == "_stop":
+                return
+            self._mailbox.put(msg)
             self._wake.set()
 
     def _inbox(self, store: Any) -> list[dict[str, Any]]:
@@ -548,6 +556,10 @@ class MooncakeManager:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        with contextlib.suppress(Exception):
+            self.store.queue_push(
+                self._mailbox_key, json.dumps({"kind": "_stop", "room": 0}).encode()
+            )
         self._thread.join(timeout=2)
         self._listener.join(timeout=2)
 

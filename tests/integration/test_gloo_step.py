@@ -225,3 +225,61 @@ def test_dead_peer_becomes_a_typed_error_not_a_hang():
     results = run_ranks(_dies, 2, timeout=60, allow_errors=True)
     assert isinstance(results[1], RankError)
     assert results[0].startswith("rank failure")
+
+
+def _compat(rank, world):
+    import types
+
+    import torch.distributed as dist
+
+    from buffers import MetadataBuffers
+    from lifecycle.compat import (
+        last_failures,
+        poll_and_all_reduce,
+        poll_and_all_reduce_attn_cp_tp_group,
+    )
+    from lifecycle.testing import ScriptedPoller
+
+    out = {}
+    pollers = [ScriptedPoller(v) for v in (4, 3, 2, 4)]
+    for i, p in enumerate(pollers):
+        p.bootstrap_room = 100 + i
+    if rank == 1:
+        pollers[3].value = 0
+        pollers[1].error = RuntimeError("backend hiccup")
+    out["flat"] = poll_and_all_reduce(pollers, None)
+    out["failures"] = [(f.room, int(f.reason), f.origin) for f in last_failures()]
+    # metadata gate through decode_reqs: rank 0's row for room 100 has not landed
+    meta = MetadataBuffers(4)
+    if rank == 1:
+        meta.write(0, 100, {"output_ids": [1]})
+    reqs = [
+        types.SimpleNamespace(
+            req=types.SimpleNamespace(bootstrap_room=100, bootstrap_host="10.0.0.1"),
+            metadata_buffer_index=0,
+        ),
+    ]
+    out["gated"] = poll_and_all_reduce([ScriptedPoller(4)], None, reqs, meta)
+    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2] if world == 4 else None
+    cp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2] if world == 4 else None
+    if world == 4:
+        vals = [4, 4, 4]
+        vals[rank % 3] = rank  # a different low value on each rank
+        out["cp_tp"] = poll_and_all_reduce_attn_cp_tp_group(
+            [ScriptedPoller(v) for v in vals], cp, tp
+        )
+    return out
+
+
+def test_compat_functions_keep_the_field_shape():
+    from lifecycle import FailureReason
+
+    results = run_ranks(_compat, 4, timeout=90)
+    for r in results:
+        assert r["flat"] == [4, 0, 2, 0]
+        assert sorted(r["failures"]) == [
+            (101, FailureReason.LOCAL_EXCEPTION, 1),
+            (103, FailureReason.UNKNOWN, 1),
+        ]
+        assert r["gated"] == [3]  # held at Transferring by rank 0, 2 and 3's empty rows
+        assert r["cp_tp"] == [0, 1, 2]  # MIN over all four ranks

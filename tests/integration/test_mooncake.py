@@ -19,8 +19,18 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout
 def run(tmp_path, name, *args):
     out = tmp_path / name
     proc = subprocess.run(
-        [sys.executable, "-m", "lifecycle", "simulate", "--backend", "mooncake", "--quiet",
-         "--out", str(out), *args],
+        [
+            sys.executable,
+            "-m",
+            "lifecycle",
+            "simulate",
+            "--backend",
+            "mooncake",
+            "--quiet",
+            "--out",
+            str(out),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -47,8 +57,20 @@ def test_200_requests_move_byte_for_byte(tmp_path):
 
 def test_aborts_and_a_killed_prefill_rank(tmp_path):
     proc, s, out = run(
-        tmp_path, "kill", "--requests", "200", "--abort-prob", "0.1", "--kill-rank", "1",
-        "--kill-step", "6", "--pg-timeout", "10", "--seed", "5",
+        tmp_path,
+        "kill",
+        "--requests",
+        "200",
+        "--abort-prob",
+        "0.1",
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "6",
+        "--pg-timeout",
+        "10",
+        "--seed",
+        "5",
     )
     assert proc.returncode != 0  # the prefill group lost a rank: the run says so
     assert s["dead_ranks"] == [1]
