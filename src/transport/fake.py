@@ -15,50 +15,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import ArrayLike
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport.errors import TransferFailed
+from transport.status_arrays import StatusArrays, StatusHandle
 
 __all__ = ["FakeManager", "FakeSender", "FakeReceiver", "FakeBootstrap"]
 
-_TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
-
-class FakeManager:
+class FakeManager(StatusArrays):
     """Holds every fake request's status; one per rank."""
 
     def __init__(self, capacity: int = 1024) -> None:
-        self.status = np.full(capacity, KVPoll.Failed, dtype=np.int8)
-        self.reason = np.full(capacity, FailureReason.NONE, dtype=np.int8)
-        self.pages_left = np.zeros(capacity, dtype=np.int64)
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
-
-    def _take(self, initial: KVPoll) -> int:
-        if not self._free:
-            old = self.status.size
-            for name in ("status", "reason", "pages_left"):
-                arr = getattr(self, name)
-                grown = np.zeros(old * 2, dtype=arr.dtype)
-                grown[:old] = arr
-                setattr(self, name, grown)
-            self._free.extend(range(old * 2 - 1, old - 1, -1))
-        idx = self._free.pop()
-        self.status[idx] = initial
-        self.reason[idx] = FailureReason.NONE
-        self.pages_left[idx] = 0
-        return idx
-
-    def release(self, index: int) -> None:
-        self._free.append(index)
-
-    def set(self, index: int, status: KVPoll, reason: FailureReason = FailureReason.NONE) -> None:
-        if self.status[index] in _TERMINAL:
-            return  # latch
-        self.status[index] = status
-        if status == KVPoll.Failed:
-            self.reason[index] = reason
+        super().__init__(capacity)
+        self.pages_left: dict[int, int] = {}
 
     def sender(self, room: int) -> FakeSender:
         return FakeSender(self, room)
@@ -66,33 +37,12 @@ class FakeManager:
     def receiver(self, room: int) -> FakeReceiver:
         return FakeReceiver(self, room)
 
-    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
-        out: NDArray[np.int8] = self.status[indices]
-        return out
 
-    def failure_reasons(
-        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
-    ) -> NDArray[np.int8]:
-        out: NDArray[np.int8] = self.reason[indices]
-        return out
-
-
-class _FakeRequest:
+class _FakeRequest(StatusHandle):
     def __init__(self, manager: FakeManager, room: int, initial: KVPoll) -> None:
+        super().__init__(manager, room, manager.take(initial))
         self.manager = manager
-        self.bootstrap_room = room
-        self.index = manager._take(initial)
         self._cleared = False
-
-    def poll(self) -> int:
-        return int(self.manager.status[self.index])
-
-    def failure_reason(self) -> FailureReason:
-        return FailureReason(int(self.manager.reason[self.index]))
-
-    def failure_exception(self) -> None:
-        if self.poll() == KVPoll.Failed:
-            raise TransferFailed(self.bootstrap_room, self.failure_reason().label)
 
     def abort(self) -> None:
         self.manager.set(self.index, KVPoll.Failed, FailureReason.ABORTED)
@@ -100,6 +50,7 @@ class _FakeRequest:
     def clear(self) -> None:
         if not self._cleared:
             self._cleared = True
+            self.manager.pages_left.pop(self.index, None)
             self.manager.release(self.index)
 
 
@@ -115,10 +66,11 @@ class FakeSender(_FakeRequest):
 
     def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
         m = self.manager
-        if m.status[self.index] in _TERMINAL:
+        if m.terminal(self.index):
             return
-        m.pages_left[self.index] -= np.asarray(page_indices).size
-        if m.pages_left[self.index] <= 0:
+        left = m.pages_left.get(self.index, 0) - np.asarray(page_indices).size
+        m.pages_left[self.index] = left
+        if left <= 0:
             m.set(self.index, KVPoll.Success)
 
 

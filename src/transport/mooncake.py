@@ -47,7 +47,8 @@ from numpy.typing import ArrayLike, NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport.errors import BackendUnavailable, TransferFailed
+from transport.errors import BackendUnavailable
+from transport.status_arrays import StatusArrays, StatusHandle
 
 __all__ = ["MooncakeConfig", "MooncakeManager", "MooncakeSender", "MooncakeReceiver", "probe"]
 
@@ -154,7 +155,7 @@ class _Req:
         self.failed_at = float("nan")
 
 
-class MooncakeManager:
+class MooncakeManager(StatusArrays):
     """One per rank. Create senders (prefill) or receivers (decode) from it."""
 
     def __init__(self, kv_args: KVArgs, config: MooncakeConfig) -> None:
@@ -196,10 +197,7 @@ class MooncakeManager:
                 }
             ),
         )
-        cap = 1024
-        self.status = np.full(cap, F, dtype=np.int8)
-        self.reason = np.full(cap, FailureReason.NONE, dtype=np.int8)
-        self._free: list[int] = list(range(cap - 1, -1, -1))
+        super().__init__()
         self._reqs: dict[int, _Req] = {}  # room -> request
         self._lock = threading.Lock()
         self._peers: dict[int, dict[str, Any]] = {}
@@ -222,17 +220,7 @@ class MooncakeManager:
         with self._lock:
             if room in self._reqs:
                 raise ValueError(f"room={room} already has a live request on this manager")
-            if not self._free:
-                old = self.status.size
-                self.status = np.concatenate((self.status, np.full(old, F, np.int8)))
-                self.reason = np.concatenate(
-                    (self.reason, np.full(old, FailureReason.NONE, np.int8))
-                )
-                self._free.extend(range(old * 2 - 1, old - 1, -1))
-            idx = self._free.pop()
-            self.status[idx] = initial
-            self.reason[idx] = FailureReason.NONE
-            req = _Req(room, idx, peer)
+            req = _Req(room, self.take(initial), peer)
             self._reqs[room] = req
             self._cleared.discard(room)
             early = self._early.pop(room, [])
@@ -247,17 +235,13 @@ class MooncakeManager:
                 return
             if self._reqs.get(req.room) is req:
                 del self._reqs[req.room]
-                self._free.append(req.index)
+                self.release(req.index)
                 self._cleared.add(req.room)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
 
     def _set(self, req: _Req, status: int, reason: FailureReason = FailureReason.NONE) -> None:
-        if self.status[req.index] in (S, F):
-            return  # terminal states latch
-        self.status[req.index] = status
-        if status == F:
-            self.reason[req.index] = reason
+        if self.set(req.index, status, reason) and status == F:
             req.failed_at = time.monotonic()
 
     def sender(self, room: int, peer: int | None = None) -> MooncakeSender:
@@ -265,17 +249,6 @@ class MooncakeManager:
 
     def receiver(self, room: int, peer: int | None = None) -> MooncakeReceiver:
         return MooncakeReceiver(self, room, self.config.tp_rank if peer is None else peer)
-
-    # -- batch poll ------------------------------------------------------------
-    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
-        out: NDArray[np.int8] = self.status[indices]
-        return out
-
-    def failure_reasons(
-        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
-    ) -> NDArray[np.int8]:
-        out: NDArray[np.int8] = self.reason[indices]
-        return out
 
     # -- messaging -------------------------------------------------------------
     def _send_room(self, room: int, got: dict[str, Any], msg: dict[str, Any], store: Any) -> None:
@@ -564,23 +537,12 @@ class MooncakeManager:
         self._listener.join(timeout=2)
 
 
-class _Handle:
+class _Handle(StatusHandle):
     def __init__(self, manager: MooncakeManager, room: int, peer: int, initial: int) -> None:
         self.manager = manager
-        self.bootstrap_room = room
         self._req = manager._take(room, peer, initial)
-        self.index = self._req.index
+        super().__init__(manager, room, self._req.index)
         self._cleared = False
-
-    def poll(self) -> int:
-        return int(self.manager.status[self.index])
-
-    def failure_reason(self) -> FailureReason:
-        return FailureReason(int(self.manager.reason[self.index]))
-
-    def failure_exception(self) -> None:
-        if self.poll() == F:
-            raise TransferFailed(self.bootstrap_room, self.failure_reason().label)
 
     def abort(self) -> None:
         self.fail(FailureReason.ABORTED)
