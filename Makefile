@@ -24,8 +24,8 @@ demo: $(STAMP)
 	$(VENV)/bin/pdlife simulate --out .demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict src
