@@ -143,3 +143,38 @@ def test_replay_finds_a_hand_edit(tmp_path):
     )
     assert rp.returncode == 1
     assert f"first difference at step {edited_step}" in rp.stdout
+
+
+def test_same_command_runs_under_torchrun(tmp_path):
+    from lifecycle.testing.spawn import free_port
+
+    out = tmp_path / "tr"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "lifecycle",
+            "simulate",
+            "--backend",
+            "fake",
+            "--quiet",
+            "--requests",
+            "64",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["ok"]
+    assert s["succeeded"] + s["aborted"] == 64
+    assert proc.stdout.count("pdlife simulate:") == 1

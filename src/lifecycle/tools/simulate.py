@@ -322,10 +322,14 @@ def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
 
 def _run(args: argparse.Namespace) -> int:
     cfg, why = _config(args)
-    print(
-        f"pdlife simulate: backend {cfg.backend} ({why}); {cfg.prefill}P + {cfg.decode}D ranks on 127.0.0.1; seed {cfg.seed}"
-    )
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    if not torchrun or os.environ["RANK"] == "0":
+        where = "under torchrun (env://)" if torchrun else "on 127.0.0.1"
+        print(
+            f"pdlife simulate: backend {cfg.backend} ({why}); "
+            f"{cfg.prefill}P + {cfg.decode}D ranks {where}; seed {cfg.seed}"
+        )
+    if torchrun:
         return _under_torchrun(cfg, Path(args.out))
     return simulate(cfg, Path(args.out), timeout=args.timeout, progress=not args.quiet)
 
