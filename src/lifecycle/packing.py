@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.reasons import REASON_BITS, FailureReason
+from lifecycle.reasons import REASON_BITS
 
 __all__ = [
     "STATUS_SHIFT",
@@ -38,7 +38,6 @@ __all__ = [
     "unpack",
     "fingerprint",
     "write_header",
-    "read_header",
     "Header",
 ]
 
@@ -118,10 +117,3 @@ class Header:
     @property
     def agreed(self) -> bool:
         return bool(self.fp_min == self.fp_max and self.len_min == self.len_max)
-
-
-def read_header(buf: NDArray[np.int32]) -> Header:
-    return Header(buf)
-
-
-NONE_REASON = np.int8(FailureReason.NONE)

@@ -150,6 +150,7 @@ class StepResult:
     changed: NDArray[np.int64]  # row indices whose status changed this step
     previous: NDArray[np.int8]  # their status before the step
     triggers: NDArray[np.int16]  # the trigger each changed row took
+    dwell: NDArray[np.float64]  # how long each changed row stayed in its previous status
     exceptions: dict[int, BaseException] = attrs.field(factory=dict)
     stuck: tuple[StuckReport, ...] = ()
 
@@ -213,6 +214,7 @@ def _bucket(n: int, floor: int) -> int:
 
 
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
+_EMPTY_F64 = np.empty(0, dtype=np.float64)
 
 
 class _View:
@@ -660,6 +662,7 @@ class Stepper:
         state = self._state
         t = self.table
         step = t.step_no + 1
+        dwell = _EMPTY_F64
         if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
             changed, trig = _EMPTY_I64, np.empty(0, dtype=np.int16)
         else:
@@ -680,6 +683,7 @@ class Stepper:
             trig = trig_all[changed]
             t.terminal_count += int(TERMINAL[new[changed]].sum())
             slots = v.rows[changed]
+            dwell = self._now - t.entered_time[slots]
             t.state[slots] = new[changed]
             t.entered_step[slots] = step
             t.entered_time[slots] = self._now
@@ -696,6 +700,7 @@ class Stepper:
             words=words,
             changed=changed,
             previous=state[changed],
+            dwell=dwell,
             triggers=trig,
             exceptions=self._exceptions,
         )

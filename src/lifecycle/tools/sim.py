@@ -65,6 +65,7 @@ class SimConfig:
     stuck_after: int = 100
     backend: str = "fake"
     pg_timeout: float = 30.0
+    metrics_port: int | None = None  # rank r serves Prometheus metrics on port + r
     plan: FaultPlan = attrs.field(factory=FaultPlan)
 
     @property
@@ -261,6 +262,12 @@ class RankRun:
         self.failure_steps: list[int] = []
         self.stuck_reports = 0
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
+        self.metrics: Any = None
+        if cfg.metrics_port is not None:
+            from lifecycle.tools.metrics import LifecycleMetrics, serve
+
+            self.metrics = LifecycleMetrics()
+            serve(cfg.metrics_port + rank)
 
     def _clock(self) -> float:
         # logical time (one unit per iteration) keeps fake runs reproducible;
@@ -347,6 +354,8 @@ class RankRun:
         self.latency_us.append((time.perf_counter() - t0) * 1e6)
         _, local, reason = q.stepper.last_local
         self.trace.step(self.side, q.name, res, local, reason)
+        if self.metrics is not None:
+            self.metrics.observe(f"{self.side}/{q.name}", res)
         if res.stuck:
             self.stuck_reports += len(res.stuck)
             for s in res.stuck:
@@ -563,6 +572,8 @@ class RankRun:
                 if self.rank in (0, self.cfg.prefill) and self.step_no % 10 == 0:
                     self.store.set(f"progress/{self.side}", str(len(self.outcome)))
                 if all_done:
+                    if self.rank in (0, self.cfg.prefill):
+                        self.store.set(f"progress/{self.side}", str(len(self.outcome)))
                     break
         except RankFailure as e:
             error = self._who_died(e)

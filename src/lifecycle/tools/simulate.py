@@ -314,6 +314,7 @@ def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
         max_steps=args.max_steps,
         backend=backend,
         pg_timeout=args.pg_timeout,
+        metrics_port=args.metrics_port,
         plan=plan,
     )
     plan.validate_against(cfg.world, cfg.requests)
@@ -393,6 +394,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=110.0, help="wall-clock limit for the run")
     p.add_argument("--pg-timeout", type=float, default=15.0, help="collective timeout per rank")
     p.add_argument("--out", default="pdlife-out")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics: rank r on this port + r"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
