@@ -6,8 +6,6 @@ every KV page and metadata row it commits against what prefill wrote.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -16,35 +14,15 @@ mooncake = pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(300)]
 
 
-def run(tmp_path, name, *args):
-    out = tmp_path / name
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lifecycle",
-            "simulate",
-            "--backend",
-            "mooncake",
-            "--quiet",
-            "--out",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    return proc, json.loads((out / "summary.json").read_text()), out
-
-
 def decode_outcomes(out):
     ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in (2, 3)]
     return [r["outcome"] for r in ranks], ranks
 
 
-def test_200_requests_move_byte_for_byte(tmp_path):
-    proc, s, out = run(tmp_path, "ok", "--requests", "200", "--abort-prob", "0", "--seed", "3")
+def test_200_requests_move_byte_for_byte(tmp_path, run_sim):
+    proc, s, out = run_sim(
+        "mooncake", "ok", "--requests", "200", "--abort-prob", "0", "--seed", "3"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["succeeded"] == 200
     assert s["invariant_violations"] == []  # a differing page or row would be listed here
@@ -55,9 +33,9 @@ def test_200_requests_move_byte_for_byte(tmp_path):
     assert {v[0] for v in o2.values()} == {"Success"}
 
 
-def test_aborts_and_a_killed_prefill_rank(tmp_path):
-    proc, s, out = run(
-        tmp_path,
+def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim):
+    proc, s, out = run_sim(
+        "mooncake",
         "kill",
         "--requests",
         "200",

@@ -9,36 +9,13 @@ import pytest
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
-def run(tmp_path, name, *args):
-    out = tmp_path / name
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lifecycle",
-            "simulate",
-            "--backend",
-            "fake",
-            "--quiet",
-            "--out",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    summary = json.loads((out / "summary.json").read_text())
-    return proc, summary, out
-
-
 def strip_timings(s):
     return {k: v for k, v in s.items() if k not in ("step_latency_us", "elapsed_s")}
 
 
-def test_default_run_is_clean_and_reproducible(tmp_path):
-    p1, s1, out1 = run(tmp_path, "a")
-    p2, s2, out2 = run(tmp_path, "b")
+def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
+    p1, s1, out1 = run_sim("fake", "a")
+    p2, s2, out2 = run_sim("fake", "b")
     assert p1.returncode == 0, p1.stdout + p1.stderr
     assert s1["ok"]
     assert s1["disagreements"] == 0
@@ -67,8 +44,8 @@ def test_default_run_is_clean_and_reproducible(tmp_path):
         assert key in s1
 
 
-def test_failure_probability_under_load(tmp_path):
-    proc, s, out = run(tmp_path, "p", "--fail-prob", "0.05", "--requests", "2000")
+def test_failure_probability_under_load(tmp_path, run_sim):
+    proc, s, out = run_sim("fake", "p", "--fail-prob", "0.05", "--requests", "2000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert s["failed"].get("injected fault", 0) > 0
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
@@ -82,7 +59,7 @@ def test_failure_probability_under_load(tmp_path):
     assert "no difference" in rp.stdout
 
 
-def test_targeted_plan(tmp_path):
+def test_targeted_plan(tmp_path, run_sim):
     plan = {
         "faults": [
             {"kind": "fail", "rank": 0, "request": 3},
@@ -94,7 +71,7 @@ def test_targeted_plan(tmp_path):
         ]
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    proc, s, out = run(tmp_path, "t", "--plan", str(tmp_path / "plan.json"), "--abort-prob", "0")
+    proc, s, out = run_sim("fake", "t", "--plan", str(tmp_path / "plan.json"), "--abort-prob", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert s["failed"] == {
         "injected fault": 1,
@@ -112,16 +89,16 @@ def test_targeted_plan(tmp_path):
     assert {(f["reason"], f["origin"]) for f in fails} == {(8, 0), (7, 1)}
 
 
-def test_killed_rank_is_named_by_the_survivors(tmp_path):
-    proc, s, _ = run(tmp_path, "k", "--kill-rank", "3", "--kill-step", "4", "--pg-timeout", "10")
+def test_killed_rank_is_named_by_the_survivors(tmp_path, run_sim):
+    proc, s, _ = run_sim("fake", "k", "--kill-rank", "3", "--kill-step", "4", "--pg-timeout", "10")
     assert proc.returncode != 0
     assert s["dead_ranks"] == [3]
     assert any("dead rank(s) [3]" in e for e in s["rank_errors"])
     assert "dead rank(s) [3]" in proc.stdout
 
 
-def test_replay_finds_a_hand_edit(tmp_path):
-    proc, _, out = run(tmp_path, "r", "--requests", "64")
+def test_replay_finds_a_hand_edit(tmp_path, run_sim):
+    proc, _, out = run_sim("fake", "r", "--requests", "64")
     assert proc.returncode == 0
     path = out / "trace" / "rank1.jsonl"
     lines = path.read_text().splitlines()
@@ -145,7 +122,7 @@ def test_replay_finds_a_hand_edit(tmp_path):
     assert f"first difference at step {edited_step}" in rp.stdout
 
 
-def test_same_command_runs_under_torchrun(tmp_path):
+def test_same_command_runs_under_torchrun(tmp_path, run_sim):
     from lifecycle.testing.spawn import free_port
 
     out = tmp_path / "tr"
