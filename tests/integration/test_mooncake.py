@@ -67,3 +67,66 @@ def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim):
         assert r["unfinished"] == 0
     assert s["hung_ranks"] == []
     assert s["invariant_violations"] == []
+
+
+def _abort_pair(role, port, q):
+    import time
+
+    import torch
+
+    from buffers import MetadataBuffers, MetadataLayout
+    from transport.mooncake import MooncakeConfig, MooncakeManager, kv_args_for
+
+    kv = [torch.zeros((16, 256), dtype=torch.uint8)]
+    meta = MetadataBuffers(
+        4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    )
+    m = MooncakeManager(
+        kv_args_for(kv, meta.buf_infos(), 0),
+        MooncakeConfig(role=role, tp_rank=0, store_port=port, namespace="abort"),
+    )
+    t0 = time.time()
+    if role == "prefill":
+        s = m.sender(77)
+        while s.poll() == 1 and time.time() - t0 < 20:
+            time.sleep(0.01)
+        while s.poll() != 0 and time.time() - t0 < 20:
+            time.sleep(0.01)
+        q.put(("prefill", s.poll(), int(s.failure_reason())))
+    else:
+        r = m.receiver(77)
+        r.init()
+        while r.poll() == 1 and time.time() - t0 < 20:
+            time.sleep(0.01)
+        r.abort()  # the client went away after the handshake
+        while not r.drained and time.time() - t0 < 20:
+            time.sleep(0.01)
+        q.put(("decode", r.poll(), int(r.failure_reason()), r.drained))
+    time.sleep(0.5)
+    m.close()
+
+
+def test_decode_abort_reaches_prefill():
+    import multiprocessing as mp
+
+    from torch.distributed import TCPStore
+
+    from lifecycle import FailureReason
+    from lifecycle.testing.spawn import free_port
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_abort_pair, args=(r, port, q)) for r in ("prefill", "decode")]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        item = q.get(timeout=60)
+        got[item[0]] = item[1:]
+    for p in procs:
+        p.join(10)
+    _ = store
+    assert got["prefill"] == (0, FailureReason.ABORTED)
+    assert got["decode"] == (0, FailureReason.ABORTED, True)  # prefill said it stopped

@@ -1,0 +1,70 @@
+"""Engine quirks the Mooncake backend must absorb, against a stub engine."""
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
+
+from lifecycle import FailureReason, KVPoll
+from transport.mooncake import MooncakeConfig, MooncakeManager, _Req, _runs
+from transport.status_arrays import StatusArrays
+
+
+class StubEngine:
+    def __init__(self, statuses=(), submit_id=7):
+        self.statuses = list(statuses)
+        self.submit_id = submit_id
+        self.submitted = []
+
+    def transfer_check_status(self, bid):
+        return self.statuses.pop(0) if self.statuses else 0
+
+    def batch_transfer_async_write(self, endpoint, srcs, dsts, lens):
+        self.submitted.append((endpoint, srcs, dsts, lens))
+        return self.submit_id
+
+
+def bare_manager(engine, role="prefill"):
+    m = object.__new__(MooncakeManager)  # no engine, no store: just the bookkeeping
+    StatusArrays.__init__(m)
+    m.engine = engine
+    m.config = MooncakeConfig(role=role, tp_rank=0)
+    m._batch_results = {}
+    m._reqs = {}
+    m._lock = threading.Lock()
+    m._cleared, m._early, m._peer_dead = set(), {}, set()
+    return m
+
+
+def test_a_finished_batch_is_read_once_and_remembered():
+    m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
+    assert m._check_batch(5) == 0
+    assert m._check_batch(5) == 1
+    assert m._check_batch(5) == 1  # a second read would have looked "in progress"
+
+
+def test_batch_id_zero_means_the_peer_is_unreachable():
+    m = bare_manager(StubEngine(submit_id=0))
+    req = _Req(room=9, index=m.take(int(KVPoll.Transferring)), peer=1)
+    m._submit(req, {"endpoint": "127.0.0.1:1"}, [1], [2], [3])
+    assert m.status[req.index] == KVPoll.Failed
+    assert m.reason[req.index] == FailureReason.PEER_DEAD
+    assert req.batches == []
+
+
+def test_failed_batch_is_a_transfer_error_and_latches():
+    m = bare_manager(StubEngine(statuses=[-1]))
+    req = _Req(room=9, index=m.take(int(KVPoll.Transferring)), peer=1)
+    req.batches = [3]
+    m._advance(req, store=None, now=0.0)
+    assert m.status[req.index] == KVPoll.Failed
+    assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
+    m._set(req, int(KVPoll.Success))
+    assert m.status[req.index] == KVPoll.Failed  # terminal states latch
+
+
+def test_page_runs_coalesce_only_where_both_sides_are_contiguous():
+    s, d, n = _runs(np.array([4, 5, 6, 9, 10]), np.array([0, 1, 5, 6, 7]))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([4, 6, 9], [0, 5, 6], [2, 1, 2])
