@@ -3,19 +3,28 @@
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, run_state_machine_as_test
 
 from lifecycle.testing.consensus import ConsensusMachine, InvariantViolation
 
 TestConsensus = ConsensusMachine.TestCase
 
 
-class MaxReduce(ConsensusMachine):
+class Distributed(ConsensusMachine):
+    """Negative controls need at least two ranks to disagree."""
+
+    @initialize(world=st.integers(2, 8))
+    def init_world(self, world):
+        super().init_world(world)
+
+
+class MaxReduce(Distributed):
     def reduce(self, bufs):
         return np.maximum.reduce(bufs)
 
 
-class GateAfterReduce(ConsensusMachine):
+class GateAfterReduce(Distributed):
     """The field's bug class: a local gate consulted after the reduce."""
 
     def make_stepper(self, rank):
@@ -40,13 +49,13 @@ class GateAfterReduce(ConsensusMachine):
         return attrs.evolve(result, statuses=statuses)
 
 
-class PromotingGate(ConsensusMachine):
+class PromotingGate(Distributed):
     def adjust_local(self, rank, local):
         return np.where(local == 3, 4, local).astype(np.int8)
 
 
 BROKEN = settings(
-    max_examples=300,
+    max_examples=1000,
     phases=[Phase.generate],
     derandomize=True,
     deadline=None,
