@@ -60,7 +60,6 @@ def _table_for(
 ) -> RequestTable:
     t = RequestTable(rank=rank, capacity=max(1, len(pollers)))
     rooms = [getattr(p, "bootstrap_room", None) for p in pollers]
-    usable = all(isinstance(r, int) and r > 0 for r in rooms) and len(set(rooms)) == len(rooms)
     fake = np.zeros(len(pollers), dtype=bool)
     slots = np.full(len(pollers), -1, dtype=np.int64)
     if decode_reqs is not None:
@@ -76,7 +75,7 @@ def _table_for(
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 rooms[i] = room
-        usable = all(isinstance(r, int) and r > 0 for r in rooms) and len(set(rooms)) == len(rooms)
+    usable = all(isinstance(r, int) and r > 0 for r in rooms) and len(set(rooms)) == len(rooms)
     if usable:
         ids = [int(r) for r in rooms]  # type: ignore[arg-type]
     else:

@@ -251,9 +251,6 @@ class MooncakeManager(StatusArrays):
         return MooncakeReceiver(self, room, self.config.tp_rank if peer is None else peer)
 
     # -- messaging -------------------------------------------------------------
-    def _send_room(self, room: int, got: dict[str, Any], msg: dict[str, Any], store: Any) -> None:
-        self._send(int(got.get("from", self.config.tp_rank)), msg, store)
-
     def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
         msg.setdefault("from", self.config.tp_rank)
         store.queue_push(
@@ -357,7 +354,8 @@ class MooncakeManager(StatusArrays):
                     self._early.setdefault(room, []).append(msg)
                 elif msg["kind"] == "abort" and store is not None:
                     # already finished and drained here: nothing more will be written
-                    self._send_room(room, msg, {"kind": "stopped", "room": room}, store)
+                    sender = int(msg.get("from", self.config.tp_rank))
+                    self._send(sender, {"kind": "stopped", "room": room}, store)
                 return  # a late message for a cleared request must not bring it back
         kind = msg["kind"]
         if kind == "register":

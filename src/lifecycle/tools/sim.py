@@ -60,8 +60,12 @@ class SimConfig:
     metadata_slots: int = 64
     kv_pages: int = 1024
     max_steps: int = 3000
-    bootstrap_timeout: int = 400
-    waiting_timeout: int = 200
+    # deadlines: the fake backend runs on logical time (scheduler steps), a real
+    # transport on the wall clock (seconds), like its heartbeats
+    bootstrap_timeout: int = 400  # steps
+    waiting_timeout: int = 200  # steps
+    bootstrap_timeout_s: float = 20.0
+    waiting_timeout_s: float = 10.0
     stuck_after: int = 100
     backend: str = "fake"
     pg_timeout: float = 30.0
@@ -176,8 +180,11 @@ class _Queue:
             faults=faults,
             config=StepConfig(
                 bootstrap_timeout=float(cfg.bootstrap_timeout)
-                * (0.05 if cfg.backend != "fake" else 1),
-                waiting_timeout=float(cfg.waiting_timeout) * (0.05 if cfg.backend != "fake" else 1),
+                if cfg.backend == "fake"
+                else cfg.bootstrap_timeout_s,
+                waiting_timeout=float(cfg.waiting_timeout)
+                if cfg.backend == "fake"
+                else cfg.waiting_timeout_s,
                 stuck_after=cfg.stuck_after,
                 initial_capacity=max(64, cfg.requests),
             ),
