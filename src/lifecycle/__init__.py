@@ -9,6 +9,7 @@ from lifecycle.collective import (
     SimulatedWorld,
     SingleRank,
     TorchCollective,
+    start_min,
 )
 from lifecycle.errors import (
     CollectiveMismatch,
@@ -19,21 +20,26 @@ from lifecycle.errors import (
     LifecycleError,
     RankFailure,
     ReservedRoom,
+    TableBusy,
     UnknownRequest,
     UnknownTrigger,
 )
-from lifecycle.graph import EDGES, Edge, EdgeKind
+from lifecycle.graph import EDGES, GATES, VERDICTS, Edge, EdgeKind
 from lifecycle.lockstep import lockstep
 from lifecycle.reasons import FailureReason
 from lifecycle.reference import RequestMachine
 from lifecycle.status import KVPoll, Role
-from lifecycle.step import Failure, StepConfig, Stepper, StepResult, StuckReport
+from lifecycle.group import StepGroup
+from lifecycle.result import Failure, StepResult, StuckReport
+from lifecycle.step import StepConfig, Stepper
 from lifecycle.table import RequestTable
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EDGES",
+    "GATES",
+    "VERDICTS",
     "Collective",
     "CollectiveMismatch",
     "CountingCollective",
@@ -56,11 +62,14 @@ __all__ = [
     "SimulatedWorld",
     "SingleRank",
     "StepConfig",
+    "StepGroup",
     "StepResult",
     "Stepper",
     "StuckReport",
+    "TableBusy",
     "TorchCollective",
     "UnknownRequest",
     "UnknownTrigger",
     "lockstep",
+    "start_min",
 ]

@@ -1,7 +1,10 @@
 """Collectives the step reduces over.
 
-The core never talks to a network: it hands an int32 buffer to a
-:class:`Collective` and reads the result back. Implementations:
+The core never talks to a network: it hands a buffer (uint8 for the step,
+int32 for origin fetches and gathers) to a :class:`Collective` and reads the
+result back. A collective may also *start* a reduce and let the caller wait
+for it later (:func:`start_min`), which is how a step overlaps the forward
+pass. Implementations:
 
 - :class:`TorchCollective`: ``torch.distributed`` on any process group
   (gloo on CPU), zero-copy between numpy and torch;
@@ -16,7 +19,7 @@ The core never talks to a network: it hands an int32 buffer to a
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -31,6 +34,8 @@ __all__ = [
     "Hierarchical",
     "SimulatedWorld",
     "CountingCollective",
+    "Pending",
+    "start_min",
 ]
 
 
@@ -46,13 +51,62 @@ class Collective(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
-        """Element-wise MIN over the group, in place. Same length on every rank."""
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
+        """Element-wise MIN over the group, in place. Same length and dtype on every rank."""
         ...
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         """Every rank's ``buf`` stacked: shape ``(world_size, len(buf))``."""
         ...
+
+
+@runtime_checkable
+class Pending(Protocol):
+    """A reduce in flight; ``wait`` returns once the buffer holds the result."""
+
+    def wait(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+class _Thread:
+    """A blocking reduce run on a thread (for collectives without async ops)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def start_min(coll: Collective, buf: NDArray[Any]) -> Pending:
+    """Start a MIN all-reduce of ``buf`` in place; ``wait()`` on the result.
+
+    Uses the collective's own ``start_all_reduce_min`` when it has one (torch
+    groups: ``async_op=True``), else reduces at once.
+    """
+    start = getattr(coll, "start_all_reduce_min", None)
+    if start is None:
+        coll.all_reduce_min(buf)
+        return _DONE
+    pending: Pending = start(buf)
+    return pending
 
 
 class SingleRank:
@@ -69,7 +123,7 @@ class SingleRank:
     def world_size(self) -> int:
         return 1
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         return None
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
@@ -102,13 +156,24 @@ class TorchCollective:
     def world_size(self) -> int:
         return self._world
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         import torch
 
         try:
             self._dist.all_reduce(torch.from_numpy(buf), op=self._min, group=self.group)
         except RuntimeError as exc:  # gloo reports a dead or hung peer this way
             raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+
+    def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
+        import torch
+
+        try:
+            work = self._dist.all_reduce(
+                torch.from_numpy(buf), op=self._min, group=self.group, async_op=True
+            )
+        except RuntimeError as exc:
+            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+        return _TorchWork(work, self._rank)
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         import torch
@@ -120,6 +185,17 @@ class TorchCollective:
             raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
         result: NDArray[np.int32] = out.numpy()
         return result
+
+
+class _TorchWork:
+    def __init__(self, work: Any, rank: int) -> None:
+        self._work, self._rank = work, rank
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
 
 
 class Hierarchical:
@@ -138,15 +214,33 @@ class Hierarchical:
     def world_size(self) -> int:
         return int(np.prod([lvl.world_size for lvl in self.levels]))
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         for lvl in self.levels:
             lvl.all_reduce_min(buf)
+
+    def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
+        first = start_min(self.levels[0], buf)
+        if len(self.levels) == 1:
+            return first
+        rest = Hierarchical(self.levels[1:])
+        return _Chain(first, lambda: rest.all_reduce_min(buf))
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         out = buf.reshape(1, -1)
         for lvl in self.levels:
             out = lvl.all_gather(out.ravel()).reshape(-1, buf.size)
         return out
+
+
+class _Chain:
+    """Wait for the first level, then run the others (they need its result)."""
+
+    def __init__(self, first: Pending, then: Callable[[], None]) -> None:
+        self._first, self._then = first, then
+
+    def wait(self) -> None:
+        self._first.wait()
+        self._then()
 
 
 class CountingCollective:
@@ -165,9 +259,13 @@ class CountingCollective:
     def world_size(self) -> int:
         return self.inner.world_size
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         self.reduces += 1
         self.inner.all_reduce_min(buf)
+
+    def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
+        self.reduces += 1
+        return start_min(self.inner, buf)
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         self.gathers += 1
@@ -188,14 +286,14 @@ class SimulatedWorld:
         self.size = world_size
         self.timeout = timeout
         self._cond = threading.Condition()
-        self._bufs: dict[int, NDArray[np.int32]] = {}
+        self._bufs: dict[int, NDArray[Any]] = {}
         self._gen = 0
-        self._result: dict[int, NDArray[np.int32] | BaseException] = {}
+        self._result: dict[int, NDArray[Any] | BaseException] = {}
 
     def rank(self, r: int) -> _SimRank:
         return _SimRank(self, r)
 
-    def _exchange(self, r: int, buf: NDArray[np.int32], op: str) -> NDArray[np.int32]:
+    def _exchange(self, r: int, buf: NDArray[Any], op: str) -> NDArray[Any]:
         with self._cond:
             gen = self._gen
             self._bufs[r] = buf.copy()
@@ -212,15 +310,15 @@ class SimulatedWorld:
             raise res
         return res
 
-    def _combine(self, op: str) -> NDArray[np.int32] | BaseException:
+    def _combine(self, op: str) -> NDArray[Any] | BaseException:
         bufs = [self._bufs[i] for i in range(self.size)]
-        sizes = {b.size for b in bufs}
+        sizes = {(b.size, b.dtype.str) for b in bufs}
         if len(sizes) != 1:
             return LifecycleError(
                 f"simulated {op}: buffer sizes differ across ranks "
                 f"{[b.size for b in bufs]} (a real gloo group would abort the process)"
             )
-        out: NDArray[np.int32] = np.minimum.reduce(bufs) if op == "min" else np.stack(bufs)
+        out: NDArray[Any] = np.minimum.reduce(bufs) if op == "min" else np.stack(bufs)
         return out
 
 
@@ -237,8 +335,11 @@ class _SimRank:
     def world_size(self) -> int:
         return self.world.size
 
-    def all_reduce_min(self, buf: NDArray[np.int32]) -> None:
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         buf[...] = self.world._exchange(self._rank, buf, "min")
+
+    def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
+        return _Thread(lambda: self.all_reduce_min(buf))
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         return self.world._exchange(self._rank, buf, "gather")

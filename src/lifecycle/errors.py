@@ -4,7 +4,7 @@ group at 3 a.m."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "LifecycleError",
@@ -12,6 +12,7 @@ __all__ = [
     "UnknownTrigger",
     "InvalidStatus",
     "CollectiveMismatch",
+    "TableBusy",
     "DuplicateRequest",
     "UnknownRequest",
     "ReservedRoom",
@@ -70,28 +71,45 @@ class InvalidStatus(LifecycleError):
 
 
 class CollectiveMismatch(LifecycleError):
-    """Ranks stepped different request lists; raised on every rank of the group."""
+    """Ranks stepped different request lists, configurations, queues or
+    iterations; raised on every rank of the group, before anything moved."""
 
     def __init__(
         self,
         rank: int,
         local_len: int,
-        lens: tuple[int, int],
         local_fingerprint: int,
         fingerprints: tuple[int, int],
+        *,
+        queue: str = "",
+        what: Sequence[str] = ("request list (rooms or their order)",),
     ) -> None:
         self.rank = rank
         self.local_len = local_len
-        self.lens = lens
         self.local_fingerprint = local_fingerprint
         self.fingerprints = fingerprints
+        self.queue = queue
+        self.what = tuple(what)
+        name = f"queue {queue!r}" if queue else "the queue"
         super().__init__(
-            f"rank {rank}: the ranks' request lists diverged (local length {local_len}, "
-            f"lengths across ranks {lens[0]}..{lens[1]}; local fingerprint "
-            f"{local_fingerprint:#018x}, fingerprints across ranks {fingerprints[0]:#018x}"
-            f"..{fingerprints[1]:#018x}). No request was advanced. Every rank must add, "
-            "remove and order requests identically (no early return on an empty queue, "
-            "no rank-local filtering before the step)."
+            f"rank {rank}: the ranks diverged on {name}: {', '.join(self.what)} differ "
+            f"(local list of {local_len} request(s), fingerprint {local_fingerprint:#018x}; "
+            f"across ranks {fingerprints[0]:#018x}..{fingerprints[1]:#018x}). No request was "
+            "advanced. Every rank must add, remove and order requests identically (no early "
+            "return on an empty queue, no rank-local filtering before the step), share one "
+            "StepConfig, step its queues in the same order and pass the same tag."
+        )
+
+
+class TableBusy(LifecycleError):
+    """A table was edited while a started step was in flight."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        super().__init__(
+            f"rank {rank}: this table is being stepped (start() was called, finish() not yet); "
+            "adding, removing or aborting requests now would change what the step applies to. "
+            "Make the change after finish()."
         )
 
 

@@ -21,6 +21,20 @@ Everything below is derived from :data:`EDGES`: the ``transitions`` machines
 of the reference executor (:mod:`lifecycle.reference`), the numpy tables of
 the batch executor (:mod:`lifecycle.batch`) and the diagrams
 (:mod:`lifecycle.diagram`). Nothing else names an edge.
+
+Beside the edges stand the two other rule tables of a step, read by
+:mod:`lifecycle.verdicts` and :mod:`lifecycle.gates`:
+
+- :data:`VERDICTS`: every local reason to fail a request, in reason-code
+  order, with where its mask comes from. The code *is* the priority: on one
+  rank the smallest code among the verdicts that hit wins, and across ranks
+  MIN keeps the smallest code, so "first verdict wins" and "MIN wins" are
+  one rule.
+- :data:`GATES`: every gate, in the order they are asked, with the one
+  demotion edge it may apply.
+
+Adding a verdict or a gate is one line in these tables (and, for a new
+source, one function where the step computes sources).
 """
 
 from __future__ import annotations
@@ -29,9 +43,21 @@ import enum
 
 import attrs
 
+from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 
-__all__ = ["EdgeKind", "Edge", "EDGES", "TRIGGERS", "GUARDS", "edges_for"]
+__all__ = [
+    "EdgeKind",
+    "Edge",
+    "EDGES",
+    "TRIGGERS",
+    "GUARDS",
+    "edges_for",
+    "Verdict",
+    "VERDICTS",
+    "GateRule",
+    "GATES",
+]
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,
@@ -55,42 +81,21 @@ class Edge:
     dest: KVPoll
     kind: EdgeKind
     guard: str | None = None
-    doc: str = ""
 
 
 _NON_TERMINAL = (B, W, T)
 
 #: The one declaration. Order matters only for display and trigger ids.
 EDGES: tuple[Edge, ...] = (
-    Edge("handshake", (B,), W, EdgeKind.PROGRESS, doc="rendezvous with the peer done"),
-    Edge("start_transfer", (B, W), T, EdgeKind.PROGRESS, doc="chunks are being written"),
-    Edge("complete", _NON_TERMINAL, S, EdgeKind.PROGRESS, doc="every rank reports done"),
-    Edge("fail", _NON_TERMINAL, F, EdgeKind.FAIL, doc="a rank failed it; reason travels"),
-    Edge("abort", _NON_TERMINAL, F, EdgeKind.FAIL, doc="a client abort reached every rank"),
-    Edge(
-        "hold_staging",
-        (S,),
-        T,
-        EdgeKind.DEMOTE,
-        guard="staging_pending",
-        doc="staging scatter not finished on this rank",
-    ),
-    Edge(
-        "hold_metadata",
-        (S,),
-        T,
-        EdgeKind.DEMOTE,
-        guard="metadata_pending",
-        doc="first-token metadata row not landed on this rank",
-    ),
-    Edge(
-        "hold_gate",
-        (S,),
-        T,
-        EdgeKind.DEMOTE,
-        guard="gate_closed",
-        doc="a user gate is closed on this rank",
-    ),
+    Edge("handshake", (B,), W, EdgeKind.PROGRESS),  # rendezvous with the peer done
+    Edge("start_transfer", (B, W), T, EdgeKind.PROGRESS),  # chunks are being written
+    Edge("complete", _NON_TERMINAL, S, EdgeKind.PROGRESS),  # every rank reports done
+    Edge("fail", _NON_TERMINAL, F, EdgeKind.FAIL),  # a rank failed it; the reason travels
+    Edge("abort", _NON_TERMINAL, F, EdgeKind.FAIL),  # a client abort reached every rank
+    # gates: a local Success held back on this rank until its condition holds
+    Edge("hold_staging", (S,), T, EdgeKind.DEMOTE, guard="staging_pending"),
+    Edge("hold_metadata", (S,), T, EdgeKind.DEMOTE, guard="metadata_pending"),
+    Edge("hold_gate", (S,), T, EdgeKind.DEMOTE, guard="gate_closed"),
 )
 
 TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
@@ -99,6 +104,55 @@ GUARDS: tuple[str, ...] = tuple(sorted({e.guard for e in EDGES if e.guard is not
 
 def edges_for(trigger: str) -> tuple[Edge, ...]:
     return tuple(e for e in EDGES if e.trigger == trigger)
+
+
+@attrs.frozen
+class Verdict:
+    """A local reason to fail a request and the sources whose masks carry it."""
+
+    reason: FailureReason
+    sources: tuple[str, ...]
+
+
+R = FailureReason
+_BACKEND = "backend"
+#: Local verdicts, in priority (= reason code) order. Sources: ``abort_flag``
+#: the table's abort column; ``backend`` a Failed the poller reported with
+#: this reason (a backend may relay a peer's abort or timeout; UNKNOWN when it
+#: gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
+#: clocks; ``metadata_row`` a row carrying another request's room;
+#: ``poll_value`` a value outside KVPoll; ``hook_error`` a poll, gate,
+#: staging, metadata or fault hook that raised or answered nonsense;
+#: ``fault_hook`` injected faults.
+VERDICTS: tuple[Verdict, ...] = (
+    Verdict(R.ABORTED, ("abort_flag", _BACKEND)),
+    Verdict(R.PEER_DEAD, (_BACKEND,)),
+    Verdict(R.BOOTSTRAP_TIMEOUT, ("bootstrap_deadline", _BACKEND)),
+    Verdict(R.WAITING_TIMEOUT, ("waiting_deadline", _BACKEND)),
+    Verdict(R.METADATA_CORRUPT, ("metadata_row", _BACKEND)),
+    Verdict(R.TRANSFER_ERROR, (_BACKEND,)),
+    Verdict(R.INVALID_STATUS, ("poll_value",)),
+    Verdict(R.LOCAL_EXCEPTION, ("hook_error", _BACKEND)),
+    Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
+    Verdict(R.UNKNOWN, (_BACKEND,)),
+)
+
+
+@attrs.frozen
+class GateRule:
+    """A gate: while ``source`` says closed, a local Success takes ``trigger``."""
+
+    name: str
+    trigger: str
+    source: str
+
+
+#: Gates, in the order they are asked. Each may only apply its demotion edge.
+GATES: tuple[GateRule, ...] = (
+    GateRule("staging", "hold_staging", "staging_pending"),
+    GateRule("metadata", "hold_metadata", "metadata_pending"),
+    GateRule("user", "hold_gate", "gate_closed"),
+)
 
 
 def _check_declaration() -> None:
@@ -111,6 +165,13 @@ def _check_declaration() -> None:
             raise AssertionError(f"{e.trigger}: progress must move forward")
         if e.kind is not EdgeKind.DEMOTE and any(s.terminal for s in e.sources):
             raise AssertionError(f"{e.trigger}: terminal states latch")
+    codes = [int(v.reason) for v in VERDICTS]
+    if codes != sorted(codes) or set(codes) != {int(r) for r in R if r is not R.NONE}:
+        raise AssertionError("VERDICTS list every reason once, in code (= priority) order")
+    for g in GATES:
+        (edge,) = edges_for(g.trigger)
+        if edge.kind is not EdgeKind.DEMOTE or edge.guard != g.source:
+            raise AssertionError(f"gate {g.name}: {g.trigger} is not a demotion guarded by it")
 
 
 _check_declaration()

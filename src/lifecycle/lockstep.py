@@ -3,12 +3,15 @@
 This is the simulated world used by the property tests and by trace replay:
 each rank prepares, the buffers are MIN-reduced with numpy, each rank
 applies. Behaviour is identical to a real group because the steppers are the
-same objects; only the collective is replaced.
+same objects and take the same sans-IO path (prepare, reduce, resize and
+reduce again if needed, origin fetch if needed, apply); only the collective
+is replaced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -19,29 +22,42 @@ from lifecycle.step import Stepper, StepResult
 __all__ = ["lockstep", "reduce_min"]
 
 
-def reduce_min(bufs: Sequence[NDArray[np.int32]]) -> NDArray[np.int32]:
-    sizes = [b.size for b in bufs]
-    if len(set(sizes)) != 1:
+def reduce_min(bufs: Sequence[NDArray[Any]]) -> NDArray[Any]:
+    shapes = [(b.size, b.dtype.str) for b in bufs]
+    if len(set(shapes)) != 1:
         raise LifecycleError(
-            f"lockstep: buffer sizes differ across ranks {sizes}; capacity must be agreed "
-            "(a real gloo group would abort the process here)"
+            f"lockstep: buffer sizes differ across ranks {[b.size for b in bufs]}; capacity "
+            "must be agreed (a real gloo group would abort the process here)"
         )
-    out: NDArray[np.int32] = np.minimum.reduce(list(bufs))
+    out: NDArray[Any] = np.minimum.reduce(list(bufs))
     return out
 
 
-def lockstep(steppers: Sequence[Stepper]) -> list[StepResult | BaseException]:
-    """One step on every rank. A rank whose apply raises gets its exception
-    in its place in the returned list (ranks are independent there, exactly as
-    in a real group)."""
-    bufs = [s.prepare() for s in steppers]
-    red = reduce_min(bufs)
+def lockstep(
+    steppers: Sequence[Stepper], tags: Sequence[int | None] | None = None
+) -> list[StepResult | BaseException]:
+    """One step on every rank. A rank whose origins/apply raises gets its
+    exception in its place in the returned list (ranks are independent there,
+    exactly as in a real group)."""
+    tags = tags if tags is not None else [None] * len(steppers)
+    red = reduce_min([s.prepare(tag) for s, tag in zip(steppers, tags)])
     if any([s.resize(red) for s in steppers]):
         red = reduce_min([s.repack() for s in steppers])
-    out: list[StepResult | BaseException] = []
+    fetches: list[NDArray[np.int32] | None | BaseException] = []
     for s in steppers:
         try:
-            out.append(s.apply(red.copy()))
+            fetches.append(s.origins(red.copy()))
+        except Exception as e:
+            fetches.append(e)
+    present = [f for f in fetches if isinstance(f, np.ndarray)]
+    origins = reduce_min(present) if present else None
+    out: list[StepResult | BaseException] = []
+    for s, f in zip(steppers, fetches):
+        if isinstance(f, BaseException):
+            out.append(f)
+            continue
+        try:
+            out.append(s.apply(red.copy(), origins))
         except Exception as e:
             out.append(e)
     return out

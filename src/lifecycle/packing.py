@@ -1,26 +1,32 @@
-"""The reduced word: one int32 per request that carries what, why and where.
+"""The reduced buffer: one byte per live request, and a header in bytes.
 
-Layout of a request's word (bit 31, the sign, is always 0)::
+A request's word is one ``uint8``::
 
-    30..28  status   (KVPoll, 0..4)
-    27..24  reason   (FailureReason; NONE unless status is Failed)
-    23..0   origin   (the rank that produced this value)
+    7..4  status  (KVPoll, 0..4)
+    3..0  reason  (FailureReason when status is Failed, else 0)
 
-Because the status sits in the high bits, MIN over ranks yields the agreed
-status. Among ranks at that status, MIN then keeps the smallest reason code
-(the documented priority in :mod:`lifecycle.reasons`) and then the smallest
-rank: for a Failed request every rank decodes the same reason and the same
-origin; for a pending one the origin names a rank holding it back.
+The status sits in the high bits, so MIN over ranks yields the agreed status;
+among ranks that failed a request, MIN then keeps the smallest reason code,
+which is the documented priority (:mod:`lifecycle.reasons`). Every rank
+decodes the same status and, for Failed, the same reason. The rank a failure
+came from is not in the word: it is fetched by a second, small collective
+only on steps where some request newly failed (see :func:`origin_words`).
 
-A buffer is ``HEADER`` words followed by ``capacity`` request words (padded
-with :data:`PAD`). The header carries the list length and a 62-bit
-fingerprint of the ordered request list, each as the pair ``(x, -x)``: after
-MIN every rank knows both the minimum and the maximum across ranks, and a
-divergence is seen by all ranks in the very call that would otherwise have
-mixed requests up.
+A buffer is :data:`HEADER` bytes followed by ``capacity`` request bytes
+(padded with :data:`PAD`, which MIN ignores). The header is a list of 64-bit
+fields, each as its 8 big-endian bytes and, for the fields that must match,
+their complements ``255 - b``. MIN then gives every rank the byte-wise
+minimum *and* maximum across ranks, so "all ranks sent the same value" is
+known everywhere in the very call that would otherwise have mixed requests
+up. For the capacity fields only the complement is sent: the byte-wise
+maximum it yields is an upper bound of every rank's value, the same on every
+rank, which is all a capacity decision needs.
 """
 
 from __future__ import annotations
+
+import enum
+import hashlib
 
 import numpy as np
 from numpy.typing import NDArray
@@ -29,46 +35,62 @@ from lifecycle.reasons import REASON_BITS
 
 __all__ = [
     "STATUS_SHIFT",
-    "REASON_SHIFT",
-    "ORIGIN_BITS",
-    "MAX_RANK",
-    "HEADER",
     "PAD",
+    "HEADER",
+    "Field",
+    "NO_ORIGIN",
     "pack",
     "unpack",
     "fingerprint",
-    "write_header",
+    "stable_hash",
+    "write_field",
     "Header",
 ]
 
-ORIGIN_BITS = 24
-REASON_SHIFT = ORIGIN_BITS
-STATUS_SHIFT = ORIGIN_BITS + REASON_BITS
-MAX_RANK = (1 << ORIGIN_BITS) - 1
-_ORIGIN_MASK = np.int32(MAX_RANK)
-_REASON_MASK = np.int32((1 << REASON_BITS) - 1)
-HEADER = 6
-PAD = np.int32(np.iinfo(np.int32).max)
-_HALF = (1 << 31) - 1
+STATUS_SHIFT = REASON_BITS
+_REASON_MASK = np.uint8((1 << REASON_BITS) - 1)
+PAD = np.uint8(255)
+#: the origin fetch's "not me" value (any real rank is smaller)
+NO_ORIGIN = np.int32(np.iinfo(np.int32).max)
 
 
-def pack(
-    status: NDArray[np.integer], reason: NDArray[np.integer], origin: int, out: NDArray[np.int32]
-) -> None:
-    """Pack local values into ``out`` (int32, same length)."""
-    np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.int32, casting="unsafe")
-    out |= np.left_shift(reason, REASON_SHIFT, dtype=np.int32, casting="unsafe")
-    out |= np.int32(origin)
+class Field(enum.IntEnum):
+    """Header fields, in buffer order. Matched fields carry value and complement."""
+
+    FINGERPRINT = 0  # the whole ordered request list (and its length)
+    CONFIG = 1  # settings every rank must share
+    QUEUE = 2  # which queue this segment is
+    TAG = 3  # the caller's iteration number (0: none given)
+    NEED = 4  # capacity needed (active rows): upper bound across ranks
+    FLOOR = 5  # capacity wanted as a floor: upper bound across ranks
 
 
-def unpack(
-    words: NDArray[np.int32],
-) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]]:
-    """Split words into (status, reason, origin)."""
+MATCHED = (Field.FINGERPRINT, Field.CONFIG, Field.QUEUE, Field.TAG)
+_BOUNDS = (Field.NEED, Field.FLOOR)
+_OFFSET: dict[Field, int] = {}
+_at = 0
+for _f in MATCHED:
+    _OFFSET[_f] = _at
+    _at += 16
+for _f in _BOUNDS:
+    _OFFSET[_f] = _at
+    _at += 8
+HEADER = _at
+
+
+def pack(status: NDArray[np.integer], reason: NDArray[np.integer], out: NDArray[np.uint8]) -> None:
+    """Pack local values into ``out`` (uint8, same length); reason counts only on Failed."""
+    np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+    failed = np.asarray(status) == 0
+    if failed.any():
+        out[failed] |= np.asarray(reason)[failed].astype(np.uint8) & _REASON_MASK
+
+
+def unpack(words: NDArray[np.uint8]) -> tuple[NDArray[np.int8], NDArray[np.int8]]:
+    """Split words into (status, reason); reason is NONE where not Failed."""
     status = (words >> STATUS_SHIFT).astype(np.int8)
-    reason = ((words >> REASON_SHIFT) & _REASON_MASK).astype(np.int8)
-    origin = words & _ORIGIN_MASK
-    return status, reason, origin
+    reason = np.where(status == 0, words & _REASON_MASK, _REASON_MASK).astype(np.int8)
+    return status, reason
 
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -87,33 +109,58 @@ def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
 
 
 def fingerprint(rooms: NDArray[np.uint64]) -> int:
-    """A 62-bit hash of the ordered list of rooms (order and length sensitive)."""
+    """A 64-bit hash of the ordered list of rooms (order and length sensitive)."""
     n = rooms.size
     with np.errstate(over="ignore"):
         pos = np.arange(1, n + 1, dtype=np.uint64) * _GOLD
         h = np.bitwise_xor.reduce(_mix(rooms ^ _mix(pos)), initial=np.uint64(0))
         h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
-    return int(h) & ((1 << 62) - 1)
+    return int(h)
 
 
-def write_header(buf: NDArray[np.int32], n: int, fp: int) -> None:
-    hi, lo = fp >> 31, fp & _HALF
-    buf[:HEADER] = (hi, -hi, lo, -lo, n, -n)
+def stable_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` that every process computes alike (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def write_field(buf: NDArray[np.uint8], field: Field, value: int) -> None:
+    """Write one header field (and its complement where it has one) into ``buf``."""
+    at = _OFFSET[field]
+    raw = np.frombuffer((value & (2**64 - 1)).to_bytes(8, "big"), dtype=np.uint8)
+    if field in _BOUNDS:
+        buf[at : at + 8] = 255 - raw
+    else:
+        buf[at : at + 8] = raw
+        buf[at + 8 : at + 16] = 255 - raw
+
+
+def _value(b: NDArray[np.uint8]) -> int:
+    return int.from_bytes(b.tobytes(), "big")
+
+
+_MATCHED_BYTES = 16 * len(MATCHED)
 
 
 class Header:
-    """What the reduced header says about every rank's list."""
+    """What a reduced header says about every rank's values."""
 
-    __slots__ = ("fp_max", "fp_min", "len_max", "len_min")
+    __slots__ = ("_buf", "agreed", "floor", "need")
 
-    def __init__(self, buf: NDArray[np.int32]) -> None:
-        h: list[int] = buf[:HEADER].tolist()
-        hi_min, hi_max, lo_min, lo_max = h[0], -h[1], h[2], -h[3]
-        # (hi, lo) pairs are compared component-wise: all ranks equal iff min == max in both
-        self.fp_min = (hi_min << 31) | lo_min
-        self.fp_max = (hi_max << 31) | lo_max
-        self.len_min, self.len_max = h[4], -h[5]
+    def __init__(self, buf: NDArray[np.uint8]) -> None:
+        self._buf = buf[:HEADER].copy()
+        pairs = self._buf[:_MATCHED_BYTES].reshape(len(MATCHED), 2, 8)
+        #: every matched field is the same on every rank
+        self.agreed = bool((pairs[:, 0, :] == 255 - pairs[:, 1, :]).all())
+        at = _OFFSET[Field.NEED]
+        self.need = _value(255 - self._buf[at : at + 8])
+        at = _OFFSET[Field.FLOOR]
+        self.floor = _value(255 - self._buf[at : at + 8])
 
-    @property
-    def agreed(self) -> bool:
-        return bool(self.fp_min == self.fp_max and self.len_min == self.len_max)
+    def bounds(self, field: Field) -> tuple[int, int]:
+        """(byte-wise low, byte-wise high) of a matched field across ranks."""
+        at = _OFFSET[field]
+        return _value(self._buf[at : at + 8]), _value(255 - self._buf[at + 8 : at + 16])
+
+    def differing(self) -> tuple[Field, ...]:
+        """The matched fields whose value is not the same on every rank."""
+        return tuple(f for f in MATCHED if len(set(self.bounds(f))) > 1)

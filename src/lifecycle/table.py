@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from lifecycle.errors import DuplicateRequest, ReservedRoom, UnknownRequest
+from lifecycle.errors import DuplicateRequest, ReservedRoom, TableBusy, UnknownRequest
 from lifecycle.reasons import FailureReason
 from lifecycle.status import TERMINAL, KVPoll, Role
 
@@ -114,6 +114,7 @@ class RequestTable:
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
         self.step_no = 0  # advanced by the stepper
         self.now = 0.0  # time of the last step, for rows added between steps
+        self.busy = False  # a started step is in flight (see StepGroup.start)
 
     # -- size and lookup -------------------------------------------------
     def __len__(self) -> int:
@@ -152,6 +153,10 @@ class RequestTable:
         return self.state[self.order()]
 
     # -- mutation ----------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self.busy:
+            raise TableBusy(self.rank)
+
     def _grow(self, need: int) -> None:
         new_cap = self._cap
         while new_cap < need:
@@ -220,6 +225,7 @@ class RequestTable:
         Validation happens first: a duplicate room or a real request with
         room 0 raises and the table is left as it was.
         """
+        self._check_idle()
         room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
         k = len(room_list)
         fake_arr = np.broadcast_to(np.asarray(fake, dtype=bool), (k,))
@@ -257,6 +263,7 @@ class RequestTable:
 
     def remove(self, room: int) -> RequestInfo:
         """Remove one request (O(1)); returns its last row."""
+        self._check_idle()
         slot = self.slot_of(room)
         info = RequestInfo(self, slot)
         del self._index[room]
@@ -271,6 +278,7 @@ class RequestTable:
 
     def remove_many(self, rooms: Iterable[int] | NDArray[np.uint64]) -> int:
         """Remove several requests; all must be live (checked before any is removed)."""
+        self._check_idle()
         room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
         for r in room_list:
             self.slot_of(r)
@@ -290,6 +298,7 @@ class RequestTable:
     # -- requests from the scheduler, acted on at the next step ----------
     def request_abort(self, room: int) -> None:
         """Ask for ``room`` to fail with reason ABORTED at the next step (on every rank)."""
+        self._check_idle()
         slot = self.slot_of(room)
         if not self.abort_requested[slot]:
             self.abort_requested[slot] = True
@@ -297,14 +306,17 @@ class RequestTable:
 
     def mark_metadata_sent(self, room: int, now: float) -> None:
         """Start the waiting-timeout clock (decode: metadata sent to prefill)."""
+        self._check_idle()
         self.metadata_sent_at[self.slot_of(room)] = now
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
+        self._check_idle()
         self.metadata_slot[self.slot_of(room)] = slot
         self.columns_version += 1
 
     def set_handle_index(self, room: int, index: int) -> None:
         """The backend's own index for this request (passed to ``poll_many``)."""
+        self._check_idle()
         self.handle_index[self.slot_of(room)] = index
         self.columns_version += 1
 

@@ -100,7 +100,7 @@ class ConsensusMachine(RuleBasedStateMachine):
             faults=self.faults[rank],
         )
 
-    def reduce(self, bufs: list[NDArray[np.int32]]) -> NDArray[np.int32]:
+    def reduce(self, bufs: list[NDArray[np.uint8]]) -> NDArray[np.uint8]:
         return reduce_min(bufs)
 
     def adjust_local(self, rank: int, local: NDArray[np.int8]) -> NDArray[np.int8]:
@@ -210,16 +210,27 @@ class ConsensusMachine(RuleBasedStateMachine):
         bufs = []
         for r, stp in enumerate(self.steppers):
             buf = stp.prepare()
-            adj = self.adjust_local(r, stp._local)
-            if adj is not stp._local:
-                stp._local = adj
+            adj = self.adjust_local(r, stp.local.values)
+            if adj is not stp.local.values:
+                stp.local.values = adj
                 buf = stp.repack()
             bufs.append(buf)
         red = self.reduce(bufs)
+        if any([stp.resize(red) for stp in self.steppers]):
+            red = self.reduce([stp.repack() for stp in self.steppers])
+        try:
+            fetches = [stp.origins(red.copy()) for stp in self.steppers]
+        except LifecycleError as e:
+            raise InvariantViolation("step", f"a rank raised {e!r}") from e
+        present = [f for f in fetches if f is not None]
+        _check(
+            len(present) in (0, self.world), "agreement", "ranks disagree on the origin fetch"
+        )
+        origins = np.minimum.reduce(present) if present else None
         results: list[StepResult] = []
         for r, stp in enumerate(self.steppers):
             try:
-                results.append(self.after_apply(r, stp.apply(red.copy())))
+                results.append(self.after_apply(r, stp.apply(red.copy(), origins)))
             except LifecycleError as e:
                 raise InvariantViolation("step", f"rank {r} raised {e!r}") from e
         self.last = results
@@ -273,17 +284,22 @@ class ConsensusMachine(RuleBasedStateMachine):
                 res.rooms.tolist() == first.rooms.tolist()
                 and res.statuses.tolist() == first.statuses.tolist()
                 and res.reasons.tolist() == first.reasons.tolist()
-                and res.holders.tolist() == first.holders.tolist()
+                and res.origins.tolist() == first.origins.tolist()
             )
             _check(same, "agreement", f"rank {r} disagrees with rank 0 at step {res.step}")
         _check(first.rooms.tolist() == rows, "agreement", "result rows are not the table rows")
-        locals_ = np.array([s._local for s in self.steppers]).reshape(self.world, -1)
-        if rows:
+        # the steppers' active rows are the rows not agreed terminal before the step
+        active = [i for i, room in enumerate(rows) if before[room] not in (S, F)]
+        at = {i: j for j, i in enumerate(active)}
+        locals_ = np.array([s.local.values for s in self.steppers]).reshape(self.world, -1)
+        reasons_ = np.array([s.local.reasons() for s in self.steppers]).reshape(self.world, -1)
+        if active:
             expect = np.minimum.reduce(locals_, axis=0)
+            got = first.statuses[active]
             _check(
-                first.statuses.tolist() == expect.tolist(),
+                got.tolist() == expect.tolist(),
                 "validity",
-                f"agreed {first.statuses.tolist()} != MIN of locals {expect.tolist()}",
+                f"agreed {got.tolist()} != MIN of locals {expect.tolist()}",
             )
         for i, room in enumerate(rows):
             old, new = before[room], int(first.statuses[i])
@@ -300,18 +316,18 @@ class ConsensusMachine(RuleBasedStateMachine):
                     f"room {room} succeeded though some rank's poll or gate said otherwise",
                 )
             if new == F and old != F:
-                origin, reason = int(first.holders[i]), int(first.reasons[i])
+                origin, reason = int(first.origins[i]), int(first.reasons[i])
                 _check(0 <= origin < self.world, "origin", f"room {room} origin {origin}")
-                stp = self.steppers[origin]
+                j = at[i]
                 _check(
-                    int(stp._local[i]) == F and int(stp._reason[i]) == reason,
+                    int(locals_[origin, j]) == F and int(reasons_[origin, j]) == reason,
                     "origin",
                     f"room {room}: origin rank {origin} did not fail it for reason {reason}",
                 )
             self.agreed[room] = new
             ref = self.reference[room]
             try:
-                ref.advance(KVPoll(new), reason=first.reasons[i], origin=int(first.holders[i]))
+                ref.advance(KVPoll(new), reason=first.reasons[i], origin=int(first.origins[i]))
             except LifecycleError as e:
                 raise InvariantViolation("reference", str(e)) from e
             _check(

@@ -1,0 +1,84 @@
+"""The rows a step works on, gathered once per change of the table.
+
+Agreed-terminal rows are known to every rank: they are not polled, gated or
+reduced. A :class:`Frame` holds, for one table, the whole ordered list (for
+the fingerprint and the result) and the compact *active* subset every stage
+of the step runs over. It is rebuilt only when the table's membership, its
+hand-edited columns or its set of terminal rows change, so a step in
+between costs no gathers at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.packing import fingerprint
+from lifecycle.status import TERMINAL
+from lifecycle.table import RequestTable
+
+__all__ = ["Frame"]
+
+
+class Frame:
+    """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
+
+    __slots__ = (
+        "all_active",
+        "fake",
+        "fp",
+        "hidx",
+        "key",
+        "meta_pos",
+        "meta_rooms",
+        "meta_slots",
+        "n",
+        "n_all",
+        "pos",
+        "rooms",
+        "rooms_all",
+        "rows",
+        "rows_all",
+        "zeros",
+    )
+
+    def __init__(self, t: RequestTable) -> None:
+        self.key = Frame.key_of(t)
+        self.rows_all = t.order().copy()
+        self.rooms_all = t.room[self.rows_all]
+        self.n_all = self.rows_all.size
+        self.fp = fingerprint(self.rooms_all)
+        active = ~TERMINAL[t.state[self.rows_all]]
+        self.all_active = bool(active.all())
+        if self.all_active:
+            self.pos = np.arange(self.n_all, dtype=np.int64)
+            self.rows, self.rooms = self.rows_all, self.rooms_all
+        else:
+            self.pos = np.flatnonzero(active)
+            self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
+        self.n = self.rows.size
+        self.hidx = t.handle_index[self.rows]
+        self.fake = t.fake[self.rows]
+        self.zeros = np.zeros(self.n, dtype=bool)
+        mslots = t.metadata_slot[self.rows]
+        # rows the metadata gate reads: real requests with a row (None: all of them)
+        checkable = ~self.fake & (mslots >= 0)
+        self.meta_pos: NDArray[np.int64] | None = None
+        self.meta_slots, self.meta_rooms = mslots, self.rooms
+        if not checkable.all():
+            self.meta_pos = np.flatnonzero(checkable)
+            self.meta_slots, self.meta_rooms = mslots[checkable], self.rooms[checkable]
+
+    @staticmethod
+    def key_of(t: RequestTable) -> tuple[int, int, int]:
+        # terminal_count only grows between membership changes (which bump
+        # version), so the triple changes whenever the active set does
+        return (t.version, t.columns_version, t.terminal_count)
+
+    @classmethod
+    def of(cls, t: RequestTable, cached: Frame | None) -> Frame:
+        if t._limbo:
+            t.order()  # compacts removed rows (membership changes were already counted)
+        if cached is not None and cached.key == cls.key_of(t):
+            return cached
+        return cls(t)

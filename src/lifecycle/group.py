@@ -1,0 +1,158 @@
+"""Several queues in one reduce, and a step that overlaps the forward pass.
+
+A scheduler steps two or three queues per iteration (prefill: bootstrap and
+in-flight; decode: handshake, prealloc and transfer). A :class:`StepGroup`
+concatenates its steppers' buffers and reduces them in one collective per
+group, then hands each stepper its segment; each queue gets its own
+:class:`~lifecycle.result.StepResult`, and a divergence names the queue.
+
+Segments line up on every rank because each segment's size comes from
+agreed data; the first step of a group of two or more also reduces a small
+fixed-size *hello* (a hash of the queues and their configurations), so
+ranks that built their groups differently raise instead of handing gloo
+buffers of different sizes.
+
+``start`` prepares and launches the reduce asynchronously; ``finish`` waits
+and applies. In between the scheduler may run its forward pass, read the
+tables and poll its own engine, but not add, remove or abort requests in a
+stepped table: those raise :class:`~lifecycle.errors.TableBusy` until
+``finish`` has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.collective import Collective, Pending, start_min
+from lifecycle.errors import CollectiveMismatch
+from lifecycle.packing import HEADER, Field, Header, stable_hash, write_field
+from lifecycle.result import StepResult
+from lifecycle.step import Stepper
+
+__all__ = ["StepGroup"]
+
+
+class StepGroup:
+    """Steps several queues' steppers (same rank) with one reduce per group."""
+
+    def __init__(self, steppers: Sequence[Stepper]) -> None:
+        if not steppers:
+            raise ValueError("StepGroup needs at least one stepper")
+        ranks = {s.rank for s in steppers}
+        if len(ranks) != 1:
+            raise ValueError(f"StepGroup: steppers of one group share a rank, got {sorted(ranks)}")
+        names = [s.queue for s in steppers]
+        if len(steppers) > 1 and len(set(names)) != len(names):
+            raise ValueError(
+                f"StepGroup: give each queue a distinct name (Stepper(queue=...)), got {names}"
+            )
+        self.steppers = tuple(steppers)
+        self._hello_done = len(steppers) == 1
+        self._work: Pending | None = None
+        self._coll: Collective | None = None
+        self._buf: NDArray[np.uint8] | None = None
+
+    def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
+        """prepare every queue -> one MIN all-reduce -> apply every queue."""
+        self.start(collective, tag)
+        return self.finish()
+
+    def start(self, collective: Collective, tag: int | None = None) -> None:
+        if self._work is not None:
+            raise RuntimeError("start() twice: call finish() for the step in flight first")
+        if not self._hello_done:
+            self._hello(collective)
+        bufs = [s.prepare(tag) for s in self.steppers]
+        buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+        for s in self.steppers:
+            s.table.busy = True
+        self._coll, self._buf = collective, buf
+        try:
+            self._work = start_min(collective, buf)
+        except BaseException:
+            self._release()
+            raise
+
+    def finish(self) -> tuple[StepResult, ...]:
+        work, coll, buf = self._work, self._coll, self._buf
+        if work is None or coll is None or buf is None:
+            raise RuntimeError("finish() without start()")
+        self._work = None
+        try:
+            work.wait()
+            segs = self._split(buf)
+            if any([s.resize(seg) for s, seg in zip(self.steppers, segs)]):
+                bufs = [s.repack() for s in self.steppers]
+                buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+                coll.all_reduce_min(buf)
+                segs = self._split(buf)
+            fetches = [s.origins(seg) for s, seg in zip(self.steppers, segs)]
+            origins = self._fetch(coll, fetches)
+        finally:
+            self._release()
+        results = [s.apply(seg, o) for s, seg, o in zip(self.steppers, segs, origins)]
+        return tuple(self._stuck(coll, s, r) for s, r in zip(self.steppers, results))
+
+    def _release(self) -> None:
+        for s in self.steppers:
+            s.table.busy = False
+
+    def _split(self, buf: NDArray[np.uint8]) -> list[NDArray[np.uint8]]:
+        out, at = [], 0
+        for s in self.steppers:
+            size = HEADER + s.capacity
+            out.append(buf[at : at + size])
+            at += size
+        return out
+
+    @staticmethod
+    def _fetch(
+        coll: Collective, fetches: list[NDArray[np.int32] | None]
+    ) -> list[NDArray[np.int32] | None]:
+        """One small reduce for every queue's new failures (only when there are some)."""
+        need = [f for f in fetches if f is not None]
+        if not need:
+            return fetches
+        joined = need[0].copy() if len(need) == 1 else np.concatenate(need)
+        coll.all_reduce_min(joined)
+        out: list[NDArray[np.int32] | None] = []
+        at = 0
+        for f in fetches:
+            if f is None:
+                out.append(None)
+            else:
+                out.append(joined[at : at + f.size])
+                at += f.size
+        return out
+
+    def _hello(self, collective: Collective) -> None:
+        shape = "|".join(f"{s.queue}:{s.config.digest():x}" for s in self.steppers)
+        value = stable_hash(f"{len(self.steppers)}|{shape}")
+        buf = np.zeros(HEADER, dtype=np.uint8)
+        write_field(buf, Field.CONFIG, value)
+        collective.all_reduce_min(buf)
+        hdr = Header(buf)
+        if Field.CONFIG in hdr.differing():
+            s = self.steppers[0]
+            raise CollectiveMismatch(
+                s.rank,
+                len(self.steppers),
+                value,
+                hdr.bounds(Field.CONFIG),
+                queue="+".join(x.queue for x in self.steppers),
+                what=("the group's queues or their configurations",),
+            )
+        self._hello_done = True
+
+    @staticmethod
+    def _stuck(coll: Collective, s: Stepper, result: StepResult) -> StepResult:
+        k = s.config.stuck_after
+        if k is None or s._frame is None or not s._frame.n:
+            return result
+        from lifecycle.diagnose import stuck_rows, with_stuck
+
+        rows = stuck_rows(s, result, k)
+        return result if rows is None else with_stuck(s, coll, result, rows)

@@ -1,0 +1,195 @@
+"""Stages 2 and 3 of a step on one rank: observe, verdicts, gates.
+
+Everything runs over the frame's active rows. Each hook the caller plugs in
+(poller, staging, metadata source, user gates, fault hook) is asked inside a
+containment: if it raises or answers with the wrong shape or dtype, the rows
+it was asked about fail with reason LOCAL_EXCEPTION on this rank, which the
+reduce spreads to every rank. The group keeps stepping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.frame import Frame
+from lifecycle.observe import Observation, observe
+from lifecycle.packing import STATUS_SHIFT, pack
+from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate, StepContext
+from lifecycle.reasons import FailureReason
+from lifecycle.status import KVPoll
+from lifecycle.table import RequestTable
+from lifecycle.verdicts import bool_answer, combine, hold
+
+if TYPE_CHECKING:
+    from lifecycle.step import StepConfig
+
+__all__ = ["LocalStage"]
+
+_F = np.int8(KVPoll.Failed)
+_S = np.int8(KVPoll.Success)
+_B = np.int8(KVPoll.Bootstrapping)
+_NONE = np.int8(FailureReason.NONE)
+
+
+class LocalStage:
+    """The hooks of one stepper and what the last prepare computed with them."""
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        poller: BatchPoller | None,
+        staging: StagingGate | None,
+        metadata: MetadataSource | None,
+        gates: Sequence[Gate],
+        faults: FaultHook | None,
+    ) -> None:
+        self.rank = rank
+        self.poller = poller
+        self.staging = staging
+        self.metadata = metadata
+        self.gates = tuple(gates)
+        self.faults = faults
+        self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
+        self.codes: NDArray[np.int8] | None = None
+        self.obs = Observation(self.values)
+        self.now = 0.0
+
+    def reasons(self) -> NDArray[np.int8]:
+        """Local reason per active row (NONE where this rank did not fail it)."""
+        if self.codes is None:
+            return np.full(self.values.size, _NONE, dtype=np.int8)
+        return self.codes
+
+    @property
+    def exceptions(self) -> dict[int, BaseException]:
+        return self.obs.exceptions
+
+    @property
+    def raw_invalid(self) -> dict[int, object]:
+        return self.obs.raw_invalid
+
+    def _contain(self, fn: Callable[[], Any], rows: NDArray[np.bool_] | None, f: Frame) -> Any:
+        """Run one hook call; on error mark ``rows`` (all when None) and return None."""
+        try:
+            return fn()
+        except Exception as e:
+            self.obs.error(rows, f.rooms, e)
+            return None
+
+    def run(self, t: RequestTable, f: Frame, cfg: StepConfig, now: float, step: int) -> None:
+        n = f.n
+        self.now = now
+        staging = self.staging
+        early: Exception | None = None
+        if staging is not None and n:
+            try:
+                staging.advance(f.rooms, f.hidx)
+            except Exception as e:
+                early = e
+        obs = self.obs = observe(self.poller, t.handles, f.rows, f.rooms, f.hidx)
+        if early is not None:
+            obs.error(None, f.rooms, early)
+        masks: dict[str, NDArray[np.bool_] | None] = {}
+        if n:
+            if t.abort_count:
+                masks["abort_flag"] = t.abort_requested[f.rows]
+            if cfg.bootstrap_timeout is not None:
+                state = t.state[f.rows]
+                masks["bootstrap_deadline"] = (state == _B) & (
+                    now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
+                )
+            if cfg.waiting_timeout is not None:
+                with np.errstate(invalid="ignore"):
+                    masks["waiting_deadline"] = (
+                        now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
+                    )
+            if self.faults is not None:
+                faults = self.faults
+                ctx = StepContext(self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows])
+                masks["fault_hook"] = self._contain(
+                    lambda: bool_answer(faults.inject(ctx), n, "fault hook"), None, f
+                )
+        masks["poll_value"] = obs.invalid
+        masks["hook_error"] = obs.errors
+        codes = combine(n, masks, obs.backend)
+        local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+        if n and (staging is not None or self.metadata is not None or self.gates):
+            success = local == _S
+            if success.any():
+                closed, corrupt = self._gates(f, success)
+                if corrupt is not None or obs.errors is not masks["hook_error"]:
+                    masks["metadata_row"] = corrupt
+                    masks["hook_error"] = obs.errors
+                    codes = combine(n, masks, obs.backend)
+                    assert codes is not None
+                    local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+                hold(local, closed)
+        self.values, self.codes = local, codes
+
+    def _gates(
+        self, f: Frame, success: NDArray[np.bool_]
+    ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
+        """Every gate's closed mask over the active rows, and the corrupt metadata rows."""
+        n = f.n
+        closed: dict[str, NDArray[np.bool_] | None] = {}
+        corrupt: NDArray[np.bool_] | None = None
+        staging = self.staging
+        if staging is not None:
+            closed["staging_pending"] = self._contain(
+                lambda: bool_answer(staging.pending(f.rooms, f.hidx), n, "staging.pending"),
+                None,
+                f,
+            )
+        if self.metadata is not None:
+            pair = self._contain(lambda: self._metadata(f), None, f)
+            if pair is not None:
+                landed, bad = pair
+                closed["metadata_pending"] = ~landed
+                bad &= success
+                corrupt = bad if bad.any() else None
+        if self.gates:
+            user = np.zeros(n, dtype=bool)
+            for gate in self.gates:
+                ans = self._contain(
+                    lambda g=gate: bool_answer(g.closed(f.rooms, f.hidx), n, f"gate {g.name!r}"),
+                    None,
+                    f,
+                )
+                if ans is not None:
+                    user |= ans
+            closed["gate_closed"] = user
+        return closed, corrupt
+
+    def _metadata(self, f: Frame) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        """(landed, corrupt) per active row; fake-path requests count as landed,
+        a real request without a metadata row never does."""
+        assert self.metadata is not None
+        m = f.meta_slots.size
+        ok, bad = self.metadata.landed(f.meta_slots, f.meta_rooms)
+        ok = bool_answer(ok, m, "metadata.landed (landed)")
+        bad = bool_answer(bad, m, "metadata.landed (corrupt)")
+        if f.meta_pos is None:
+            return ok.copy(), bad.copy()
+        landed = f.fake.copy()
+        landed[f.meta_pos] = ok
+        corrupt = f.zeros.copy()
+        corrupt[f.meta_pos] = bad
+        return landed, corrupt
+
+    def pack(self, out: NDArray[np.uint8]) -> None:
+        """This rank's words for the first ``len(out)`` active rows."""
+        k = out.size
+        if self.codes is None:
+            np.left_shift(self.values[:k], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+        else:
+            pack(self.values[:k], self.codes[:k], out)
+
+    def words(self) -> NDArray[np.uint8]:
+        out = np.empty(self.values.size, dtype=np.uint8)
+        self.pack(out)
+        return out

@@ -1,0 +1,155 @@
+"""Stages 4 and 5 of a step: read the reduced buffer, fetch origins, apply.
+
+Every decision here reads reduced data only (the header, the agreed words,
+the agreed table state), so every rank takes the same branch: the same
+error, the same capacity, the same "is an origin fetch needed".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle import batch
+from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
+from lifecycle.frame import Frame
+from lifecycle.packing import HEADER, NO_ORIGIN, STATUS_SHIFT, Field, Header
+from lifecycle.reasons import FailureReason
+from lifecycle.result import StepResult
+from lifecycle.status import TERMINAL, KVPoll
+
+if TYPE_CHECKING:
+    from lifecycle.step import Stepper
+
+__all__ = ["Settled", "settle", "bucket"]
+
+_F = np.int8(KVPoll.Failed)
+_REASON = np.uint8(0xF)
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+_EMPTY_I16 = np.empty(0, dtype=np.int16)
+_EMPTY_F64 = np.empty(0, dtype=np.float64)
+_FIELD_NAMES = {
+    Field.FINGERPRINT: "request list (rooms or their order)",
+    Field.CONFIG: "step configuration",
+    Field.QUEUE: "queue",
+    Field.TAG: "iteration tag",
+}
+
+
+class Settled:
+    """The agreed outcome of one step, before it is applied to the table."""
+
+    __slots__ = ("agreed", "failed", "fetch", "frame", "hdr", "words")
+
+    def __init__(self, frame: Frame, hdr: Header, words: NDArray[np.uint8]) -> None:
+        self.frame = frame
+        self.hdr = hdr
+        self.words = words
+        self.agreed = (words >> STATUS_SHIFT).astype(np.int8)
+        self.failed: NDArray[np.int64] = _EMPTY_I64
+        self.fetch: NDArray[np.int32] | None = None
+
+    def commit(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> StepResult:
+        f, t = self.frame, stepper.table
+        now = stepper.local.now
+        step = t.step_no + 1
+        state = t.state[f.rows]
+        agreed = self.agreed
+        cap = stepper.capacity
+        if self.hdr.need * 4 < cap and cap > stepper._floor:
+            stepper.capacity = max(stepper._floor, bucket(self.hdr.need * 2, stepper._floor))
+        if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
+            t.step_no, t.now = step, now
+            return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
+        reason = np.where(agreed == _F, self.words & _REASON, FailureReason.NONE).astype(np.int8)
+        origin = np.full(f.n, -1, dtype=np.int32)
+        if self.failed.size:
+            assert origins is not None
+            origin[self.failed] = origins[: self.failed.size]
+        if stepper.config.invalid_status == "raise":
+            bad = (agreed == _F) & (reason == FailureReason.INVALID_STATUS)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                room = int(f.rooms[i])
+                raise InvalidStatus(room, int(origin[i]), stepper.local.raw_invalid.get(room))
+        new, trig_all, illegal = batch.advance(state, agreed, reason)
+        if illegal.any():
+            i = int(np.flatnonzero(illegal)[0])
+            raise IllegalTransition(
+                int(f.rooms[i]), stepper.rank, int(state[i]), int(agreed[i]), "advance"
+            )
+        changed = np.flatnonzero(new != state)
+        slots = f.rows[changed]
+        dwell = now - t.entered_time[slots]
+        t.terminal_count += int(TERMINAL[new[changed]].sum())
+        t.state[slots] = new[changed]
+        t.entered_step[slots] = step
+        t.entered_time[slots] = now
+        failed = changed[new[changed] == _F]
+        if failed.size:
+            t.reason[f.rows[failed]] = reason[failed]
+            t.origin[f.rows[failed]] = origin[failed]
+        t.step_no, t.now = step, now
+        pos = f.pos[changed]
+        return _result(stepper, f, step, pos, state[changed], trig_all[changed], dwell)
+
+
+def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
+    """Check the header (raising on every rank if the ranks diverged) and work
+    out whether this step needs an origin fetch."""
+    hdr = Header(reduced)
+    if not hdr.agreed:
+        raise _mismatch(stepper, f, hdr)
+    if hdr.need > stepper.capacity:
+        raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
+    s = Settled(f, hdr, reduced[HEADER : HEADER + f.n].copy())
+    failed = np.flatnonzero(s.agreed == _F)  # active rows were not Failed before
+    if failed.size:
+        s.failed = failed
+        mine = stepper.local.words()[failed] == s.words[failed]
+        s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
+    return s
+
+
+def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
+    what = [_FIELD_NAMES[x] for x in hdr.differing()]
+    lo, hi = hdr.bounds(Field.FINGERPRINT)
+    return CollectiveMismatch(
+        stepper.rank, f.n_all, f.fp, (lo, hi), queue=stepper.queue, what=what
+    )
+
+
+def bucket(n: int, floor: int) -> int:
+    """Capacity for ``n`` requests: 1/8 headroom, rounded up to an eighth of a
+    power of two (at most ~25% padding, and few distinct sizes)."""
+    need = max(floor, n + n // 8, 1)
+    grain = max(1, 1 << max(0, need.bit_length() - 3))
+    return -(-need // grain) * grain
+
+
+def _result(
+    stepper: Stepper,
+    f: Frame,
+    step: int,
+    pos: NDArray[np.int64],
+    previous: NDArray[np.int8],
+    triggers: NDArray[np.int16],
+    dwell: NDArray[np.float64],
+) -> StepResult:
+    t = stepper.table
+    rows = f.rows_all
+    return StepResult(
+        step=step,
+        queue=stepper.queue,
+        rooms=f.rooms_all,
+        statuses=t.state[rows],
+        reasons=t.reason[rows],
+        origins=t.origin[rows],
+        changed=pos,
+        previous=previous,
+        triggers=triggers.astype(np.int16, copy=False),
+        dwell=dwell,
+        exceptions=stepper.local.exceptions,
+    )

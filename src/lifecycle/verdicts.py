@@ -1,0 +1,72 @@
+"""Stage 2 of a step: local verdicts and gates, read from the rule tables.
+
+The step computes each *source* named in :data:`~lifecycle.graph.VERDICTS`
+and :data:`~lifecycle.graph.GATES` as a mask over the active rows; this
+module turns them into reason codes and demotions. The smallest reason code
+that hits a row wins, which is exactly what MIN does across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle import batch
+from lifecycle.graph import GATES, VERDICTS
+from lifecycle.reasons import FailureReason
+
+__all__ = ["MASK_SOURCES", "GATE_SOURCES", "combine", "hold", "HookAnswerError", "bool_answer"]
+
+_NONE = np.int8(FailureReason.NONE)
+#: mask sources and the one reason each carries (``backend`` carries codes itself)
+MASK_SOURCES: dict[str, FailureReason] = {
+    s: v.reason for v in VERDICTS for s in v.sources if s != "backend"
+}
+GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
+
+
+class HookAnswerError(TypeError):
+    """A hook answered with the wrong shape or dtype."""
+
+
+def bool_answer(answer: Any, n: int, what: str) -> NDArray[np.bool_]:
+    """``answer`` as a boolean mask of ``n`` rows, or :class:`HookAnswerError`."""
+    arr = np.asarray(answer)
+    if arr.shape != (n,) or arr.dtype.kind != "b":
+        raise HookAnswerError(
+            f"{what} answered shape {arr.shape} dtype {arr.dtype}; expected ({n},) bool"
+        )
+    return arr
+
+
+def combine(
+    n: int, masks: Mapping[str, NDArray[np.bool_] | None], backend: NDArray[np.int8] | None
+) -> NDArray[np.int8] | None:
+    """Per active row the winning reason code (NONE: no verdict); None if none hit."""
+    codes: NDArray[np.int8] | None = None
+    for source, mask in masks.items():
+        if mask is None or not mask.any():
+            continue
+        reason = np.int8(MASK_SOURCES[source])
+        if codes is None:
+            codes = np.full(n, _NONE, dtype=np.int8)
+        np.minimum(codes, np.where(mask, reason, _NONE), out=codes)
+    if backend is not None:
+        codes = backend.copy() if codes is None else np.minimum(codes, backend)
+    return codes
+
+
+def hold(
+    local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]
+) -> None:
+    """Apply each gate's demotion edge, in :data:`GATES` order, where it is closed."""
+    at = local == batch.DEMOTE_SOURCE
+    if not at.any():
+        return
+    for rule in GATES:
+        mask = closed.get(rule.source)
+        if mask is not None:
+            batch.demote(local, rule.trigger, mask, at)
