@@ -25,12 +25,12 @@ from lifecycle.errors import (
     UnknownTrigger,
 )
 from lifecycle.graph import EDGES, GATES, VERDICTS, Edge, EdgeKind
+from lifecycle.group import StepGroup
 from lifecycle.lockstep import lockstep
 from lifecycle.reasons import FailureReason
 from lifecycle.reference import RequestMachine
-from lifecycle.status import KVPoll, Role
-from lifecycle.group import StepGroup
 from lifecycle.result import Failure, StepResult, StuckReport
+from lifecycle.status import KVPoll, Role
 from lifecycle.step import StepConfig, Stepper
 from lifecycle.table import RequestTable
 

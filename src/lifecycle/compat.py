@@ -107,7 +107,9 @@ def _run(
         staging=staging,
         metadata=metadata_buffers,
         faults=_faults.from_env(rank),
-        config=StepConfig(invalid_status="fail", initial_capacity=_capacity.get(group_key, 64)),
+        config=StepConfig(invalid_status="fail"),
+        # a capacity learnt from an earlier call's reduced header: agreed on every rank
+        agreed_capacity=_capacity.get(group_key),
     )
     result = stepper.step(collective)
     _capacity[group_key] = stepper.capacity

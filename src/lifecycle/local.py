@@ -10,6 +10,7 @@ reduce spreads to every rank. The group keeps stepping.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +19,14 @@ from numpy.typing import NDArray
 from lifecycle.frame import Frame
 from lifecycle.observe import Observation, observe
 from lifecycle.packing import STATUS_SHIFT, pack
-from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate, StepContext
+from lifecycle.protocols import (
+    BatchPoller,
+    FaultHook,
+    Gate,
+    MetadataSource,
+    StagingGate,
+    StepContext,
+)
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
@@ -28,6 +36,11 @@ if TYPE_CHECKING:
     from lifecycle.step import StepConfig
 
 __all__ = ["LocalStage"]
+
+
+def _ask_gate(gate: Gate, f: Frame) -> NDArray[np.bool_]:
+    return bool_answer(gate.closed(f.rooms, f.hidx), f.n, f"gate {gate.name!r}")
+
 
 _F = np.int8(KVPoll.Failed)
 _S = np.int8(KVPoll.Success)
@@ -110,7 +123,9 @@ class LocalStage:
                     )
             if self.faults is not None:
                 faults = self.faults
-                ctx = StepContext(self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows])
+                ctx = StepContext(
+                    self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows]
+                )
                 masks["fault_hook"] = self._contain(
                     lambda: bool_answer(faults.inject(ctx), n, "fault hook"), None, f
                 )
@@ -155,11 +170,7 @@ class LocalStage:
         if self.gates:
             user = np.zeros(n, dtype=bool)
             for gate in self.gates:
-                ans = self._contain(
-                    lambda g=gate: bool_answer(g.closed(f.rooms, f.hidx), n, f"gate {g.name!r}"),
-                    None,
-                    f,
-                )
+                ans = self._contain(partial(_ask_gate, gate, f), None, f)
                 if ans is not None:
                     user |= ans
             closed["gate_closed"] = user

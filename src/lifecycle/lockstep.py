@@ -43,7 +43,7 @@ def lockstep(
     red = reduce_min([s.prepare(tag) for s, tag in zip(steppers, tags)])
     if any([s.resize(red) for s in steppers]):
         red = reduce_min([s.repack() for s in steppers])
-    fetches: list[NDArray[np.int32] | None | BaseException] = []
+    fetches: list[NDArray[np.int32] | BaseException | None] = []
     for s in steppers:
         try:
             fetches.append(s.origins(red.copy()))

@@ -50,12 +50,20 @@ class Observation:
         self.raw_invalid: dict[int, object] = {}
         self.given: NDArray[np.integer] | None = None  # a batch poll's answer as given
 
-    def error(self, rows: NDArray[np.bool_] | None, rooms: NDArray[np.uint64], exc: Exception) -> None:
+    def error(
+        self, rows: NDArray[np.bool_] | None, rooms: NDArray[np.uint64], exc: Exception
+    ) -> None:
         """Mark ``rows`` (all when None) as failed by a hook that raised ``exc``."""
         mask = np.ones(rooms.size, dtype=bool) if rows is None else rows
         self.errors = mask if self.errors is None else self.errors | mask
         for r in rooms[mask].tolist():
             self.exceptions.setdefault(r, exc)
+
+
+def _either(a: NDArray[np.bool_] | None, b: NDArray[np.bool_] | None) -> NDArray[np.bool_] | None:
+    if a is None:
+        return b
+    return a if b is None else a | b
 
 
 def _is_status(v: object) -> bool:
@@ -90,10 +98,8 @@ def observe(
                 for i in np.flatnonzero(bad).tolist():
                     v = given[i] if given is not None else raw[i]
                     obs.raw_invalid[int(rooms[i])] = v.item() if isinstance(v, np.generic) else v
-        if obs.invalid is not None or obs.errors is not None:
-            broken = obs.errors if obs.invalid is None else obs.invalid
-            if obs.invalid is not None and obs.errors is not None:
-                broken = obs.invalid | obs.errors
+        broken = _either(obs.invalid, obs.errors)
+        if broken is not None:
             raw = obs.raw = np.where(broken, _F, raw).astype(np.int8)
             failed = (raw == _F) & ~broken
         else:
@@ -129,8 +135,8 @@ def _batch(
         mask = np.zeros(k, dtype=bool)
         mask[list(errors)] = True
         obs.errors = mask
-        for i, e in errors.items():
-            obs.exceptions[int(rooms[i])] = e
+        for i, err in errors.items():
+            obs.exceptions[int(rooms[i])] = err
     return obs, None
 
 
@@ -157,8 +163,8 @@ def _each(
         mask = np.zeros(k, dtype=bool)
         mask[list(errors)] = True
         obs.errors = mask
-        for i, e in errors.items():
-            obs.exceptions[int(rooms[i])] = e
+        for i, err in errors.items():
+            obs.exceptions[int(rooms[i])] = err
     return obs, None if plain else out
 
 

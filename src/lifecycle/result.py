@@ -44,6 +44,7 @@ class StepResult:
     statuses: NDArray[np.int8]  # agreed status per request
     reasons: NDArray[np.int8]  # agreed failure reason (NONE unless Failed)
     origins: NDArray[np.int32]  # rank a failure came from (-1 unless Failed)
+    active: NDArray[np.int64]  # rows that took part in the reduce (not agreed terminal before)
     changed: NDArray[np.int64]
     previous: NDArray[np.int8]  # status of the changed rows before the step
     triggers: NDArray[np.int16]  # the trigger each changed row took

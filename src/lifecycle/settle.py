@@ -116,9 +116,7 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
 def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
     what = [_FIELD_NAMES[x] for x in hdr.differing()]
     lo, hi = hdr.bounds(Field.FINGERPRINT)
-    return CollectiveMismatch(
-        stepper.rank, f.n_all, f.fp, (lo, hi), queue=stepper.queue, what=what
-    )
+    return CollectiveMismatch(stepper.rank, f.n_all, f.fp, (lo, hi), queue=stepper.queue, what=what)
 
 
 def bucket(n: int, floor: int) -> int:
@@ -147,6 +145,7 @@ def _result(
         statuses=t.state[rows],
         reasons=t.reason[rows],
         origins=t.origin[rows],
+        active=f.pos,
         changed=pos,
         previous=previous,
         triggers=triggers.astype(np.int16, copy=False),

@@ -59,9 +59,7 @@ def combine(
     return codes
 
 
-def hold(
-    local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]
-) -> None:
+def hold(local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]) -> None:
     """Apply each gate's demotion edge, in :data:`GATES` order, where it is closed."""
     at = local == batch.DEMOTE_SOURCE
     if not at.any():

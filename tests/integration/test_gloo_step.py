@@ -48,8 +48,10 @@ def _random_run(rank, world, seed, steps):
                 res.rooms.tolist(),
                 res.statuses.tolist(),
                 res.reasons.tolist(),
-                res.holders.tolist(),
+                res.origins.tolist(),
                 local.tolist(),
+                res.active.tolist(),
+                int(res.failed.size > 0),
             )
         )
         done = res.rooms[(res.statuses == S) | (res.statuses == F)]
@@ -63,14 +65,17 @@ def test_agreement_every_step_and_agreed_is_min(world):
     per_rank = [r[0] for r in results]
     for step in range(25):
         views = [pr[step] for pr in per_rank]
-        rooms, statuses, reasons, holders, _ = views[0]
+        rooms, statuses, reasons, origins, _, active, _ = views[0]
         for v in views[1:]:
-            assert v[:4] == (rooms, statuses, reasons, holders), f"ranks disagree at step {step}"
+            assert v[:4] == (rooms, statuses, reasons, origins), f"ranks disagree at step {step}"
         locals_ = np.array([v[4] for v in views]).reshape(world, -1)
         if locals_.size:
-            assert statuses == np.minimum.reduce(locals_, axis=0).tolist()
-    # exactly one all-reduce per step (capacity pre-sized)
-    assert [r[1] for r in results] == [25] * world
+            agreed = [statuses[i] for i in active]
+            assert agreed == np.minimum.reduce(locals_, axis=0).tolist()
+    # one all-reduce per step, plus one small origin fetch on steps with a new failure
+    failure_steps = sum(v[6] for v in per_rank[0])
+    assert 0 < failure_steps < 25
+    assert [r[1] for r in results] == [25 + failure_steps] * world
 
 
 def _one_failure(rank, world):
@@ -135,7 +140,7 @@ def _diverged(rank, world, how):
     try:
         Stepper(table, rank).step(TorchCollective())
     except CollectiveMismatch as e:
-        return ("mismatch", e.local_len, e.lens)
+        return ("mismatch", e.local_len, e.fingerprints, e.what)
     return ("ok",)
 
 
@@ -168,7 +173,7 @@ def _tp_cp(rank, world, seed):
             else TorchCollective()
         )
         res = Stepper(table, rank, poller=board).step(coll)
-        out[name] = (res.statuses.tolist(), res.holders.tolist(), list(board.status.values()))
+        out[name] = (res.statuses.tolist(), res.origins.tolist(), list(board.status.values()))
     return out
 
 
@@ -185,10 +190,11 @@ def test_tp_then_cp_equals_flat_min():
 
 def _counted(rank, world):
     from lifecycle import CountingCollective, RequestTable, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
 
     table = RequestTable()
     coll = CountingCollective(TorchCollective())
-    stepper = Stepper(table, rank)
+    stepper = Stepper(table, rank, poller=StatusBoard())  # all pending: no origin fetch
     counts = []
     for k in (10, 200, 0, 5):  # 200 outgrows the initial capacity once
         table.extend(range(len(table) * 1000 + 1, len(table) * 1000 + 1 + k))

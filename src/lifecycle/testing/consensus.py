@@ -223,9 +223,7 @@ class ConsensusMachine(RuleBasedStateMachine):
         except LifecycleError as e:
             raise InvariantViolation("step", f"a rank raised {e!r}") from e
         present = [f for f in fetches if f is not None]
-        _check(
-            len(present) in (0, self.world), "agreement", "ranks disagree on the origin fetch"
-        )
+        _check(len(present) in (0, self.world), "agreement", "ranks disagree on the origin fetch")
         origins = np.minimum.reduce(present) if present else None
         results: list[StepResult] = []
         for r, stp in enumerate(self.steppers):

@@ -253,7 +253,7 @@ class RankRun:
             self.q1 = _Queue("handshake", rank, self.manager, self.faults, cfg, clock)
             self.q2 = _Queue("transfer", rank, self.manager, self.faults, cfg, clock, self.meta)
             self.q3 = _Queue("drain", rank, DrainPoller(self), self.faults, cfg, clock)
-            self.q3.stepper.faults = None  # draining is bookkeeping, not a transfer
+            self.q3.stepper.local.faults = None  # draining is bookkeeping, not a transfer
         self.handles: dict[int, Any] = {}
         self.sent: dict[int, int] = {}
         self.pages_free: deque[int] = deque(range(cfg.kv_pages))
@@ -380,7 +380,7 @@ class RankRun:
     def _prefill_iteration(self) -> list[StepResult]:
         r1 = self._step_queue(self.q1)
         for room, st, reason, origin in zip(
-            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.holders.tolist()
+            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.origins.tolist()
         ):
             if st == W:
                 need = self.work.pages[self.index[room]]
@@ -417,7 +417,7 @@ class RankRun:
                 self.sent[room] += k
         r2 = self._step_queue(self.q2)
         for room, st, reason, origin in zip(
-            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.holders.tolist()
+            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.origins.tolist()
         ):
             if st in (S, F):
                 self.q2.table.remove(room)
@@ -430,7 +430,7 @@ class RankRun:
     def _decode_iteration(self) -> list[StepResult]:
         r1 = self._step_queue(self.q1)
         for room, st, reason, origin in zip(
-            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.holders.tolist()
+            r1.rooms.tolist(), r1.statuses.tolist(), r1.reasons.tolist(), r1.origins.tolist()
         ):
             if st == F:
                 self.q1.table.remove(room)
@@ -471,7 +471,7 @@ class RankRun:
             self.q2.table.mark_metadata_sent(room, self._clock())
         r2 = self._step_queue(self.q2)
         for room, st, reason, origin in zip(
-            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.holders.tolist()
+            r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.origins.tolist()
         ):
             if st == S:
                 slot = self._slot[room]
@@ -542,7 +542,7 @@ class RankRun:
         """Check the side's ranks agree, and decide together whether to stop
         (a rank-local decision to leave the loop would hang the others)."""
         parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
-        h = fingerprint(np.concatenate(parts).astype(np.uint64)) if parts else 0
+        h = fingerprint(np.concatenate(parts).astype(np.uint64)) & (2**62 - 1) if parts else 0
         mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done)], dtype=np.int32)
         got = self.coll.all_gather(mine)
         if not (got[:, :2] == got[0, :2]).all():

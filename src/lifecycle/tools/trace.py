@@ -46,10 +46,11 @@ class TraceWriter:
             "rank": self.rank,
             "side": side,
             "queue": queue,
-            "rooms": rooms,
+            # the rows that took part in the reduce, with this rank's values
+            "rooms": result.rooms[result.active].tolist(),
             "local": np.asarray(local).tolist(),
             "reason": np.asarray(reason).tolist(),
-            "agreed": result.statuses.tolist(),
+            "agreed": result.statuses[result.active].tolist(),
         }
         lines = [json.dumps(rec, separators=(",", ":"))]
         for i, prev, trig in zip(
@@ -68,7 +69,7 @@ class TraceWriter:
                         "to": int(result.statuses[i]),
                         "trigger": TRIGGERS[trig],
                         "reason": int(result.reasons[i]),
-                        "origin": int(result.holders[i]),
+                        "origin": int(result.origins[i]),
                     },
                     separators=(",", ":"),
                 )
@@ -121,11 +122,11 @@ def replay(directory: Path) -> ReplayReport:
             if rec["rooms"] != rooms:
                 diff = f"rank {r} stepped a different request list"
         words = []
-        for r, rec in sorted(ranks.items()):
-            w = np.empty(len(rooms), dtype=np.int32)
-            pack(np.asarray(rec["local"], np.int8), np.asarray(rec["reason"], np.int8), r, w)
+        for _, rec in sorted(ranks.items()):
+            w = np.empty(len(rooms), dtype=np.uint8)
+            pack(np.asarray(rec["local"], np.int8), np.asarray(rec["reason"], np.int8), w)
             words.append(w)
-        agreed, _, _ = unpack(np.minimum.reduce(words)) if rooms else (np.empty(0, np.int8),) * 3
+        agreed, _ = unpack(np.minimum.reduce(words)) if rooms else (np.empty(0, np.int8),) * 2
         prev = np.array([prev_agreed.get((side, queue, room), 1) for room in rooms], np.int8)
         # a request entering this queue carries its status from the previous queue
         new, _, illegal = batch.advance(prev, agreed)
