@@ -11,7 +11,15 @@ times, back to back and in the same order on both ranks:
   per-request metadata check reading one tensor element each,
   ``torch.tensor``, all-reduce, ``tolist``;
 - ``transitions`` (fewer repetitions): one ``transitions`` machine per
-  request, the agreed status applied by a trigger per request.
+  request, the agreed status applied by a trigger per request;
+- ``fused3``: three tables of N/3 requests (a decode scheduler's handshake,
+  prealloc and transfer queues) stepped as one :class:`StepGroup`, one
+  reduce; ``separate3``: the same three tables stepped one by one;
+- ``churn``: N requests of which 1% change status every step (half reach
+  Success, half fail on one rank, which takes the origin fetch); between
+  steps, untimed, the finished ones leave and as many new ones arrive;
+- ``overlap_visible``: ``start`` + ``finish`` with a 5 ms sleep between them
+  standing in for the forward pass: the time the caller is blocked.
 
 Ratios are of medians taken in the same run. Table mutation (add and remove
 10,000 requests) and memory per live request are measured on rank 0.
@@ -69,6 +77,17 @@ class ObjPoller:
         return self.status
 
 
+class ChurnBackend:
+    """Statuses in a ring of indices; a few rows change every step."""
+
+    def __init__(self, n: int) -> None:
+        self.status = np.full(2 * n, 3, dtype=np.int8)
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+
 def _stats(xs: list[float]) -> dict[str, float]:
     a = np.asarray(xs) * 1e6
     return {"median_us": float(np.median(a)), "p90_us": float(np.percentile(a, 90))}
@@ -123,11 +142,32 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         t.tolist()
 
-    for f in (floor, ours, pattern):  # warm-up (also sizes the step's capacity)
+    fused3, separate3 = _three_queues(rank, n, layout, coll)
+    churn = _churn(rank, n, coll)
+
+    def overlap_visible() -> float:
+        t0 = time.perf_counter()
+        stepper.start(coll)
+        t1 = time.perf_counter()
+        time.sleep(0.005)  # the forward pass
+        t2 = time.perf_counter()
+        stepper.finish()
+        return (t1 - t0) + (time.perf_counter() - t2)
+
+    variants = {
+        "floor": floor,
+        "ours": ours,
+        "pattern": pattern,
+        "fused3": fused3,
+        "separate3": separate3,
+        "churn": churn,
+        "overlap_visible": overlap_visible,
+    }
+    for f in variants.values():  # warm-up (also sizes the steps' capacities)
         for _ in range(3):
             f()
-    times: dict[str, list[float]] = {"floor": [], "ours": [], "pattern": []}
-    order = [("floor", floor), ("ours", ours), ("pattern", pattern)]
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants.items())
     for rep in range(reps):
         # rotate the order so each variant follows each other one equally often
         # (what ran before decides how cold the caches are)
@@ -135,8 +175,9 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         for name, f in order[k:] + order[:k]:
             dist.barrier()
             t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
+            visible = f()
+            elapsed = time.perf_counter() - t0
+            times[name].append(visible if isinstance(visible, float) else elapsed)
     # one transitions machine per request, one trigger per request per step
     t0 = time.perf_counter()
     machines = [RequestMachine(int(r), rank, initial=KVPoll.Bootstrapping) for r in room_list]
@@ -167,10 +208,94 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     med = {k: v["median_us"] for k, v in row.items()}
     row["ratios"] = {
         "ours/floor": med["ours"] / med["floor"],
+        "fused3/floor": med["fused3"] / med["floor"],
+        "separate3/fused3": med["separate3"] / med["fused3"],
+        "churn/floor": med["churn"] / med["floor"],
+        "overlap_visible/floor": med["overlap_visible"] / med["floor"],
         "pattern/ours": med["pattern"] / med["ours"],
         "transitions/ours": med["transitions"] / med["ours"],
     }
     return row
+
+
+def _three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
+    """Two copies of three gated queues of n/3 requests: one fused, one separate."""
+    from buffers import MetadataBuffers
+    from lifecycle import KVPoll, RequestTable, StepGroup, Stepper
+
+    def build() -> list[Any]:
+        steppers = []
+        for q, name in enumerate(("handshake", "prealloc", "transfer")):
+            k = max(1, n // 3)
+            rooms = (np.arange(1, k + 1, dtype=np.uint64) + q * 10_000_000) * 7919
+            meta = MetadataBuffers(k, layout)
+            meta.tensors["bootstrap_room"].view(torch.int64)[:, 0] = torch.from_numpy(
+                rooms.view(np.int64)
+            )
+            backend = ArrayBackend(k)
+            table = RequestTable(rank=rank, capacity=k)
+            table.extend(
+                rooms,
+                state=KVPoll.Transferring,
+                metadata_slots=np.arange(k),
+                handle_indices=np.arange(k),
+            )
+            steppers.append(
+                Stepper(table, rank, poller=backend, staging=backend, metadata=meta, queue=name)
+            )
+        return steppers
+
+    group = StepGroup(build())
+    alone = build()
+
+    def fused3() -> None:
+        group.step(coll)
+
+    def separate3() -> None:
+        for s in alone:
+            s.step(coll)
+
+    return fused3, separate3
+
+
+def _churn(rank: int, n: int, coll: Any) -> Any:
+    """A queue where 1% of the requests change status every step."""
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    backend = ChurnBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    ring = 2 * n
+    state = {"next": n + 1}
+    table.extend(
+        np.arange(1, n + 1, dtype=np.uint64),
+        state=KVPoll.Transferring,
+        handle_indices=np.arange(1, n + 1) % ring,
+    )
+    stepper = Stepper(table, rank, poller=backend)
+    k = max(2, n // 100)
+    rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
+
+    def churn() -> float:
+        rooms = table.rooms()
+        pick = rooms[rng.choice(rooms.size, size=min(k, rooms.size), replace=False)]
+        idx = pick.astype(np.int64) % ring
+        backend.status[idx[: k // 2]] = KVPoll.Success
+        if rank == 0:
+            backend.status[idx[k // 2 :]] = KVPoll.Failed
+        else:
+            backend.status[idx[k // 2 :]] = KVPoll.Success
+        t0 = time.perf_counter()
+        res = stepper.step(coll)
+        elapsed = time.perf_counter() - t0
+        done = np.concatenate([res.succeeded, res.failed])
+        backend.status[done.astype(np.int64) % ring] = KVPoll.Transferring
+        table.remove_many(done)
+        new = np.arange(state["next"], state["next"] + done.size, dtype=np.uint64)
+        state["next"] += done.size
+        table.extend(new, state=KVPoll.Transferring, handle_indices=new.astype(np.int64) % ring)
+        return elapsed
+
+    return churn
 
 
 def _bench_rank(
@@ -240,18 +365,28 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
     return res
 
 
+_COLUMNS = ("floor", "ours", "fused3", "separate3", "churn", "overlap_visible", "pattern")
+_RATIOS = (
+    "ours/floor",
+    "fused3/floor",
+    "separate3/fused3",
+    "churn/floor",
+    "overlap_visible/floor",
+    "pattern/ours",
+    "transitions/ours",
+)
+
+
 def format_table(res: dict[str, Any]) -> str:
-    lines = [
-        f"{'N':>6} {'floor':>9} {'ours':>9} {'pattern':>10} {'transitions':>12}   "
-        f"{'ours/floor':>10} {'pattern/ours':>12} {'trans/ours':>10}   (median us; p90 in json)"
-    ]
+    lines = ["median us (p90 in json)"]
+    lines.append(f"{'N':>6} " + " ".join(f"{c:>12}" for c in (*_COLUMNS, "transitions")))
     for n, row in res["sizes"].items():
-        r = row["ratios"]
-        lines.append(
-            f"{n:>6} {row['floor']['median_us']:9.0f} {row['ours']['median_us']:9.0f} "
-            f"{row['pattern']['median_us']:10.0f} {row['transitions']['median_us']:12.0f}   "
-            f"{r['ours/floor']:10.2f} {r['pattern/ours']:12.1f} {r['transitions/ours']:10.1f}"
-        )
+        cells = [f"{row[c]['median_us']:12.0f}" for c in (*_COLUMNS, "transitions")]
+        lines.append(f"{n:>6} " + " ".join(cells))
+    lines.append("ratios of medians, same run")
+    lines.append(f"{'N':>6} " + " ".join(f"{r:>16}" for r in _RATIOS))
+    for n, row in res["sizes"].items():
+        lines.append(f"{n:>6} " + " ".join(f"{row['ratios'][r]:16.2f}" for r in _RATIOS))
     t = res.get("table")
     if t:
         lines.append(
