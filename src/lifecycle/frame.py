@@ -34,11 +34,14 @@ class Frame:
         "meta_slots",
         "n",
         "n_all",
+        "origin_all",
         "pos",
+        "reason_all",
         "rooms",
         "rooms_all",
         "rows",
         "rows_all",
+        "state_all",
         "zeros",
     )
 
@@ -48,7 +51,11 @@ class Frame:
         self.rooms_all = t.room[self.rows_all]
         self.n_all = self.rows_all.size
         self.fp = fingerprint(self.rooms_all)
-        active = ~TERMINAL[t.state[self.rows_all]]
+        # agreed columns of the whole list, kept current by the step's apply
+        self.state_all = t.state[self.rows_all]
+        self.reason_all = t.reason[self.rows_all]
+        self.origin_all = t.origin[self.rows_all]
+        active = ~TERMINAL[self.state_all]
         self.all_active = bool(active.all())
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)

@@ -128,8 +128,11 @@ def _batch(
         obs = Observation(np.full(k, _F, dtype=np.int8))
         obs.error(None, rooms, e)
         return obs, None
-    # clip before narrowing so that out-of-range values stay out of range
-    obs = Observation(np.clip(arr, -1, 5).astype(np.int8))
+    if k and arr.dtype != np.int8 and (int(arr.min()) < 0 or int(arr.max()) > 4):
+        arr8 = np.clip(arr, -1, 5).astype(np.int8)  # narrowing keeps out-of-range values out
+    else:
+        arr8 = arr.astype(np.int8)  # a copy: the backend's array is never written to
+    obs = Observation(arr8)
     obs.given = arr
     if errors:
         mask = np.zeros(k, dtype=bool)

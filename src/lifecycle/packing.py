@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 
 import numpy as np
 from numpy.typing import NDArray
@@ -134,32 +135,32 @@ def write_field(buf: NDArray[np.uint8], field: Field, value: int) -> None:
         buf[at + 8 : at + 16] = 255 - raw
 
 
-def _value(b: NDArray[np.uint8]) -> int:
-    return int.from_bytes(b.tobytes(), "big")
-
-
-_MATCHED_BYTES = 16 * len(MATCHED)
+_MASK64 = 2**64 - 1
+_STRUCT = struct.Struct(f">{HEADER // 8}Q")
+_NEED_AT = _OFFSET[Field.NEED] // 8
+_FLOOR_AT = _OFFSET[Field.FLOOR] // 8
 
 
 class Header:
-    """What a reduced header says about every rank's values."""
+    """What a reduced header says about every rank's values.
 
-    __slots__ = ("_buf", "agreed", "floor", "need")
+    Read as big-endian 64-bit words, a complement of bytes is the bitwise NOT
+    of the value, so each field's byte-wise minimum and maximum are two words.
+    """
+
+    __slots__ = ("_words", "agreed", "floor", "need")
 
     def __init__(self, buf: NDArray[np.uint8]) -> None:
-        self._buf = buf[:HEADER].copy()
-        pairs = self._buf[:_MATCHED_BYTES].reshape(len(MATCHED), 2, 8)
+        w = self._words = _STRUCT.unpack(buf[:HEADER].tobytes())
         #: every matched field is the same on every rank
-        self.agreed = bool((pairs[:, 0, :] == 255 - pairs[:, 1, :]).all())
-        at = _OFFSET[Field.NEED]
-        self.need = _value(255 - self._buf[at : at + 8])
-        at = _OFFSET[Field.FLOOR]
-        self.floor = _value(255 - self._buf[at : at + 8])
+        self.agreed = all(w[2 * i] == w[2 * i + 1] ^ _MASK64 for i in range(len(MATCHED)))
+        self.need = w[_NEED_AT] ^ _MASK64
+        self.floor = w[_FLOOR_AT] ^ _MASK64
 
     def bounds(self, field: Field) -> tuple[int, int]:
         """(byte-wise low, byte-wise high) of a matched field across ranks."""
-        at = _OFFSET[field]
-        return _value(self._buf[at : at + 8]), _value(255 - self._buf[at + 8 : at + 16])
+        at = _OFFSET[field] // 8
+        return self._words[at], self._words[at + 1] ^ _MASK64
 
     def differing(self) -> tuple[Field, ...]:
         """The matched fields whose value is not the same on every rank."""

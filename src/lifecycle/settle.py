@@ -87,12 +87,15 @@ class Settled:
         t.state[slots] = new[changed]
         t.entered_step[slots] = step
         t.entered_time[slots] = now
+        pos = f.pos[changed]
+        f.state_all[pos] = new[changed]
         failed = changed[new[changed] == _F]
         if failed.size:
             t.reason[f.rows[failed]] = reason[failed]
             t.origin[f.rows[failed]] = origin[failed]
+            f.reason_all[f.pos[failed]] = reason[failed]
+            f.origin_all[f.pos[failed]] = origin[failed]
         t.step_no, t.now = step, now
-        pos = f.pos[changed]
         return _result(stepper, f, step, pos, state[changed], trig_all[changed], dwell)
 
 
@@ -136,15 +139,13 @@ def _result(
     triggers: NDArray[np.int16],
     dwell: NDArray[np.float64],
 ) -> StepResult:
-    t = stepper.table
-    rows = f.rows_all
     return StepResult(
         step=step,
         queue=stepper.queue,
         rooms=f.rooms_all,
-        statuses=t.state[rows],
-        reasons=t.reason[rows],
-        origins=t.origin[rows],
+        statuses=f.state_all.copy(),
+        reasons=f.reason_all.copy(),
+        origins=f.origin_all.copy(),
         active=f.pos,
         changed=pos,
         previous=previous,
