@@ -57,9 +57,11 @@ class Settled:
         step = t.step_no + 1
         state = t.state[f.rows]
         agreed = self.agreed
-        cap = stepper.capacity
-        if self.hdr.need * 4 < cap and cap > stepper._floor:
-            stepper.capacity = max(stepper._floor, bucket(self.hdr.need * 2, stepper._floor))
+        cap, floor = stepper.capacity, stepper._floor
+        if cap < floor:  # the agreed floor takes effect from the next step
+            stepper.capacity = floor
+        elif self.hdr.need * 4 < cap and cap > floor:
+            stepper.capacity = max(floor, bucket(self.hdr.need * 2, floor))
         if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
             t.step_no, t.now = step, now
             return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
