@@ -13,11 +13,18 @@ rank: for a Failed request every rank decodes the same reason and the same
 origin; for a pending one the origin names a rank holding it back.
 
 A buffer is ``HEADER`` words followed by ``capacity`` request words (padded
-with :data:`PAD`). The header carries the list length and a 62-bit
-fingerprint of the ordered request list, each as the pair ``(x, -x)``: after
-MIN every rank knows both the minimum and the maximum across ranks, and a
-divergence is seen by all ranks in the very call that would otherwise have
-mixed requests up.
+with :data:`PAD`). The header carries, each as the pair ``(x, -x)`` so that
+after MIN every rank knows both the minimum and the maximum across ranks:
+
+- a 62-bit fingerprint of the ordered request list (two 31-bit halves) and
+  the list length: a divergence is seen by all ranks in the very call that
+  would otherwise have mixed requests up;
+- a 31-bit hash of the step configuration and one of the queue's name: a
+  rank built differently, or stepping another queue, is seen the same way;
+- the caller's iteration tag (31 bits; 0 when none is given), so a rank one
+  iteration behind is caught on the first step it takes out of turn;
+- the capacity each rank asked for (``initial_capacity``): the group takes
+  the maximum, so buffer sizes never depend on one rank's settings.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = [
     "unpack",
     "fingerprint",
     "write_header",
+    "hash31",
     "Header",
 ]
 
@@ -47,7 +55,7 @@ STATUS_SHIFT = ORIGIN_BITS + REASON_BITS
 MAX_RANK = (1 << ORIGIN_BITS) - 1
 _ORIGIN_MASK = np.int32(MAX_RANK)
 _REASON_MASK = np.int32((1 << REASON_BITS) - 1)
-HEADER = 6
+HEADER = 14
 PAD = np.int32(np.iinfo(np.int32).max)
 _HALF = (1 << 31) - 1
 
@@ -96,15 +104,45 @@ def fingerprint(rooms: NDArray[np.uint64]) -> int:
     return int(h) & ((1 << 62) - 1)
 
 
-def write_header(buf: NDArray[np.int32], n: int, fp: int) -> None:
+def write_header(
+    buf: NDArray[np.int32],
+    n: int,
+    fp: int,
+    config: int = 0,
+    queue: int = 0,
+    tag: int = 0,
+    capacity: int = 0,
+) -> None:
+    """Fill the header; ``config``, ``queue``, ``tag`` and ``capacity`` are
+    31-bit non-negative values (see :func:`hash31`)."""
     hi, lo = fp >> 31, fp & _HALF
-    buf[:HEADER] = (hi, -hi, lo, -lo, n, -n)
+    buf[:HEADER] = (
+        hi, -hi, lo, -lo, n, -n, config, -config, queue, -queue, tag, -tag, capacity, -capacity
+    )  # fmt: skip
+
+
+def hash31(text: str) -> int:
+    """A stable 31-bit hash (the same in every process, unlike ``hash``)."""
+    import hashlib
+
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _HALF
 
 
 class Header:
-    """What the reduced header says about every rank's list."""
+    """What the reduced header says about every rank's list and settings."""
 
-    __slots__ = ("fp_max", "fp_min", "len_max", "len_min")
+    __slots__ = (
+        "cap_max",
+        "cap_min",
+        "config",
+        "fp_max",
+        "fp_min",
+        "len_max",
+        "len_min",
+        "queue",
+        "tag",
+    )
 
     def __init__(self, buf: NDArray[np.int32]) -> None:
         h: list[int] = buf[:HEADER].tolist()
@@ -113,7 +151,29 @@ class Header:
         self.fp_min = (hi_min << 31) | lo_min
         self.fp_max = (hi_max << 31) | lo_max
         self.len_min, self.len_max = h[4], -h[5]
+        self.config = (h[6], -h[7])
+        self.queue = (h[8], -h[9])
+        self.tag = (h[10], -h[11])
+        self.cap_min, self.cap_max = h[12], -h[13]
+
+    @property
+    def lists_agree(self) -> bool:
+        return bool(self.fp_min == self.fp_max and self.len_min == self.len_max)
+
+    def differs(self) -> tuple[str, ...]:
+        """What differs across ranks: request list, step configuration, queue, tag."""
+        out = []
+        if not self.lists_agree:
+            out.append("request list")
+        for name, (lo, hi) in (
+            ("step configuration", self.config),
+            ("queue", self.queue),
+            ("tag", self.tag),
+        ):
+            if lo != hi:
+                out.append(name)
+        return tuple(out)
 
     @property
     def agreed(self) -> bool:
-        return bool(self.fp_min == self.fp_max and self.len_min == self.len_max)
+        return not self.differs()

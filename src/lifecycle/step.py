@@ -44,11 +44,13 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle import batch
+from lifecycle import batch, validate
 from lifecycle.collective import Collective
 from lifecycle.errors import (
     CollectiveMismatch,
+    HookError,
     IllegalTransition,
+    InvalidArgument,
     InvalidStatus,
     PartialPollError,
 )
@@ -60,6 +62,7 @@ from lifecycle.packing import (
     STATUS_SHIFT,
     Header,
     fingerprint,
+    hash31,
     unpack,
     write_header,
 )
@@ -84,18 +87,42 @@ _UNKNOWN = np.int8(FailureReason.UNKNOWN)
 #: reasons a backend may report (its own, or a peer's it relays); INVALID_STATUS
 #: is the step's own verdict (it can make every rank raise), NONE is not a reason
 _BACKEND_REASONS = np.array(
-    [r for r in FailureReason if r not in (FailureReason.INVALID_STATUS, FailureReason.NONE)]
+    [
+        r
+        for r in FailureReason
+        if r not in (FailureReason.INVALID_STATUS, FailureReason.HOOK_ERROR, FailureReason.NONE)
+    ]
 )
+_HOOK = FailureReason.HOOK_ERROR
+
+
+#: the largest buffer capacity a config may ask for (64 MiB of int32 words)
+MAX_CAPACITY = 1 << 24
+#: the capacity of a stepper's first reduce, whatever its config: the group
+#: agrees there on the largest ``initial_capacity`` any rank asked for, so
+#: ranks built with different settings never hand gloo different sizes
+BOOT_CAPACITY = 64
+
+
+def _seconds_or_none(inst: Any, attribute: Any, value: object) -> None:
+    if value is not None:
+        validate.seconds(value, f"StepConfig.{attribute.name}")
 
 
 @attrs.frozen
 class StepConfig:
-    """How a stepper behaves; all deadlines off by default."""
+    """How a stepper behaves; all deadlines off by default.
+
+    Every rank of a group must use the same config (except
+    ``initial_capacity``, of which the group takes the largest): a hash of
+    it travels in the header and a difference raises
+    :class:`~lifecycle.errors.CollectiveMismatch` on every rank.
+    """
 
     #: seconds a request may stay Bootstrapping before it fails (None: never)
-    bootstrap_timeout: float | None = attrs.field(default=None)
+    bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: seconds from ``mark_metadata_sent`` until an unfinished request fails
-    waiting_timeout: float | None = attrs.field(default=None)
+    waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: a poll value outside KVPoll: "raise" InvalidStatus on every rank after the
     #: reduce (nothing applied), or "fail" the request with reason INVALID_STATUS
     invalid_status: Literal["raise", "fail"] = "raise"
@@ -104,21 +131,28 @@ class StepConfig:
     #: agreed buffer capacity to start with (rounded up to a power of two)
     initial_capacity: int = 64
 
-    @bootstrap_timeout.validator
-    @waiting_timeout.validator
-    def _positive(self, attribute: Any, value: float | None) -> None:
-        if value is not None and not value > 0:
-            raise ValueError(f"StepConfig.{attribute.name} must be > 0 or None, got {value!r}")
-
     def __attrs_post_init__(self) -> None:
-        if self.invalid_status not in ("raise", "fail"):
-            raise ValueError(
-                f"StepConfig.invalid_status must be 'raise' or 'fail', got {self.invalid_status!r}"
+        if not isinstance(self.invalid_status, str) or self.invalid_status not in ("raise", "fail"):
+            raise InvalidArgument(
+                "StepConfig.invalid_status", self.invalid_status, "'raise' or 'fail'"
             )
-        if self.stuck_after is not None and self.stuck_after < 1:
-            raise ValueError(f"StepConfig.stuck_after must be >= 1, got {self.stuck_after}")
-        if self.initial_capacity < 1:
-            raise ValueError("StepConfig.initial_capacity must be >= 1")
+        if self.stuck_after is not None:
+            validate.integer(self.stuck_after, "StepConfig.stuck_after", 1, 1 << 40)
+        validate.integer(self.initial_capacity, "StepConfig.initial_capacity", 1, MAX_CAPACITY)
+
+    @property
+    def fingerprint(self) -> int:
+        """31-bit hash of what every rank must agree on (not the capacity hint)."""
+        return hash31(
+            repr(
+                (
+                    None if self.bootstrap_timeout is None else float(self.bootstrap_timeout),
+                    None if self.waiting_timeout is None else float(self.waiting_timeout),
+                    self.invalid_status,
+                    None if self.stuck_after is None else int(self.stuck_after),
+                )
+            )
+        )
 
 
 @attrs.frozen
@@ -213,6 +247,7 @@ def _bucket(n: int, floor: int) -> int:
     return -(-need // grain) * grain
 
 
+_TAG = 10  # header position of the iteration tag pair (see lifecycle.packing)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_F64 = np.empty(0, dtype=np.float64)
 
@@ -222,23 +257,28 @@ class _View:
     columns change; rebuilt then, reused by every step in between."""
 
     __slots__ = (
+        "checkable",
         "fake",
         "fp",
         "header",
         "hidx",
         "key",
+        "meta_bad",
         "meta_rooms",
         "meta_rows",
         "meta_slots",
         "mslots",
         "n",
+        "no_index",
         "no_reason",
         "ones",
         "rooms",
         "rows",
     )
 
-    def __init__(self, t: RequestTable) -> None:
+    def __init__(
+        self, t: RequestTable, head: tuple[int, int, int], pool: int | None, by_index: bool
+    ) -> None:
         self.key = (t.version, t.columns_version)
         self.rows = t.order().copy()
         self.rooms = t.room[self.rows]
@@ -249,19 +289,62 @@ class _View:
         self.fp = fingerprint(self.rooms)
         self.ones = np.ones(self.n, dtype=bool)
         self.header = np.empty(HEADER, dtype=np.int32)
-        write_header(self.header, self.n, self.fp)
+        config, queue, capacity = head
+        write_header(self.header, self.n, self.fp, config, queue, 0, capacity)
         self.no_reason = np.full(self.n, _NONE, dtype=np.int8)
+        # rows a batch poller that reads by index cannot answer for: polling
+        # them with index -1 would read another request's status
+        self.no_index: NDArray[np.bool_] | None = None
+        if by_index:
+            missing = self.hidx < 0
+            if missing.any():
+                self.no_index = missing
         # rows the metadata gate reads: real requests with a row (None: all of them)
         checkable = ~self.fake & (self.mslots >= 0)
+        # a row outside the pool can never land; it fails instead of being read
+        self.meta_bad: NDArray[np.bool_] | None = None
+        if pool is not None:
+            bad = checkable & (self.mslots >= pool)
+            if bad.any():
+                self.meta_bad = bad
+                checkable &= ~bad
         self.meta_rows: NDArray[np.int64] | None = None
+        self.checkable: NDArray[np.bool_] | None = None
         self.meta_slots, self.meta_rooms = self.mslots, self.rooms
         if not checkable.all():
+            self.checkable = checkable
             self.meta_rows = np.flatnonzero(checkable)
             self.meta_slots, self.meta_rooms = self.mslots[checkable], self.rooms[checkable]
 
 
+def _hook(obj: object, method: str, what: str) -> None:
+    if obj is not None and not callable(getattr(obj, method, None)):
+        raise InvalidArgument(what, obj, f"an object with a {method}() method")
+
+
+def _bools(answer: object, k: int, hook: str, rank: int) -> NDArray[np.bool_]:
+    """A hook's per-row answer: exactly ``k`` numpy bools, else a :class:`HookError`."""
+    arr = np.asarray(answer)
+    if arr.dtype != np.bool_ or arr.shape != (k,):
+        raise HookError(
+            hook,
+            rank,
+            f"answered {type(answer).__name__} of dtype {arr.dtype} and shape {arr.shape}, "
+            f"not {k} booleans",
+        )
+    return arr
+
+
 class Stepper:
-    """Steps the requests of one :class:`RequestTable` on one rank."""
+    """Steps the requests of one :class:`RequestTable` on one rank.
+
+    ``queue`` names the queue this stepper steps ("bootstrap", "inflight",
+    ...): its hash travels in the header, so ranks that step different queues
+    in the same collective raise instead of mixing them up.
+    ``agreed_capacity`` is for a stepper that replaces one on the same group
+    whose capacity was agreed (the value of its :attr:`capacity`, which is
+    the same on every rank); every rank must pass the same value or None.
+    """
 
     def __init__(
         self,
@@ -275,23 +358,55 @@ class Stepper:
         faults: FaultHook | None = None,
         config: StepConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        queue: str = "",
+        agreed_capacity: int | None = None,
     ) -> None:
-        if not 0 <= rank <= MAX_RANK:
-            raise ValueError(f"rank {rank} does not fit the reduced word (0..{MAX_RANK})")
+        if not isinstance(table, RequestTable):
+            raise InvalidArgument("Stepper table", table, "a RequestTable")
+        rank = validate.integer(rank, "Stepper rank", 0, MAX_RANK)
+        if config is not None and not isinstance(config, StepConfig):
+            raise InvalidArgument("Stepper config", config, "a StepConfig", rank)
+        if not isinstance(queue, str):
+            raise InvalidArgument("Stepper queue", queue, "a str naming the queue", rank)
+        if not callable(clock):
+            raise InvalidArgument("Stepper clock", clock, "a callable returning seconds", rank)
+        _hook(poller, "poll_many", "Stepper poller")
+        _hook(staging, "advance", "Stepper staging")
+        _hook(staging, "pending", "Stepper staging")
+        _hook(metadata, "landed", "Stepper metadata")
+        _hook(faults, "inject", "Stepper faults")
+        gates = tuple(gates)
+        for g in gates:
+            _hook(g, "closed", "Stepper gate")
+        if agreed_capacity is not None:
+            agreed_capacity = validate.integer(
+                agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
+            )
         self.table = table
         self.rank = rank
         self.poller = poller
         self.staging = staging
         self.metadata = metadata
-        self.gates = tuple(gates)
+        self.gates = gates
         self.faults = faults
         self.config = config or StepConfig()
         self.clock = clock
+        self.queue = queue
         table.rank = rank
-        if table.step_no == 0:
-            table.now = clock()  # rows added before the first step entered now
-        self.capacity = _bucket(0, self.config.initial_capacity)
-        self._floor = self.capacity
+        if table.step_no == 0 or np.isnan(table.now):
+            # rows added before any stepper had a clock entered now
+            now = float(clock())
+            live = table.order()
+            unset = live[np.isnan(table.entered_time[live])]
+            table.entered_time[unset] = now
+            table.now = now
+        self._head = (self.config.fingerprint, hash31(queue), self.config.initial_capacity)
+        if agreed_capacity is None:
+            self.capacity = BOOT_CAPACITY
+            self._floor: int | None = None  # agreed at the first reduce
+        else:
+            self.capacity = self._floor = _bucket(0, agreed_capacity)
+        self._tag = 0
         self._view: _View | None = None
         self._buf = np.empty(0, dtype=np.int32)
         self._prepared = False
@@ -311,14 +426,38 @@ class Stepper:
             t.order()  # compacts removed rows (membership changes were already counted)
         v = self._view
         if v is None or v.key != (t.version, t.columns_version):
-            v = self._view = _View(t)
+            pool = getattr(self.metadata, "size", None)
+            by_index = self.poller is not None and not getattr(self.poller, "by_room", False)
+            v = self._view = _View(
+                t, self._head, pool if validate.is_integer(pool) else None, by_index
+            )
         return v
+
+    def _blame(self, rooms: NDArray[np.uint64], err: BaseException) -> None:
+        """Report ``err`` for each of ``rooms`` in ``StepResult.exceptions``."""
+        self._exceptions.update(dict.fromkeys(rooms.tolist(), err))
+
+    def _contained(self, hook: str, exc: Exception) -> HookError:
+        if isinstance(exc, HookError):
+            return exc
+        err = HookError(hook, self.rank, f"raised {exc!r}")
+        err.__cause__ = exc
+        return err
 
     # ------------------------------------------------------------------
     # prepare: observe, verdicts, gates -> buffer
     # ------------------------------------------------------------------
-    def prepare(self) -> NDArray[np.int32]:
-        """Local work of a step; returns the int32 buffer to MIN-reduce."""
+    def prepare(self, tag: int | None = None) -> NDArray[np.int32]:
+        """Local work of a step; returns the int32 buffer to MIN-reduce.
+
+        ``tag`` (e.g. the scheduler's iteration number) must be the same on
+        every rank for this step; None on every rank when not used.
+        """
+        if tag is None:
+            tag_word = 0
+        else:
+            tag_word = validate.integer(tag, "step tag", -(1 << 63), (1 << 64) - 1, self.rank)
+            tag_word = tag_word % ((1 << 31) - 1) + 1
         t = self.table
         v = self._current_view()
         rows, rooms, hidx, n = v.rows, v.rooms, v.hidx, v.n
@@ -327,6 +466,7 @@ class Stepper:
         step = t.step_no + 1
         self._exceptions = {}
         self._raw_invalid = {}
+        self._tag = tag_word
         # rows not yet agreed terminal; the table's count settles the common case
         all_active = t.terminal_count == 0
         active = v.ones if all_active else (state > _F) & (state < _S)
@@ -334,15 +474,27 @@ class Stepper:
             act_rooms, act_hidx = rooms, hidx
         else:
             act_rooms, act_hidx = rooms[active], hidx[active]
+        hooked: NDArray[np.bool_] | None = None  # rows a misbehaving hook fails
+
+        def hook_failed(mask: NDArray[np.bool_], hook: str, exc: Exception) -> None:
+            nonlocal hooked
+            self._blame(rooms[mask & active], self._contained(hook, exc))
+            hooked = mask.copy() if hooked is None else hooked | mask
 
         if self.staging is not None and act_rooms.size:
-            self.staging.advance(act_rooms, act_hidx)
+            try:
+                self.staging.advance(act_rooms, act_hidx)
+            except Exception as e:  # fails the rows it was asked to advance
+                hook_failed(active, "staging advance", e)
 
         # 1. observe (terminal rows keep their latched status)
         reason: NDArray[np.int8] | None = None
         if act_rooms.size:
-            vals, exc, invalid, breason = self._observe(
-                rows, active, all_active, act_rooms, act_hidx
+            noidx = None
+            if v.no_index is not None:
+                noidx = v.no_index if all_active else v.no_index[active]
+            vals, exc, invalid, breason, unpolled = self._observe(
+                rows, active, all_active, act_rooms, act_hidx, noidx
             )
             if all_active:
                 local = vals
@@ -351,7 +503,7 @@ class Stepper:
                 local[active] = vals
         else:
             local = state.copy()
-            exc = invalid = breason = None
+            exc = invalid = breason = unpolled = None
 
         # 2. local verdicts, first one wins; `reason` exists only once one hits
         def verdict(mask: NDArray[np.bool_] | None, code: FailureReason, sub: bool = False) -> None:
@@ -371,7 +523,12 @@ class Stepper:
 
         if self.faults is not None and n:
             ctx = StepContext(self.rank, step, now, rooms, state, t.added_step[rows])
-            verdict(np.asarray(self.faults.inject(ctx), dtype=bool), FailureReason.INJECTED_FAULT)
+            try:
+                injected = _bools(self.faults.inject(ctx), n, "fault hook", self.rank)
+            except Exception as e:
+                hook_failed(v.ones, "fault hook", e)
+            else:
+                verdict(injected, FailureReason.INJECTED_FAULT)
         cfg = self.config
         if cfg.bootstrap_timeout is not None and n:
             late = (state == KVPoll.Bootstrapping) & (
@@ -388,14 +545,35 @@ class Stepper:
             verdict(t.abort_requested[rows], FailureReason.ABORTED)
         verdict(exc, FailureReason.LOCAL_EXCEPTION, sub=True)
         verdict(invalid, FailureReason.INVALID_STATUS, sub=True)
+        verdict(unpolled, _HOOK, sub=True)
+        verdict(hooked, _HOOK)
         landed: NDArray[np.bool_] | None = None
         if self.metadata is not None and n:
+            if v.meta_bad is not None:
+                bad = v.meta_bad if all_active else v.meta_bad & active
+                if bad.any():
+                    for i in np.flatnonzero(bad).tolist():
+                        self._exceptions[int(rooms[i])] = HookError(
+                            "metadata source",
+                            self.rank,
+                            f"cannot hold room={int(rooms[i])}: its metadata slot "
+                            f"{int(v.mslots[i])} is outside the pool of "
+                            f"{getattr(self.metadata, 'size', '?')} rows",
+                        )
+                    verdict(bad, _HOOK)
             success = local == _S
             if not all_active:
                 success &= active  # latched rows are neither checked nor gated
             if success.any():
-                landed, corrupt = self._metadata_check(v, success)
-                verdict(corrupt, FailureReason.METADATA_CORRUPT)
+                try:
+                    landed, corrupt = self._metadata_check(v, success)
+                except Exception as e:
+                    asked = success if v.checkable is None else success & v.checkable
+                    self._blame(rooms[asked], self._contained("metadata source", e))
+                    verdict(asked, _HOOK)
+                    landed = v.fake.copy()
+                else:
+                    verdict(corrupt, FailureReason.METADATA_CORRUPT)
         if n and int(local.min()) == 0:
             backend_failed = local == _F
             if not all_active:
@@ -419,7 +597,8 @@ class Stepper:
 
         # 3. gates: each may only apply its declared demotion (Success ->
         # Transferring), and only on requests not yet agreed terminal (a
-        # latched Success is never held back)
+        # latched Success is never held back). A gate that raises or answers
+        # nonsense fails the rows it was deciding (those at Success).
         if n and (self.staging is not None or landed is not None or self.gates):
             at = local == batch.DEMOTE_SOURCE
             if not all_active:
@@ -427,14 +606,27 @@ class Stepper:
             if at.any():
                 if self.staging is not None:
                     pend = self._ask(
-                        self.staging.pending, v, active, all_active, act_rooms, act_hidx
-                    )
-                    batch.demote(local, "hold_staging", pend, at)
+                        self.staging.pending, "staging pending", v, active, all_active, act_rooms,
+                        act_hidx, at,
+                    )  # fmt: skip
+                    if pend is not None:
+                        batch.demote(local, "hold_staging", pend, at)
                 if landed is not None:
                     batch.demote(local, "hold_metadata", ~landed, at)
                 for gate in self.gates:
-                    closed = self._ask(gate.closed, v, active, all_active, act_rooms, act_hidx)
-                    batch.demote(local, "hold_gate", closed, at)
+                    closed = self._ask(
+                        gate.closed, f"gate {getattr(gate, 'name', '?')!r}", v, active,
+                        all_active, act_rooms, act_hidx, at,
+                    )  # fmt: skip
+                    if closed is not None:
+                        batch.demote(local, "hold_gate", closed, at)
+                if self._gate_failed is not None:
+                    failed_at = self._gate_failed
+                    self._gate_failed = None
+                    if reason is None:
+                        reason = np.full(n, _NONE, dtype=np.int8)
+                    reason[failed_at] = _HOOK
+                    local[failed_at] = _F
 
         self._state, self._local = state, local
         self._has_reason = reason is not None
@@ -443,26 +635,38 @@ class Stepper:
         self._prepared = True
         return self._pack_buffer(v)
 
-    @staticmethod
+    _gate_failed: NDArray[np.bool_] | None = None
+
     def _ask(
+        self,
         fn: Callable[..., Any],
+        hook: str,
         v: _View,
         active: NDArray[np.bool_],
         all_active: bool,
         act_rooms: NDArray[np.uint64],
         act_hidx: NDArray[np.int64],
-    ) -> NDArray[np.bool_]:
-        """A gate's answer for every active row (False on latched rows).
+        at: NDArray[np.bool_],
+    ) -> NDArray[np.bool_] | None:
+        """A gate's answer for every active row (False on latched rows); None
+        when the gate raised or answered nonsense (the rows at ``at`` are then
+        marked to fail, and ``at`` is cleared so later gates skip them).
 
         Asking about all active rows, not only those at Success, costs one
         gather in an array-backed gate and saves two mask selections here.
         """
-        if all_active:
-            out: NDArray[np.bool_] = np.asarray(fn(v.rooms, v.hidx), dtype=bool)
-            return out
-        full = np.zeros(v.n, dtype=bool)
-        full[active] = np.asarray(fn(act_rooms, act_hidx), dtype=bool)
-        return full
+        try:
+            if all_active:
+                return _bools(fn(v.rooms, v.hidx), v.n, hook, self.rank)
+            full = np.zeros(v.n, dtype=bool)
+            full[active] = _bools(fn(act_rooms, act_hidx), act_rooms.size, hook, self.rank)
+            return full
+        except Exception as e:
+            self._blame(v.rooms[at], self._contained(hook, e))
+            failed = at.copy()
+            self._gate_failed = failed if self._gate_failed is None else self._gate_failed | failed
+            at[:] = False
+            return None
 
     def _local_words(self) -> NDArray[np.int32]:
         """This rank's packed words of the last prepare."""
@@ -482,6 +686,9 @@ class Stepper:
             self._packed = 0
         buf = self._buf
         buf[:HEADER] = v.header
+        if self._tag:
+            buf[_TAG] = self._tag
+            buf[_TAG + 1] = -self._tag
         k = min(n, self.capacity)
         if k == n:  # the common case: pack straight into the buffer
             words = buf[HEADER : HEADER + n]
@@ -505,13 +712,16 @@ class Stepper:
         all_active: bool,
         rooms: NDArray[np.uint64],
         hidx: NDArray[np.int64],
+        noidx: NDArray[np.bool_] | None,
     ) -> tuple[
         NDArray[np.int8],
         NDArray[np.bool_] | None,
         NDArray[np.bool_] | None,
         NDArray[np.int8] | None,
+        NDArray[np.bool_] | None,
     ]:
-        """Raw statuses of the active rows: (values, raised, invalid, backend reason).
+        """Raw statuses of the active rows: (values, raised, invalid, backend
+        reason, not polled for want of a handle index).
 
         Masks are None when nothing raised / nothing was invalid / the backend
         gave no reasons (the common case costs no arrays).
@@ -519,60 +729,97 @@ class Stepper:
         k = rooms.size
         exc: NDArray[np.bool_] | None = None
         breason: NDArray[np.int8] | None = None
+        unpolled: NDArray[np.bool_] | None = None
         if self.poller is not None:
+            ask_rooms, ask_hidx, pos = rooms, hidx, None
+            if noidx is not None and noidx.any():
+                unpolled = noidx
+                self._blame(
+                    rooms[noidx],
+                    HookError(
+                        "batch poll",
+                        self.rank,
+                        "cannot answer for a request without a handle index (set it with "
+                        "add(handle_index=...) or set_handle_index, or mark a poller that "
+                        "answers from rooms alone with by_room = True)",
+                    ),
+                )
+                pos = np.flatnonzero(~noidx)
+                ask_rooms, ask_hidx = rooms[pos], hidx[pos]
+            m = ask_rooms.size
             try:
+                sub_exc: NDArray[np.bool_] | None = None
                 try:
-                    arr = np.asarray(self.poller.poll_many(rooms, hidx))
+                    arr = np.asarray(self.poller.poll_many(ask_rooms, ask_hidx))
                 except PartialPollError as pe:
                     arr = np.asarray(pe.statuses)
-                    exc = np.zeros(k, dtype=bool)
+                    bad_keys = [
+                        i for i in pe.errors if not validate.is_integer(i) or not 0 <= i < m
+                    ]
+                    if bad_keys:
+                        raise ValueError(
+                            f"PartialPollError names positions {bad_keys} outside the batch of {m}"
+                        ) from pe
+                    sub_exc = np.zeros(m, dtype=bool)
                     for i, err in pe.errors.items():
-                        exc[i] = True
-                        self._exceptions[int(rooms[i])] = err
-                if arr.shape != (k,):
-                    raise ValueError(f"poll_many returned shape {arr.shape}, expected ({k},)")
-                if arr.dtype.kind not in "iub":
+                        sub_exc[i] = True
+                        self._exceptions[int(ask_rooms[i])] = err
+                if arr.shape != (m,):
+                    raise ValueError(f"poll_many returned shape {arr.shape}, expected ({m},)")
+                if arr.dtype.kind not in "iu":
                     raise TypeError(f"poll_many must return integers, got dtype {arr.dtype}")
             except Exception as e:  # never let one rank's error desync the group
-                for r in rooms.tolist():
-                    self._exceptions[r] = e
-                return np.zeros(k, np.int8), np.ones(k, bool), None, None
+                self._blame(ask_rooms, e)
+                return np.zeros(k, np.int8), np.ones(k, bool), None, None, unpolled
+            if pos is not None:
+                full_arr = np.full(k, KVPoll.Failed, dtype=np.int64)
+                full_arr[pos] = arr
+                arr = full_arr
+                if sub_exc is not None:
+                    exc = np.zeros(k, dtype=bool)
+                    exc[pos] = sub_exc
+            else:
+                exc = sub_exc
             values: Any = arr
         else:
             handles = self.table.handles
             slots = (rows if all_active else rows[active]).tolist()
             out: list[Any] = []
-            pos = 0
-            while pos < k:
+            p = 0
+            while p < k:
                 try:
-                    for s in slots[pos:]:
+                    for s in slots[p:]:
                         out.append(handles[s].poll())
-                        pos += 1
+                        p += 1
                 except Exception as e:
-                    self._exceptions[int(rooms[pos])] = e
+                    self._exceptions[int(rooms[p])] = e
                     out.append(KVPoll.Failed)
                     if exc is None:
                         exc = np.zeros(k, dtype=bool)
-                    exc[pos] = True
-                    pos += 1
+                    exc[p] = True
+                    p += 1
             values = out
-            try:
-                arr = np.fromiter(out, dtype=np.int64, count=k)
-            except (TypeError, ValueError):
-                arr = np.array([v if isinstance(v, int) else -1 for v in out], dtype=np.int64)
+            # only integers are statuses: 2.7, True or "4" are invalid, never rounded
+            arr = np.fromiter(
+                (x if validate.is_integer(x) and 0 <= x <= 4 else -1 for x in out),
+                dtype=np.int64,
+                count=k,
+            )
         invalid: NDArray[np.bool_] | None = None
         lo = int(arr.min()) if k else 1
         if k and (lo < 0 or int(arr.max()) > 4):
             invalid = (arr < 0) | (arr > 4)
             if exc is not None:
                 invalid &= ~exc
+            if unpolled is not None:
+                invalid &= ~unpolled
             for i in np.flatnonzero(invalid).tolist():
                 self._raw_invalid[int(rooms[i])] = values[i]
             arr = np.where(invalid, KVPoll.Failed, arr)
         if exc is not None:
             arr = np.where(exc, KVPoll.Failed, arr)
         vals = arr.astype(np.int8)  # a fresh array: the backend's is never written to
-        if invalid is not None or exc is not None:
+        if invalid is not None or exc is not None or unpolled is not None:
             lo = int(vals.min()) if k else 1
         if lo == 0:
             failed = vals == _F
@@ -580,21 +827,36 @@ class Stepper:
                 failed &= ~exc
             if invalid is not None:
                 failed &= ~invalid
+            if unpolled is not None:
+                failed &= ~unpolled
             if failed.any():
                 breason = np.full(k, FailureReason.UNKNOWN, dtype=np.int8)
                 if self.poller is not None:
                     reasons_fn = getattr(self.poller, "failure_reasons", None)
                     if reasons_fn is not None:
-                        given = np.asarray(reasons_fn(rooms[failed], hidx[failed]), np.int64)
-                        breason[failed] = np.where(
-                            np.isin(given, _BACKEND_REASONS), given, _UNKNOWN
-                        )
+                        nf = int(failed.sum())
+                        try:
+                            given = np.asarray(reasons_fn(rooms[failed], hidx[failed]))
+                            if given.shape != (nf,) or given.dtype.kind not in "iu":
+                                raise HookError(
+                                    "failure_reasons",
+                                    self.rank,
+                                    f"answered dtype {given.dtype} shape {given.shape}, "
+                                    f"not {nf} integer reason codes",
+                                )
+                        except Exception as e:
+                            self._blame(rooms[failed], self._contained("failure_reasons", e))
+                            breason[failed] = _HOOK
+                        else:
+                            breason[failed] = np.where(
+                                np.isin(given, _BACKEND_REASONS), given, _UNKNOWN
+                            )
                 else:
                     handles = self.table.handles
                     slots_l = (rows if all_active else rows[active]).tolist()
                     for i in np.flatnonzero(failed).tolist():
                         breason[i] = _reason_of(handles[slots_l[i]])
-        return vals, exc, invalid, breason
+        return vals, exc, invalid, breason, unpolled
 
     def _metadata_check(
         self, v: _View, success: NDArray[np.bool_]
@@ -603,9 +865,12 @@ class Stepper:
         count as landed, a real request without a metadata row never does."""
         assert self.metadata is not None
         ok, bad = self.metadata.landed(v.meta_slots, v.meta_rooms)
+        m = v.meta_slots.size
+        ok = _bools(ok, m, "metadata source (landed)", self.rank)
+        bad = _bools(bad, m, "metadata source (corrupt)", self.rank)
         if v.meta_rows is None:
-            landed = np.asarray(ok, dtype=bool)
-            corrupt = np.asarray(bad, dtype=bool) & success
+            landed = ok
+            corrupt = bad & success
         else:
             landed = v.fake.copy()  # fake rows are exempt; real rows without a slot stay False
             landed[v.meta_rows] = ok
@@ -624,13 +889,22 @@ class Stepper:
     # ------------------------------------------------------------------
     # reduce-side decisions (identical on every rank: they read reduced data)
     # ------------------------------------------------------------------
+    def _agree(self, hdr: Header) -> None:
+        """On the first reduce: adopt the largest capacity any rank asked for."""
+        if self._floor is None:
+            self._floor = _bucket(0, min(max(hdr.cap_max, 1), MAX_CAPACITY))
+            if hdr.len_max <= self.capacity:  # this reduce was whole: grow for the next
+                self.capacity = max(self.capacity, self._floor)
+
     def resize(self, reduced: NDArray[np.int32]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.
 
         Capacity then grows and :meth:`repack` gives the buffer to reduce again.
         """
         hdr = Header(reduced)
-        if hdr.len_max <= self.capacity:
+        self._agree(hdr)
+        assert self._floor is not None
+        if hdr.len_max <= reduced.size - HEADER:  # every rank's list fitted
             return False
         self.capacity = _bucket(hdr.len_max, self._floor)
         return True
@@ -648,14 +922,23 @@ class Stepper:
         v = self._view
         hdr = Header(reduced)
         n = v.n
-        if hdr.len_max > self.capacity:
+        if reduced.size - HEADER < hdr.len_max:
             raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
+        self._agree(hdr)
+        assert self._floor is not None
         if hdr.len_max * 4 < self.capacity and self.capacity > self._floor:
             self.capacity = max(self._floor, _bucket(hdr.len_max * 2, self._floor))
         self._prepared = False
-        if not hdr.agreed:
+        differs = hdr.differs()
+        if differs:
             raise CollectiveMismatch(
-                self.rank, n, (hdr.len_min, hdr.len_max), v.fp, (hdr.fp_min, hdr.fp_max)
+                self.rank,
+                n,
+                (hdr.len_min, hdr.len_max),
+                v.fp,
+                (hdr.fp_min, hdr.fp_max),
+                differs,
+                self._mismatch_detail(hdr, differs),
             )
         words = reduced[HEADER : HEADER + n].copy()
         agreed = (words >> STATUS_SHIFT).astype(np.int8)
@@ -708,9 +991,32 @@ class Stepper:
     # ------------------------------------------------------------------
     # composed step and stuck diagnosis
     # ------------------------------------------------------------------
-    def step(self, collective: Collective) -> StepResult:
-        """prepare -> MIN all-reduce over ``collective`` -> apply."""
-        buf = self.prepare()
+    def _mismatch_detail(self, hdr: Header, differs: tuple[str, ...]) -> str:
+        out = []
+        if "step configuration" in differs:
+            out.append(
+                f"Step configuration: this rank's {self.config!r} hashes to "
+                f"{self._head[0]:#010x}; across ranks {hdr.config[0]:#010x}..{hdr.config[1]:#010x}."
+            )
+        if "queue" in differs:
+            out.append(
+                f"Queue: this rank steps {self.queue!r} ({self._head[1]:#010x}); across ranks "
+                f"{hdr.queue[0]:#010x}..{hdr.queue[1]:#010x}."
+            )
+        if "tag" in differs:
+            out.append(
+                f"Tag: this rank's iteration tag word is {self._tag} (0: none); across ranks "
+                f"{hdr.tag[0]}..{hdr.tag[1]}: some rank is on another iteration."
+            )
+        return " ".join(out)
+
+    def step(self, collective: Collective, tag: int | None = None) -> StepResult:
+        """prepare -> MIN all-reduce over ``collective`` -> apply.
+
+        ``tag``: the caller's iteration number, the same on every rank; a rank
+        on another iteration makes every rank raise CollectiveMismatch.
+        """
+        buf = self.prepare(tag)
         collective.all_reduce_min(buf)
         if self.resize(buf):
             buf = self.repack()
