@@ -456,8 +456,9 @@ class Stepper:
         if tag is None:
             tag_word = 0
         else:
-            tag_word = validate.integer(tag, "step tag", -(1 << 63), (1 << 64) - 1, self.rank)
-            tag_word = tag_word % ((1 << 31) - 1) + 1
+            if not validate.is_integer(tag):
+                raise InvalidArgument("step tag", tag, "an integer (the iteration)", self.rank)
+            tag_word = int(tag) % ((1 << 31) - 1) + 1
         t = self.table
         v = self._current_view()
         rows, rooms, hidx, n = v.rows, v.rooms, v.hidx, v.n
