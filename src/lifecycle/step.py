@@ -9,13 +9,22 @@ Per rank, for the ordered list of live requests of one queue:
    requests are not polled: their agreed status latches.
 2. **local verdicts**, first one wins, each turning the local value into
    Failed with a reason: injected fault, bootstrap timeout, waiting timeout,
-   local abort, poller exception, invalid status, metadata row corrupt, and
-   finally a Failed reported by the backend itself (its reason, else UNKNOWN).
+   local abort, poller exception, invalid status, hook error, metadata row
+   corrupt, and finally a Failed reported by the backend itself (its reason,
+   else UNKNOWN).
 3. **gates**, in order staging, metadata, user gates: each may only apply
    its declared demotion Success -> Transferring (never hide a Failed).
 4. **reduce** -- one MIN all-reduce per group of a buffer of packed words
-   (:mod:`lifecycle.packing`) plus a header with the list length and a
-   fingerprint of the ordered rooms.
+   (:mod:`lifecycle.packing`) plus a header with the list length, a
+   fingerprint of the ordered rooms, hashes of the config and the queue name,
+   the caller's iteration tag and the capacity each rank asked for.
+
+Every user hook (staging, fault hook, failure reasons, gates, metadata
+source, the poll) runs contained: an exception or an answer of the wrong
+shape, dtype or kind fails the rows it was asked about (reason HOOK_ERROR,
+or LOCAL_EXCEPTION / INVALID_STATUS for the poll) in the local value, so the
+failure reaches every rank through the reduce and no rank leaves the step
+early.
 5. **apply** -- every request moves to its agreed status along a declared
    edge (batch executor); a move the graph lacks raises before anything
    changes.
@@ -26,7 +35,9 @@ Nothing here does I/O, so the same code runs under real gloo ranks, in a
 single-threaded simulated world and under trace replay.
 
 The buffer has an agreed *capacity* (the same on every rank because it only
-changes from reduced data). When some rank's list outgrows it, the header
+changes from reduced data). A stepper's first reduce is at a fixed
+:data:`BOOT_CAPACITY`; its header tells every rank the largest
+``initial_capacity`` asked for, which becomes the floor. When some rank's list outgrows it, the header
 shows it to every rank, capacity grows, and the same local values are reduced
 once more at the new size: every rank takes that decision from the same
 reduced header, so the sizes of the collectives always match. Sized with
@@ -94,6 +105,7 @@ _BACKEND_REASONS = np.array(
     ]
 )
 _HOOK = FailureReason.HOOK_ERROR
+_UNKNOWN_R = FailureReason.UNKNOWN
 
 
 #: the largest buffer capacity a config may ask for (64 MiB of int32 words)
@@ -283,6 +295,9 @@ class _View:
         self.rows = t.order().copy()
         self.rooms = t.room[self.rows]
         self.hidx = t.handle_index[self.rows]
+        # handed to hooks and kept in results: nobody may write into the cache
+        self.rooms.setflags(write=False)
+        self.hidx.setflags(write=False)
         self.mslots = t.metadata_slot[self.rows]
         self.fake = t.fake[self.rows]
         self.n = self.rows.size
@@ -523,7 +538,8 @@ class Stepper:
             reason[hit] = code
 
         if self.faults is not None and n:
-            ctx = StepContext(self.rank, step, now, rooms, state, t.added_step[rows])
+            seen = state.copy()  # a hook writing into its view must not reach apply
+            ctx = StepContext(self.rank, step, now, rooms, seen, t.added_step[rows])
             try:
                 injected = _bools(self.faults.inject(ctx), n, "fault hook", self.rank)
             except Exception as e:
@@ -856,7 +872,10 @@ class Stepper:
                     handles = self.table.handles
                     slots_l = (rows if all_active else rows[active]).tolist()
                     for i in np.flatnonzero(failed).tolist():
-                        breason[i] = _reason_of(handles[slots_l[i]])
+                        code, why = _reason_of(handles[slots_l[i]])
+                        breason[i] = code
+                        if why is not None:
+                            self._exceptions[int(rooms[i])] = self._contained("failure_reason", why)
         return vals, exc, invalid, breason, unpolled
 
     def _metadata_check(
@@ -1070,19 +1089,24 @@ class Stepper:
         return tuple(reports)
 
 
-def _reason_of(handle: Any) -> FailureReason:
-    """A per-object poller's reason for a Failed it reported."""
+def _reason_of(handle: Any) -> tuple[FailureReason, Exception | None]:
+    """A per-object poller's reason for a Failed it reported, and what its
+    reason hook raised (its reason is then ``hook error``)."""
     fn = getattr(handle, "failure_reason", None)
     if fn is not None:
         try:
-            code = int(fn())
-        except Exception:
-            return FailureReason.UNKNOWN
-        return FailureReason(code) if code in _BACKEND_REASONS else FailureReason.UNKNOWN
+            raw = fn()
+            if not validate.is_integer(raw):
+                raise TypeError(f"failure_reason() returned {raw!r}, not a reason code")
+            code = int(raw)
+        except Exception as e:
+            return _HOOK, e
+        ok = code in _BACKEND_REASONS
+        return (FailureReason(code) if ok else FailureReason.UNKNOWN), None
     fn = getattr(handle, "failure_exception", None)
     if fn is not None:
         try:
-            return FailureReason.TRANSFER_ERROR if fn() is not None else FailureReason.UNKNOWN
+            return (FailureReason.TRANSFER_ERROR if fn() is not None else _UNKNOWN_R), None
         except Exception:
-            return FailureReason.TRANSFER_ERROR
-    return FailureReason.UNKNOWN
+            return FailureReason.TRANSFER_ERROR, None
+    return FailureReason.UNKNOWN, None

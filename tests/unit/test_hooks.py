@@ -270,3 +270,38 @@ def test_row_without_a_handle_index_never_reads_another_requests_status():
     t2.add(2, handle_index=0)
     (res,) = ok(lockstep([Stepper(t2, 0, poller=be)]))
     assert res.statuses.tolist() == [B, S]
+
+
+def test_per_object_failure_reason_raising_is_a_hook_error():
+    class Poller(ScriptedPoller):
+        def failure_reason(self):
+            raise RuntimeError("no idea")
+
+    t = RequestTable()
+    t.add(1, handle=Poller(KVPoll.Failed))
+    (res,) = ok(lockstep([Stepper(t, 0)]))
+    assert res.failures()[0].reason == HOOK
+    assert isinstance(res.exceptions[1], HookError)
+
+
+def test_a_hook_cannot_write_into_the_step_through_its_arguments():
+    class Vandal:
+        name = "vandal"
+
+        def closed(self, rooms, idx):
+            rooms[:] = 0
+            return np.zeros(rooms.size, dtype=bool)
+
+    class VandalFaults:
+        def inject(self, ctx):
+            ctx.states[:] = F
+            return np.zeros(ctx.rooms.size, dtype=bool)
+
+    t = RequestTable()
+    t.extend([1, 2])
+    b = StatusBoard()
+    b.set([1, 2], S)
+    (res,) = ok(lockstep([Stepper(t, 0, poller=b, gates=[Vandal()], faults=VandalFaults())]))
+    assert res.rooms.tolist() == [1, 2]
+    assert res.statuses.tolist() == [F, F]  # the gate's write was refused: a hook error
+    assert {f.reason for f in res.failures()} == {HOOK}
