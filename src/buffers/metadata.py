@@ -146,6 +146,7 @@ class MetadataBuffers:
             spec.name: torch.zeros((size, spec.width), dtype=spec.dtype, device=self.device)
             for spec in self.layout.fields
         }
+        self._checked: NDArray[np.int64] | None = None
         rooms = self.tensors["bootstrap_room"]
         # a CPU int64 view of the room column for vectorised checks (uint64 viewed as int64)
         self._rooms = rooms.view(torch.int64).numpy()[:, 0] if self.device.type == "cpu" else None
@@ -227,11 +228,16 @@ class MetadataBuffers:
         non-zero room (someone else's row). Zero: not written yet.
         """
         slots = np.asarray(slots)
-        if slots.dtype.kind not in "iu":
-            raise BadArgument("metadata slots", slots, "integer slot indices")
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.size):
-            bad = int(slots[(slots < 0) | (slots >= self.size)][0])
-            raise SlotOutOfRange(bad, self.size)
+        # a read-only array checked before cannot have changed: a stepper
+        # passes the same one every step until its table changes
+        if slots is not self._checked:
+            if slots.dtype.kind not in "iu":
+                raise BadArgument("metadata slots", slots, "integer slot indices")
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.size):
+                bad = int(slots[(slots < 0) | (slots >= self.size)][0])
+                raise SlotOutOfRange(bad, self.size)
+            if not slots.flags.writeable and slots.base is None:
+                self._checked = slots
         if self._rooms is not None:
             got = np.take(self._rooms, slots)
         else:

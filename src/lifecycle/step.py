@@ -330,6 +330,7 @@ class _View:
             self.checkable = checkable
             self.meta_rows = np.flatnonzero(checkable)
             self.meta_slots, self.meta_rooms = self.mslots[checkable], self.rooms[checkable]
+        self.meta_slots.setflags(write=False)  # lets the metadata source skip re-checking it
 
 
 def _hook(obj: object, method: str, what: str) -> None:
