@@ -178,8 +178,9 @@ class RequestTable:
         self._free[:0] = range(new_cap - 1, self._cap - 1, -1)
         self._cap = new_cap
 
-    def _check_rooms(self, rooms: Sequence[int], fake: NDArray[np.bool_]) -> None:
-        for r, f in zip(rooms, fake.tolist()):
+    def _check_rooms(self, rooms: Sequence[int], fake: NDArray[np.bool_] | bool) -> None:
+        fakes = [fake] * len(rooms) if isinstance(fake, bool) else fake.tolist()
+        for r, f in zip(rooms, fakes):
             if r in self._index:
                 raise DuplicateRequest(r, self.rank)
             if r == 0 and not f:

@@ -64,7 +64,12 @@ def rooms(values: Iterable[Any] | NDArray[Any], rank: int | None = None) -> list
         return out
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidRoom(values, rank)
-    return [room(v, rank, allow_zero=True) for v in values]
+    items = list(values)
+    if all(type(v) is int for v in items):  # the common case: one pass, no calls
+        if items and (min(items) < 0 or max(items) > MAX_ROOM):
+            raise InvalidRoom(next(v for v in items if not 0 <= v <= MAX_ROOM), rank)
+        return items
+    return [room(v, rank, allow_zero=True) for v in items]
 
 
 def status(value: object, what: str = "status", rank: int | None = None) -> KVPoll:
@@ -101,8 +106,11 @@ def seconds(value: object, what: str, rank: int | None = None) -> float:
 
 def int_column(
     value: object, k: int, what: str, lo: int, hi: int, rank: int | None = None
-) -> NDArray[np.int64]:
-    """A scalar or length-``k`` sequence of integers in lo..hi, as an int64 array."""
+) -> NDArray[np.int64] | int:
+    """A scalar or length-``k`` sequence of integers in lo..hi, as an int64
+    array (a plain int comes back as it is: numpy broadcasts it)."""
+    if type(value) is int and lo <= value <= hi:
+        return value
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.size != k):
         raise InvalidArgument(what, value, f"an integer or {k} integers in {lo}..{hi}", rank)
@@ -113,8 +121,12 @@ def int_column(
     return out
 
 
-def bool_column(value: object, k: int, what: str, rank: int | None = None) -> NDArray[np.bool_]:
-    """A bool or length-``k`` sequence of bools."""
+def bool_column(
+    value: object, k: int, what: str, rank: int | None = None
+) -> NDArray[np.bool_] | bool:
+    """A bool or length-``k`` sequence of bools (a plain bool comes back as it is)."""
+    if type(value) is bool:
+        return value
     arr = np.asarray(value)
     if arr.dtype != np.bool_ or arr.ndim > 1 or (arr.ndim == 1 and arr.size != k):
         raise InvalidArgument(what, value, f"a bool or {k} bools", rank)
