@@ -3,6 +3,7 @@
 from buffers.allocator import SlotAllocator
 from buffers.engine import DisaggregationMode, FinishAbort, engine_type, record_abort
 from buffers.errors import (
+    BadArgument,
     BuffersError,
     DoubleFree,
     GeometryMismatch,
@@ -32,6 +33,7 @@ from buffers.metadata import (
 from buffers.pages import C128, cp_filter_chunk, cp_filter_pages, cp_split, ring_state_page
 
 __all__ = [
+    "BadArgument",
     "C128",
     "MIN_ROW_BYTES",
     "BuffersError",

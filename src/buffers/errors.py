@@ -12,6 +12,7 @@ __all__ = [
     "NotQuarantined",
     "LayoutError",
     "GeometryMismatch",
+    "BadArgument",
 ]
 
 
@@ -73,4 +74,15 @@ class GeometryMismatch(BuffersError):
         super().__init__(
             f"draft state cannot ride along with the target's: {what} differs "
             f"(target {target!r}, draft {draft!r}); give the draft model its own transfer"
+        )
+
+
+class BadArgument(BuffersError, ValueError):
+    """A value of the wrong type or range was handed in; nothing changed."""
+
+    def __init__(self, what: str, value: object, expected: str) -> None:
+        self.what, self.value, self.expected = what, value, expected
+        super().__init__(
+            f"{what}: got {value!r} ({type(value).__name__}), expected {expected}. "
+            "Nothing was changed."
         )

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from buffers.errors import LayoutError, SlotOutOfRange
+from buffers.allocator import MAX_SLOTS, check_room
+from buffers.errors import BadArgument, LayoutError, SlotOutOfRange
 
 __all__ = [
     "FieldSpec",
@@ -130,9 +131,14 @@ class MetadataBuffers:
     def __init__(
         self, size: int, layout: MetadataLayout | None = None, device: str = "cpu"
     ) -> None:
-        if size < 1:
-            raise LayoutError(f"MetadataBuffers size must be >= 1, got {size}")
-        self.size = size
+        ok = isinstance(size, (int, np.integer)) and not isinstance(size, (bool, np.bool_))
+        if not ok or not 1 <= int(size) <= MAX_SLOTS:
+            raise LayoutError(
+                f"MetadataBuffers size must be an integer in 1..{MAX_SLOTS}, got {size!r}"
+            )
+        if layout is not None and not isinstance(layout, MetadataLayout):
+            raise LayoutError(f"MetadataBuffers layout must be a MetadataLayout, got {layout!r}")
+        self.size = int(size)
         self.layout = layout or MetadataLayout()
         self.layout.validate()
         self.device = torch.device(device)
@@ -140,6 +146,7 @@ class MetadataBuffers:
             spec.name: torch.zeros((size, spec.width), dtype=spec.dtype, device=self.device)
             for spec in self.layout.fields
         }
+        self._checked: NDArray[np.int64] | None = None
         rooms = self.tensors["bootstrap_room"]
         # a CPU int64 view of the room column for vectorised checks (uint64 viewed as int64)
         self._rooms = rooms.view(torch.int64).numpy()[:, 0] if self.device.type == "cpu" else None
@@ -157,15 +164,19 @@ class MetadataBuffers:
 
     # -- rows --------------------------------------------------------------
     def _check(self, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, (bool, np.bool_)):
+            raise BadArgument("metadata slot", slot, f"an integer in 0..{self.size - 1}")
         if not 0 <= slot < self.size:
-            raise SlotOutOfRange(slot, self.size)
+            raise SlotOutOfRange(int(slot), self.size)
 
     def write(self, slot: int, room: int, values: Mapping[str, Any]) -> None:
         """Write a row; ``bootstrap_room`` goes last, so a reader that sees the room sees all."""
         self._check(slot)
-        if room == 0:
+        if isinstance(room, (int, np.integer)) and not isinstance(room, bool) and room == 0:
             raise LayoutError("room 0 means 'not written'; a real request needs a non-zero room")
-        _signed(room)
+        room = check_room(room)
+        if not isinstance(values, Mapping):
+            raise BadArgument("metadata values", values, "a mapping of field name to values")
         unknown = set(values) - {s.name for s in self.layout.fields} - {"bootstrap_room"}
         if unknown:
             raise LayoutError(f"unknown metadata fields {sorted(unknown)}")
@@ -216,6 +227,17 @@ class MetadataBuffers:
         landed: the row carries this room. corrupt: it carries another
         non-zero room (someone else's row). Zero: not written yet.
         """
+        slots = np.asarray(slots)
+        # a read-only array checked before cannot have changed: a stepper
+        # passes the same one every step until its table changes
+        if slots is not self._checked:
+            if slots.dtype.kind not in "iu":
+                raise BadArgument("metadata slots", slots, "integer slot indices")
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.size):
+                bad = int(slots[(slots < 0) | (slots >= self.size)][0])
+                raise SlotOutOfRange(bad, self.size)
+            if not slots.flags.writeable and slots.base is None:
+                self._checked = slots
         if self._rooms is not None:
             got = np.take(self._rooms, slots)
         else:

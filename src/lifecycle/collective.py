@@ -18,6 +18,8 @@ pass. Implementations:
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -131,8 +133,32 @@ class SingleRank:
         return out
 
 
+_PUBLISHED: dict[tuple[int, int], Any] = {}
+
+
+def _process_gone(pid: int) -> bool:
+    """True when process ``pid`` on this host has exited (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return False
+
+
 class TorchCollective:
-    """``torch.distributed`` over ``group`` (None: the default group)."""
+    """``torch.distributed`` over ``group`` (None: the default group).
+
+    Each rank writes its host and process id to the group's rendezvous store
+    when the collective is built, so when a peer stops answering the error
+    can name it: a peer on this host whose process is gone is named dead
+    (peers on other hosts, or without a store, stay unnamed).
+    """
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -147,6 +173,21 @@ class TorchCollective:
         self._rank = dist.get_rank()
         self._world = dist.get_world_size(group)
         self._min = dist.ReduceOp.MIN
+        self._peers: tuple[int, ...] = tuple(
+            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+        )
+        self._store: Any = None
+        try:
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+            key = (id(store), self._rank)
+            if key not in _PUBLISHED:  # once per process: collectives are built per call
+                store.set(f"pdlife/pid/{self._rank}", f"{socket.gethostname()} {os.getpid()}")
+                _PUBLISHED[key] = store  # holding it keeps the id from being reused
+            self._store = store
+        except Exception:  # no store reachable: dead peers stay unnamed
+            self._store = None
 
     @property
     def rank(self) -> int:
@@ -156,13 +197,36 @@ class TorchCollective:
     def world_size(self) -> int:
         return self._world
 
+    def dead_peers(self) -> tuple[int, ...]:
+        """Peers known to have exited (same host, process gone); empty if unknown."""
+        if self._store is None:
+            return ()
+        host = socket.gethostname()
+        dead = []
+        for r in self._peers:
+            if r == self._rank:
+                continue
+            key = f"pdlife/pid/{r}"
+            try:
+                if not self._store.check([key]):
+                    continue
+                peer_host, pid = self._store.get(key).decode().split()
+            except Exception:  # the store itself is gone: nothing more to learn
+                break
+            if peer_host == host and _process_gone(int(pid)):
+                dead.append(r)
+        return tuple(dead)
+
+    def _failure(self, exc: RuntimeError) -> RankFailure:
+        return RankFailure(self._rank, self.dead_peers(), str(exc).splitlines()[0])
+
     def all_reduce_min(self, buf: NDArray[Any]) -> None:
         import torch
 
         try:
             self._dist.all_reduce(torch.from_numpy(buf), op=self._min, group=self.group)
         except RuntimeError as exc:  # gloo reports a dead or hung peer this way
-            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+            raise self._failure(exc) from exc
 
     def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
         import torch
@@ -172,8 +236,8 @@ class TorchCollective:
                 torch.from_numpy(buf), op=self._min, group=self.group, async_op=True
             )
         except RuntimeError as exc:
-            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
-        return _TorchWork(work, self._rank)
+            raise self._failure(exc) from exc
+        return _TorchWork(work, self)
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
         import torch
@@ -182,20 +246,20 @@ class TorchCollective:
         try:
             self._dist.all_gather(list(out.unbind(0)), torch.from_numpy(buf), group=self.group)
         except RuntimeError as exc:
-            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+            raise self._failure(exc) from exc
         result: NDArray[np.int32] = out.numpy()
         return result
 
 
 class _TorchWork:
-    def __init__(self, work: Any, rank: int) -> None:
-        self._work, self._rank = work, rank
+    def __init__(self, work: Any, coll: TorchCollective) -> None:
+        self._work, self._coll = work, coll
 
     def wait(self) -> None:
         try:
             self._work.wait()
         except RuntimeError as exc:
-            raise RankFailure(self._rank, (), str(exc).splitlines()[0]) from exc
+            raise self._coll._failure(exc) from exc
 
 
 class Hierarchical:

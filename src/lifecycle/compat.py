@@ -24,6 +24,7 @@ latching is the backend's job here, as in the field.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,18 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # agreed buffer capacity per (kind, group); process groups live as long as the process
 _capacity: dict[tuple[str, int], int] = {}
 _last_failures: list[Failure] = []
+# one fault generator per (rank, settings) for the life of the process: a
+# fresh one per call would draw the same numbers, failing the same queue
+# positions on every call
+_fault_hooks: dict[tuple[int, tuple[str | None, ...]], _faults.ProbabilisticFaults | None] = {}
+
+
+def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
+    env = os.environ
+    key = (rank, tuple(env.get(v) for v in (*_faults.ENV_VARS, _faults.SEED_VAR)))
+    if key not in _fault_hooks:
+        _fault_hooks[key] = _faults.from_env(rank)
+    return _fault_hooks[key]
 
 
 def last_failures() -> list[Failure]:
@@ -106,9 +119,8 @@ def _run(
         rank,
         staging=staging,
         metadata=metadata_buffers,
-        faults=_faults.from_env(rank),
+        faults=_fault_hook(rank),
         config=StepConfig(invalid_status="fail"),
-        # a capacity learnt from an earlier call's reduced header: agreed on every rank
         agreed_capacity=_capacity.get(group_key),
     )
     result = stepper.step(collective)

@@ -4,7 +4,7 @@ group at 3 a.m."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 __all__ = [
     "LifecycleError",
@@ -19,6 +19,9 @@ __all__ = [
     "FaultPlanError",
     "PartialPollError",
     "RankFailure",
+    "InvalidArgument",
+    "InvalidRoom",
+    "HookError",
 ]
 
 
@@ -71,34 +74,46 @@ class InvalidStatus(LifecycleError):
 
 
 class CollectiveMismatch(LifecycleError):
-    """Ranks stepped different request lists, configurations, queues or
-    iterations; raised on every rank of the group, before anything moved."""
+    """Ranks stepped different request lists, or stepped with a different
+    configuration, queue or iteration tag; raised on every rank of the group.
+
+    ``differs`` names what differs: any of ``"request list"``,
+    ``"step configuration"``, ``"queue"`` and ``"tag"``.
+    """
 
     def __init__(
         self,
         rank: int,
         local_len: int,
+        lens: tuple[int, int],
         local_fingerprint: int,
         fingerprints: tuple[int, int],
-        *,
-        queue: str = "",
-        what: Sequence[str] = ("request list (rooms or their order)",),
+        differs: tuple[str, ...] = ("request list",),
+        detail: str = "",
     ) -> None:
         self.rank = rank
         self.local_len = local_len
+        self.lens = lens
         self.local_fingerprint = local_fingerprint
         self.fingerprints = fingerprints
-        self.queue = queue
-        self.what = tuple(what)
-        name = f"queue {queue!r}" if queue else "the queue"
-        super().__init__(
-            f"rank {rank}: the ranks diverged on {name}: {', '.join(self.what)} differ "
-            f"(local list of {local_len} request(s), fingerprint {local_fingerprint:#018x}; "
-            f"across ranks {fingerprints[0]:#018x}..{fingerprints[1]:#018x}). No request was "
-            "advanced. Every rank must add, remove and order requests identically (no early "
-            "return on an empty queue, no rank-local filtering before the step), share one "
-            "StepConfig, step its queues in the same order and pass the same tag."
+        self.differs = differs
+        what = " and ".join(differs)
+        parts = [f"rank {rank}: the ranks diverged ({what} not the same on every rank)."]
+        if "request list" in differs:
+            parts.append(
+                f"Request lists: local length {local_len}, lengths across ranks "
+                f"{lens[0]}..{lens[1]}; local fingerprint {local_fingerprint:#018x}, "
+                f"fingerprints across ranks {fingerprints[0]:#018x}..{fingerprints[1]:#018x}."
+            )
+        if detail:
+            parts.append(detail)
+        parts.append(
+            "No request was advanced. Every rank must add, remove and order requests "
+            "identically (no early return on an empty queue, no rank-local filtering before "
+            "the step), build its steppers with the same StepConfig and queue name, and "
+            "step the same queue on the same iteration."
         )
+        super().__init__(" ".join(parts))
 
 
 class TableBusy(LifecycleError):
@@ -172,4 +187,42 @@ class RankFailure(LifecycleError):
         super().__init__(
             f"rank {rank}: rank(s) {list(self.dead) or 'unknown'} stopped taking part in the "
             f"collective ({detail}). The group cannot agree without them: restart the group."
+        )
+
+
+class InvalidArgument(LifecycleError, ValueError):
+    """A caller handed the library a value of the wrong type or range; nothing changed."""
+
+    def __init__(self, what: str, value: object, expected: str, rank: int | None = None) -> None:
+        self.what, self.value, self.expected, self.rank = what, value, expected, rank
+        where = f" on rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"{what}{where}: got {value!r} ({type(value).__name__}), expected {expected}. "
+            "Nothing was changed."
+        )
+
+
+class InvalidRoom(InvalidArgument):
+    """A bootstrap room that is not an integer in 1..2**64-1 (0 only for warm-ups)."""
+
+    def __init__(self, value: object, rank: int | None = None) -> None:
+        super().__init__(
+            "bootstrap room",
+            value,
+            "an integer (int or numpy integer, not bool) in 1..2**64-1",
+            rank,
+        )
+
+
+class HookError(LifecycleError):
+    """A user hook (poll, gate, staging, fault hook, metadata source, failure
+    reasons) raised or answered nonsense. The step failed the requests it
+    concerned (reason ``hook error``) on every rank; this is what
+    ``StepResult.exceptions`` holds for them."""
+
+    def __init__(self, hook: str, rank: int, problem: str) -> None:
+        self.hook, self.rank, self.problem = hook, rank, problem
+        super().__init__(
+            f"rank {rank}: hook {hook} {problem}; the requests it was asked about failed "
+            "(reason 'hook error') on every rank and the group kept stepping. Fix the hook."
         )

@@ -29,11 +29,13 @@ class Frame:
         "fp",
         "hidx",
         "key",
+        "meta_bad",
         "meta_pos",
         "meta_rooms",
         "meta_slots",
         "n",
         "n_all",
+        "no_index",
         "origin_all",
         "pos",
         "reason_all",
@@ -45,7 +47,7 @@ class Frame:
         "zeros",
     )
 
-    def __init__(self, t: RequestTable) -> None:
+    def __init__(self, t: RequestTable, pool: int | None, by_index: bool) -> None:
         self.key = Frame.key_of(t)
         self.rows_all = t.order().copy()
         self.rooms_all = t.room[self.rows_all]
@@ -65,16 +67,34 @@ class Frame:
             self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
         self.n = self.rows.size
         self.hidx = t.handle_index[self.rows]
+        # handed to hooks: nobody may write into the cache
+        for a in (self.rooms, self.hidx, self.rooms_all):
+            a.setflags(write=False)
         self.fake = t.fake[self.rows]
         self.zeros = np.zeros(self.n, dtype=bool)
+        # rows a batch poller that reads by index cannot answer for: polling
+        # them with index -1 would read another request's status
+        self.no_index: NDArray[np.bool_] | None = None
+        if by_index:
+            missing = self.hidx < 0
+            if missing.any():
+                self.no_index = missing
         mslots = t.metadata_slot[self.rows]
         # rows the metadata gate reads: real requests with a row (None: all of them)
         checkable = ~self.fake & (mslots >= 0)
+        # a row outside the pool can never land; it fails instead of being read
+        self.meta_bad: NDArray[np.bool_] | None = None
+        if pool is not None:
+            bad = checkable & (mslots >= pool)
+            if bad.any():
+                self.meta_bad = bad
+                checkable &= ~bad
         self.meta_pos: NDArray[np.int64] | None = None
         self.meta_slots, self.meta_rooms = mslots, self.rooms
         if not checkable.all():
             self.meta_pos = np.flatnonzero(checkable)
             self.meta_slots, self.meta_rooms = mslots[checkable], self.rooms[checkable]
+        self.meta_slots.setflags(write=False)  # lets the metadata source skip re-checking it
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:
@@ -83,9 +103,9 @@ class Frame:
         return (t.version, t.columns_version, t.terminal_count)
 
     @classmethod
-    def of(cls, t: RequestTable, cached: Frame | None) -> Frame:
+    def of(cls, t: RequestTable, cached: Frame | None, pool: int | None, by_index: bool) -> Frame:
         if t._limbo:
             t.order()  # compacts removed rows (membership changes were already counted)
         if cached is not None and cached.key == cls.key_of(t):
             return cached
-        return cls(t)
+        return cls(t, pool, by_index)

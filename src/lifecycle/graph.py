@@ -121,9 +121,11 @@ _BACKEND = "backend"
 #: this reason (a backend may relay a peer's abort or timeout; UNKNOWN when it
 #: gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
 #: clocks; ``metadata_row`` a row carrying another request's room;
-#: ``poll_value`` a value outside KVPoll; ``hook_error`` a poll, gate,
-#: staging, metadata or fault hook that raised or answered nonsense;
-#: ``fault_hook`` injected faults.
+#: ``poll_value`` a value outside KVPoll; ``poll_error`` a poll that raised
+#: or answered with the wrong shape or dtype; ``fault_hook`` injected faults;
+#: ``hook_error`` a gate, staging, metadata source, fault hook or reasons
+#: hook that raised or answered nonsense (it says nothing about the
+#: transfer, so any real cause on another rank wins).
 VERDICTS: tuple[Verdict, ...] = (
     Verdict(R.ABORTED, ("abort_flag", _BACKEND)),
     Verdict(R.PEER_DEAD, (_BACKEND,)),
@@ -132,9 +134,10 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(R.METADATA_CORRUPT, ("metadata_row", _BACKEND)),
     Verdict(R.TRANSFER_ERROR, (_BACKEND,)),
     Verdict(R.INVALID_STATUS, ("poll_value",)),
-    Verdict(R.LOCAL_EXCEPTION, ("hook_error", _BACKEND)),
+    Verdict(R.LOCAL_EXCEPTION, ("poll_error", _BACKEND)),
     Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
     Verdict(R.UNKNOWN, (_BACKEND,)),
+    Verdict(R.HOOK_ERROR, ("hook_error",)),
 )
 
 

@@ -129,7 +129,7 @@ class StepGroup:
         return out
 
     def _hello(self, collective: Collective) -> None:
-        shape = "|".join(f"{s.queue}:{s.config.digest():x}" for s in self.steppers)
+        shape = "|".join(f"{s.queue}:{s.config.fingerprint:x}" for s in self.steppers)
         value = stable_hash(f"{len(self.steppers)}|{shape}")
         buf = np.zeros(HEADER, dtype=np.uint8)
         write_field(buf, Field.CONFIG, value)
@@ -137,13 +137,19 @@ class StepGroup:
         hdr = Header(buf)
         if Field.CONFIG in hdr.differing():
             s = self.steppers[0]
+            names = [x.queue for x in self.steppers]
             raise CollectiveMismatch(
                 s.rank,
-                len(self.steppers),
+                sum(x.table.__len__() for x in self.steppers),
+                (0, 0),
                 value,
                 hdr.bounds(Field.CONFIG),
-                queue="+".join(x.queue for x in self.steppers),
-                what=("the group's queues or their configurations",),
+                differs=("queue",),
+                detail=(
+                    f"The ranks built their step groups differently: this rank steps the queues "
+                    f"{names} in this order, with their configurations; every rank must step "
+                    "the same queues in the same order."
+                ),
             )
         self._hello_done = True
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.errors import HookError
 from lifecycle.frame import Frame
-from lifecycle.observe import Observation, observe
+from lifecycle.observe import Observation, contained, observe
 from lifecycle.packing import STATUS_SHIFT, pack
 from lifecycle.protocols import (
     BatchPoller,
@@ -38,8 +39,18 @@ if TYPE_CHECKING:
 __all__ = ["LocalStage"]
 
 
-def _ask_gate(gate: Gate, f: Frame) -> NDArray[np.bool_]:
-    return bool_answer(gate.closed(f.rooms, f.hidx), f.n, f"gate {gate.name!r}")
+def _ask_gate(gate: Gate, f: Frame, name: str, rank: int) -> NDArray[np.bool_]:
+    return bool_answer(gate.closed(f.rooms, f.hidx), f.n, name, rank)
+
+
+def _mask(n: int, pos: NDArray[np.int64]) -> NDArray[np.bool_]:
+    out = np.zeros(n, dtype=bool)
+    out[pos] = True
+    return out
+
+
+def _or(a: NDArray[np.bool_] | None, b: NDArray[np.bool_]) -> NDArray[np.bool_]:
+    return b.copy() if a is None else a | b
 
 
 _F = np.int8(KVPoll.Failed)
@@ -86,12 +97,12 @@ class LocalStage:
     def raw_invalid(self) -> dict[int, object]:
         return self.obs.raw_invalid
 
-    def _contain(self, fn: Callable[[], Any], rows: NDArray[np.bool_] | None, f: Frame) -> Any:
-        """Run one hook call; on error mark ``rows`` (all when None) and return None."""
+    def _ask(self, hook: str, fn: Callable[[], Any], rows: NDArray[np.bool_], f: Frame) -> Any:
+        """Run one hook call; if it raises, fail ``rows`` (HOOK_ERROR) and return None."""
         try:
             return fn()
         except Exception as e:
-            self.obs.error(rows, f.rooms, e)
+            self.obs.hook_failed(rows, f.rooms, contained(hook, self.rank, e))
             return None
 
     def run(self, t: RequestTable, f: Frame, cfg: StepConfig, now: float, step: int) -> None:
@@ -102,11 +113,14 @@ class LocalStage:
         if staging is not None and n:
             try:
                 staging.advance(f.rooms, f.hidx)
-            except Exception as e:
+            except Exception as e:  # fails the rows it was asked to advance
                 early = e
-        obs = self.obs = observe(self.poller, t.handles, f.rows, f.rooms, f.hidx)
+        obs = self.obs = observe(
+            self.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
+        )
+        everyone = np.ones(n, dtype=bool)
         if early is not None:
-            obs.error(None, f.rooms, early)
+            obs.hook_failed(everyone, f.rooms, contained("staging advance", self.rank, early))
         masks: dict[str, NDArray[np.bool_] | None] = {}
         if n:
             if t.abort_count:
@@ -123,23 +137,38 @@ class LocalStage:
                     )
             if self.faults is not None:
                 faults = self.faults
+                # a copy: a hook writing into its view must not reach apply
                 ctx = StepContext(
                     self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows]
                 )
-                masks["fault_hook"] = self._contain(
-                    lambda: bool_answer(faults.inject(ctx), n, "fault hook"), None, f
+                masks["fault_hook"] = self._ask(
+                    "fault hook",
+                    lambda: bool_answer(faults.inject(ctx), n, "fault hook", self.rank),
+                    everyone,
+                    f,
                 )
+            if self.metadata is not None and f.meta_bad is not None:
+                size = getattr(self.metadata, "size", "?")
+                for i in np.flatnonzero(f.meta_bad).tolist():
+                    obs.exceptions[int(f.rooms[i])] = HookError(
+                        "metadata source",
+                        self.rank,
+                        f"cannot hold room={int(f.rooms[i])}: its metadata slot is outside "
+                        f"the pool of {size} rows",
+                    )
+                obs.hooked = _or(obs.hooked, f.meta_bad)
         masks["poll_value"] = obs.invalid
-        masks["hook_error"] = obs.errors
+        masks["poll_error"] = obs.errors
+        masks["hook_error"] = obs.hooked
         codes = combine(n, masks, obs.backend)
         local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
         if n and (staging is not None or self.metadata is not None or self.gates):
             success = local == _S
             if success.any():
                 closed, corrupt = self._gates(f, success)
-                if corrupt is not None or obs.errors is not masks["hook_error"]:
+                if corrupt is not None or obs.hooked is not masks["hook_error"]:
                     masks["metadata_row"] = corrupt
-                    masks["hook_error"] = obs.errors
+                    masks["hook_error"] = obs.hooked
                     codes = combine(n, masks, obs.backend)
                     assert codes is not None
                     local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
@@ -149,19 +178,22 @@ class LocalStage:
     def _gates(
         self, f: Frame, success: NDArray[np.bool_]
     ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
-        """Every gate's closed mask over the active rows, and the corrupt metadata rows."""
-        n = f.n
+        """Every gate's closed mask over the active rows, and the corrupt metadata
+        rows. A gate decides only rows at Success, so its errors fail those."""
+        n, rank = f.n, self.rank
         closed: dict[str, NDArray[np.bool_] | None] = {}
         corrupt: NDArray[np.bool_] | None = None
         staging = self.staging
         if staging is not None:
-            closed["staging_pending"] = self._contain(
-                lambda: bool_answer(staging.pending(f.rooms, f.hidx), n, "staging.pending"),
-                None,
+            closed["staging_pending"] = self._ask(
+                "staging pending",
+                lambda: bool_answer(staging.pending(f.rooms, f.hidx), n, "staging pending", rank),
+                success,
                 f,
             )
         if self.metadata is not None:
-            pair = self._contain(lambda: self._metadata(f), None, f)
+            asked = success if f.meta_pos is None else success & _mask(n, f.meta_pos)
+            pair = self._ask("metadata source", lambda: self._metadata(f), asked, f)
             if pair is not None:
                 landed, bad = pair
                 closed["metadata_pending"] = ~landed
@@ -170,7 +202,8 @@ class LocalStage:
         if self.gates:
             user = np.zeros(n, dtype=bool)
             for gate in self.gates:
-                ans = self._contain(partial(_ask_gate, gate, f), None, f)
+                name = f"gate {getattr(gate, 'name', '?')!r}"
+                ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success, f)
                 if ans is not None:
                     user |= ans
             closed["gate_closed"] = user
@@ -182,8 +215,8 @@ class LocalStage:
         assert self.metadata is not None
         m = f.meta_slots.size
         ok, bad = self.metadata.landed(f.meta_slots, f.meta_rooms)
-        ok = bool_answer(ok, m, "metadata.landed (landed)")
-        bad = bool_answer(bad, m, "metadata.landed (corrupt)")
+        ok = bool_answer(ok, m, "metadata source (landed)", self.rank)
+        bad = bool_answer(bad, m, "metadata source (corrupt)", self.rank)
         if f.meta_pos is None:
             return ok.copy(), bad.copy()
         landed = f.fake.copy()

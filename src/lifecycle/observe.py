@@ -1,11 +1,17 @@
-"""Stage 1 of a step: one raw status per active request, every hook contained.
+"""Stage 1 of a step: one raw status per active request, every poller contained.
 
 A backend's batch poll answers for all active rows in one call; without one,
-each request's ``poll()`` is called. Whatever a poller does -- raise, answer
-with the wrong shape or dtype, return a value outside KVPoll, a float, a
-bool -- becomes a verdict on the rows it concerns (``hook_error`` or
-``poll_value``), so it travels through the reduce and every rank fails the
-same requests. Nothing a poller does can make one rank leave the collective.
+each request's ``poll()`` is called. Whatever a poller does becomes a verdict
+on the rows it concerns, so it travels through the reduce and every rank
+fails the same requests; nothing a poller does can make one rank leave the
+collective:
+
+- a poll that raises, or a batch answer of the wrong shape or dtype:
+  ``poll_error`` (reason LOCAL_EXCEPTION);
+- a value outside KVPoll, a float, a bool: ``poll_value`` (INVALID_STATUS);
+- a row a by-index batch poller cannot answer for (no handle index), or a
+  ``failure_reasons`` hook that raises or answers nonsense: ``hook_error``
+  (HOOK_ERROR).
 """
 
 from __future__ import annotations
@@ -16,48 +22,71 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.errors import PartialPollError
+from lifecycle import validate
+from lifecycle.errors import HookError, PartialPollError
 from lifecycle.graph import VERDICTS
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 
-__all__ = ["Observation", "observe", "BACKEND_REASONS"]
+__all__ = ["Observation", "observe", "contained", "BACKEND_REASONS"]
 
 _F = np.int8(KVPoll.Failed)
 _NONE = np.int8(FailureReason.NONE)
+_HOOK = FailureReason.HOOK_ERROR
 #: reasons a backend may report for a Failed (its own, or a peer's it relays)
 BACKEND_REASONS = np.array(
     sorted(int(v.reason) for v in VERDICTS if "backend" in v.sources), dtype=np.int8
 )
+_NO_INDEX = (
+    "cannot answer for a request without a handle index (set it with add(handle_index=...) "
+    "or set_handle_index, or mark a poller that answers from rooms alone with by_room = True)"
+)
+
+
+def contained(hook: str, rank: int, exc: Exception) -> HookError:
+    """``exc`` from ``hook`` as the :class:`HookError` reported for its rows."""
+    if isinstance(exc, HookError):
+        return exc
+    err = HookError(hook, rank, f"raised {exc!r}")
+    err.__cause__ = exc
+    return err
 
 
 class Observation:
     """Raw statuses of the active rows and the verdicts observing produced.
 
     ``backend``: reason codes of Failed values the poller reported (NONE
-    elsewhere); ``invalid``: values outside KVPoll; ``errors``: rows whose
-    poll raised or answered nonsense. Each is None when nothing hit.
+    elsewhere); ``invalid``, ``errors`` (poll errors) and ``hooked`` (hook
+    errors) are masks. Each is None when nothing hit.
     """
 
-    __slots__ = ("backend", "errors", "exceptions", "given", "invalid", "raw", "raw_invalid")
+    __slots__ = (
+        "backend",
+        "errors",
+        "exceptions",
+        "given",
+        "hooked",
+        "invalid",
+        "raw",
+        "raw_invalid",
+    )
 
     def __init__(self, raw: NDArray[np.int8]) -> None:
         self.raw = raw
         self.backend: NDArray[np.int8] | None = None
         self.invalid: NDArray[np.bool_] | None = None
         self.errors: NDArray[np.bool_] | None = None
+        self.hooked: NDArray[np.bool_] | None = None
         self.exceptions: dict[int, BaseException] = {}
         self.raw_invalid: dict[int, object] = {}
-        self.given: NDArray[np.integer] | None = None  # a batch poll's answer as given
+        self.given: list[object] | NDArray[Any] | None = None  # the poller's answer as given
 
-    def error(
-        self, rows: NDArray[np.bool_] | None, rooms: NDArray[np.uint64], exc: Exception
+    def hook_failed(
+        self, rows: NDArray[np.bool_], rooms: NDArray[np.uint64], err: HookError
     ) -> None:
-        """Mark ``rows`` (all when None) as failed by a hook that raised ``exc``."""
-        mask = np.ones(rooms.size, dtype=bool) if rows is None else rows
-        self.errors = mask if self.errors is None else self.errors | mask
-        for r in rooms[mask].tolist():
-            self.exceptions.setdefault(r, exc)
+        """Fail ``rows`` for a misbehaving hook (reason HOOK_ERROR)."""
+        self.hooked = rows.copy() if self.hooked is None else self.hooked | rows
+        self.exceptions.update(dict.fromkeys(rooms[rows].tolist(), err))
 
 
 def _either(a: NDArray[np.bool_] | None, b: NDArray[np.bool_] | None) -> NDArray[np.bool_] | None:
@@ -66,86 +95,116 @@ def _either(a: NDArray[np.bool_] | None, b: NDArray[np.bool_] | None) -> NDArray
     return a if b is None else a | b
 
 
-def _is_status(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def observe(
     poller: Any,
     handles: Sequence[Any],
     rows: NDArray[np.int64],
     rooms: NDArray[np.uint64],
     hidx: NDArray[np.int64],
+    no_index: NDArray[np.bool_] | None,
+    rank: int,
 ) -> Observation:
     """Poll the active rows; see the module docstring for what is contained."""
     k = rooms.size
-    if poller is not None:
-        obs, values = _batch(poller, rooms, hidx)
-    else:
-        obs, values = _each(handles, rows, rooms)
-    given = values if values is not None else obs.given
+    obs = (
+        _batch(poller, rooms, hidx, no_index, rank)
+        if poller is not None
+        else _each(handles, rows, rooms)
+    )
     raw = obs.raw
-    if k:
-        lo, hi = int(raw.min()), int(raw.max())
-        if lo < 0 or hi > 4 or values is not None:
-            bad = (raw < 0) | (raw > 4)
-            if values is not None:  # per-object answers that are not integers
-                bad |= np.fromiter((not _is_status(v) for v in values), dtype=bool, count=k)
-            if obs.errors is not None:
-                bad &= ~obs.errors
-            if bad.any():
-                obs.invalid = bad
-                for i in np.flatnonzero(bad).tolist():
-                    v = given[i] if given is not None else raw[i]
-                    obs.raw_invalid[int(rooms[i])] = v.item() if isinstance(v, np.generic) else v
-        broken = _either(obs.invalid, obs.errors)
-        if broken is not None:
-            raw = obs.raw = np.where(broken, _F, raw).astype(np.int8)
-            failed = (raw == _F) & ~broken
-        else:
-            failed = raw == _F if lo == 0 else None
-        if failed is not None and failed.any():
-            obs.backend = _backend_reasons(obs, poller, handles, rows, rooms, hidx, failed)
+    if not k:
+        return obs
+    lo, hi = int(raw.min()), int(raw.max())
+    if lo < 0 or hi > 4:
+        bad = (raw < 0) | (raw > 4)
+        skip = _either(obs.errors, obs.hooked)
+        if skip is not None:
+            bad &= ~skip
+        if bad.any():
+            obs.invalid = bad
+            given = obs.given
+            for i in np.flatnonzero(bad).tolist():
+                v = given[i] if given is not None else raw[i]
+                obs.raw_invalid[int(rooms[i])] = v.item() if isinstance(v, np.generic) else v
+    broken = _either(_either(obs.invalid, obs.errors), obs.hooked)
+    if broken is not None:
+        raw = obs.raw = np.where(broken, _F, raw).astype(np.int8)
+        failed = (raw == _F) & ~broken
+    elif lo == 0:
+        failed = raw == _F
+    else:
+        return obs
+    if failed.any():
+        obs.backend = _backend_reasons(obs, poller, handles, rows, rooms, hidx, failed, rank)
     return obs
 
 
 def _batch(
-    poller: Any, rooms: NDArray[np.uint64], hidx: NDArray[np.int64]
-) -> tuple[Observation, list[object] | None]:
+    poller: Any,
+    rooms: NDArray[np.uint64],
+    hidx: NDArray[np.int64],
+    no_index: NDArray[np.bool_] | None,
+    rank: int,
+) -> Observation:
     k = rooms.size
+    pos: NDArray[np.int64] | None = None
+    ask_rooms, ask_hidx = rooms, hidx
+    if no_index is not None:
+        pos = np.flatnonzero(~no_index)
+        ask_rooms, ask_hidx = rooms[pos], hidx[pos]
+    m = ask_rooms.size
     errors: dict[int, BaseException] = {}
     try:
         try:
-            arr = np.asarray(poller.poll_many(rooms, hidx))
+            arr = np.asarray(poller.poll_many(ask_rooms, ask_hidx))
         except PartialPollError as pe:
             arr = np.asarray(pe.statuses)
-            errors = {int(i): e for i, e in pe.errors.items() if 0 <= int(i) < k}
-        if arr.shape != (k,):
-            raise ValueError(f"poll_many returned shape {arr.shape}, expected ({k},)")
+            bad = [i for i in pe.errors if not validate.is_integer(i) or not 0 <= i < m]
+            if bad:
+                raise ValueError(
+                    f"PartialPollError names positions {bad} outside the batch of {m}"
+                ) from pe
+            errors = {int(i): e for i, e in pe.errors.items()}
+        if arr.shape != (m,):
+            raise ValueError(f"poll_many returned shape {arr.shape}, expected ({m},)")
         if arr.dtype.kind not in "iu":
             raise TypeError(f"poll_many must return integers, got dtype {arr.dtype}")
     except Exception as e:  # never let one rank's error desync the group
         obs = Observation(np.full(k, _F, dtype=np.int8))
-        obs.error(None, rooms, e)
-        return obs, None
-    if k and arr.dtype != np.int8 and (int(arr.min()) < 0 or int(arr.max()) > 4):
+        obs.errors = np.ones(k, dtype=bool) if pos is None else ~no_index  # type: ignore[operator]
+        obs.exceptions.update(dict.fromkeys(ask_rooms.tolist(), e))
+        if no_index is not None:
+            obs.hook_failed(no_index, rooms, HookError("batch poll", rank, _NO_INDEX))
+        return obs
+    if m and arr.dtype != np.int8 and (int(arr.min()) < 0 or int(arr.max()) > 4):
         arr8 = np.clip(arr, -1, 5).astype(np.int8)  # narrowing keeps out-of-range values out
     else:
         arr8 = arr.astype(np.int8)  # a copy: the backend's array is never written to
+    if pos is not None:
+        full = np.full(k, _F, dtype=np.int8)
+        full[pos] = arr8
+        arr8 = full
     obs = Observation(arr8)
-    obs.given = arr
+    if pos is None:
+        obs.given = arr
     if errors:
-        mask = np.zeros(k, dtype=bool)
+        mask = np.zeros(m, dtype=bool)
         mask[list(errors)] = True
+        if pos is not None:
+            full_mask = np.zeros(k, dtype=bool)
+            full_mask[pos] = mask
+            mask = full_mask
         obs.errors = mask
         for i, err in errors.items():
-            obs.exceptions[int(rooms[i])] = err
-    return obs, None
+            obs.exceptions[int(ask_rooms[i])] = err
+    if no_index is not None:
+        obs.hook_failed(no_index, rooms, HookError("batch poll", rank, _NO_INDEX))
+    return obs
 
 
 def _each(
     handles: Sequence[Any], rows: NDArray[np.int64], rooms: NDArray[np.uint64]
-) -> tuple[Observation, list[object] | None]:
+) -> Observation:
     k = rooms.size
     out: list[object] = []
     errors: dict[int, BaseException] = {}
@@ -155,20 +214,21 @@ def _each(
         except Exception as e:
             errors[i] = e
             out.append(int(KVPoll.Failed))
-    plain = all(type(v) is int or type(v) is KVPoll for v in out)
-    if plain:
-        arr = np.clip(np.fromiter(out, dtype=np.int64, count=k), -1, 5)
-    else:
-        arr = np.array([int(v) if _is_status(v) else -1 for v in out], dtype=np.int64)  # type: ignore[call-overload]
-        arr = np.clip(arr, -1, 5)
-    obs = Observation(arr.astype(np.int8))
+    # only integers are statuses: 2.7, True or "4" are invalid, never rounded
+    arr = np.fromiter(
+        (int(x) if validate.is_integer(x) and 0 <= x <= 4 else -1 for x in out),  # type: ignore[call-overload, operator]
+        dtype=np.int8,
+        count=k,
+    )
+    obs = Observation(arr)
+    obs.given = out
     if errors:
         mask = np.zeros(k, dtype=bool)
         mask[list(errors)] = True
         obs.errors = mask
         for i, err in errors.items():
             obs.exceptions[int(rooms[i])] = err
-    return obs, None if plain else out
+    return obs
 
 
 def _backend_reasons(
@@ -179,6 +239,7 @@ def _backend_reasons(
     rooms: NDArray[np.uint64],
     hidx: NDArray[np.int64],
     failed: NDArray[np.bool_],
+    rank: int,
 ) -> NDArray[np.int8]:
     """Reason codes for the Failed values a poller reported (UNKNOWN when it gave none)."""
     codes = np.full(rooms.size, _NONE, dtype=np.int8)
@@ -187,36 +248,48 @@ def _backend_reasons(
         fn = getattr(poller, "failure_reasons", None)
         if fn is None:
             return codes
+        nf = int(failed.sum())
         try:
             given = np.asarray(fn(rooms[failed], hidx[failed]))
-            if given.shape != (int(failed.sum()),) or given.dtype.kind not in "iu":
-                raise ValueError(
-                    f"failure_reasons returned shape {given.shape} dtype {given.dtype}, "
-                    f"expected ({int(failed.sum())},) integers"
+            if given.shape != (nf,) or given.dtype.kind not in "iu":
+                raise HookError(
+                    "failure_reasons",
+                    rank,
+                    f"answered dtype {given.dtype} shape {given.shape}, not {nf} integer reason codes",
                 )
         except Exception as e:
-            obs.error(failed, rooms, e)
+            obs.hook_failed(failed, rooms, contained("failure_reasons", rank, e))
+            codes[failed] = _NONE
             return codes
         codes[failed] = np.where(np.isin(given, BACKEND_REASONS), given, FailureReason.UNKNOWN)
         return codes
     for i in np.flatnonzero(failed).tolist():
-        codes[i] = _reason_of(handles[int(rows[i])])
+        code, why = _reason_of(handles[int(rows[i])])
+        codes[i] = code
+        if why is not None:
+            obs.exceptions[int(rooms[i])] = contained("failure_reason", rank, why)
     return codes
 
 
-def _reason_of(handle: Any) -> FailureReason:
-    """A per-object poller's reason for a Failed it reported."""
+def _reason_of(handle: Any) -> tuple[FailureReason, Exception | None]:
+    """A per-object poller's reason for a Failed it reported, and what its
+    reason hook raised (its reason is then ``hook error``)."""
     fn = getattr(handle, "failure_reason", None)
     if fn is not None:
         try:
-            code = int(fn())
-        except Exception:
-            return FailureReason.UNKNOWN
-        return FailureReason(code) if code in BACKEND_REASONS else FailureReason.UNKNOWN
+            raw = fn()
+            if not validate.is_integer(raw):
+                raise TypeError(f"failure_reason() returned {raw!r}, not a reason code")
+            code = int(raw)
+        except Exception as e:
+            return _HOOK, e
+        return (FailureReason(code) if code in BACKEND_REASONS else FailureReason.UNKNOWN), None
     fn = getattr(handle, "failure_exception", None)
     if fn is not None:
         try:
-            return FailureReason.TRANSFER_ERROR if fn() is not None else FailureReason.UNKNOWN
+            return (
+                FailureReason.TRANSFER_ERROR if fn() is not None else FailureReason.UNKNOWN
+            ), None
         except Exception:
-            return FailureReason.TRANSFER_ERROR
-    return FailureReason.UNKNOWN
+            return FailureReason.TRANSFER_ERROR, None
+    return FailureReason.UNKNOWN, None

@@ -59,14 +59,15 @@ class Field(enum.IntEnum):
     """Header fields, in buffer order. Matched fields carry value and complement."""
 
     FINGERPRINT = 0  # the whole ordered request list (and its length)
-    CONFIG = 1  # settings every rank must share
-    QUEUE = 2  # which queue this segment is
-    TAG = 3  # the caller's iteration number (0: none given)
-    NEED = 4  # capacity needed (active rows): upper bound across ranks
-    FLOOR = 5  # capacity wanted as a floor: upper bound across ranks
+    LENGTH = 1  # the length of that list (to say how it differs)
+    CONFIG = 2  # settings every rank must share
+    QUEUE = 3  # which queue this segment is
+    TAG = 4  # the caller's iteration number (0: none given)
+    NEED = 5  # capacity needed (active rows): upper bound across ranks
+    FLOOR = 6  # capacity wanted as a floor: upper bound across ranks
 
 
-MATCHED = (Field.FINGERPRINT, Field.CONFIG, Field.QUEUE, Field.TAG)
+MATCHED = (Field.FINGERPRINT, Field.LENGTH, Field.CONFIG, Field.QUEUE, Field.TAG)
 _BOUNDS = (Field.NEED, Field.FLOOR)
 _OFFSET: dict[Field, int] = {}
 _at = 0

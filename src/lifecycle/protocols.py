@@ -39,8 +39,12 @@ class BatchPoller(Protocol):
     """A backend that can report the statuses of many requests in one call.
 
     ``indices`` are the backend's own per-request indices as stored in the
-    table's ``handle_index`` column (-1 where never set); a backend that keeps
-    its statuses in an array answers with one gather. May also define
+    table's ``handle_index`` column; a backend that keeps its statuses in an
+    array answers with one gather. A row whose index was never set is not
+    passed (it fails with reason ``hook error``: index -1 would read another
+    request's status), unless the poller has ``by_room = True``, meaning it
+    answers from rooms alone. The answer must be one integer per request;
+    anything else fails the batch (reason ``local exception``). May also define
     ``failure_reasons(rooms, indices) -> ArrayLike`` giving a
     :class:`~lifecycle.reasons.FailureReason` code for each (Failed) request.
     """

@@ -31,10 +31,11 @@ _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_I16 = np.empty(0, dtype=np.int16)
 _EMPTY_F64 = np.empty(0, dtype=np.float64)
 _FIELD_NAMES = {
-    Field.FINGERPRINT: "request list (rooms or their order)",
+    Field.FINGERPRINT: "request list",
+    Field.LENGTH: "request list",
     Field.CONFIG: "step configuration",
     Field.QUEUE: "queue",
-    Field.TAG: "iteration tag",
+    Field.TAG: "tag",
 }
 
 
@@ -119,9 +120,31 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
 
 
 def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
-    what = [_FIELD_NAMES[x] for x in hdr.differing()]
-    lo, hi = hdr.bounds(Field.FINGERPRINT)
-    return CollectiveMismatch(stepper.rank, f.n_all, f.fp, (lo, hi), queue=stepper.queue, what=what)
+    differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in hdr.differing()))
+    detail = []
+    if "queue" in differs:
+        detail.append(f"This rank stepped queue {stepper.queue!r} in this collective.")
+    if "tag" in differs:
+        lo, hi = hdr.bounds(Field.TAG)
+        detail.append(
+            f"A rank is on another iteration (local tag {_tag(stepper._tag)}; tags across "
+            f"ranks {_tag(lo)}..{_tag(hi)}): retry a failed iteration on every rank or on none."
+        )
+    if "step configuration" in differs:
+        detail.append(f"This rank's config: {stepper.config!r}.")
+    return CollectiveMismatch(
+        stepper.rank,
+        f.n_all,
+        hdr.bounds(Field.LENGTH),
+        f.fp,
+        hdr.bounds(Field.FINGERPRINT),
+        differs=differs,
+        detail=" ".join(detail),
+    )
+
+
+def _tag(word: int) -> str:
+    return "none" if word == 0 else str(word - 1)
 
 
 def bucket(n: int, floor: int) -> int:

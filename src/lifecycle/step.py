@@ -45,7 +45,9 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle import validate
 from lifecycle.collective import Collective
+from lifecycle.errors import InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
 from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
@@ -54,21 +56,43 @@ from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.settle import Settled, bucket, settle
 from lifecycle.table import RequestTable
 
-__all__ = ["StepConfig", "StepResult", "Failure", "StuckReport", "Stepper", "FIRST_CAPACITY"]
+__all__ = [
+    "StepConfig",
+    "StepResult",
+    "Failure",
+    "StuckReport",
+    "Stepper",
+    "FIRST_CAPACITY",
+    "MAX_CAPACITY",
+]
 
-#: size of every stepper's first reduce, whatever its configuration
+#: size of every stepper's first reduce, whatever its configuration: the group
+#: agrees there on the largest ``initial_capacity`` any rank asked for, so
+#: ranks built with different settings never hand gloo different sizes
 FIRST_CAPACITY = 64
-_MAX_CAPACITY = 1 << 24
+#: the largest buffer capacity a config may ask for
+MAX_CAPACITY = 1 << 24
+
+
+def _seconds_or_none(inst: Any, attribute: Any, value: object) -> None:
+    if value is not None:
+        validate.seconds(value, f"StepConfig.{attribute.name}")
 
 
 @attrs.frozen
 class StepConfig:
-    """How a stepper behaves; all deadlines off by default."""
+    """How a stepper behaves; all deadlines off by default.
+
+    Every rank of a group must use the same config (except
+    ``initial_capacity``, of which the group takes the largest): a hash of
+    it travels in the header and a difference raises
+    :class:`~lifecycle.errors.CollectiveMismatch` on every rank.
+    """
 
     #: seconds a request may stay Bootstrapping before it fails (None: never)
-    bootstrap_timeout: float | None = attrs.field(default=None)
+    bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: seconds from ``mark_metadata_sent`` until an unfinished request fails
-    waiting_timeout: float | None = attrs.field(default=None)
+    waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: a poll value outside KVPoll: "raise" InvalidStatus on every rank after the
     #: reduce (nothing applied), or "fail" the request with reason INVALID_STATUS
     invalid_status: Literal["raise", "fail"] = "raise"
@@ -77,32 +101,38 @@ class StepConfig:
     #: buffer capacity to keep at least (the largest over the ranks is agreed)
     initial_capacity: int = 64
 
-    @bootstrap_timeout.validator
-    @waiting_timeout.validator
-    def _positive(self, attribute: Any, value: float | None) -> None:
-        if value is not None and not value > 0:
-            raise ValueError(f"StepConfig.{attribute.name} must be > 0 or None, got {value!r}")
-
     def __attrs_post_init__(self) -> None:
-        if self.invalid_status not in ("raise", "fail"):
-            raise ValueError(
-                f"StepConfig.invalid_status must be 'raise' or 'fail', got {self.invalid_status!r}"
+        if not isinstance(self.invalid_status, str) or self.invalid_status not in ("raise", "fail"):
+            raise InvalidArgument(
+                "StepConfig.invalid_status", self.invalid_status, "'raise' or 'fail'"
             )
-        if self.stuck_after is not None and self.stuck_after < 1:
-            raise ValueError(f"StepConfig.stuck_after must be >= 1, got {self.stuck_after}")
-        if not 1 <= self.initial_capacity <= _MAX_CAPACITY:
-            raise ValueError(
-                f"StepConfig.initial_capacity must be within 1..{_MAX_CAPACITY}, "
-                f"got {self.initial_capacity}"
-            )
+        if self.stuck_after is not None:
+            validate.integer(self.stuck_after, "StepConfig.stuck_after", 1, 1 << 40)
+        validate.integer(self.initial_capacity, "StepConfig.initial_capacity", 1, MAX_CAPACITY)
 
-    def digest(self) -> int:
+    @property
+    def fingerprint(self) -> int:
         """Hash of the settings every rank of a group must share (the capacity
         is agreed instead, so it is not part of it)."""
         return stable_hash(
-            f"{self.bootstrap_timeout!r}|{self.waiting_timeout!r}|"
-            f"{self.invalid_status}|{self.stuck_after!r}"
+            repr(
+                (
+                    None if self.bootstrap_timeout is None else float(self.bootstrap_timeout),
+                    None if self.waiting_timeout is None else float(self.waiting_timeout),
+                    self.invalid_status,
+                    None if self.stuck_after is None else int(self.stuck_after),
+                )
+            )
         )
+
+
+def _hook(obj: object, method: str, what: str) -> None:
+    if obj is not None and not callable(getattr(obj, method, None)):
+        raise InvalidArgument(what, obj, f"an object with a {method}() method")
+
+
+#: ranks are stamped into the origin fetch as int32
+MAX_RANK = (1 << 24) - 1
 
 
 class Stepper:
@@ -123,8 +153,27 @@ class Stepper:
         queue: str = "",
         agreed_capacity: int | None = None,
     ) -> None:
-        if not 0 <= rank < 2**31 - 1:
-            raise ValueError(f"rank must be within 0..2**31-2, got {rank!r}")
+        if not isinstance(table, RequestTable):
+            raise InvalidArgument("Stepper table", table, "a RequestTable")
+        rank = validate.integer(rank, "Stepper rank", 0, MAX_RANK)
+        if config is not None and not isinstance(config, StepConfig):
+            raise InvalidArgument("Stepper config", config, "a StepConfig", rank)
+        if not isinstance(queue, str):
+            raise InvalidArgument("Stepper queue", queue, "a str naming the queue", rank)
+        if not callable(clock):
+            raise InvalidArgument("Stepper clock", clock, "a callable returning seconds", rank)
+        _hook(poller, "poll_many", "Stepper poller")
+        _hook(staging, "advance", "Stepper staging")
+        _hook(staging, "pending", "Stepper staging")
+        _hook(metadata, "landed", "Stepper metadata")
+        _hook(faults, "inject", "Stepper faults")
+        gates = tuple(gates)
+        for g in gates:
+            _hook(g, "closed", "Stepper gate")
+        if agreed_capacity is not None:
+            agreed_capacity = validate.integer(
+                agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
+            )
         self.table = table
         self.rank = rank
         self.queue = queue
@@ -134,14 +183,21 @@ class Stepper:
             rank, poller=poller, staging=staging, metadata=metadata, gates=gates, faults=faults
         )
         table.rank = rank
-        if table.step_no == 0:
-            table.now = clock()  # rows added before the first step entered now
-            table.entered_time[table.order()] = table.now
+        if table.step_no == 0 or np.isnan(table.now):
+            # rows added before any stepper had a clock entered now
+            now = float(clock())
+            live = table.order()
+            unset = live[np.isnan(table.entered_time[live])]
+            table.entered_time[unset] = now
+            table.now = now
+        pool = getattr(metadata, "size", None)
+        self._pool = pool if validate.is_integer(pool) else None
+        self._by_index = poller is not None and not getattr(poller, "by_room", False)
         #: set only from reduced headers (or by a caller that got it that way)
-        self.capacity = agreed_capacity or FIRST_CAPACITY
-        self._floor = agreed_capacity or FIRST_CAPACITY
+        cap = FIRST_CAPACITY if agreed_capacity is None else bucket(0, agreed_capacity)
+        self.capacity = self._floor = cap
         self._want = bucket(0, self.config.initial_capacity)
-        self._config_hash = self.config.digest()
+        self._config_hash = self.config.fingerprint
         self._queue_hash = stable_hash(queue)
         self._frame: Frame | None = None
         self._buf = np.empty(0, dtype=np.uint8)
@@ -154,10 +210,16 @@ class Stepper:
     # -- the sans-IO protocol ------------------------------------------------
     def prepare(self, tag: int | None = None) -> NDArray[np.uint8]:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
+        if tag is None:
+            tag_word = 0
+        else:
+            if not validate.is_integer(tag):
+                raise InvalidArgument("step tag", tag, "an integer (the iteration)", self.rank)
+            tag_word = int(tag) % (1 << 63) + 1
         t = self.table
-        f = self._frame = Frame.of(t, self._frame)
-        self.local.run(t, f, self.config, self.clock(), t.step_no + 1)
-        self._tag = 0 if tag is None else int(tag) + 1
+        f = self._frame = Frame.of(t, self._frame, self._pool, self._by_index)
+        self.local.run(t, f, self.config, float(self.clock()), t.step_no + 1)
+        self._tag = tag_word
         self._prepared = True
         self._settled = None
         return self._pack()
@@ -173,6 +235,7 @@ class Stepper:
         key = (f.key, self._tag, self._want)
         if key != self._hdr_key:
             write_field(buf, Field.FINGERPRINT, f.fp)
+            write_field(buf, Field.LENGTH, f.n_all)
             write_field(buf, Field.CONFIG, self._config_hash)
             write_field(buf, Field.QUEUE, self._queue_hash)
             write_field(buf, Field.TAG, self._tag)
@@ -194,7 +257,7 @@ class Stepper:
         hdr = Header(reduced)
         if not hdr.agreed:
             return False  # every rank raises in origins()/apply() instead
-        self._floor = max(self._floor, min(bucket(0, hdr.floor), _MAX_CAPACITY))
+        self._floor = max(self._floor, min(bucket(0, hdr.floor), MAX_CAPACITY))
         if hdr.need <= self.capacity:
             return False
         self.capacity = bucket(hdr.need, self._floor)

@@ -19,13 +19,24 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from lifecycle.errors import DuplicateRequest, ReservedRoom, TableBusy, UnknownRequest
+from lifecycle import validate
+from lifecycle.errors import (
+    DuplicateRequest,
+    InvalidArgument,
+    ReservedRoom,
+    TableBusy,
+    UnknownRequest,
+)
 from lifecycle.reasons import FailureReason
 from lifecycle.status import TERMINAL, KVPoll, Role
 
 __all__ = ["RequestTable", "RequestInfo"]
 
 _INITIAL = 64
+#: the most rows one table may hold (a table this size is ~2 GiB of columns)
+MAX_ROWS = 1 << 24
+#: metadata slots and handle indices: -1 (none) or a non-negative int64
+_MAX_INDEX = (1 << 62) - 1
 
 
 class RequestInfo:
@@ -98,8 +109,8 @@ class RequestTable:
     alive: NDArray[np.bool_]
 
     def __init__(self, rank: int = 0, capacity: int = _INITIAL) -> None:
-        self.rank = rank
-        self._cap = max(1, capacity)
+        self.rank = validate.integer(rank, "RequestTable rank", 0, (1 << 24) - 1)
+        self._cap = validate.integer(capacity, "RequestTable capacity", 1, MAX_ROWS, rank)
         for name, dtype, fill in self._COLUMNS:
             setattr(self, name, np.full(self._cap, fill, dtype=dtype))
         self.handles: list[Any] = [None] * self._cap
@@ -113,7 +124,9 @@ class RequestTable:
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
         self.step_no = 0  # advanced by the stepper
-        self.now = 0.0  # time of the last step, for rows added between steps
+        # time of the last step, for rows added between steps; NaN until a
+        # stepper owns the table (it then stamps the rows added before it)
+        self.now = float("nan")
         self.busy = False  # a started step is in flight (see StepGroup.start)
 
     # -- size and lookup -------------------------------------------------
@@ -127,6 +140,8 @@ class RequestTable:
         return iter(self.rooms().tolist())
 
     def slot_of(self, room: int) -> int:
+        if type(room) is not int:
+            room = validate.room(room, self.rank, allow_zero=True)
         try:
             return self._index[room]
         except KeyError:
@@ -174,8 +189,9 @@ class RequestTable:
         self._free[:0] = range(new_cap - 1, self._cap - 1, -1)
         self._cap = new_cap
 
-    def _check_rooms(self, rooms: Sequence[int], fake: NDArray[np.bool_]) -> None:
-        for r, f in zip(rooms, fake.tolist()):
+    def _check_rooms(self, rooms: Sequence[int], fake: NDArray[np.bool_] | bool) -> None:
+        fakes = [fake] * len(rooms) if isinstance(fake, bool) else fake.tolist()
+        for r, f in zip(rooms, fakes):
             if r in self._index:
                 raise DuplicateRequest(r, self.rank)
             if r == 0 and not f:
@@ -222,16 +238,25 @@ class RequestTable:
     ) -> NDArray[np.int64]:
         """Add many requests at the end of the queue, in order; returns their slots.
 
-        Validation happens first: a duplicate room or a real request with
-        room 0 raises and the table is left as it was.
+        Validation happens first: a room that is not an integer in
+        1..2**64-1 (0 only with ``fake``), a duplicate, a state or role that is
+        not a member of its enum, a column of the wrong type or length raises
+        a typed error and the table is left as it was.
         """
         self._check_idle()
-        room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
+        rank = self.rank
+        room_list = validate.rooms(rooms, rank)
         k = len(room_list)
-        fake_arr = np.broadcast_to(np.asarray(fake, dtype=bool), (k,))
+        role = validate.role(role, rank)
+        state = validate.status(state, "initial state", rank)
+        fake_arr = validate.bool_column(fake, k, "fake", rank)
+        mslots = validate.int_column(metadata_slots, k, "metadata_slots", -1, _MAX_INDEX, rank)
+        hidx = validate.int_column(handle_indices, k, "handle_indices", -1, _MAX_INDEX, rank)
         self._check_rooms(room_list, fake_arr)
         if handles is not None and len(handles) != k:
-            raise ValueError(f"extend: {k} rooms but {len(handles)} handles")
+            raise InvalidArgument("handles", f"{len(handles)} handles", f"{k} (one per room)", rank)
+        if len(self._index) + k > MAX_ROWS:
+            raise InvalidArgument("rooms", f"{k} more rows", f"at most {MAX_ROWS} live rows", rank)
         self.order()  # recycle dead slots before taking new ones
         if len(self._free) < k:
             self._grow(len(self._index) + k)
@@ -248,8 +273,8 @@ class RequestTable:
         self.entered_time[slots] = self.now
         self.fake[slots] = fake_arr
         self.abort_requested[slots] = False
-        self.metadata_slot[slots] = metadata_slots
-        self.handle_index[slots] = handle_indices
+        self.metadata_slot[slots] = mslots
+        self.handle_index[slots] = hidx
         self.metadata_sent_at[slots] = np.nan
         self.alive[slots] = True
         if handles is not None:
@@ -279,7 +304,7 @@ class RequestTable:
     def remove_many(self, rooms: Iterable[int] | NDArray[np.uint64]) -> int:
         """Remove several requests; all must be live (checked before any is removed)."""
         self._check_idle()
-        room_list = [int(r) for r in (rooms.tolist() if isinstance(rooms, np.ndarray) else rooms)]
+        room_list = validate.rooms(rooms, self.rank)
         for r in room_list:
             self.slot_of(r)
         if len(set(room_list)) != len(room_list):
@@ -307,18 +332,84 @@ class RequestTable:
     def mark_metadata_sent(self, room: int, now: float) -> None:
         """Start the waiting-timeout clock (decode: metadata sent to prefill)."""
         self._check_idle()
-        self.metadata_sent_at[self.slot_of(room)] = now
+        slot = self.slot_of(room)
+        ok = isinstance(now, (int, float, np.integer, np.floating)) and not isinstance(
+            now, (bool, np.bool_)
+        )
+        if not ok or not np.isfinite(now):
+            raise InvalidArgument("mark_metadata_sent now", now, "a finite time", self.rank)
+        self.metadata_sent_at[slot] = now
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
         self._check_idle()
-        self.metadata_slot[self.slot_of(room)] = slot
+        row = self.slot_of(room)
+        self.metadata_slot[row] = validate.integer(slot, "metadata slot", -1, _MAX_INDEX, self.rank)
         self.columns_version += 1
 
     def set_handle_index(self, room: int, index: int) -> None:
         """The backend's own index for this request (passed to ``poll_many``)."""
         self._check_idle()
-        self.handle_index[self.slot_of(room)] = index
+        row = self.slot_of(room)
+        self.handle_index[row] = validate.integer(index, "handle index", -1, _MAX_INDEX, self.rank)
         self.columns_version += 1
 
     def set_handle(self, room: int, handle: Any) -> None:
         self.handles[self.slot_of(room)] = handle
+
+    # -- moving a request to the next queue ---------------------------------
+    def move(
+        self,
+        room: int,
+        other: RequestTable,
+        *,
+        state: KVPoll | None = None,
+        handle_index: int | None = None,
+        metadata_slot: int | None = None,
+    ) -> int:
+        """Move ``room`` to the end of ``other``'s queue; returns its slot there.
+
+        Everything the request carries goes with it: role, fake flag, a
+        pending abort, its failure reason and origin, its metadata slot,
+        handle and handle index, the waiting-timeout clock and how long it
+        has been at its status (a bootstrap or waiting deadline keeps
+        counting from where it was). ``state`` (which restarts the status
+        clock when it differs), ``handle_index`` and ``metadata_slot`` may be
+        given for the new queue. Checked first; a refused move changes neither
+        table.
+        """
+        self._check_idle()
+        if not isinstance(other, RequestTable) or other is self:
+            raise InvalidArgument("move target", other, "another RequestTable", self.rank)
+        src = self.slot_of(room)
+        r = int(self.room[src])
+        if r in other._index:
+            raise DuplicateRequest(r, other.rank)
+        cur = KVPoll(int(self.state[src]))
+        new_state = cur if state is None else validate.status(state, "move state", self.rank)
+        hidx = int(self.handle_index[src]) if handle_index is None else handle_index
+        mslot = int(self.metadata_slot[src]) if metadata_slot is None else metadata_slot
+        hidx = validate.integer(hidx, "handle index", -1, _MAX_INDEX, self.rank)
+        mslot = validate.integer(mslot, "metadata slot", -1, _MAX_INDEX, self.rank)
+        if len(other._index) + 1 > MAX_ROWS:
+            raise InvalidArgument("move", r, f"room in a table below {MAX_ROWS} rows", other.rank)
+        dst = other.add(
+            r,
+            role=Role(int(self.role[src])),
+            state=new_state,
+            handle=self.handles[src],
+            fake=bool(self.fake[src]),
+            metadata_slot=mslot,
+            handle_index=hidx,
+        )
+        other.reason[dst] = self.reason[src]
+        other.origin[dst] = self.origin[src]
+        other.metadata_sent_at[dst] = self.metadata_sent_at[src]
+        # ages carry over; step counters are per table, so keep the distance
+        other.added_step[dst] = other.step_no - (self.step_no - int(self.added_step[src]))
+        if new_state == cur:
+            other.entered_step[dst] = other.step_no - (self.step_no - int(self.entered_step[src]))
+            other.entered_time[dst] = self.entered_time[src]
+        if self.abort_requested[src]:
+            other.request_abort(r)
+        self.remove(r)
+        return dst

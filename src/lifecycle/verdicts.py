@@ -15,10 +15,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import batch
+from lifecycle.errors import HookError
 from lifecycle.graph import GATES, VERDICTS
 from lifecycle.reasons import FailureReason
 
-__all__ = ["MASK_SOURCES", "GATE_SOURCES", "combine", "hold", "HookAnswerError", "bool_answer"]
+__all__ = ["MASK_SOURCES", "GATE_SOURCES", "combine", "hold", "bool_answer"]
 
 _NONE = np.int8(FailureReason.NONE)
 #: mask sources and the one reason each carries (``backend`` carries codes itself)
@@ -28,16 +29,16 @@ MASK_SOURCES: dict[str, FailureReason] = {
 GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
 
 
-class HookAnswerError(TypeError):
-    """A hook answered with the wrong shape or dtype."""
-
-
-def bool_answer(answer: Any, n: int, what: str) -> NDArray[np.bool_]:
-    """``answer`` as a boolean mask of ``n`` rows, or :class:`HookAnswerError`."""
+def bool_answer(answer: Any, n: int, hook: str, rank: int) -> NDArray[np.bool_]:
+    """A hook's per-row answer: exactly ``n`` booleans, else a :class:`HookError`
+    (a gate answering None is not "open")."""
     arr = np.asarray(answer)
-    if arr.shape != (n,) or arr.dtype.kind != "b":
-        raise HookAnswerError(
-            f"{what} answered shape {arr.shape} dtype {arr.dtype}; expected ({n},) bool"
+    if arr.dtype != np.bool_ or arr.shape != (n,):
+        raise HookError(
+            hook,
+            rank,
+            f"answered {type(answer).__name__} of dtype {arr.dtype} and shape {arr.shape}, "
+            f"not {n} booleans",
         )
     return arr
 

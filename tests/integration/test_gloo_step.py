@@ -140,7 +140,7 @@ def _diverged(rank, world, how):
     try:
         Stepper(table, rank).step(TorchCollective())
     except CollectiveMismatch as e:
-        return ("mismatch", e.local_len, e.fingerprints, e.what)
+        return ("mismatch", e.local_len, e.lens)
     return ("ok",)
 
 
@@ -289,3 +289,201 @@ def test_compat_functions_keep_the_field_shape():
         ]
         assert r["gated"] == [3]  # held at Transferring by rank 0, 2 and 3's empty rows
         assert r["cp_tp"] == [0, 1, 2]  # MIN over all four ranks
+
+
+# -- hooks, guards and diagnosis on real ranks -----------------------------------------
+
+
+def _hook_raises_on_one_rank(rank, world):
+    from lifecycle import FailureReason, RequestTable, Stepper, TorchCollective
+    from lifecycle.errors import HookError
+    from lifecycle.testing import StatusBoard
+
+    class Gate:
+        name = "flaky"
+
+        def closed(self, rooms, idx):
+            if rank == world - 1:
+                raise RuntimeError("gate broke on one rank")
+            return np.zeros(rooms.size, dtype=bool)
+
+    class Faults:
+        def inject(self, ctx):
+            if rank == 0 and ctx.step == 3:
+                raise ValueError("plan broke")
+            return np.zeros(ctx.rooms.size, dtype=bool)
+
+    table, board = RequestTable(), StatusBoard()
+    table.extend([1, 2, 3, 4])
+    board.set([1, 2, 3, 4], T)
+    board.set([2], S)
+    stepper = Stepper(table, rank, poller=board, gates=[Gate()], faults=Faults())
+    coll = TorchCollective()
+    out = []
+    for it in range(1, 5):
+        res = stepper.step(coll, tag=it)
+        out.append(
+            (
+                res.statuses.tolist(),
+                [(f.room, int(f.reason), f.origin) for f in res.failures()],
+                sorted(res.exceptions),
+                all(isinstance(e, HookError) for e in res.exceptions.values()),
+            )
+        )
+        table.remove_many(res.rooms[(res.statuses == F) | (res.statuses == S)])
+        if it == 1:
+            table.add(5)
+            board.set([5], T)
+    return out, int(FailureReason.HOOK_ERROR)
+
+
+def test_a_hook_raising_on_one_rank_fails_its_rows_everywhere_and_the_group_keeps_stepping():
+    results = run_ranks(_hook_raises_on_one_rank, 3, timeout=90)
+    hook = results[0][1]
+    views = [r[0] for r in results]
+    for step in range(4):
+        assert len({repr(v[step][:2]) for v in views}) == 1, f"ranks disagree at step {step}"
+    # step 1: the gate on rank 2 raised for room 2 (the only one at Success)
+    assert views[0][0][1] == [(2, hook, 2)]
+    assert views[2][0][2:] == ([2], True) and views[0][0][2] == []
+    # step 3: rank 0's fault hook raised: every live row fails, origin rank 0
+    assert sorted(f[0] for f in views[0][2][1]) == [1, 3, 4, 5]
+    assert {(f[1], f[2]) for f in views[0][2][1]} == {(hook, 0)}
+    assert views[0][3][0] == []  # nothing left, still stepping
+
+
+def _capacity_and_config(rank, world, what):
+    from lifecycle import CollectiveMismatch, RequestTable, StepConfig, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
+
+    table, board = RequestTable(), StatusBoard()
+    table.extend(range(1, 201))
+    if what == "capacity":
+        cfg = StepConfig(initial_capacity=[1, 4096, 300][rank])
+    else:  # stuck_after on one rank only: it alone would wait in the diagnosis gather
+        cfg = StepConfig(stuck_after=1) if rank == 1 else StepConfig()
+    stepper = Stepper(table, rank, poller=board, config=cfg)
+    out = []
+    for _ in range(3):
+        try:
+            res = stepper.step(TorchCollective())
+            out.append(("ok", res.statuses.size, stepper.capacity))
+        except CollectiveMismatch as e:
+            out.append(("mismatch", e.differs))
+    return out
+
+
+def test_different_initial_capacity_is_agreed_on_gloo():
+    results = run_ranks(_capacity_and_config, 3, "capacity", timeout=90)
+    assert results[0] == results[1] == results[2]
+    assert all(r[0] == "ok" and r[1] == 200 and r[2] >= 4096 for r in results[0])
+
+
+def test_stuck_after_on_one_rank_raises_everywhere_instead_of_hanging():
+    results = run_ranks(_capacity_and_config, 2, "stuck", timeout=90)
+    for r in results:
+        assert r == [("mismatch", ("step configuration",))] * 3
+
+
+def _iteration_skew(rank, world):
+    from lifecycle import CollectiveMismatch, RequestTable, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
+
+    table = RequestTable()
+    table.extend([1, 2])
+    stepper = Stepper(table, rank, poller=StatusBoard(), queue="bootstrap")
+    coll = TorchCollective()
+    it, out = 0, []
+    for _ in range(3):
+        it += 1
+        if rank == 1 and it == 2:
+            it -= 1  # its loop retried an iteration after a caught error
+        try:
+            stepper.step(coll, tag=it)
+            out.append("ok")
+        except CollectiveMismatch as e:
+            out.append(e.differs)
+    return out
+
+
+def test_a_rank_one_iteration_behind_raises_on_every_rank():
+    results = run_ranks(_iteration_skew, 2, timeout=60)
+    for r in results:
+        assert r[0] == "ok"
+        assert r[1] == ("tag",)
+
+
+def _diagnosed(rank, world):
+    from lifecycle import RequestTable, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
+
+    table, board = RequestTable(), StatusBoard()
+    table.extend([10, 20, 30])
+    board.set([10, 20, 30], S)
+    if rank == 1:
+        board.set([20], W)  # rank 1 holds room 20 back
+    if rank == 2:
+        board.set([30], T)
+    stepper = Stepper(table, rank, poller=board)
+    coll = TorchCollective()
+    stepper.step(coll)
+    return [(r.room, int(r.status), r.holders, [(k, int(s)) for k, s in r.local]) for r in
+            stepper.diagnose(coll)]  # fmt: skip
+
+
+def test_diagnose_names_the_ranks_holding_each_request_back():
+    results = run_ranks(_diagnosed, 3, timeout=60)
+    assert results[0] == results[1] == results[2]
+    assert results[0] == [
+        (20, W, (1,), [(0, S), (1, W), (2, S)]),
+        (30, T, (2,), [(0, S), (1, S), (2, T)]),
+    ]
+
+
+def _dies_among_three(rank, world):
+    import os
+
+    from lifecycle import RankFailure, RequestTable, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
+
+    table = RequestTable()
+    table.add(1)
+    stepper = Stepper(table, rank, poller=StatusBoard())
+    coll = TorchCollective()
+    stepper.step(coll)
+    if rank == 2:
+        os._exit(3)
+    try:
+        stepper.step(coll)
+    except RankFailure as e:
+        return e.dead, str(e)
+    return "no error"
+
+
+def test_a_rank_killed_among_three_is_named():
+    results = run_ranks(_dies_among_three, 3, timeout=90, allow_errors=True)
+    assert isinstance(results[2], RankError)
+    for dead, msg in results[:2]:
+        assert dead == (2,), msg
+        assert "[2]" in msg
+
+
+def _compat_faults(rank, world):
+    import os
+
+    os.environ["SGLANG_TEST_DISAGG_FAILURE_PROB"] = "0.5"
+    os.environ["PDLIFE_FAULT_SEED"] = "3"
+    from lifecycle.compat import poll_and_all_reduce
+    from lifecycle.testing import ScriptedPoller
+
+    out = []
+    for _ in range(6):
+        pollers = [ScriptedPoller(3) for _ in range(16)]
+        out.append(tuple(v == 0 for v in poll_and_all_reduce(pollers, None)))
+    return out
+
+
+def test_compat_fault_injection_draws_anew_on_every_call():
+    (calls,) = run_ranks(_compat_faults, 1, timeout=60)
+    assert len(set(calls)) > 1, "the same queue positions failed on every call"
+    assert all(any(c) for c in calls)

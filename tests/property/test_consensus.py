@@ -49,6 +49,23 @@ class GateAfterReduce(Distributed):
         return attrs.evolve(result, statuses=statuses)
 
 
+class DropsFaults(Distributed):
+    """A step that never consults the fault hook: its own local values look
+    consistent, so only a check against the raw inputs sees it."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+
+        return Stepper(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            gates=[self.gates[rank]],
+        )
+
+
 class PromotingGate(Distributed):
     def adjust_local(self, rank, local):
         return np.where(local == 3, 4, local).astype(np.int8)
@@ -70,6 +87,7 @@ BROKEN = settings(
         (MaxReduce, "validity|agreement|success|monotone|latch|step|origin"),
         (GateAfterReduce, "agreement"),
         (PromotingGate, "success|validity"),
+        (DropsFaults, "validity|doomed"),
     ],
 )
 def test_property_suite_catches_broken_variants(variant, caught_by):

@@ -1,12 +1,20 @@
 """The reference executor (transitions) and the batch executor (numpy tables)
-agree on every random event sequence: same states, same illegal verdicts."""
+agree on every random event sequence: same states, same illegal verdicts,
+same trigger fired."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lifecycle import IllegalTransition, KVPoll, RequestMachine, UnknownTrigger, batch
+from lifecycle import (
+    FailureReason,
+    IllegalTransition,
+    KVPoll,
+    RequestMachine,
+    UnknownTrigger,
+    batch,
+)
 from lifecycle.graph import GUARDS, TRIGGERS, edges_for
 
 events = st.lists(
@@ -76,6 +84,43 @@ def test_advance_sequences_agree(initial, targets):
                     ref_illegal.append(True)
             states, _, illegal = batch.advance(states, tg)
             assert illegal.tolist() == ref_illegal
+            assert states.tolist() == [int(m.state) for m in machines]
+    finally:
+        for m in machines:
+            m.close()
+
+
+@given(
+    initial=st.lists(st.sampled_from(list(KVPoll)), min_size=1, max_size=8),
+    targets=st.lists(
+        st.lists(
+            st.tuples(st.sampled_from(list(KVPoll)), st.sampled_from(list(FailureReason))),
+            min_size=8,
+            max_size=8,
+        ),
+        max_size=10,
+    ),
+)
+def test_advance_fires_the_same_trigger_in_both_executors(initial, targets):
+    machines = [RequestMachine(room=i + 1, initial=s) for i, s in enumerate(initial)]
+    states = np.array(initial, dtype=np.int8)
+    try:
+        for row in targets:
+            row = row[: len(machines)]
+            tg = np.array([t for t, _ in row], dtype=np.int8)
+            reasons = np.array([r for _, r in row], dtype=np.int8)
+            ref_fired = []
+            for m, (t, r) in zip(machines, row):
+                try:
+                    ref_fired.append(m.advance(t, reason=r))
+                except IllegalTransition:
+                    ref_fired.append("illegal")
+            states, trig, illegal = batch.advance(states, tg, reasons)
+            batch_fired = [
+                "illegal" if bad else (None if t == batch.STAY else TRIGGERS[t])
+                for t, bad in zip(trig.tolist(), illegal.tolist())
+            ]
+            assert batch_fired == ref_fired
             assert states.tolist() == [int(m.state) for m in machines]
     finally:
         for m in machines:

@@ -73,7 +73,8 @@ def test_misaligned_segments_are_caught_by_the_hello():
     groups = [_group(0, ["a", "b"], [3, 3]), _group(1, ["b", "a"], [3, 3])]
     res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
-    assert "queues" in str(res[0])
+    assert all(e.differs == ("queue",) for e in res)
+    assert "in this order" in str(res[0])
 
 
 def test_misaligned_segments_are_caught_without_the_hello():
@@ -84,7 +85,7 @@ def test_misaligned_segments_are_caught_without_the_hello():
         g._hello_done = True  # a broken variant that skips the structure check
     res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
-    assert all("queue" in e.what for e in res)
+    assert all("queue" in e.differs for e in res)
 
 
 def test_differing_configurations_raise_instead_of_aborting():
@@ -95,7 +96,7 @@ def test_differing_configurations_raise_instead_of_aborting():
     ]
     res = _on_ranks([lambda r=r: s[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
-    assert all(e.what == ("step configuration",) for e in res)
+    assert all(e.differs == ("step configuration",) for e in res)
 
 
 def test_differing_initial_capacities_are_agreed():
@@ -114,7 +115,7 @@ def test_iteration_tags_catch_a_rank_one_step_behind():
     s = [Stepper(RequestTable(), r) for r in range(2)]
     res = _on_ranks([lambda r=r: s[r].step(world.rank(r), tag=5 + r) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res)
-    assert all(e.what == ("iteration tag",) for e in res)
+    assert all(e.differs == ("tag",) for e in res)
 
 
 def test_table_cannot_change_while_a_step_is_in_flight():

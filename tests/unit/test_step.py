@@ -321,6 +321,8 @@ def test_partial_batch_poll_error_fails_only_those_requests():
     from lifecycle.errors import PartialPollError
 
     class Partial:
+        by_room = True  # answers without handle indices
+
         def poll_many(self, rooms, indices):
             raise PartialPollError(np.full(rooms.size, S), {1: KeyError("gone")})
 

@@ -15,13 +15,18 @@ overriding :meth:`~ConsensusMachine.make_board` (anything with the
 Invariants (checked after every step):
 
 1. agreement -- every rank holds the same agreed status, reason and origin;
-2. validity -- agreed status == MIN over ranks of the gated local values;
+2. validity -- agreed status == MIN over ranks of each rank's local value,
+   computed here from the raw inputs (the board's poll, faults, aborts,
+   metadata rows, gates), not read back from the steppers;
 3. Failed absorbs, Success latches, the agreed status never regresses;
 4. Success only if every rank's raw poll was Success and all its gates open;
 5. a failure's reason and origin name a rank that failed it for that reason;
-6. every slot has at most one live owner; a retired request frees its slot
+6. an abort or an injected fault on any rank ends the request Failed on
+   every rank in that step (an abort with reason ``aborted``);
+7. every slot has at most one live owner; a retired request frees its slot
    exactly once; in use + free == size;
-7. the reference executor (``transitions``) agrees with the batch executor.
+8. the reference executor (``transitions``) agrees with the batch executor,
+   state and trigger.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from numpy.typing import NDArray
 
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.errors import LifecycleError
+from lifecycle.graph import TRIGGERS
 from lifecycle.lockstep import reduce_min
 from lifecycle.reference import RequestMachine
 from lifecycle.status import KVPoll, Role
@@ -202,11 +208,45 @@ class ConsensusMachine(RuleBasedStateMachine):
         rank = data.draw(st.integers(0, self.world - 1), label="rank")
         self.boards[rank].raising = RuntimeError(f"injected poll error on rank {rank}")
 
+    def _expected_local(self, rank: int, room: int) -> int:
+        """What rank ``rank`` should contribute for a live, non-terminal ``room``,
+        derived from the raw inputs alone."""
+        board, t = self.boards[rank], self.tables[rank]
+        if board.raising is not None or room in self.faults[rank].rooms:
+            return F
+        if t.abort_requested[t.slot_of(room)]:
+            return F
+        raw = int(board.status.get(room, board.default))
+        if raw != S:
+            return raw
+        if not self.fake[room]:
+            row = self.metas[rank].room_of(self.slot_of[room])
+            if row not in (0, room):
+                return F  # metadata corrupt
+            if row != room:
+                return T
+        if room in self.gates[rank].closed_rooms or room in self.staging[rank].pending_rooms:
+            return T
+        return S
+
     @rule()
     def step(self) -> None:
         rows = self.tables[0].rooms().tolist()
         before = {room: self.agreed[room] for room in rows}
         gates_open = self._gates_open(rows)
+        expected = {
+            room: min(self._expected_local(r, room) for r in range(self.world))
+            for room in rows
+            if before[room] not in (S, F)
+        }
+        # room -> must its agreed reason be ABORTED? (some rank aborted it:
+        # ABORTED is the smallest reason code, on one rank as across ranks)
+        doomed: dict[int, bool] = {}
+        for room in expected:
+            aborts = [bool(t.abort_requested[t.slot_of(room)]) for t in self.tables]
+            faults = [room in f.rooms for f in self.faults]
+            if any(aborts) or any(faults):
+                doomed[room] = any(aborts)
         bufs = []
         for r, stp in enumerate(self.steppers):
             buf = stp.prepare()
@@ -232,7 +272,7 @@ class ConsensusMachine(RuleBasedStateMachine):
             except LifecycleError as e:
                 raise InvariantViolation("step", f"rank {r} raised {e!r}") from e
         self.last = results
-        self._check_step(rows, before, gates_open, results)
+        self._check_step(rows, before, gates_open, results, expected, doomed)
 
     @precondition(lambda self: self.agreed)
     @rule()
@@ -275,6 +315,8 @@ class ConsensusMachine(RuleBasedStateMachine):
         before: dict[int, int],
         gates_open: dict[int, bool],
         results: list[StepResult],
+        expected: dict[int, int],
+        doomed: dict[int, bool],
     ) -> None:
         first = results[0]
         for r, res in enumerate(results[1:], start=1):
@@ -286,19 +328,30 @@ class ConsensusMachine(RuleBasedStateMachine):
             )
             _check(same, "agreement", f"rank {r} disagrees with rank 0 at step {res.step}")
         _check(first.rooms.tolist() == rows, "agreement", "result rows are not the table rows")
-        # the steppers' active rows are the rows not agreed terminal before the step
-        active = [i for i, room in enumerate(rows) if before[room] not in (S, F)]
-        at = {i: j for j, i in enumerate(active)}
-        locals_ = np.array([s.local.values for s in self.steppers]).reshape(self.world, -1)
-        reasons_ = np.array([s.local.reasons() for s in self.steppers]).reshape(self.world, -1)
-        if active:
-            expect = np.minimum.reduce(locals_, axis=0)
-            got = first.statuses[active]
+        agreed_now = dict(zip(rows, first.statuses.tolist()))
+        for room, want in expected.items():
             _check(
-                got.tolist() == expect.tolist(),
+                agreed_now[room] == want,
                 "validity",
-                f"agreed {got.tolist()} != MIN of locals {expect.tolist()}",
+                f"room {room}: agreed {agreed_now[room]} != MIN over ranks of the raw "
+                f"inputs {want}",
             )
+        for room, aborted in doomed.items():
+            i = rows.index(room)
+            for r, res in enumerate(results):
+                _check(
+                    int(res.statuses[i]) == F,
+                    "doomed",
+                    f"room {room}: aborted or fault-injected, but rank {r} agreed "
+                    f"{int(res.statuses[i])}",
+                )
+                if aborted:
+                    _check(
+                        int(res.reasons[i]) == 0,
+                        "doomed",
+                        f"room {room}: aborted but rank {r} agreed reason {int(res.reasons[i])}",
+                    )
+        triggers = dict(zip(first.rooms[first.changed].tolist(), first.triggers.tolist()))
         for i, room in enumerate(rows):
             old, new = before[room], int(first.statuses[i])
             if old in (S, F):
@@ -316,18 +369,28 @@ class ConsensusMachine(RuleBasedStateMachine):
             if new == F and old != F:
                 origin, reason = int(first.origins[i]), int(first.reasons[i])
                 _check(0 <= origin < self.world, "origin", f"room {room} origin {origin}")
-                j = at[i]
+                # the steppers' values cover the rows not agreed terminal before the step
+                j = int(np.searchsorted(first.active, i))
+                loc = self.steppers[origin].local
                 _check(
-                    int(locals_[origin, j]) == F and int(reasons_[origin, j]) == reason,
+                    int(loc.values[j]) == F and int(loc.reasons()[j]) == reason,
                     "origin",
                     f"room {room}: origin rank {origin} did not fail it for reason {reason}",
                 )
             self.agreed[room] = new
             ref = self.reference[room]
             try:
-                ref.advance(KVPoll(new), reason=first.reasons[i], origin=int(first.origins[i]))
+                fired = ref.advance(
+                    KVPoll(new), reason=first.reasons[i], origin=int(first.origins[i])
+                )
             except LifecycleError as e:
                 raise InvariantViolation("reference", str(e)) from e
+            batch_fired = TRIGGERS[triggers[room]] if room in triggers else None
+            _check(
+                fired == batch_fired,
+                "reference",
+                f"room {room}: reference fired {fired!r}, batch executor {batch_fired!r}",
+            )
             _check(
                 int(ref.state) == int(self.tables[0].state[self.tables[0].slot_of(room)]),
                 "reference",

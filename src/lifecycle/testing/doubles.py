@@ -18,8 +18,11 @@ class StatusBoard:
     """A batch poller whose answers are set by hand (room -> status).
 
     ``raising`` makes the next ``poll_many`` raise; ``reasons`` gives a
-    Failed room its backend reason.
+    Failed room its backend reason. It answers from rooms alone
+    (``by_room``), so rows without a handle index are polled too.
     """
+
+    by_room = True
 
     def __init__(self, default: int = KVPoll.Bootstrapping) -> None:
         self.default = default

@@ -111,6 +111,7 @@ class SimPoller:
         self.faults = faults
         self.table = table
         self.step = 0
+        self.by_room = getattr(manager, "by_room", False)
 
     def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
         out = np.asarray(self.manager.poll_many(rooms, indices)).astype(np.int64)
@@ -131,6 +132,8 @@ class SimPoller:
 class DrainPoller:
     """Success once this rank's peer can no longer write into a failed
     request's buffers (the backend's ``drained``), Transferring until then."""
+
+    by_room = True  # drain rows carry no handle index
 
     def __init__(self, run: RankRun) -> None:
         self.run = run
