@@ -165,7 +165,15 @@ class MetadataBuffers:
         self._check(slot)
         if room == 0:
             raise LayoutError("room 0 means 'not written'; a real request needs a non-zero room")
-        _signed(room)
+        self._store(slot, _signed(room), values)
+
+    def write_unclaimed(self, slot: int, values: Mapping[str, Any]) -> None:
+        """Write a row's fields but leave its room 0 ('not written'): for a request
+        that has no room (warm-up), whose row no reader may take as landed."""
+        self._check(slot)
+        self._store(slot, 0, values)
+
+    def _store(self, slot: int, room_word: int, values: Mapping[str, Any]) -> None:
         unknown = set(values) - {s.name for s in self.layout.fields} - {"bootstrap_room"}
         if unknown:
             raise LayoutError(f"unknown metadata fields {sorted(unknown)}")
@@ -184,7 +192,7 @@ class MetadataBuffers:
             row = self.tensors[name][slot]
             row.zero_()
             row[: src.numel()] = src
-        room_col[slot, 0] = _signed(room)
+        room_col[slot, 0] = room_word
 
     def read(self, slot: int) -> MetadataRecord:
         self._check(slot)
