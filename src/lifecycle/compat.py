@@ -101,7 +101,15 @@ class _RoomColumn:
     """
 
     def __init__(self, buffers: Any, rooms_known: bool) -> None:
-        self._col = buffers.bootstrap_room
+        col = getattr(buffers, "bootstrap_room", None)
+        if col is None:  # our core buffers keep their tensors by name
+            col = getattr(buffers, "tensors", {}).get("bootstrap_room")
+        if col is None:
+            raise TypeError(
+                f"metadata_buffers ({type(buffers).__name__}) has no bootstrap_room tensor "
+                "of shape (size, k) for the metadata gate to read"
+            )
+        self._col = col
         self._rooms_known = rooms_known
 
     def landed(
