@@ -159,9 +159,18 @@ class MetadataBuffers(_CoreMetadataBuffers):
 
     def set_buf(self, req: Any) -> None:
         """Write ``req``'s first-token row at ``req.metadata_buffer_index``; its
-        room goes last (0 when it has none, so no reader takes the row as landed)."""
+        room goes last (0 when it has none, so no reader takes the row as landed).
+
+        Unlike the field, the whole row is written: what the request does not
+        set (no logprobs, no hidden state) is zeroed, not left from the slot's
+        previous owner."""
         slot = int(req.metadata_buffer_index)
+        # every field is written, the unset ones as zeros: a reused slot must not
+        # hand its previous owner's logprobs or hidden state to the next reader
         values: dict[str, Any] = {
+            spec.name: () for spec in self.layout.fields if spec.name != "bootstrap_room"
+        }
+        values |= {
             "output_ids": [int(req.output_ids[0])],
             "cached_tokens": [
                 int(getattr(req, "cached_tokens", 0) or 0),

@@ -520,3 +520,23 @@ def test_is_aborted_reads_to_finish_and_engine_reasons():
     assert is_aborted(types.SimpleNamespace(to_finish=None, finished_reason=engine_abort))
     other = type("FINISH_LENGTH", (), {})()
     assert not is_aborted(types.SimpleNamespace(to_finish=other, finished_reason=None))
+
+
+def test_set_buf_on_a_reused_slot_leaves_nothing_of_the_previous_owner(meta):
+    # stricter than the field, which only overwrites the entries the new request sets
+    meta.set_buf(
+        req(
+            return_logprob=True,
+            output_token_logprobs_val=[-0.5],
+            output_token_logprobs_idx=[42],
+            output_top_logprobs_val=[[-0.5]],
+            output_top_logprobs_idx=[[42]],
+            hidden_states_tensor=torch.ones(8),
+            output_topk_p=torch.tensor([1.0]),
+            output_topk_index=torch.tensor([3]),
+        )
+    )
+    meta.set_buf(req(bootstrap_room=778, output_ids=[9]))
+    row = meta.get_buf(1)
+    assert all(not r.any() for r in row[2:9])
+    assert int(row[0][0]) == 9 and int(row[9][0]) == 778

@@ -238,3 +238,14 @@ def test_a_staging_handler_that_raises_fails_only_its_request(world_of_one):
     assert poll_and_all_reduce_with_staging(reqs, h, world_of_one) == [F, T]
     (failure,) = compat.last_failures()
     assert (failure.room, failure.reason) == (101, FailureReason.LOCAL_EXCEPTION)
+
+
+def test_gate_reads_our_core_buffers_and_refuses_anything_else(world_of_one):
+    from buffers import MetadataBuffers as CoreMetadataBuffers
+
+    core = CoreMetadataBuffers(2)
+    core.write(1, 102, {"output_ids": [1]})
+    reqs = [decode_req(101, 0), decode_req(102, 1)]
+    assert poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, core, ARGS) == [T, S]
+    with pytest.raises(TypeError, match="no bootstrap_room tensor"):
+        poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, object(), ARGS)
