@@ -75,6 +75,8 @@ def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
 
 
 def _room(value: object) -> int | None:
+    if type(value) is int:  # the common case, without the slower ABC check below
+        return value if 0 < value < 1 << 64 else None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a 0-d tensor
             return _room(value.item())
@@ -111,18 +113,24 @@ class _RoomColumn:
             )
         self._col = col
         self._rooms_known = rooms_known
+        self._np: NDArray[np.int64] | None = None
+        if _is_cpu_tensor(col) and col.element_size() == 8:
+            import torch
+
+            self._np = col.view(torch.int64).numpy()[:, 0]  # no copy: reads see every write
 
     def landed(
         self, slots: NDArray[np.int64], rooms: NDArray[np.uint64]
     ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
         col = self._col
-        if hasattr(col, "view") and hasattr(col, "numpy"):  # a torch tensor
+        if self._np is not None:
+            got = np.take(self._np, slots)
+        elif hasattr(col, "view") and hasattr(col, "numpy"):  # another torch tensor
             import torch
 
             picked = col[torch.as_tensor(slots, dtype=torch.int64), 0]
-            got = picked.view(torch.int64).cpu().numpy() if picked.element_size() == 8 else None
-            if got is None:
-                got = picked.to(torch.int64).cpu().numpy()
+            wide = picked.view(torch.int64) if picked.element_size() == 8 else picked.long()
+            got = wide.cpu().numpy()
         else:
             got = np.asarray(col)[slots, 0].astype(np.int64)
         written = got != 0
@@ -130,6 +138,11 @@ class _RoomColumn:
             return written, np.zeros(written.size, dtype=bool)
         want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
         return written, written & (got != want)
+
+
+def _is_cpu_tensor(t: Any) -> bool:
+    device = getattr(t, "device", None)
+    return getattr(device, "type", None) == "cpu" and callable(getattr(t, "element_size", None))
 
 
 class _StagingHandler:
@@ -186,20 +199,23 @@ def _table_for(
     """The call's requests as a table; True when their rooms are real (unique, non-zero)."""
     n = len(pollers)
     t = RequestTable(rank=rank, capacity=max(1, n))
-    rooms = [_room(getattr(p, "bootstrap_room", None)) for p in pollers]
     fake = np.zeros(n, dtype=bool)
     slots = np.full(n, -1, dtype=np.int64)
-    if decode_reqs is not None:
+    if decode_reqs is None:
+        rooms = [_room(getattr(p, "bootstrap_room", None)) for p in pollers]
+    else:
         if len(decode_reqs) != n:
             raise ValueError(f"decode_reqs has {len(decode_reqs)} entries for {n} pollers")
+        rooms = [None] * n
         for i, dr in enumerate(decode_reqs):
             req = getattr(dr, "req", dr)
             idx = getattr(dr, "metadata_buffer_index", None)
             slots[i] = -1 if idx is None else int(idx)
             fake[i] = _is_fake(req, server_args)
             room = _room(getattr(req, "bootstrap_room", None))
-            if room is not None:
-                rooms[i] = room
+            rooms[i] = (
+                room if room is not None else _room(getattr(pollers[i], "bootstrap_room", None))
+            )
     known = all(r is not None for r in rooms) and len(set(rooms)) == n
     ids = [int(r) for r in rooms if r is not None] if known else list(range(1, n + 1))
     t.extend(

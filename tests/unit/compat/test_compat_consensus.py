@@ -249,3 +249,29 @@ def test_gate_reads_our_core_buffers_and_refuses_anything_else(world_of_one):
     assert poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, core, ARGS) == [T, S]
     with pytest.raises(TypeError, match="no bootstrap_room tensor"):
         poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, object(), ARGS)
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        lambda: np.zeros((2, 8), dtype=np.uint64),
+        lambda: torch.zeros((2, 8), dtype=torch.int32),
+        lambda: torch.zeros((2, 8), dtype=torch.int64)[:, ::2],  # a strided view
+    ],
+)
+def test_gate_reads_room_columns_of_other_kinds(world_of_one, column):
+    col = column()
+    col[1, 0] = 102
+    reqs = [decode_req(101, 0), decode_req(102, 1)]
+    buffers = types.SimpleNamespace(bootstrap_room=col)
+    assert poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, buffers, ARGS) == [T, S]
+
+
+def test_rooms_fall_back_to_the_pollers_own(world_of_one, meta):
+    # the request carries no room, its poller does: the corrupt check still applies
+    meta.set_buf(first_token_req(555, 0, 7))
+    reqs = [decode_req(None, 0)]
+    assert poll_and_all_reduce(pollers(4, rooms=[101]), world_of_one, reqs, meta, ARGS) == [F]
+    # with no room anywhere only "written or not" can be checked, as in the field
+    no_room = [ScriptedPoller(4)]
+    assert poll_and_all_reduce(no_room, world_of_one, reqs, meta, ARGS) == [S]
