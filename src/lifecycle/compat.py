@@ -29,6 +29,7 @@ latches as usual); only the value reported changes.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+logger = logging.getLogger(__name__)
 
 # agreed buffer capacity per (kind, group); process groups live as long as the process
 _capacity: dict[tuple[str, int], int] = {}
@@ -122,22 +125,35 @@ class _RoomColumn:
     def landed(
         self, slots: NDArray[np.int64], rooms: NDArray[np.uint64]
     ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        # a slot outside the buffers, or a column that cannot be read, fails the
+        # request (agreed, reason metadata corrupt) rather than raising on one rank
+        # between two collectives, which would leave the other ranks waiting
+        bad = (slots < 0) | (slots >= len(self._col))
+        try:
+            got = self._read(np.where(bad, 0, slots)) if len(self._col) else np.zeros(slots.size)
+        except Exception:
+            logger.exception("metadata gate: cannot read the bootstrap_room column")
+            return np.zeros(slots.size, dtype=bool), np.ones(slots.size, dtype=bool)
+        written = (got != 0) & ~bad
+        if not self._rooms_known:
+            return written, bad
+        want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
+        return written, bad | (written & (got != want))
+
+    def _read(self, slots: NDArray[np.int64]) -> NDArray[np.int64]:
         col = self._col
         if self._np is not None:
-            got = np.take(self._np, slots)
-        elif hasattr(col, "view") and hasattr(col, "numpy"):  # another torch tensor
+            out: NDArray[np.int64] = np.take(self._np, slots)
+            return out
+        if hasattr(col, "view") and hasattr(col, "numpy"):  # another torch tensor
             import torch
 
             picked = col[torch.as_tensor(slots, dtype=torch.int64), 0]
             wide = picked.view(torch.int64) if picked.element_size() == 8 else picked.long()
-            got = wide.cpu().numpy()
-        else:
-            got = np.asarray(col)[slots, 0].astype(np.int64)
-        written = got != 0
-        if not self._rooms_known:
-            return written, np.zeros(written.size, dtype=bool)
-        want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
-        return written, written & (got != want)
+            out = wide.cpu().numpy()
+            return out
+        out = np.asarray(col)[slots, 0].astype(np.int64)
+        return out
 
 
 def _is_cpu_tensor(t: Any) -> bool:

@@ -275,3 +275,24 @@ def test_rooms_fall_back_to_the_pollers_own(world_of_one, meta):
     # with no room anywhere only "written or not" can be checked, as in the field
     no_room = [ScriptedPoller(4)]
     assert poll_and_all_reduce(no_room, world_of_one, reqs, meta, ARGS) == [S]
+
+
+def test_a_slot_outside_the_buffers_fails_its_request_instead_of_raising(world_of_one, meta):
+    # raising here, between two collectives on one rank, would leave the others waiting
+    meta.set_buf(first_token_req(101, 0, 7))
+    reqs = [decode_req(101, 0), decode_req(102, 9)]
+    assert poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, meta, ARGS) == [S, F]
+    assert compat.last_failures()[0].reason == FailureReason.METADATA_CORRUPT
+
+
+def test_an_unreadable_room_column_fails_the_requests_it_gates(world_of_one):
+    class Broken:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, key):
+            raise RuntimeError("device lost")
+
+    reqs = [decode_req(101, 0)]
+    buffers = types.SimpleNamespace(bootstrap_room=Broken())
+    assert poll_and_all_reduce(pollers(4), world_of_one, reqs, buffers, ARGS) == [F]
