@@ -16,6 +16,11 @@ class DisaggregationMode(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
 
+    @staticmethod
+    def to_engine_type(mode: str) -> str:
+        """The field's spelling of :func:`engine_type`."""
+        return engine_type(mode)
+
 
 def engine_type(mode: str | DisaggregationMode | None) -> str:
     """ "prefill" -> "prefill", "decode" -> "decode", anything else -> "unified"."""

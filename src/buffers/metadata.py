@@ -177,6 +177,17 @@ class MetadataBuffers:
         room = check_room(room)
         if not isinstance(values, Mapping):
             raise BadArgument("metadata values", values, "a mapping of field name to values")
+        self._store(slot, _signed(room), values)
+
+    def write_unclaimed(self, slot: int, values: Mapping[str, Any]) -> None:
+        """Write a row's fields but leave its room 0 ('not written'): for a request
+        that has no room (warm-up), whose row no reader may take as landed."""
+        self._check(slot)
+        if not isinstance(values, Mapping):
+            raise BadArgument("metadata values", values, "a mapping of field name to values")
+        self._store(slot, 0, values)
+
+    def _store(self, slot: int, room_word: int, values: Mapping[str, Any]) -> None:
         unknown = set(values) - {s.name for s in self.layout.fields} - {"bootstrap_room"}
         if unknown:
             raise LayoutError(f"unknown metadata fields {sorted(unknown)}")
@@ -195,7 +206,7 @@ class MetadataBuffers:
             row = self.tensors[name][slot]
             row.zero_()
             row[: src.numel()] = src
-        room_col[slot, 0] = _signed(room)
+        room_col[slot, 0] = room_word
 
     def read(self, slot: int) -> MetadataRecord:
         self._check(slot)

@@ -1,10 +1,23 @@
-"""The field's backend selection names, kept so engines switch with no change."""
+"""The field's backend selection, by its own names: engines switch with no other change.
+
+``get_kv_class(TransferBackend.X, KVClassType.Y)`` returns the class an engine
+builds for that backend and role (see :mod:`transport.field`): built and
+driven the way engines build today's connectors, doing the work through our
+backend of the same name. It returns None where the backend has no such class
+(the fake backend has no bootstrap server), raises ``ValueError("Unsupported
+transfer backend: ...")`` for a name it does not know, and
+:class:`~transport.errors.BackendUnavailable`, naming what to install or the
+hardware needed, for a backend whose package or hardware is missing here.
+"""
 
 from __future__ import annotations
 
 import enum
+import importlib
 from typing import Any
 
+from transport.errors import BackendUnavailable
+from transport.field import UnsupportedTransferBackend
 from transport.registry import get_backend
 
 __all__ = ["TransferBackend", "KVClassType", "get_kv_class"]
@@ -26,17 +39,34 @@ class KVClassType(enum.Enum):
     BOOTSTRAP_SERVER = "bootstrap_server"
 
 
-def get_kv_class(backend: TransferBackend | str, class_type: KVClassType) -> Any:
-    """The class of ``class_type`` for ``backend`` (imports the backend lazily)."""
-    if class_type is KVClassType.KVARGS:
-        from buffers.kv_args import KVArgs
+#: backends with field-shaped classes, and the module that holds them
+_FIELD_CLASSES = {
+    TransferBackend.FAKE: "transport.field.fake",
+    TransferBackend.MOONCAKE: "transport.field.mooncake",
+}
 
-        return KVArgs
-    name = backend.value if isinstance(backend, TransferBackend) else backend
-    loaded = get_backend(name)
-    return {
-        KVClassType.MANAGER: loaded.manager,
-        KVClassType.SENDER: loaded.sender,
-        KVClassType.RECEIVER: loaded.receiver,
-        KVClassType.BOOTSTRAP_SERVER: loaded.bootstrap,
-    }[class_type]
+
+def _backend(transfer_backend: Any) -> TransferBackend:
+    value = getattr(transfer_backend, "value", transfer_backend)
+    try:
+        return TransferBackend(value)
+    except ValueError:
+        raise UnsupportedTransferBackend(
+            transfer_backend, [b.value for b in TransferBackend]
+        ) from None
+
+
+def get_kv_class(transfer_backend: Any, class_type: Any) -> Any:
+    """The class of ``class_type`` for ``transfer_backend``, or None where it has none."""
+    backend = _backend(transfer_backend)
+    kind = KVClassType(getattr(class_type, "value", class_type))
+    get_backend(backend.value)  # imports it; a missing package or hardware raises here
+    module = _FIELD_CLASSES.get(backend)
+    if module is None:
+        raise BackendUnavailable(
+            backend.value,
+            "it has no field-shaped connector classes yet",
+            f"drive it through transport.get_backend({backend.value!r})",
+        )
+    classes: dict[str, Any] = importlib.import_module(module).CLASSES
+    return classes.get(kind.value)

@@ -265,7 +265,8 @@ def _compat(rank, world):
             metadata_buffer_index=0,
         ),
     ]
-    out["gated"] = poll_and_all_reduce([ScriptedPoller(4)], None, reqs, meta)
+    args = types.SimpleNamespace(disaggregation_transfer_backend="mooncake")
+    out["gated"] = poll_and_all_reduce([ScriptedPoller(4)], None, reqs, meta, args)
     tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2] if world == 4 else None
     cp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2] if world == 4 else None
     if world == 4:

@@ -1,0 +1,25 @@
+"""The field's bootstrap server, as our rendezvous store: a TCP key-value store
+on ``(host, port)`` where prefill ranks publish endpoints and both sides
+exchange control messages. Start it once, on the prefill side."""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["BootstrapServer"]
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int) -> None:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        self.host, self.port = host, int(port)
+        self.store: Any = TCPStore(
+            host, self.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            del self.store

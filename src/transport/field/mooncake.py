@@ -1,0 +1,126 @@
+"""The field's Mooncake connector classes over our Mooncake backend.
+
+Only the backend's public API is used (the registry's manager, sender and
+receiver, and its config), so this stays a thin translation:
+
+- manager ``(args, disaggregation_mode, server_args, is_mla_backend)``: role
+  from the mode, TP rank from ``args.engine_rank``, the bootstrap store at
+  ``server_args.disaggregation_bootstrap_host`` (else ``server_args.host``,
+  else 127.0.0.1) and ``server_args.disaggregation_bootstrap_port``. Unlike
+  the field's decode side, which finds prefill per request from its bootstrap
+  address, ours joins that store once, when the manager is built;
+- sender and receiver: see :mod:`transport.field.handles`;
+- bootstrap server ``(host, port)``: the store itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from transport.field.bootstrap import BootstrapServer
+from transport.field.handles import FieldReceiver, FieldSender
+from transport.field.kv_args import KVArgs
+from transport.registry import get_backend
+
+__all__ = [
+    "MooncakeKVManager",
+    "MooncakeKVSender",
+    "MooncakeKVReceiver",
+    "MooncakeKVBootstrapServer",
+    "CLASSES",
+]
+
+
+def _role(mode: Any) -> str:
+    value = getattr(mode, "value", mode)
+    if value not in ("prefill", "decode"):
+        raise ValueError(
+            f"a Mooncake manager serves prefill or decode, got disaggregation_mode={mode!r}"
+        )
+    return str(value)
+
+
+class MooncakeKVManager:
+    """One per rank: registers this rank's memory and moves its requests' pages."""
+
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: Any,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        backend = get_backend("mooncake")  # a typed error naming the extra when missing
+        from transport.mooncake import MooncakeConfig
+
+        port = getattr(server_args, "disaggregation_bootstrap_port", None)
+        if port is None:
+            raise ValueError(
+                "server_args.disaggregation_bootstrap_port is not set: the Mooncake "
+                "manager needs the bootstrap server's port"
+            )
+        host = (
+            getattr(server_args, "disaggregation_bootstrap_host", None)
+            or getattr(server_args, "host", None)
+            or "127.0.0.1"
+        )
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.attn_cp_rank, self.attn_cp_size = 0, 1
+        config = MooncakeConfig(
+            role=_role(disaggregation_mode),
+            tp_rank=int(args.engine_rank),
+            store_host=host,
+            store_port=int(port),
+            hostname=getattr(server_args, "host", None) or "127.0.0.1",
+        )
+        core_args = args.to_core() if hasattr(args, "to_core") else args
+        self.core = backend.manager(core_args, config)
+
+    def close(self) -> None:
+        """Stop the backend's threads (the field's managers live as long as the process)."""
+        with contextlib.suppress(Exception):
+            self.core.close()
+
+
+class MooncakeKVSender(FieldSender):
+    def __init__(
+        self,
+        mgr: MooncakeKVManager,
+        bootstrap_addr: str | None,
+        bootstrap_room: int,
+        dest_tp_ranks: list[int] | None = None,
+        pp_rank: int | None = None,
+    ) -> None:
+        core = mgr.core.sender(int(bootstrap_room))
+        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank)
+
+
+class MooncakeKVReceiver(FieldReceiver):
+    def __init__(
+        self,
+        mgr: MooncakeKVManager,
+        bootstrap_addr: str | None,
+        bootstrap_room: int | None = None,
+        prefill_dp_rank: int | None = None,
+    ) -> None:
+        if not bootstrap_room:
+            raise ValueError("a Mooncake receiver needs the request's non-zero bootstrap_room")
+        core = mgr.core.receiver(int(bootstrap_room))
+        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank)
+
+
+class MooncakeKVBootstrapServer(BootstrapServer):
+    """The bootstrap store prefill and decode managers meet at."""
+
+
+CLASSES: dict[str, Any] = {
+    "kvargs": KVArgs,
+    "manager": MooncakeKVManager,
+    "sender": MooncakeKVSender,
+    "receiver": MooncakeKVReceiver,
+    "bootstrap_server": MooncakeKVBootstrapServer,
+}
