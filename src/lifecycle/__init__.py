@@ -6,7 +6,6 @@ from lifecycle.collective import (
     Collective,
     CountingCollective,
     Hierarchical,
-    SimulatedWorld,
     SingleRank,
     TorchCollective,
     start_min,
@@ -30,6 +29,7 @@ from lifecycle.lockstep import lockstep
 from lifecycle.reasons import FailureReason
 from lifecycle.reference import RequestMachine
 from lifecycle.result import Failure, StepResult, StuckReport
+from lifecycle.simulated import SimulatedWorld
 from lifecycle.status import KVPoll, Role
 from lifecycle.step import StepConfig, Stepper
 from lifecycle.table import RequestTable

@@ -1,0 +1,137 @@
+"""The benchmark's stand-in backends and its multi-queue and churn cases."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+__all__ = ["ArrayBackend", "ChurnBackend", "ObjPoller", "three_queues", "churn_case"]
+
+
+class ArrayBackend:
+    """A backend that keeps statuses, scatter progress in arrays (batch poll)."""
+
+    def __init__(self, n: int) -> None:
+        # a third still transferring; the rest report Success, half of those
+        # still scattering from staging, half with the metadata row not landed
+        self.status = np.full(n, 4, dtype=np.int8)
+        self.status[0::3] = 3
+        self.scatter_left = np.zeros(n, dtype=np.int32)
+        self.scatter_left[1::3] = 1 << 30
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+    # staging gate
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        self.scatter_left[indices] -= 1
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        out: NDArray[np.bool_] = self.scatter_left[indices] > 0
+        return out
+
+
+class ObjPoller:
+    __slots__ = ("status",)
+
+    def __init__(self) -> None:
+        self.status = 4
+
+    def poll(self) -> int:
+        return self.status
+
+
+class ChurnBackend:
+    """Statuses in a ring of indices; a few rows change every step."""
+
+    def __init__(self, n: int) -> None:
+        self.status = np.full(2 * n, 3, dtype=np.int8)
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+
+def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
+    """Two copies of three gated queues of n/3 requests: one fused, one separate."""
+    from buffers import MetadataBuffers
+    from lifecycle import KVPoll, RequestTable, StepGroup, Stepper
+
+    def build() -> list[Any]:
+        steppers = []
+        for q, name in enumerate(("handshake", "prealloc", "transfer")):
+            k = max(1, n // 3)
+            rooms = (np.arange(1, k + 1, dtype=np.uint64) + q * 10_000_000) * 7919
+            meta = MetadataBuffers(k, layout)
+            meta.tensors["bootstrap_room"].view(torch.int64)[:, 0] = torch.from_numpy(
+                rooms.view(np.int64)
+            )
+            backend = ArrayBackend(k)
+            table = RequestTable(rank=rank, capacity=k)
+            table.extend(
+                rooms,
+                state=KVPoll.Transferring,
+                metadata_slots=np.arange(k),
+                handle_indices=np.arange(k),
+            )
+            steppers.append(
+                Stepper(table, rank, poller=backend, staging=backend, metadata=meta, queue=name)
+            )
+        return steppers
+
+    group = StepGroup(build())
+    alone = build()
+
+    def fused3() -> None:
+        group.step(coll)
+
+    def separate3() -> None:
+        for s in alone:
+            s.step(coll)
+
+    return fused3, separate3
+
+
+def churn_case(rank: int, n: int, coll: Any) -> Any:
+    """A queue where 1% of the requests change status every step."""
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    backend = ChurnBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    ring = 2 * n
+    state = {"next": n + 1}
+    table.extend(
+        np.arange(1, n + 1, dtype=np.uint64),
+        state=KVPoll.Transferring,
+        handle_indices=np.arange(1, n + 1) % ring,
+    )
+    stepper = Stepper(table, rank, poller=backend)
+    k = max(2, n // 100)
+    rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
+
+    def churn() -> float:
+        rooms = table.rooms()
+        pick = rooms[rng.choice(rooms.size, size=min(k, rooms.size), replace=False)]
+        idx = pick.astype(np.int64) % ring
+        backend.status[idx[: k // 2]] = KVPoll.Success
+        if rank == 0:
+            backend.status[idx[k // 2 :]] = KVPoll.Failed
+        else:
+            backend.status[idx[k // 2 :]] = KVPoll.Success
+        t0 = time.perf_counter()
+        res = stepper.step(coll)
+        elapsed = time.perf_counter() - t0
+        done = np.concatenate([res.succeeded, res.failed])
+        backend.status[done.astype(np.int64) % ring] = KVPoll.Transferring
+        table.remove_many(done)
+        new = np.arange(state["next"], state["next"] + done.size, dtype=np.uint64)
+        state["next"] += done.size
+        table.extend(new, state=KVPoll.Transferring, handle_indices=new.astype(np.int64) % ring)
+        return elapsed
+
+    return churn
