@@ -30,11 +30,13 @@ def reduce_min(bufs: Sequence[NDArray[np.int32]]) -> NDArray[np.int32]:
     return out
 
 
-def lockstep(steppers: Sequence[Stepper]) -> list[StepResult | BaseException]:
-    """One step on every rank. A rank whose apply raises gets its exception
-    in its place in the returned list (ranks are independent there, exactly as
-    in a real group)."""
-    bufs = [s.prepare() for s in steppers]
+def lockstep(
+    steppers: Sequence[Stepper], tag: int | None = None
+) -> list[StepResult | BaseException]:
+    """One step on every rank (``tag``: the iteration, as in :meth:`Stepper.step`).
+    A rank whose apply raises gets its exception in its place in the returned
+    list (ranks are independent there, exactly as in a real group)."""
+    bufs = [s.prepare(tag) for s in steppers]
     red = reduce_min(bufs)
     if any([s.resize(red) for s in steppers]):
         red = reduce_min([s.repack() for s in steppers])
