@@ -34,13 +34,14 @@ def reduce_min(bufs: Sequence[NDArray[Any]]) -> NDArray[Any]:
 
 
 def lockstep(
-    steppers: Sequence[Stepper], tags: Sequence[int | None] | None = None
+    steppers: Sequence[Stepper], tag: int | None | Sequence[int | None] = None
 ) -> list[StepResult | BaseException]:
-    """One step on every rank. A rank whose origins/apply raises gets its
-    exception in its place in the returned list (ranks are independent there,
-    exactly as in a real group)."""
-    tags = tags if tags is not None else [None] * len(steppers)
-    red = reduce_min([s.prepare(tag) for s, tag in zip(steppers, tags)])
+    """One step on every rank (``tag``: the iteration, as in :meth:`Stepper.step`;
+    a sequence gives each rank its own). A rank whose origins/apply raises gets
+    its exception in its place in the returned list (ranks are independent
+    there, exactly as in a real group)."""
+    tags = list(tag) if isinstance(tag, Sequence) else [tag] * len(steppers)
+    red = reduce_min([s.prepare(t) for s, t in zip(steppers, tags)])
     if any([s.resize(red) for s in steppers]):
         red = reduce_min([s.repack() for s in steppers])
     fetches: list[NDArray[np.int32] | BaseException | None] = []

@@ -212,9 +212,9 @@ def test_capacity_hint_never_reaches_the_reduce_with_different_sizes():
         for s in steppers:
             s.table.extend(range(next_room, next_room + k))
         next_room += k
-        sizes = [s.prepare().size for s in steppers]
-        assert len(set(sizes)) == 1
-        red = reduce_min([s._buf for s in steppers])
+        bufs = [s.prepare() for s in steppers]
+        assert len({b.size for b in bufs}) == 1
+        red = reduce_min(bufs)
         if any([s.resize(red) for s in steppers]):
             red = reduce_min([s.repack() for s in steppers])
         for s in steppers:

@@ -9,12 +9,30 @@ from lifecycle import KVPoll, RequestTable, Role, StepConfig, Stepper
 from lifecycle.errors import InvalidArgument, InvalidRoom, LifecycleError
 
 
+COLUMNS = (
+    "room",
+    "state",
+    "role",
+    "reason",
+    "origin",
+    "entered_step",
+    "entered_time",
+    "added_step",
+    "fake",
+    "abort_requested",
+    "metadata_slot",
+    "handle_index",
+    "metadata_sent_at",
+)
+
+
 def snapshot(t: RequestTable):
-    cols = {name: getattr(t, name).copy() for name, _, _ in RequestTable._COLUMNS}
+    rows = t.order().copy()
+    cols = {name: getattr(t, name)[rows].copy() for name in COLUMNS}
     return (
         t.rooms().tolist(),
         len(t),
-        list(t._free),
+        [t.slot_of(r) for r in t.rooms().tolist()],
         t.version,
         t.abort_count,
         t.terminal_count,
@@ -79,9 +97,8 @@ def test_many_rejections_leave_a_full_table_usable():
             t.add(bad[i % 4])
         with pytest.raises(LifecycleError):
             t.add(1000 + i, state=9)
-    t.extend(range(1, 65))
-    assert len(t) == 64
-    assert t._cap == 64  # no slot was lost to a refused call
+    t.extend(range(1, 65))  # no slot was lost to a refused call
+    assert len(t) == 64 and t.rooms().tolist() == list(range(1, 65))
 
 
 def test_numpy_integer_rooms_are_accepted_up_to_2_64_minus_1():
@@ -172,7 +189,8 @@ def test_stepper_and_table_arguments_are_checked():
 
 
 def alloc_state(a: SlotAllocator):
-    return (list(a._free), a._owner.copy().tolist(), a._state.copy().tolist(), a.live())
+    owners = [a.owner_of(s) for s in range(a.size)]
+    return (a.available, a.in_use, a.quarantined, owners, a.live())
 
 
 def test_alloc_takes_full_uint64_rooms():
