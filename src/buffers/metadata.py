@@ -89,6 +89,13 @@ class MetadataLayout:
         )
 
     def validate(self) -> None:
+        for name in ("hidden_size", "max_top_logprobs"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 1:
+                raise LayoutError(f"MetadataLayout.{name} must be an integer >= 1, got {v!r}")
+        for name in ("hidden_dtype", "room_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype):
+                raise LayoutError(f"MetadataLayout.{name} must be a torch.dtype")
         if self.room_dtype not in (torch.int64, getattr(torch, "uint64", torch.int64)):
             raise LayoutError(
                 f"bootstrap_room dtype must be uint64 or int64, got {self.room_dtype}"

@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 
 from lifecycle.errors import FaultPlanError
 from lifecycle.protocols import StepContext
+from lifecycle.validate import is_integer
 
 __all__ = ["ProbabilisticFaults", "from_env", "ENV_VARS"]
 
@@ -29,8 +30,14 @@ class ProbabilisticFaults:
     """Each non-terminal request fails on this rank with probability ``prob`` per step."""
 
     def __init__(self, prob: float, seed: int = 0, rank: int = 0) -> None:
-        if not 0.0 <= prob <= 1.0:
-            raise FaultPlanError("prob", f"must be within [0, 1], got {prob!r}")
+        number = isinstance(prob, (int, float, np.integer, np.floating)) and not isinstance(
+            prob, (bool, np.bool_)
+        )
+        if not number or not 0.0 <= prob <= 1.0:
+            raise FaultPlanError("prob", f"must be a number within [0, 1], got {prob!r}")
+        for name, v in (("seed", seed), ("rank", rank)):
+            if not is_integer(v) or v < 0:
+                raise FaultPlanError(name, f"must be a non-negative integer, got {v!r}")
         self.prob = prob
         self.seed = seed
         self.rank = rank

@@ -8,7 +8,6 @@ from buffers import BadArgument, MetadataBuffers, MetadataLayout, SlotAllocator,
 from lifecycle import KVPoll, RequestTable, Role, StepConfig, Stepper
 from lifecycle.errors import InvalidArgument, InvalidRoom, LifecycleError
 
-
 COLUMNS = (
     "room",
     "state",
@@ -264,3 +263,32 @@ def test_role_enum_member_is_stored():
     t = RequestTable()
     t.add(3, role=Role.RECEIVER, state=KVPoll.WaitingForInput)
     assert t.info(3).role is Role.RECEIVER
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prob": "0.5"},
+        {"prob": True},
+        {"prob": 1.5},
+        {"prob": 0.1, "seed": -1},
+        {"prob": 0.1, "seed": 1.5},
+    ],
+    ids=repr,
+)
+def test_fault_probability_is_typed(kwargs):
+    from lifecycle.errors import FaultPlanError
+    from lifecycle.faults import ProbabilisticFaults
+
+    with pytest.raises(FaultPlanError):
+        ProbabilisticFaults(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"hidden_size": 2.5}, {"max_top_logprobs": True}, {"hidden_dtype": "bf16"}], ids=repr
+)
+def test_metadata_layout_is_typed(kwargs):
+    from buffers import LayoutError
+
+    with pytest.raises(LayoutError):
+        MetadataBuffers(2, MetadataLayout(**kwargs))
