@@ -12,6 +12,7 @@ stays quarantined (Aborted) until no write for it can land (Drained).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ __all__ = ["ConnectorConfig", "Connector"]
 
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -278,6 +280,7 @@ class Connector(StatusArrays):
                 for r in reqs:
                     self._fail(r, FailureReason.TRANSFER_ERROR, store)
                 self.last_error = e
+                logger.debug("connector loop failed every live request", exc_info=True)
             self._wake.wait(interval)
             self._wake.clear()
 

@@ -132,3 +132,12 @@ def test_status_written_by_another_thread_during_growth_is_kept(monkeypatch):
     writer.join(5)
     assert arrays.status[idx] == KVPoll.Failed
     assert arrays.reason[idx] == FailureReason.PEER_DEAD
+
+
+def test_registry_reports_nixl_available_when_installed():
+    pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
+    from transport.nixl import NixlManager
+
+    b = get_backend("nixl")
+    assert b.manager is NixlManager
+    assert get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER) is NixlManager
