@@ -55,7 +55,7 @@ class ConnectorConfig:
     poll_interval: float = 0.0005
     idle_interval: float = 0.05
     drain_timeout: float = 10.0
-    progress_delay_us: int = 1000  # NIXL's progress thread: pause between polls
+    progress_delay_us: int = 100  # NIXL's progress thread: pause between polls
 
     def __attrs_post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -67,9 +67,9 @@ class _Req:
 
     def __init__(self, room: int, index: int, peer: int) -> None:
         self.room, self.index, self.peer = room, index, peer
-        self.num_pages = self.local_slot = self.dst_slot = -1
+        self.num_pages = self.local_slot = -1
         self.chunks: list[NDArray[np.int64]] = []
-        self.sent_pages = 0
+        self.sent_pages, self.dst_slot = 0, -1
         self.dst_pages: NDArray[np.int64] | None = None
         self.tokens: list[Any] = []  # the engine's handles of writes in flight
         self.fields_out = self.want_register = self.cleared = self.released = False
@@ -78,6 +78,8 @@ class _Req:
 
 class Connector(StatusArrays):
     """One per rank. Subclasses provide the engine hooks (``_start_engine`` ... ``_stop_engine``)."""
+
+    NOTIFIES: ClassVar[bool] = False  # whether ``_notified`` reports completions
 
     COLUMNS: ClassVar[dict[str, tuple[Any, Any]]] = {
         "phase": (np.int8, int(Phase.Drained)),
@@ -114,16 +116,13 @@ class Connector(StatusArrays):
         """Start the engine and register ``kv_args``; return what peers need to write here."""
         raise NotImplementedError
 
-    def _connect(self, peer: int, info: dict[str, Any]) -> None:
-        """Called once per peer with its published record, before the first write."""
+    def _connect(self, peer: int, info: dict[str, Any]) -> None: ...  # once, before writes
 
     def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
-        """Issue writes (src, dst, lens arrays, notification bytes); a token, or None
-        when the peer is unreachable."""
+        """Issue writes (src, dst, lens, notification); a token, None if unreachable."""
         raise NotImplementedError
 
-    def _check(self, token: Any) -> int:
-        """0 while in flight, 1 once landed, -1 if it failed; then ``_forget(token)``."""
+    def _check(self, token: Any) -> int:  # 0 in flight, 1 landed, -1 failed; then _forget
         raise NotImplementedError
 
     def _forget(self, token: Any) -> None: ...
@@ -190,7 +189,9 @@ class Connector(StatusArrays):
         if before < Phase.Metadata:  # decode told no pages yet: nothing can land
             self._fire(req, "drain")
         with contextlib.suppress(Exception):  # else heartbeats and timeouts catch up
-            self._send(req.peer, {"kind": "abort", "room": req.room, "reason": int(reason)}, store)
+            self.mail.send(
+                req.peer, {"kind": "abort", "room": req.room, "reason": int(reason)}, store
+            )
 
     def _clear(self, req: _Req) -> None:
         with self._lock:
@@ -214,9 +215,6 @@ class Connector(StatusArrays):
         return ConnectorReceiver(self, room, self.config.tp_rank if peer is None else peer)
 
     # -- messages ------------------------------------------------------------------------
-    def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
-        self.mail.send(peer, msg, store)
-
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
         info, new = self.mail.peer(peer, store)
         if new and info is not None:
@@ -232,7 +230,7 @@ class Connector(StatusArrays):
                 if room not in self._cleared:  # the peer is ahead of our scheduler
                     self._early.setdefault(room, []).append(msg)
                 elif kind == "abort":  # finished and drained here: nothing more is written
-                    self._send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
+                    self.mail.send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
                 return
         if kind == "register":
             self._fire(req, "handshake")
@@ -250,7 +248,7 @@ class Connector(StatusArrays):
             if self._fire(req, "abort", reason):
                 req.reply = {"kind": "stopped", "room": room}
             elif IS_TERMINAL[self._phase(req)]:
-                self._send(req.peer, {"kind": "stopped", "room": room}, store)
+                self.mail.send(req.peer, {"kind": "stopped", "room": room}, store)
 
     # -- the background loop --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -326,30 +324,36 @@ class Connector(StatusArrays):
                 self._fail(req, FailureReason.TRANSFER_ERROR, store)
 
     def _advance(self, req: _Req, store: Any) -> bool:
-        """Move one request's writes on; True while it has writes in flight."""
+        """Move one request on; True while it wants close polling (writes in flight)."""
         if req.released:
             return False
-        ph = self._phase(req)
-        if self.config.role == "decode":
-            if ph == Phase.Bootstrap and req.want_register and self._peer_info(req.peer, store):
-                self._send(req.peer, {"kind": "register", "room": req.room}, store)
-                self._fire(req, "handshake")
-        else:
+        ph, watch = self._phase(req), False
+        if self.config.role == "prefill":
+            self._prefill_steps(req, store)
+        elif ph == Phase.Bootstrap and req.want_register and self._peer_info(req.peer, store):
+            self.mail.send(req.peer, {"kind": "register", "room": req.room}, store)
+            self._fire(req, "handshake")
+        else:  # an engine that notifies completion is watched closely while data is due
+            watch = self.NOTIFIES and ph == Phase.Metadata
+        if req.cleared:
+            self._clear(req)
+        return watch or bool(req.tokens)
+
+    def _prefill_steps(self, req: _Req, store: Any) -> None:
+        before = -1  # a write that landed at once lets the next step go in the same pass
+        while self._phase(req) != before:
             self._reap(req, store)
-            ph = self._phase(req)
+            before = ph = self._phase(req)
             if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
                 self._issue(req, store)
             elif ph == Phase.RoomWritten and not req.tokens:
-                self._send(req.peer, {"kind": "done", "room": req.room}, store)
+                self.mail.send(req.peer, {"kind": "done", "room": req.room}, store)
                 self._fire(req, "complete")
             elif ph == Phase.Aborted and not req.tokens:
                 if req.reply is not None and req.peer not in self._peer_dead:
-                    self._send(req.peer, req.reply, store)
+                    self.mail.send(req.peer, req.reply, store)
                 req.reply = None
                 self._fire(req, "drain")
-        if req.cleared:
-            self._clear(req)
-        return bool(req.tokens)
 
     def _issue(self, req: _Req, store: Any) -> None:
         info = self._peer_info(req.peer, store)

@@ -89,4 +89,4 @@ class ConnectorReceiver(_Handle):
         msg = {"kind": "pages", "room": req.room, "pages": pages.tolist(), "slot": metadata_slot}
         m.waited[req.index] = NOW()
         m._fire(req, "metadata")
-        m._send(req.peer, msg, m.store)
+        m.mail.send(req.peer, msg, m.store)

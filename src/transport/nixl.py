@@ -92,6 +92,8 @@ def _descs(addrs: NDArray[np.int64], lens: NDArray[np.int64]) -> NDArray[np.uint
 class NixlManager(Connector):
     """One per rank. Create senders (prefill) or receivers (decode) from it."""
 
+    NOTIFIES = True
+
     def _start_engine(self) -> dict[str, Any]:
         c = self.config
         self.agent = make_agent(
