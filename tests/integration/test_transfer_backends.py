@@ -158,13 +158,14 @@ def _dead_peer_pair(backend, role, port, q):
     import os
     import time
 
-    m, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.2, heartbeat_misses=3)
+    # 2 s of silence is death: tight enough to see, loose enough for a loaded machine
+    m, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.25, heartbeat_misses=8)
     t0 = time.time()
     if role == "prefill":
         s = m.sender(5)
         while s.poll() == 1 and time.time() - t0 < 20:
             time.sleep(0.01)
-        q.put(("prefill", s.poll()))
+        q.put(("prefill", s.poll(), int(s.failure_reason())))
         q.close()
         q.join_thread()  # the message is out before the process vanishes
         os._exit(0)  # gone without a word: no abort, no close, heartbeats stop
@@ -180,7 +181,7 @@ def test_a_dead_peer_becomes_peer_dead(backend):
     from lifecycle import FailureReason, KVPoll
 
     got, _ = _pair(_dead_peer_pair, backend)
-    assert got["prefill"] == (KVPoll.WaitingForInput,)  # the handshake was done
+    assert got["prefill"][0] == KVPoll.WaitingForInput, got  # the handshake was done
     status, reason, drained, took = got["decode"]
     assert (status, reason, drained) == (KVPoll.Failed, FailureReason.PEER_DEAD, True)
     assert took < 10  # heartbeats found it, not a timeout
