@@ -87,6 +87,7 @@ class ConnectorReceiver(_Handle):
             raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata")
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         msg = {"kind": "pages", "room": req.room, "pages": pages.tolist(), "slot": metadata_slot}
-        m.waited[req.index] = NOW()
+        with m._lock:  # growth replaces the column: write it under the lock
+            m.waited[req.index] = NOW()
         m._fire(req, "metadata")
         m.mail.send(req.peer, msg, m.store)
