@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= dev,plot,mooncake,metrics
+EXTRAS ?= dev,plot,mooncake,nixl,metrics
 STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install demo test lint typecheck unit property integration bench deep clean

@@ -15,6 +15,7 @@ decode checks every request completes. Run it:
 
     python examples/field_style_loop.py --backend fake
     python examples/field_style_loop.py --backend mooncake
+    python examples/field_style_loop.py --backend nixl
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def side_main(side: str, backend_name: str, rooms: list[int], store_port: int, o
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=["fake", "mooncake"], default="fake")
+    ap.add_argument("--backend", choices=["fake", "mooncake", "nixl"], default="fake")
     ap.add_argument("--requests", type=int, default=24)
     a = ap.parse_args(argv)
     rooms = [1000 + i for i in range(1, a.requests + 1)]

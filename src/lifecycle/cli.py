@@ -12,10 +12,10 @@ __all__ = ["main"]
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from lifecycle.diagram import render
+    from lifecycle.diagram import protocol, render
 
     role = Role.SENDER if args.role == "sender" else Role.RECEIVER
-    sys.stdout.write(render(role, args.format))
+    sys.stdout.write(protocol(args.format) if args.protocol else render(role, args.format))
     return 0
 
 
@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diagram", help="print the request state diagram")
     d.add_argument("--role", choices=["sender", "receiver"], default="sender")
     d.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
+    d.add_argument(
+        "--protocol", action="store_true", help="the connector's per-request protocol instead"
+    )
     d.set_defaults(func=_diagram)
 
     from lifecycle.tools import register_commands

@@ -34,7 +34,7 @@ def reduce_min(bufs: Sequence[NDArray[Any]]) -> NDArray[Any]:
 
 
 def lockstep(
-    steppers: Sequence[Stepper], tag: int | None | Sequence[int | None] = None
+    steppers: Sequence[Stepper], tag: int | Sequence[int | None] | None = None
 ) -> list[StepResult | BaseException]:
     """One step on every rank (``tag``: the iteration, as in :meth:`Stepper.step`;
     a sequence gives each rank its own). A rank whose origins/apply raises gets

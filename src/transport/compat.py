@@ -43,6 +43,7 @@ class KVClassType(enum.Enum):
 _FIELD_CLASSES = {
     TransferBackend.FAKE: "transport.field.fake",
     TransferBackend.MOONCAKE: "transport.field.mooncake",
+    TransferBackend.NIXL: "transport.field.nixl",
 }
 
 

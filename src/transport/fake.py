@@ -42,14 +42,16 @@ class _FakeRequest(StatusHandle):
     def __init__(self, manager: FakeManager, room: int, initial: KVPoll) -> None:
         super().__init__(manager, room, manager.take(initial))
         self.manager = manager
-        self._cleared = False
+
+    def _move(self, status: KVPoll, reason: FailureReason = FailureReason.NONE) -> None:
+        if not self.detached:  # a cleared handle's slot may be another request's now
+            self.manager.set(self.index, status, reason)
 
     def abort(self) -> None:
-        self.manager.set(self.index, KVPoll.Failed, FailureReason.ABORTED)
+        self._move(KVPoll.Failed, FailureReason.ABORTED)
 
     def clear(self) -> None:
-        if not self._cleared:
-            self._cleared = True
+        if self._detach():
             self.manager.pages_left.pop(self.index, None)
             self.manager.release(self.index)
 
@@ -61,17 +63,19 @@ class FakeSender(_FakeRequest):
     def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
         if num_pages < 0:
             raise ValueError(f"room={self.bootstrap_room}: num_pages must be >= 0")
+        if self.detached:
+            return
         self.manager.pages_left[self.index] = num_pages
-        self.manager.set(self.index, KVPoll.Success if num_pages == 0 else KVPoll.Transferring)
+        self._move(KVPoll.Success if num_pages == 0 else KVPoll.Transferring)
 
     def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
         m = self.manager
-        if m.terminal(self.index):
+        if self.detached or m.terminal(self.index):
             return
         left = m.pages_left.get(self.index, 0) - np.asarray(page_indices).size
         m.pages_left[self.index] = left
         if left <= 0:
-            m.set(self.index, KVPoll.Success)
+            self._move(KVPoll.Success)
 
 
 class FakeReceiver(_FakeRequest):
@@ -79,7 +83,7 @@ class FakeReceiver(_FakeRequest):
         super().__init__(manager, room, KVPoll.Bootstrapping)
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
-        self.manager.set(self.index, KVPoll.WaitingForInput)
+        self._move(KVPoll.WaitingForInput)
 
     def send_metadata(
         self,
@@ -88,7 +92,7 @@ class FakeReceiver(_FakeRequest):
         state_indices: Any = None,
         decode_prefix_len: int = 0,
     ) -> None:
-        self.manager.set(self.index, KVPoll.Success)
+        self._move(KVPoll.Success)
 
 
 class FakeBootstrap:

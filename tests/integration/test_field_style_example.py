@@ -1,5 +1,5 @@
 """examples/field_style_loop.py: engine-style prefill and decode loops on compat
-names only, on the fake backend and on Mooncake over 127.0.0.1."""
+names only, on the fake backend, and on Mooncake and NIXL over 127.0.0.1."""
 
 import importlib.util
 import os
@@ -32,11 +32,11 @@ def test_fake_backend():
 
 
 @pytest.mark.network
-@pytest.mark.skipif(
-    importlib.util.find_spec("mooncake") is None, reason="pd-lifecycle[mooncake] not installed"
-)
-def test_mooncake_moves_every_byte_and_row():
-    proc = run("mooncake")
+@pytest.mark.parametrize(("backend", "package"), [("mooncake", "mooncake"), ("nixl", "nixl_cu12")])
+def test_real_backend_moves_every_byte_and_row(backend, package):
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"pd-lifecycle[{backend}] not installed")
+    proc = run(backend)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "decode: 24 committed, 0 failed, 0 unfinished, 0 rows leaked" in proc.stdout
     # 24 requests of 1..5 pages, 2 layers of 256 bytes each

@@ -1,14 +1,15 @@
 """Engine quirks the Mooncake backend must absorb, against a stub engine."""
 
-import threading
-
 import numpy as np
 import pytest
 
 pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
 
 from lifecycle import FailureReason, KVPoll
-from transport.mooncake import MooncakeConfig, MooncakeManager, _Req, _runs
+from transport.connector import _Req
+from transport.connector_graph import Phase
+from transport.layout import runs
+from transport.mooncake import MooncakeConfig, MooncakeManager
 from transport.status_arrays import StatusArrays
 
 
@@ -32,39 +33,50 @@ def bare_manager(engine, role="prefill"):
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0)
     m._batch_results = {}
-    m._reqs = {}
-    m._lock = threading.Lock()
-    m._cleared, m._early, m._peer_dead = set(), {}, set()
+    m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
     return m
+
+
+def writing_request(m, room=9):
+    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)), peer=1)
+    m.phase[req.index] = Phase.Writing
+    m._reqs[room] = req
+    return req
 
 
 def test_a_finished_batch_is_read_once_and_remembered():
     m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
-    assert m._check_batch(5) == 0
-    assert m._check_batch(5) == 1
-    assert m._check_batch(5) == 1  # a second read would have looked "in progress"
+    assert m._check(5) == 0
+    assert m._check(5) == 1
+    assert m._check(5) == 1  # a second read would have looked "in progress"
+    m._forget(5)
+    assert m._batch_results == {}
 
 
 def test_batch_id_zero_means_the_peer_is_unreachable():
     m = bare_manager(StubEngine(submit_id=0))
-    req = _Req(room=9, index=m.take(int(KVPoll.Transferring)), peer=1)
-    m._submit(req, {"endpoint": "127.0.0.1:1"}, [1], [2], [3])
+    req = writing_request(m)
+    one = np.array([1])
+    m._submit(req, {"endpoint": "127.0.0.1:1"}, (one, one * 2, one * 3), b"", None)
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.PEER_DEAD
-    assert req.batches == []
+    assert m.phase[req.index] == Phase.Aborted  # quarantined until drained
+    assert req.tokens == []
+    assert req.reply["kind"] == "failed"  # decode hears of it once nothing is in flight
 
 
 def test_failed_batch_is_a_transfer_error_and_latches():
     m = bare_manager(StubEngine(statuses=[-1]))
-    req = _Req(room=9, index=m.take(int(KVPoll.Transferring)), peer=1)
-    req.batches = [3]
-    m._advance(req, store=None, now=0.0)
+    req = writing_request(m)
+    req.tokens = [3]
+    m._reap(req, store=None)
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
-    m._set(req, int(KVPoll.Success))
+    assert req.tokens == []
+    m._fire(req, "complete")  # not declared from Aborted: nothing moves
     assert m.status[req.index] == KVPoll.Failed  # terminal states latch
 
 
 def test_page_runs_coalesce_only_where_both_sides_are_contiguous():
-    s, d, n = _runs(np.array([4, 5, 6, 9, 10]), np.array([0, 1, 5, 6, 7]))
+    s, d, n = runs(np.array([4, 5, 6, 9, 10]), np.array([0, 1, 5, 6, 7]))
     assert (s.tolist(), d.tolist(), n.tolist()) == ([4, 6, 9], [0, 5, 6], [2, 1, 2])

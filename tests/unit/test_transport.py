@@ -87,3 +87,61 @@ def test_fake_manager_is_a_batch_poller_for_the_step():
     assert res.statuses.tolist() == [2, 4, 0]
     assert res.failures()[0].reason == FailureReason.ABORTED
     np.testing.assert_array_equal(res.succeeded, [2])
+
+
+def test_a_cleared_fake_handle_does_not_alias_the_next_request():
+    m = FakeManager(capacity=1)
+    old = m.sender(1)
+    old.abort()
+    old.clear()
+    new = m.sender(2)
+    assert new.index == old.index  # the slot is reused...
+    assert old.poll() == KVPoll.Failed  # ...but the stale handle keeps its own answer
+    assert old.failure_reason() == FailureReason.ABORTED
+    old.abort()  # and cannot move the request that took its slot
+    old.init(3, None)
+    old.send([1, 2, 3])
+    assert new.poll() == KVPoll.WaitingForInput
+    new.init(1, None)
+    assert new.poll() == KVPoll.Transferring
+
+
+def test_status_written_by_another_thread_during_growth_is_kept(monkeypatch):
+    import threading
+
+    import transport.status_arrays as sa
+
+    arrays = sa.StatusArrays(capacity=2)
+    idx = arrays.take(int(KVPoll.Bootstrapping))
+    arrays.take(int(KVPoll.Bootstrapping))
+    real = np.concatenate
+    writer = threading.Thread(
+        target=arrays.set, args=(idx, int(KVPoll.Failed), FailureReason.PEER_DEAD)
+    )
+
+    def concatenate_then_write(*a, **kw):
+        out = real(*a, **kw)
+        if not writer.is_alive() and writer.ident is None:
+            writer.start()  # an engine thread writes right after the old array was copied
+            writer.join(0.3)  # a lock makes it wait for the growth instead
+        return out
+
+    monkeypatch.setattr(sa.np, "concatenate", concatenate_then_write)
+    arrays.take(int(KVPoll.Bootstrapping))  # grows
+    writer.join(5)
+    assert arrays.status[idx] == KVPoll.Failed
+    assert arrays.reason[idx] == FailureReason.PEER_DEAD
+
+
+def test_registry_reports_nixl_available_when_installed():
+    pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
+    from transport.field.nixl import NixlKVManager, NixlKVReceiver, NixlKVSender
+    from transport.nixl import NixlManager
+
+    b = get_backend("nixl")
+    assert b.manager is NixlManager
+    # the field-shaped classes drive the NIXL backend underneath
+    assert get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER) is NixlKVManager
+    assert get_kv_class(TransferBackend.NIXL, KVClassType.SENDER) is NixlKVSender
+    assert get_kv_class(TransferBackend.NIXL, KVClassType.RECEIVER) is NixlKVReceiver
+    assert NixlKVManager.BACKEND == "nixl"

@@ -1,11 +1,12 @@
 """``pdlife bench-transfer``: a lifecycle-driven 64 MiB transfer against the
-raw Mooncake engine on loopback, side by side in one run.
+raw engine (Mooncake or NIXL) on loopback, side by side in one run.
 
 Two processes (prefill, decode) on 127.0.0.1. Each repetition times, in
 alternating order:
 
-- ``raw``: one ``batch_transfer_async_write`` of the whole buffer, polled to
-  completion -- the engine's own loopback throughput;
+- ``raw``: one write of the whole buffer through the engine's own calls
+  (Mooncake ``batch_transfer_async_write``; NIXL ``initialize_xfer`` +
+  ``transfer``), polled to completion -- the engine's loopback throughput;
 - ``lifecycle``: one request of the same bytes (pages of ``page_kib``) driven
   end to end by the lifecycle: decode receiver ``init`` + ``send_metadata``,
   prefill sender ``init`` + ``send``, both sides stepping a :class:`Stepper`
@@ -27,13 +28,17 @@ import numpy as np
 __all__ = ["add_parser", "run_transfer_bench"]
 
 
-def _side(role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any) -> None:
+def _side(
+    backend: str, role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any
+) -> None:
     import torch
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from buffers import MetadataBuffers, MetadataLayout
     from lifecycle import RequestTable, SingleRank, Stepper
-    from transport.mooncake import MooncakeConfig, MooncakeManager, kv_args_for
+    from transport.connector import ConnectorConfig
+    from transport.layout import kv_args_for
+    from transport.registry import get_backend
 
     page = page_kib * 1024
     pages = total_mib * 1024 * 1024 // page
@@ -41,13 +46,14 @@ def _side(role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any
     meta = MetadataBuffers(
         4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     )
-    mgr = MooncakeManager(
+    mgr = get_backend(backend).manager(
         kv_args_for(kv, meta.buf_infos(), 0),
-        MooncakeConfig(role=role, tp_rank=0, store_port=port, namespace="bench"),
+        ConnectorConfig(role=role, tp_rank=0, store_port=port, namespace="bench"),
     )
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     peer = "decode" if role == "prefill" else "prefill"
-    info = json.loads(store.get(f"bench/{peer}/0/endpoint"))
+    store.wait([f"bench/{peer}/0/endpoint"])
+    info = mgr._peer_info(0, store)  # the record the connector writes with (connected)
     # a pattern both sides can compute: decode checks every byte it received
     pattern = (torch.arange(kv[0].numel()) % 251).to(torch.uint8).view_as(kv[0])
     if role == "prefill":
@@ -71,13 +77,13 @@ def _side(role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any
             room = 1000 + rep * 2 + (what == "life")
             if what == "raw":
                 if role == "prefill":
+                    one = [np.array([v], dtype=np.int64) for v in (kv[0].data_ptr(), info["kv_ptrs"][0], kv[0].nbytes)]  # fmt: skip
                     t0 = time.perf_counter()
-                    bid = mgr.engine.batch_transfer_async_write(
-                        info["endpoint"], [kv[0].data_ptr()], [info["kv_ptrs"][0]], [kv[0].nbytes]
-                    )
-                    while mgr.engine.transfer_check_status(bid) == 0:
+                    token = mgr._write(info, *one, b"")  # the engine's own write and poll
+                    while mgr._check(token) == 0:
                         time.sleep(0.0002)
                     raw_t.append(time.perf_counter() - t0)
+                    mgr._forget(token)
                 continue
             table = RequestTable()
             if role == "decode":
@@ -131,7 +137,9 @@ def _side(role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any
     mgr.close()
 
 
-def run_transfer_bench(total_mib: int = 64, page_kib: int = 256, reps: int = 6) -> dict[str, Any]:
+def run_transfer_bench(
+    total_mib: int = 64, page_kib: int = 256, reps: int = 6, backend: str = "mooncake"
+) -> dict[str, Any]:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from lifecycle.testing.spawn import free_port
@@ -141,7 +149,7 @@ def run_transfer_bench(total_mib: int = 64, page_kib: int = 256, reps: int = 6) 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_side, args=(r, port, total_mib, page_kib, reps, q))
+        ctx.Process(target=_side, args=(backend, r, port, total_mib, page_kib, reps, q))
         for r in ("prefill", "decode")
     ]
     for p in procs:
@@ -159,6 +167,7 @@ def run_transfer_bench(total_mib: int = 64, page_kib: int = 256, reps: int = 6) 
     raw = float(np.median(got["prefill"][0]))
     life = float(np.median(got["decode"][0]))
     return {
+        "backend": backend,
         "bytes": nbytes,
         "page_kib": page_kib,
         "reps": reps,
@@ -173,9 +182,10 @@ def run_transfer_bench(total_mib: int = 64, page_kib: int = 256, reps: int = 6) 
 
 
 def _run(args: argparse.Namespace) -> int:
-    res = run_transfer_bench(args.mib, args.page_kib, args.reps)
+    res = run_transfer_bench(args.mib, args.page_kib, args.reps, args.backend)
+    over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
     print(
-        f"{res['bytes'] >> 20} MiB over Mooncake TCP on 127.0.0.1: raw engine {res['raw_gbps']:.2f} GB/s, "
+        f"{res['bytes'] >> 20} MiB over {over} on 127.0.0.1: raw engine {res['raw_gbps']:.2f} GB/s, "
         f"lifecycle-driven {res['lifecycle_gbps']:.2f} GB/s "
         f"({100 * res['lifecycle/raw']:.0f}% of raw; medians of {res['reps']}); "
         f"the handshake before it took {1e3 * res['handshake_median_s']:.1f} ms; "
@@ -188,8 +198,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "bench-transfer", help="lifecycle-driven Mooncake transfer vs. the raw engine"
+        "bench-transfer", help="lifecycle-driven transfer vs. the raw engine (Mooncake, NIXL)"
     )
+    p.add_argument("--backend", choices=["mooncake", "nixl"], default="mooncake")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--page-kib", type=int, default=256)
     p.add_argument("--reps", type=int, default=6)

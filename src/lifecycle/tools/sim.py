@@ -227,14 +227,17 @@ class RankRun:
             torch.zeros((cfg.kv_pages, PAGE_BYTES), dtype=torch.uint8) for _ in range(KV_LAYERS)
         ]
         self.moves_bytes = cfg.backend != "fake"
-        if cfg.backend == "mooncake":
-            from transport.mooncake import MooncakeConfig, kv_args_for
+        if self.moves_bytes:  # every byte-moving backend is a connector over one config
+            from transport.connector import ConnectorConfig
+            from transport.layout import kv_args_for
 
             if cfg.prefill != cfg.decode:
-                raise ValueError("the mooncake simulation pairs prefill and decode TP ranks 1:1")
+                raise ValueError(
+                    f"the {cfg.backend} simulation pairs prefill and decode TP ranks 1:1"
+                )
             self.manager = backend.manager(
                 kv_args_for(self.kv, self.meta.buf_infos(), rank),
-                MooncakeConfig(
+                ConnectorConfig(
                     role=self.side,
                     tp_rank=self.side_rank,
                     store_host=store_addr[0],

@@ -389,7 +389,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plan", help="fault plan (.json or .toml)")
     p.add_argument("--kill-rank", type=int, help="kill this rank (a targeted fault)")
     p.add_argument("--kill-step", type=int, default=5)
-    p.add_argument("--backend", default="auto", help="auto | fake | mooncake")
+    p.add_argument("--backend", default="auto", help="auto | fake | mooncake | nixl")
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--timeout", type=float, default=110.0, help="wall-clock limit for the run")
     p.add_argument("--pg-timeout", type=float, default=15.0, help="collective timeout per rank")

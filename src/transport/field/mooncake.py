@@ -32,17 +32,24 @@ __all__ = [
 ]
 
 
-def _role(mode: Any) -> str:
+def _role(mode: Any, backend: str) -> str:
     value = getattr(mode, "value", mode)
     if value not in ("prefill", "decode"):
         raise ValueError(
-            f"a Mooncake manager serves prefill or decode, got disaggregation_mode={mode!r}"
+            f"a {backend} manager serves prefill or decode, got disaggregation_mode={mode!r}"
         )
     return str(value)
 
 
 class MooncakeKVManager:
-    """One per rank: registers this rank's memory and moves its requests' pages."""
+    """One per rank: registers this rank's memory and moves its requests' pages.
+
+    ``BACKEND`` names the registry entry driven underneath: every byte-moving
+    backend shares one connector and one config, so NIXL's classes are these
+    with another name.
+    """
+
+    BACKEND = "mooncake"
 
     def __init__(
         self,
@@ -51,13 +58,13 @@ class MooncakeKVManager:
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
-        backend = get_backend("mooncake")  # a typed error naming the extra when missing
-        from transport.mooncake import MooncakeConfig
+        backend = get_backend(self.BACKEND)  # a typed error naming the extra when missing
+        from transport.connector import ConnectorConfig
 
         port = getattr(server_args, "disaggregation_bootstrap_port", None)
         if port is None:
             raise ValueError(
-                "server_args.disaggregation_bootstrap_port is not set: the Mooncake "
+                f"server_args.disaggregation_bootstrap_port is not set: the {self.BACKEND} "
                 "manager needs the bootstrap server's port"
             )
         host = (
@@ -70,8 +77,8 @@ class MooncakeKVManager:
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.attn_cp_rank, self.attn_cp_size = 0, 1
-        config = MooncakeConfig(
-            role=_role(disaggregation_mode),
+        config = ConnectorConfig(
+            role=_role(disaggregation_mode, self.BACKEND),
             tp_rank=int(args.engine_rank),
             store_host=host,
             store_port=int(port),
@@ -108,7 +115,9 @@ class MooncakeKVReceiver(FieldReceiver):
         prefill_dp_rank: int | None = None,
     ) -> None:
         if not bootstrap_room:
-            raise ValueError("a Mooncake receiver needs the request's non-zero bootstrap_room")
+            raise ValueError(
+                f"a {mgr.BACKEND} receiver needs the request's non-zero bootstrap_room"
+            )
         core = mgr.core.receiver(int(bootstrap_room))
         super().__init__(core, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank)
 

@@ -1,17 +1,30 @@
-"""The Mooncake backend moving real bytes over TCP on 127.0.0.1.
+"""The byte-moving backends (Mooncake over TCP, NIXL over UCX) on 127.0.0.1.
 
 2 prefill + 2 decode ranks (4 processes, TP=2 on each side, gloo groups),
 driven by the reference scheduler loops of `pdlife simulate`; decode checks
-every KV page and metadata row it commits against what prefill wrote.
+every KV page and metadata row it commits against what prefill wrote. Both
+backends run the same tests: they share one connector.
 """
 
+import importlib.util
 import json
 
 import pytest
 
-mooncake = pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
-
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(300)]
+
+_MODULE = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
+
+
+def _available(backend):
+    return importlib.util.find_spec(_MODULE[backend]) is not None
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def backend(request):
+    if not _available(request.param):
+        pytest.skip(f"pd-lifecycle[{request.param}] not installed")
+    return request.param
 
 
 def decode_outcomes(out):
@@ -19,10 +32,8 @@ def decode_outcomes(out):
     return [r["outcome"] for r in ranks], ranks
 
 
-def test_200_requests_move_byte_for_byte(tmp_path, run_sim):
-    proc, s, out = run_sim(
-        "mooncake", "ok", "--requests", "200", "--abort-prob", "0", "--seed", "3"
-    )
+def test_200_requests_move_byte_for_byte(tmp_path, run_sim, backend):
+    proc, s, out = run_sim(backend, "ok", "--requests", "200", "--abort-prob", "0", "--seed", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["succeeded"] == 200
     assert s["invariant_violations"] == []  # a differing page or row would be listed here
@@ -33,9 +44,9 @@ def test_200_requests_move_byte_for_byte(tmp_path, run_sim):
     assert {v[0] for v in o2.values()} == {"Success"}
 
 
-def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim):
+def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim, backend):
     proc, s, out = run_sim(
-        "mooncake",
+        backend,
         "kill",
         "--requests",
         "200",
@@ -69,22 +80,26 @@ def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim):
     assert s["invariant_violations"] == []
 
 
-def _abort_pair(role, port, q):
-    import time
-
+def _manager(backend, role, port, namespace, **kw):
     import torch
 
     from buffers import MetadataBuffers, MetadataLayout
-    from transport.mooncake import MooncakeConfig, MooncakeManager, kv_args_for
+    from transport.connector import ConnectorConfig
+    from transport.layout import kv_args_for
+    from transport.registry import get_backend
 
     kv = [torch.zeros((16, 256), dtype=torch.uint8)]
     meta = MetadataBuffers(
         4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     )
-    m = MooncakeManager(
-        kv_args_for(kv, meta.buf_infos(), 0),
-        MooncakeConfig(role=role, tp_rank=0, store_port=port, namespace="abort"),
-    )
+    cfg = ConnectorConfig(role=role, tp_rank=0, store_port=port, namespace=namespace, **kw)
+    return get_backend(backend).manager(kv_args_for(kv, meta.buf_infos(), 0), cfg), kv
+
+
+def _abort_pair(backend, role, port, q):
+    import time
+
+    m, _ = _manager(backend, role, port, "abort")
     t0 = time.time()
     if role == "prefill":
         s = m.sender(77)
@@ -106,27 +121,67 @@ def _abort_pair(role, port, q):
     m.close()
 
 
-def test_decode_abort_reaches_prefill():
+def _pair(target, backend, timeout=60):
     import multiprocessing as mp
 
     from torch.distributed import TCPStore
 
-    from lifecycle import FailureReason
     from lifecycle.testing.spawn import free_port
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_abort_pair, args=(r, port, q)) for r in ("prefill", "decode")]
+    procs = [ctx.Process(target=target, args=(backend, r, port, q)) for r in ("prefill", "decode")]
     for p in procs:
         p.start()
     got = {}
     for _ in procs:
-        item = q.get(timeout=60)
+        item = q.get(timeout=timeout)
         got[item[0]] = item[1:]
     for p in procs:
         p.join(10)
     _ = store
+    return got, [p.exitcode for p in procs]
+
+
+def test_decode_abort_reaches_prefill(backend):
+    from lifecycle import FailureReason
+
+    got, codes = _pair(_abort_pair, backend)
+    assert codes == [0, 0]  # both processes ended cleanly
     assert got["prefill"] == (0, FailureReason.ABORTED)
     assert got["decode"] == (0, FailureReason.ABORTED, True)  # prefill said it stopped
+
+
+def _dead_peer_pair(backend, role, port, q):
+    import os
+    import time
+
+    # 2 s of silence is death: tight enough to see, loose enough for a loaded machine
+    m, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.25, heartbeat_misses=8)
+    t0 = time.time()
+    if role == "prefill":
+        s = m.sender(5)
+        while s.poll() == 1 and time.time() - t0 < 20:
+            time.sleep(0.01)
+        q.put(("prefill", s.poll(), int(s.failure_reason())))
+        q.close()
+        q.join_thread()  # the message is out before the process vanishes
+        os._exit(0)  # gone without a word: no abort, no close, heartbeats stop
+    r = m.receiver(5)
+    r.init()
+    while r.poll() != 0 and time.time() - t0 < 20:
+        time.sleep(0.01)
+    q.put(("decode", r.poll(), int(r.failure_reason()), r.drained, time.time() - t0))
+    m.close()
+
+
+def test_a_dead_peer_becomes_peer_dead(backend):
+    from lifecycle import FailureReason, KVPoll
+
+    got, _ = _pair(_dead_peer_pair, backend)
+    assert got["prefill"][0] == KVPoll.WaitingForInput, got  # the handshake was done
+    status, reason, drained, took = got["decode"]
+    assert (status, reason, drained) == (KVPoll.Failed, FailureReason.PEER_DEAD, True)
+    assert took < 10  # heartbeats found it, not a timeout

@@ -1,0 +1,109 @@
+"""The connector's control plane over one ``torch.distributed.TCPStore``:
+endpoint records (rendezvous), one message queue per rank, and heartbeats.
+No server of our own: the store the process group already has serves it.
+
+Keys, under the configured namespace: ``{role}/{rank}/endpoint`` (JSON record
+of what a peer needs to write here), ``{role}/{rank}/hb`` (wall-clock time of
+the last heartbeat) and the queue ``q/{role}/{rank}``.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["Mailbox"]
+
+
+def _store(host: str, port: int, timeout: timedelta) -> Any:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+class Mailbox:
+    """One rank's end. A store client is not thread-safe: every method takes the
+    client of the calling thread (``self.store`` for the scheduler's, :meth:`client`
+    for another thread's)."""
+
+    def __init__(
+        self, host: str, port: int, namespace: str, role: str, rank: int, wake: threading.Event
+    ) -> None:
+        self._addr, self._ns, self._rank, self._wake = (host, port), namespace, rank, wake
+        self._peer_role = "decode" if role == "prefill" else "prefill"
+        self._me = f"{namespace}/{role}/{rank}"
+        self._key = f"{namespace}/q/{role}/{rank}"
+        self.store = self.client()
+        self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._peers: dict[int, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="pd-mailbox", daemon=True)
+
+    def client(self, timeout: timedelta = timedelta(seconds=30)) -> Any:
+        return _store(*self._addr, timeout)
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Publish this rank's endpoint record, then start taking messages."""
+        self.store.set(f"{self._me}/endpoint", json.dumps(record))
+        self._listener.start()
+
+    def send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
+        msg.setdefault("from", self._rank)
+        store.queue_push(f"{self._ns}/q/{self._peer_role}/{peer}", json.dumps(msg).encode())
+
+    def _listen(self) -> None:
+        """Block on this rank's queue (no polling RPCs) and wake the loop."""
+        # a long timeout: close() wakes this pop with a message of our own
+        store = self.client(timedelta(days=1))
+        while not self._stop.is_set():
+            try:
+                msg = json.loads(store.queue_pop(self._key, block=True))
+            except Exception:
+                return  # the store is gone: so is the group
+            if msg.get("kind") == "_stop":
+                return
+            self.inbox.put(msg)
+            self._wake.set()
+
+    def received(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while not self.inbox.empty():
+            out.append(self.inbox.get_nowait())
+        return out
+
+    def peer(self, peer: int, store: Any) -> tuple[dict[str, Any] | None, bool]:
+        """(the peer's endpoint record or None if not published yet, whether it is new)."""
+        info = self._peers.get(peer)
+        if info is not None:
+            return info, False
+        key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
+        if not store.check([key]):
+            return None, False
+        info = self._peers[peer] = json.loads(store.get(key))
+        return info, True
+
+    def beat(self, store: Any) -> None:
+        store.set(f"{self._me}/hb", repr(time.time()))
+
+    def silent(self, peers: Iterable[int], limit: float, store: Any) -> set[int]:
+        """The peers whose last heartbeat is older than ``limit`` seconds (a peer not
+        up yet is not silent: the bootstrap timeout covers one that never comes)."""
+        out = set()
+        for p in peers:
+            key = f"{self._ns}/{self._peer_role}/{p}/hb"
+            if store.check([key]) and time.time() - float(store.get(key).decode()) > limit:
+                out.add(p)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.store.queue_push(self._key, json.dumps({"kind": "_stop"}).encode())
+        except Exception:
+            return  # the store is gone: the listener's pop has failed already
+        self._listener.join(timeout=2)

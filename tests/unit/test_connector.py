@@ -1,0 +1,126 @@
+"""The shared connector driven end to end in one process, with a stub engine
+that copies memory at once: the protocol's phases, the bytes, the room-last
+ordering, and the API's illegal moves."""
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from buffers import MetadataBuffers, MetadataLayout
+from lifecycle import FailureReason, KVPoll
+from lifecycle.testing.spawn import free_port
+from transport.connector import Connector, ConnectorConfig
+from transport.connector_graph import Phase, ProtocolError
+from transport.layout import kv_args_for
+
+
+class CopyConnector(Connector):
+    """Writes land inside the call, in order; ``fail_next`` makes the next one fail."""
+
+    fail_next = False
+
+    def _start_engine(self):
+        self.writes = []
+        return {}
+
+    def _write(self, info, src, dst, lens, notif):
+        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+            ctypes.memmove(d, s, n)
+        self.writes.append(lens.tolist())
+        failed, CopyConnector.fail_next = CopyConnector.fail_next, False
+        return -1 if failed else 1
+
+    def _check(self, token):
+        return token
+
+
+def wait_for(cond, what, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def pair():
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    sides = {}
+    for role in ("prefill", "decode"):
+        kv = [torch.zeros((8, 64), dtype=torch.uint8)]
+        meta = MetadataBuffers(4, layout)
+        cfg = ConnectorConfig(role=role, tp_rank=0, store_port=port, idle_interval=0.005)
+        sides[role] = (CopyConnector(kv_args_for(kv, meta.buf_infos(), 0), cfg), kv, meta)
+    yield sides
+    for m, _, _ in sides.values():
+        m.close()
+    _ = store
+
+
+def test_one_request_moves_pages_then_the_row_room_last(pair):
+    p, pkv, pmeta = pair["prefill"]
+    d, dkv, dmeta = pair["decode"]
+    pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
+    pmeta.write(1, 77, {"output_ids": [5]})
+    s, r = p.sender(77), d.receiver(77)
+    with pytest.raises(ProtocolError, match=r"room=77.*Bootstrap"):
+        r.send_metadata([0], 2)  # before the handshake: refused, nothing sent
+    r.init()
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    assert r.poll() == KVPoll.WaitingForInput
+    s.init(3, 1)
+    s.send([2, 3, 4])
+    r.send_metadata([5, 6, 7], 2)
+    wait_for(lambda: r.poll() == KVPoll.Success, "decode success")
+    assert s.poll() == KVPoll.Success
+    assert torch.equal(dkv[0][5:8], pkv[0][2:5])
+    assert dmeta.room_of(2) == 77
+    assert p.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
+    assert s.drained and r.drained
+    assert p.phase[s.index] == Phase.Done and d.phase[r.index] == Phase.Done
+
+
+def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
+    p, _, _ = pair["prefill"]
+    d, _, _ = pair["decode"]
+    s, r = p.sender(9), d.receiver(9)
+    r.init()
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    CopyConnector.fail_next = True
+    s.init(1, None)
+    s.send([0])
+    r.send_metadata([1], 0)
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of the failure")
+    assert (s.failure_reason(), r.failure_reason()) == (FailureReason.TRANSFER_ERROR,) * 2
+    wait_for(lambda: r.drained, "decode drained")
+    s.clear()
+    r.clear()
+    wait_for(lambda: 9 not in p._reqs and 9 not in d._reqs, "both released")
+    again = d.receiver(9)  # a cleared room may come back as a new request
+    assert again.poll() == KVPoll.Bootstrapping
+
+
+def test_decode_abort_before_metadata_drains_at_once(pair):
+    d, _, _ = pair["decode"]
+    r = d.receiver(11)
+    r.abort()
+    assert r.poll() == KVPoll.Failed
+    assert r.failure_reason() == FailureReason.ABORTED
+    assert r.drained  # no page list was sent: nothing can land
+
+
+def test_fire_many_moves_a_batch_and_skips_released(pair):
+    d, _, _ = pair["decode"]
+    hs = [d.receiver(100 + i) for i in range(3)]
+    reqs = [h._req for h in hs]
+    reqs[2].released = True
+    moved = d._fire_many(reqs, "peer_dead", FailureReason.PEER_DEAD)
+    assert moved.tolist() == [True, True, False]
+    assert np.all(d.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
+    assert d.phase[hs[2].index] == Phase.Bootstrap

@@ -1,0 +1,97 @@
+"""The connector's declared per-request protocol: tables, reference machine, diagram."""
+
+import numpy as np
+import pytest
+from transitions import MachineError
+
+from lifecycle.cli import main
+from transport.connector_graph import (
+    DEST,
+    EDGES,
+    IS_TERMINAL,
+    POLL,
+    TERMINAL,
+    TRIGGER_ID,
+    TRIGGERS,
+    Phase,
+    ProtocolError,
+    build_machine,
+    fire,
+)
+
+ALL = [(e.trigger, p) for e in EDGES for p in Phase]
+
+
+class Model:
+    pass
+
+
+@pytest.mark.parametrize(("trigger", "phase"), ALL)
+def test_tables_and_machine_agree_on_every_pair(trigger, phase):
+    edge = next(e for e in EDGES if e.trigger == trigger)
+    new, illegal = fire(np.array([phase]), trigger)
+    m = Model()
+    build_machine(m, initial=phase)
+    if phase in edge.sources:  # every declared edge moves, in both executors
+        assert not illegal[0]
+        assert new[0] == edge.dest
+        getattr(m, trigger)()
+        assert m.state == edge.dest
+    else:  # every undeclared move is refused by both
+        assert illegal[0]
+        assert new[0] == phase
+        with pytest.raises(MachineError):
+            getattr(m, trigger)()
+
+
+def test_terminal_phases_latch_and_are_the_reusable_ones():
+    assert set(TERMINAL) == {Phase.Done, Phase.Drained, Phase.PeerDead}
+    for p in TERMINAL:
+        assert (DEST[:, p] == -1).all()
+        assert IS_TERMINAL[p]
+    assert not IS_TERMINAL[Phase.Aborted]  # quarantined: writes may still land
+
+
+def test_fire_moves_a_batch_and_flags_only_illegal_rows():
+    ph = np.array([Phase.Bootstrap, Phase.Writing, Phase.Done, Phase.Aborted], dtype=np.int8)
+    new, illegal = fire(ph, "abort")
+    assert new.tolist() == [Phase.Aborted, Phase.Aborted, Phase.Done, Phase.Aborted]
+    assert illegal.tolist() == [False, False, True, True]
+    with pytest.raises(ValueError, match="unknown protocol trigger"):
+        fire(ph, "teleport")
+
+
+def test_edges_name_the_status_they_imply():
+    from lifecycle import KVPoll
+
+    assert POLL[TRIGGER_ID["handshake"]] == KVPoll.WaitingForInput
+    assert POLL[TRIGGER_ID["complete"]] == KVPoll.Success
+    for t in ("abort", "peer_failed", "peer_dead"):
+        assert POLL[TRIGGER_ID[t]] == KVPoll.Failed
+    assert POLL[TRIGGER_ID["drain"]] == -1
+
+
+def test_protocol_error_names_request_phase_and_what_is_allowed():
+    e = ProtocolError(room=42, rank=1, phase=int(Phase.Bootstrap), trigger="metadata")
+    msg = str(e)
+    assert "room=42" in msg
+    assert "rank 1" in msg
+    assert "Bootstrap" in msg
+    assert "handshake" in msg
+
+
+@pytest.mark.parametrize("fmt", ["mermaid", "dot"])
+def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
+    assert main(["diagram", "--protocol", "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    for p in Phase:
+        assert p.name in out
+    for e in EDGES:
+        for src in e.sources:
+            edge = (
+                f"{src.name} --> {e.dest.name}: {e.trigger}"
+                if fmt == "mermaid"
+                else f'{src.name} -> {e.dest.name} [label="{e.trigger}'
+            )
+            assert edge in out
+    assert len(TRIGGERS) == len(EDGES)

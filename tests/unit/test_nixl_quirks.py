@@ -1,0 +1,99 @@
+"""How NIXL's answers map to our failure reasons, against a stub agent."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
+
+from lifecycle import FailureReason, KVPoll
+from transport.connector import _Req
+from transport.connector_graph import Phase
+from transport.nixl import NixlConfig, NixlManager
+from transport.status_arrays import StatusArrays
+
+
+class StubAgent:
+    def __init__(self, state="DONE", post_raises=False, notifs=None):
+        self.state, self.post_raises = state, post_raises
+        self.notifs = notifs or {}
+        self.released = []
+
+    def get_xfer_descs(self, descs, mem_type):
+        assert mem_type == "DRAM" and descs.shape[1] == 3
+        return descs
+
+    def initialize_xfer(self, op, src, dst, remote, notif):
+        if self.post_raises:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        return ("xfer", notif)
+
+    def transfer(self, handle, notif):
+        return self.state
+
+    def check_xfer_state(self, handle):
+        return self.state
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+
+    def get_new_notifs(self):
+        out, self.notifs = self.notifs, {}
+        return out
+
+
+def bare_manager(agent, role="prefill", **cfg):
+    m = object.__new__(NixlManager)  # no agent, no store: just the bookkeeping
+    StatusArrays.__init__(m)
+    m.agent, m._remotes = agent, {1: "peer-agent"}
+    m.config = NixlConfig(role=role, tp_rank=0, **cfg)
+    m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
+    return m
+
+
+def request(m, phase, room=9):
+    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)), peer=1)
+    m.phase[req.index] = phase
+    m._reqs[room] = req
+    return req
+
+
+def test_a_remote_that_is_gone_is_peer_dead():
+    m = bare_manager(StubAgent(post_raises=True))
+    req = request(m, Phase.Writing)
+    one = np.array([4096])
+    m._submit(req, {"_peer": 1}, (one, one, one), b"", None)
+    assert (m.status[req.index], m.reason[req.index]) == (KVPoll.Failed, FailureReason.PEER_DEAD)
+    assert m.phase[req.index] == Phase.Aborted
+
+
+def test_a_transfer_in_error_state_is_a_transfer_error():
+    agent = StubAgent(state="ERR")
+    m = bare_manager(agent)
+    req = request(m, Phase.Writing)
+    one = np.array([4096])
+    m._submit(req, {"_peer": 1}, (one, one, one), b"", None)
+    assert req.tokens  # posted; the error shows in the state
+    m._reap(req, store=None)
+    assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
+    assert agent.released == [("xfer", b"")]  # the handle is given back
+
+
+def test_the_room_notification_completes_decode():
+    m = bare_manager(StubAgent(notifs={"p": [b"9", b"not-a-room"]}), role="decode")
+    assert m._notified() == [9]
+    assert m._notified() == []  # consumed once
+
+
+def test_a_notification_that_never_comes_is_the_waiting_timeout():
+    m = bare_manager(StubAgent(), role="decode", waiting_timeout=1.0)
+    req = request(m, Phase.Metadata)
+    m.status[req.index] = KVPoll.WaitingForInput
+    m.waited[req.index] = 100.0
+    m._timeouts(100.5, store=None)
+    assert m.status[req.index] == KVPoll.WaitingForInput  # not yet
+    m.mail = type("NoMail", (), {"send": lambda *a: None})()
+    m._timeouts(101.5, store=None)
+    assert (m.status[req.index], m.reason[req.index]) == (
+        KVPoll.Failed,
+        FailureReason.WAITING_TIMEOUT,
+    )
