@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
 def strip_timings(s):
-    return {k: v for k, v in s.items() if k not in ("step_latency_us", "elapsed_s")}
+    timings = ("step_latency_us", "elapsed_s", "rss_mb", "rss_growth_after_warmup")
+    return {k: v for k, v in s.items() if k not in timings}
 
 
 def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
