@@ -74,6 +74,9 @@ class SimConfig:
     plan: FaultPlan = attrs.field(factory=FaultPlan)
     fault_mode: str = "phase"  # phase | step (see lifecycle.tools.plan)
     soak: float | None = None  # seconds: keep admitting requests this long
+    # admission control, like a real scheduler's: past this many live requests
+    # arrivals wait, so a long run holds a bounded backlog, not an ever-growing one
+    max_live: int = 256
     rss_every: float = 1.0  # seconds between RSS samples
 
     @property
@@ -136,13 +139,14 @@ class Workload:
     def __getitem__(self, i: int) -> int:
         return int(self._block(i // _BLOCK)[0][i % _BLOCK])
 
-    def arriving(self, step: int, upto: int | None = None) -> range:
-        """Indices of the requests that arrive at ``step`` (and below ``upto``)."""
-        lo, hi = (step - 1) * self.arrival_rate, step * self.arrival_rate
+    def arriving(self, step: int, start: int, room: int, upto: int | None = None) -> range:
+        """Indices from ``start`` that have arrived by ``step``: at most ``room``
+        of them, and none from ``upto`` on."""
+        hi = min(step * self.arrival_rate, start + max(room, 0))
         cap = self.limit if upto is None else upto
         if cap is not None:
             hi = min(hi, cap)
-        return range(lo, max(lo, hi))
+        return range(start, max(start, hi))
 
     def request(self, i: int) -> tuple[int, int, int]:
         """(room, pages, abort step or 0) of request ``i``."""
@@ -405,7 +409,10 @@ class RankRun:
         upto = self.soak_limit if self.cfg.soak else None
         if self.cfg.soak and upto is None:
             upto = self._soak_allowed()
-        new = self.work.arriving(self.step_no, upto)
+        # handles are what the side holds live; every rank of a side agrees on them
+        new = self.work.arriving(
+            self.step_no, self.admitted, self.cfg.max_live - len(self.handles), upto
+        )
         if not new:
             return
         role = Role.SENDER if self.side == "prefill" else Role.RECEIVER
