@@ -173,7 +173,7 @@ def test_phase_draws_depend_on_the_request_alone():
     assert (draw(3, 1, 2, rooms[100:110]) == a[100:110]).all()
     assert not (draw(3, 1, 3, rooms) == a).all()  # another rank
     assert not (draw(4, 1, 2, rooms) == a).all()  # another seed
-    assert 0.0 <= a.min() and a.max() < 1.0
+    assert a.min() >= 0.0 and a.max() < 1.0
     assert abs(float((a < 0.05).mean()) - 0.05) < 0.01
 
 
@@ -209,8 +209,8 @@ def test_a_phase_fault_fires_when_the_request_reaches_its_phase_even_by_a_jump()
         }
     )
     rf = RankFaults(plan, 0, [], mode="phase")
-    W, S = 2, 4
-    rooms, states = [10, 20, 30], [W, 1, W]
+    w, s = 2, 4
+    rooms, states = [10, 20, 30], [w, 1, w]
     # step 1: 10 and 30 are waiting, 20 bootstrapping: nothing has reached its phase
     assert rf.inject_phase(states_ctx(rooms, states, 1), np.array(states, np.int8)).tolist() == [
         False,
@@ -219,7 +219,7 @@ def test_a_phase_fault_fires_when_the_request_reaches_its_phase_even_by_a_jump()
     ]
     # step 2: the backend reports 10 done at once (Waiting -> Success, Transferring
     # never observed), 20 waiting: both fire before either can finish
-    obs = np.array([S, W, W], np.int8)
+    obs = np.array([s, w, w], np.int8)
     assert rf.inject_phase(states_ctx(rooms, states, 2), obs).tolist() == [True, True, False]
     # a fault fires once
     assert not rf.inject_phase(states_ctx(rooms, states, 3), obs)[:2].any()
