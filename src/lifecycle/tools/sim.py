@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -753,7 +754,9 @@ class RankRun:
         now = time.monotonic()
         if force or now - self._last_rss >= self.cfg.rss_every:
             self._last_rss = now
-            self.rss.add((round(now - self._start, 2), self.finished, round(rss_mb(), 2)))
+            # the Python heap beside the RSS: growth in one but not the other is native
+            blocks = sys.getallocatedblocks()
+            self.rss.add((round(now - self._start, 2), self.finished, round(rss_mb(), 2), blocks))
 
     def run(self) -> dict[str, Any]:
         self._start = self._last_rss = time.monotonic()

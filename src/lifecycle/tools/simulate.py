@@ -80,7 +80,11 @@ def _worker(cfg: SimConfig, rank: int, out: str, port: int) -> None:
         "prefill": dist.new_group(list(range(cfg.prefill))),
         "decode": dist.new_group(list(range(cfg.prefill, cfg.world))),
     }
-    result = run_rank(cfg, rank, Path(out), store, groups, ("127.0.0.1", port))
+    try:
+        result = run_rank(cfg, rank, Path(out), store, groups, ("127.0.0.1", port))
+    except Exception as e:  # one line, not a traceback; the launcher reports the crash
+        sys.stderr.write(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}\n")
+        os._exit(4)
     if result["error"]:
         sys.stderr.write(result["error"] + "\n")
         os._exit(3)
@@ -154,7 +158,7 @@ def simulate(cfg: SimConfig, out: Path, timeout: float, progress: bool = True) -
 def _rss_growth(samples: list[list[float]], requests: int) -> float | None:
     """Relative RSS growth from the end of warm-up (a fifth of the requests
     finished) to the last sample; None without two samples past warm-up."""
-    warm = [m for _, done, m in samples if done >= requests / 5]
+    warm = [m for _, done, m, *_ in samples if done >= requests / 5]
     if len(warm) < 2 or warm[0] <= 0:
         return None
     return round((warm[-1] - warm[0]) / warm[0], 4)
@@ -407,6 +411,21 @@ def _plan(args: argparse.Namespace, world: int, requests: int) -> FaultPlan:
     return plan
 
 
+def _check_ports(base: int, world: int) -> None:
+    import socket
+
+    for r in range(world):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", base + r))
+            except OSError as e:
+                raise UsageError(
+                    f"--metrics-port {base}",
+                    f"rank {r} would serve on port {base + r}, which is taken ({e.strerror}); "
+                    "choose another base port",
+                ) from None
+
+
 def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     """Every check of the command line, before anything is started."""
     world = args.prefill + args.decode
@@ -421,6 +440,8 @@ def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
             f"--metrics-port {args.metrics_port}",
             f"rank r serves on port + r, so it must be at most {65536 - world}",
         )
+    if args.metrics_port is not None:
+        _check_ports(args.metrics_port, world)
     if args.soak is not None and args.requests_given:
         raise UsageError("--soak", "admits requests for that long; drop --requests")
     plan = _plan(args, world, args.requests)
