@@ -804,6 +804,7 @@ class RankRun:
             self.violations.append(f"step {self.step_no}: {type(e).__name__}: {e}")
         self._sample_rss(force=True)
         self.trace.close()
+        backend_error = getattr(self.manager, "last_error", None)
         close = getattr(self.manager, "close", None)
         if close is not None:
             close()
@@ -855,6 +856,8 @@ class RankRun:
             "decisions": [[d.room, d.rank, d.phase, d.kind, d.wins] for d in self.faults.decisions],
             "fired": [[st, kind, room] for st, kind, room in self.faults.fired],
             "rss_mb": self.rss.items,
+            # an exception the backend's own thread caught (it fails that rank's live requests)
+            "backend_error": None if backend_error is None else repr(backend_error)[:300],
             "error": error,
         }
 

@@ -278,6 +278,9 @@ def summarize(
         "invariant_violations": violations,
         "dead_ranks": dead,
         "rank_errors": errors,
+        "backend_errors": {
+            str(r): res["backend_error"] for r, res in ranks.items() if res.get("backend_error")
+        },
         "hung_ranks": hung,
         "crashed_ranks": crashed,
         "rss_mb": rss,
@@ -381,6 +384,8 @@ def print_table(s: dict[str, Any]) -> None:
         print(f"  ERROR: rank {r} crashed")
     for msg in s["problems"]:
         print(f"  ERROR: {msg}")
+    for r, e in s.get("backend_errors", {}).items():
+        print(f"  rank {r}'s transfer backend caught: {e}")
     for r in s["dead_ranks"]:
         print(f"  rank {r} was killed by the fault plan")
     for v in s["invariant_violations"][:20]:
