@@ -482,18 +482,21 @@ class MooncakeManager(StatusArrays):
     def _submit(
         self, req: _Req, info: dict[str, Any], srcs: list[int], dsts: list[int], lens: list[int]
     ) -> None:
-        if not srcs:
-            return
-        bid = int(self.engine.batch_transfer_async_write(info["endpoint"], srcs, dsts, lens))
-        if bid == 0:  # the engine's way of saying the peer is unreachable
-            self._set(req, F, FailureReason.PEER_DEAD)
-            req.notify = {
-                "kind": "failed",
-                "room": req.room,
-                "reason": int(FailureReason.PEER_DEAD),
-            }
-            return
-        req.batches.append(bid)
+        # One entry per batch: the engine's status call reads a batch's first
+        # task only and frees the batch when that one is done; a batch whose
+        # other tasks are still in flight then leaks (~1.4 KB each, linear RSS
+        # growth on prefill) and would count as landed before they have.
+        for src, dst, n in zip(srcs, dsts, lens):
+            bid = int(self.engine.batch_transfer_async_write(info["endpoint"], [src], [dst], [n]))
+            if bid == 0:  # the engine's way of saying the peer is unreachable
+                self._set(req, F, FailureReason.PEER_DEAD)
+                req.notify = {
+                    "kind": "failed",
+                    "room": req.room,
+                    "reason": int(FailureReason.PEER_DEAD),
+                }
+                return
+            req.batches.append(bid)
 
     def _submit_pages(
         self, req: _Req, src: NDArray[np.int64], dst: NDArray[np.int64], info: dict[str, Any]
