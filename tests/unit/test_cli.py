@@ -86,6 +86,7 @@ BAD = [
     (["bench", "--sizes", "x"], "--sizes"),
     (["bench", "--reps", "0"], "--reps"),
     (["bench-transfer", "--mib", "-1"], "--mib"),
+    (["engine-memory", "--entries", "0"], "--entries"),
     (["diagram", "--role", "x"], "--role"),
     (["nonsense"], "nonsense"),
     ([], "command"),

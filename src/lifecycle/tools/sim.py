@@ -381,7 +381,11 @@ class RankRun:
         self.bytes_checked = 0
         self.ready: deque[int] = deque()
         self.finished = 0
-        self.outcome: dict[int, tuple[str, int, int]] = {}  # room -> (status, reason, origin)
+        # every finished request's (room, status, reason, origin), streamed to disk
+        # so that a soak's memory does not grow with the requests it has finished
+        (out / "ranks").mkdir(parents=True, exist_ok=True)
+        self._outcomes_path = out / "ranks" / f"rank{rank}.outcomes.jsonl"
+        self._outcomes = self._outcomes_path.open("w")
         self.violations: list[str] = []
         self.disagreements = 0
         self.latency_us = _Reservoir(20_000)
@@ -456,7 +460,7 @@ class RankRun:
             self.client_abort(room)
 
     def _finish(self, room: int, status: int, reason: int, origin: int) -> None:
-        self.outcome[room] = (KVPoll(status).name, reason, origin)
+        self._outcomes.write(f'[{room},"{KVPoll(status).name}",{reason},{origin}]\n')
         self.finished += 1
         self.faults.forget(room)
         self.need.pop(room, None)
@@ -804,6 +808,12 @@ class RankRun:
             self.violations.append(f"step {self.step_no}: {type(e).__name__}: {e}")
         self._sample_rss(force=True)
         self.trace.close()
+        self._outcomes.close()
+        outcome: dict[str, list[Any]] = {}
+        with self._outcomes_path.open() as f:
+            for line in f:
+                room, *rest = json.loads(line)
+                outcome[str(room)] = rest
         backend_error = getattr(self.manager, "last_error", None)
         close = getattr(self.manager, "close", None)
         if close is not None:
@@ -836,7 +846,7 @@ class RankRun:
             "side": self.side,
             "steps": self.step_no,
             "requests": requests,
-            "outcome": {str(k): v for k, v in self.outcome.items()},
+            "outcome": outcome,
             "unfinished": unfinished,
             "violations": self.violations,
             "problems": problems,
