@@ -118,6 +118,7 @@ def simulate(cfg: SimConfig, out: Path, timeout: float, progress: bool = True) -
         out / "summary.json",
         *(out / "trace").glob("*.jsonl"),
         *(out / "ranks").glob("*.json"),
+        *(out / "ranks").glob("*.jsonl"),
     ]
     for old in stale:
         old.unlink(missing_ok=True)
@@ -267,7 +268,14 @@ def summarize(
         "ranks": {"prefill": cfg.prefill, "decode": cfg.decode},
         "faults_fired": sum(r["faults_fired"] for r in ranks.values()),
         "fault_decisions": [
-            {"room": d[0], "rank": d[1], "phase": d[2], "kind": d[3], "fired": d[4]}
+            {
+                "room": d[0],
+                "rank": d[1],  # -1: the client (an abort)
+                "phase": d[2],
+                "kind": d[3],
+                "reason": "aborted" if d[3] == "abort" else "injected fault",
+                "fired": d[4],  # the request's winner: the one draw that fires
+            }
             for d in decisions
         ],
         "outcomes": {
