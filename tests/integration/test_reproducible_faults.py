@@ -59,7 +59,7 @@ def check_against_plan(s):
     and reason, or Success when nothing was drawn for it."""
     assert s["fault_mode"] == "phase"
     assert len(s["outcomes"]) == s["requests"] == 500
-    winners = {str(d["room"]): d for d in s["fault_decisions"] if d["fired"]}
+    winners = {str(d["room"]): d for d in s["fault_decisions"] if d["wins"]}
     want = {
         room: ["Success", "none"]
         if room not in winners

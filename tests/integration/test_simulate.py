@@ -32,7 +32,7 @@ def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
     outcomes = s1["outcomes"]
     assert len(outcomes) == 200
     assert s1["succeeded"] == sum(o == ["Success", "none"] for o in outcomes.values())
-    drawn = {str(d["room"]) for d in s1["fault_decisions"] if d["fired"]}
+    drawn = {str(d["room"]) for d in s1["fault_decisions"] if d["wins"]}
     assert {d["kind"] for d in s1["fault_decisions"]} == {"abort"}
     assert {r for r, o in outcomes.items() if o[0] == "Failed"} == drawn
     assert s1["aborted"] == len(drawn) > 0
@@ -60,7 +60,7 @@ def test_failure_probability_under_load(tmp_path, run_sim):
     proc, s, out = run_sim("fake", "p", "--fail-prob", "0.05", "--requests", "2000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # each drawn winner fired once and ended its request, for its reason
-    fired = [d for d in s["fault_decisions"] if d["fired"]]
+    fired = [d for d in s["fault_decisions"] if d["wins"]]
     want = {str(d["room"]): "aborted" if d["kind"] == "abort" else "injected fault" for d in fired}
     got = {r: o[1] for r, o in s["outcomes"].items() if o[0] == "Failed"}
     assert got == want

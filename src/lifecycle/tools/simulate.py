@@ -274,7 +274,7 @@ def summarize(
                 "phase": d[2],
                 "kind": d[3],
                 "reason": "aborted" if d[3] == "abort" else "injected fault",
-                "fired": d[4],  # the request's winner: the one draw that fires
+                "wins": d[4],  # the request's winner: the one draw that fires
             }
             for d in decisions
         ],
