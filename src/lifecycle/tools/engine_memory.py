@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ def _target(q: Any, done: Any) -> None:
 
 
 def engine_rss_per_request(
-    requests: int, entries: int, batches: int, item: int = 256
+    requests: int, entries: int, batches: int, item: int = 256, settle_s: float = 0.0
 ) -> dict[str, float]:
     """RSS of the writing engine before and after, and bytes per request after warm-up."""
     os.environ.setdefault("GLOG_minloglevel", "2")
@@ -74,6 +75,8 @@ def engine_rss_per_request(
                         [item] * entries,
                     )
                 )
+            if settle_s:
+                time.sleep(settle_s)  # every entry has landed before the first poll
             pending = set(bids)
             while pending:  # as the backend does: poll each batch until it reports
                 pending = {b for b in pending if e.transfer_check_status(b) == 0}
@@ -92,10 +95,12 @@ def _run(args: argparse.Namespace) -> int:
     from transport.mooncake import probe
 
     probe()
+    settle = args.settle_ms / 1000
     for entries, batches in ((args.entries, args.batches), (1, args.entries * args.batches)):
-        r = engine_rss_per_request(args.requests, entries, batches)
+        r = engine_rss_per_request(args.requests, entries, batches, settle_s=settle)
         print(
-            f"{args.requests} requests x {batches} batches of {entries} entries: RSS "
+            f"{args.requests} requests x {batches} batches of {entries} entries"
+            f"{f', polled after {args.settle_ms} ms' if settle else ''}: RSS "
             f"{r['rss_start_mib']:.1f} -> {r['rss_end_mib']:.1f} MiB, "
             f"{r['bytes_per_request']:.0f} bytes per request after warm-up"
         )
@@ -110,4 +115,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=positive_int, default=6000)
     p.add_argument("--entries", type=positive_int, default=8, help="entries per batch")
     p.add_argument("--batches", type=positive_int, default=5, help="batches per request")
+    p.add_argument(
+        "--settle-ms", type=float, default=0.0, help="wait this long before the first poll"
+    )
     p.set_defaults(func=_run)
