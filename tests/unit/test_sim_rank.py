@@ -116,3 +116,20 @@ def test_workload_rooms_are_distinct_reproducible_and_in_range():
 )
 def test_arrivals_respect_schedule_room_and_limit(step, start, room, upto, want):
     assert Workload(SimConfig(requests=1000)).arriving(step, start, room, upto) == want
+
+
+def test_a_plan_in_step_mode_keeps_step_aborts_whatever_the_default(tmp_path):
+    cfg = SimConfig(
+        prefill=1,
+        decode=1,
+        backend="fake",
+        requests=200,
+        abort_prob=0.2,
+        plan=parse_plan({"mode": "step"}),
+        fault_mode="phase",
+    )
+    assert cfg.mode == "step"
+    res = RankRun(cfg, 1, tmp_path, SingleRank(), Store()).run()
+    aborted = [o for o in res["outcome"].values() if o[:2] == ["Failed", 0]]
+    assert res["fault_mode"] == "step" and res["decisions"] == []
+    assert 10 < len(aborted) < 80

@@ -85,6 +85,11 @@ class SimConfig:
         return self.prefill + self.decode
 
     @property
+    def mode(self) -> str:
+        """The fault mode in force: the plan's, else ``fault_mode``."""
+        return self.plan.mode if self.plan.mode is not None else self.fault_mode
+
+    @property
     def capacity(self) -> int:
         """Live requests a queue can hold at once (the step's buffer size)."""
         return max(64, min(self.requests, self.kv_pages, 4096))
@@ -103,7 +108,7 @@ class Workload:
         self.seed = cfg.seed
         self.arrival_rate = max(cfg.arrival, 1)
         self.max_pages = cfg.max_pages
-        self.abort_prob = cfg.abort_prob if cfg.fault_mode == "step" else 0.0
+        self.abort_prob = cfg.abort_prob if cfg.mode == "step" else 0.0
         self.limit: int | None = None if cfg.soak else cfg.requests
         self._blocks: dict[
             int, tuple[NDArray[np.uint64], NDArray[np.int64], NDArray[np.int64]]
@@ -324,8 +329,7 @@ class RankRun:
         self.coll = coll
         self.store = store
         self.work = Workload(cfg)
-        mode = cfg.fault_mode if cfg.plan.mode is None else cfg.plan.mode
-        self.mode = mode
+        mode = self.mode = cfg.mode
         self.faults = RankFaults(
             cfg.plan, rank, self.work, mode, cfg.world, cfg.abort_prob, cfg.seed
         )

@@ -264,7 +264,7 @@ def summarize(
         },
         "backend": cfg.backend,
         "seed": cfg.seed,
-        "fault_mode": cfg.fault_mode if cfg.plan.mode is None else cfg.plan.mode,
+        "fault_mode": cfg.mode,
         "ranks": {"prefill": cfg.prefill, "decode": cfg.decode},
         "faults_fired": sum(r["faults_fired"] for r in ranks.values()),
         "fault_decisions": [
@@ -494,7 +494,7 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"pdlife simulate: backend {cfg.backend} ({why}); "
             f"{cfg.prefill}P + {cfg.decode}D ranks {where}; seed {cfg.seed}; "
-            f"{cfg.fault_mode if cfg.plan.mode is None else cfg.plan.mode}-keyed faults"
+            f"{cfg.mode}-keyed faults"
         )
     if torchrun:
         return _under_torchrun(cfg, Path(args.out))
