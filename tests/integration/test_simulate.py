@@ -89,22 +89,23 @@ def test_targeted_plan(tmp_path, run_sim):
             {"kind": "drop_metadata", "rank": 2, "request": 9},
             {"kind": "delay", "rank": 2, "request": 11, "steps": 5},
             {"kind": "hold_gate", "rank": 3, "request": 13, "steps": 5},
+            {"kind": "fail", "rank": 2, "request": 15, "at": "WaitingForInput"},
         ]
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc, s, out = run_sim("fake", "t", "--plan", str(tmp_path / "plan.json"), "--abort-prob", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert s["failed"] == {
-        "injected fault": 1,
+        "injected fault": 2,
         "local exception": 1,
         "metadata corrupt": 1,
         "waiting timeout": 1,
     }
-    assert s["succeeded"] == s["requests"] - 4  # delay and hold only slow a request down
+    assert s["succeeded"] == s["requests"] - 5  # delay and hold only slow a request down
     from lifecycle.tools.sim import SimConfig, Workload
 
     rooms = [str(r) for r in Workload(SimConfig(seed=0)).all_rooms(200)]
-    by_request = {i: s["outcomes"][rooms[i]] for i in (3, 5, 7, 9, 11, 13)}
+    by_request = {i: s["outcomes"][rooms[i]] for i in (3, 5, 7, 9, 11, 13, 15)}
     assert by_request == {
         3: ["Failed", "injected fault"],
         5: ["Failed", "local exception"],
@@ -112,8 +113,9 @@ def test_targeted_plan(tmp_path, run_sim):
         9: ["Failed", "waiting timeout"],
         11: ["Success", "none"],
         13: ["Success", "none"],
+        15: ["Failed", "injected fault"],  # on decode rank 2, once it reached WaitingForInput
     }
-    assert s["faults_fired"] == 6 and s["unfired_faults"] == []
+    assert s["faults_fired"] == 7 and s["unfired_faults"] == []
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
     fails = [
         json.loads(line)
