@@ -1,14 +1,28 @@
-"""The ``pdlife`` command line."""
+"""The ``pdlife`` command line.
+
+Exit status: 0 success, 1 a run that failed (or outcomes that differ),
+2 a bad argument or input file. Every error is one line on stderr naming the
+argument or file and what to do; set ``PDLIFE_DEBUG=1`` for a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from lifecycle.status import Role
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _diagram(args: argparse.Namespace) -> int:
@@ -20,10 +34,10 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pdlife", description="KV-cache transfer lifecycle tooling for PD disaggregation"
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub: Any = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     d = sub.add_parser("diagram", help="print the request state diagram")
     d.add_argument("--role", choices=["sender", "receiver"], default="sender")
@@ -39,10 +53,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    rc: int = args.func(args)
+    from lifecycle.errors import FaultPlanError
+    from lifecycle.tools.args import UsageError
+    from transport.errors import TransportError
+
+    try:
+        rc: int = args.func(args)
+    except (UsageError, FaultPlanError, TransportError) as e:
+        if os.environ.get("PDLIFE_DEBUG"):
+            raise
+        sys.stderr.write(f"pdlife {args.command}: error: {_one_line(e)}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"pdlife {args.command}: interrupted\n")
+        return 130
+    except Exception as e:  # a defect or the environment: still one line
+        if os.environ.get("PDLIFE_DEBUG"):
+            raise
+        sys.stderr.write(
+            f"pdlife {args.command}: failed: {type(e).__name__}: {_one_line(e)} "
+            "(set PDLIFE_DEBUG=1 for the traceback)\n"
+        )
+        return 1
     return rc
 
 

@@ -78,26 +78,40 @@ class MooncakeManager(Connector):
         self.endpoint = f"{self.config.hostname}:{self.engine.get_rpc_port()}"
         return {"endpoint": self.endpoint}
 
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> int | None:
+    def _write(self, info: dict[str, Any], *w_notif: Any) -> tuple[int, ...] | None:
         src, dst, lens, _ = w_notif  # the room travels in the mailbox's "done" instead
-        bid = int(
-            self.engine.batch_transfer_async_write(
-                info["endpoint"], _ints(src), _ints(dst), _ints(lens)
-            )
-        )
-        return None if bid == 0 else bid  # 0: the engine's way of saying "unreachable"
+        # One entry per batch: the engine's status call reads a batch's first
+        # task only and frees the batch when that one is done; a batch whose
+        # other tasks are still in flight then leaks (linear RSS growth on
+        # prefill, measured by `pdlife engine-memory`) and would count as
+        # landed before they have. The token is the write's batches.
+        bids: list[int] = []
+        for s_, d_, n_ in zip(_ints(src), _ints(dst), _ints(lens)):
+            bid = int(self.engine.batch_transfer_async_write(info["endpoint"], [s_], [d_], [n_]))
+            if bid == 0:  # the engine's way of saying "unreachable"
+                for b in bids:  # those already issued are still waited for by _check
+                    self._batch_results.setdefault(b, -1)
+                return None
+            bids.append(bid)
+        return tuple(bids)
 
-    def _check(self, bid: int) -> int:
-        done = self._batch_results.get(bid)
-        if done is not None:
-            return done
-        s = int(self.engine.transfer_check_status(bid))
-        if s != 0:
-            self._batch_results[bid] = s
-        return -1 if s < 0 else min(s, 1)
+    def _check(self, bids: tuple[int, ...]) -> int:
+        worst = 1
+        for bid in bids:
+            done = self._batch_results.get(bid)
+            if done is None:
+                s = int(self.engine.transfer_check_status(bid))
+                if s != 0:
+                    self._batch_results[bid] = done = s
+            st = 0 if done is None else (-1 if done < 0 else 1)
+            if st < 0:
+                return -1
+            worst = min(worst, st)
+        return worst
 
-    def _forget(self, bid: int) -> None:
-        self._batch_results.pop(bid, None)
+    def _forget(self, bids: tuple[int, ...]) -> None:
+        for bid in bids:
+            self._batch_results.pop(bid, None)
 
 
 def _ints(a: NDArray[np.int64]) -> list[int]:

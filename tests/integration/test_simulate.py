@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
 def strip_timings(s):
-    return {k: v for k, v in s.items() if k not in ("step_latency_us", "elapsed_s")}
+    timings = ("step_latency_us", "elapsed_s", "rss_mb", "rss_growth_after_warmup")
+    return {k: v for k, v in s.items() if k not in timings}
 
 
 def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
@@ -26,6 +27,17 @@ def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
     assert (out1 / "trace" / "rank2.jsonl").read_bytes() == (
         out2 / "trace" / "rank2.jsonl"
     ).read_bytes()
+    # the counts are those of the per-request outcomes, and they match the plan:
+    # no faults, so exactly the requests whose abort was drawn failed, as aborted
+    outcomes = s1["outcomes"]
+    assert len(outcomes) == 200
+    assert s1["succeeded"] == sum(o == ["Success", "none"] for o in outcomes.values())
+    drawn = {str(d["room"]) for d in s1["fault_decisions"] if d["wins"]}
+    assert {d["kind"] for d in s1["fault_decisions"]} == {"abort"}
+    assert {r for r, o in outcomes.items() if o[0] == "Failed"} == drawn
+    assert s1["aborted"] == len(drawn) > 0
+    assert s1["failed"] == {} and s1["faults_fired"] == 0
+    assert (s1["unfired_faults"], s1["problems"]) == ([], [])
     assert (out1 / "timeline.png").stat().st_size > 1000
     assert "stateDiagram-v2" in (out1 / "lifecycle.mmd").read_text()
     for key in (
@@ -47,7 +59,16 @@ def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
 def test_failure_probability_under_load(tmp_path, run_sim):
     proc, s, out = run_sim("fake", "p", "--fail-prob", "0.05", "--requests", "2000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert s["failed"].get("injected fault", 0) > 0
+    # each drawn winner fired once and ended its request, for its reason
+    fired = [d for d in s["fault_decisions"] if d["wins"]]
+    want = {str(d["room"]): "aborted" if d["kind"] == "abort" else "injected fault" for d in fired}
+    got = {r: o[1] for r, o in s["outcomes"].items() if o[0] == "Failed"}
+    assert got == want
+    injected = sum(v == "injected fault" for v in want.values())
+    assert s["failed"] == {"injected fault": injected}
+    assert s["faults_fired"] == injected
+    assert 4 * 2000 * 0.05 * 0.7 < injected < 4 * 2000 * 0.05 * 1.1  # ~5% per rank, 4 ranks
+    assert s["succeeded"] == 2000 - len(want)
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
     rp = subprocess.run(
         [sys.executable, "-m", "lifecycle", "replay", str(out)],
@@ -68,18 +89,33 @@ def test_targeted_plan(tmp_path, run_sim):
             {"kind": "drop_metadata", "rank": 2, "request": 9},
             {"kind": "delay", "rank": 2, "request": 11, "steps": 5},
             {"kind": "hold_gate", "rank": 3, "request": 13, "steps": 5},
+            {"kind": "fail", "rank": 2, "request": 15, "at": "WaitingForInput"},
         ]
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc, s, out = run_sim("fake", "t", "--plan", str(tmp_path / "plan.json"), "--abort-prob", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert s["failed"] == {
-        "injected fault": 1,
+        "injected fault": 2,
         "local exception": 1,
         "metadata corrupt": 1,
         "waiting timeout": 1,
     }
-    assert s["succeeded"] == s["requests"] - 4  # delay and hold only slow a request down
+    assert s["succeeded"] == s["requests"] - 5  # delay and hold only slow a request down
+    from lifecycle.tools.sim import SimConfig, Workload
+
+    rooms = [str(r) for r in Workload(SimConfig(seed=0)).all_rooms(200)]
+    by_request = {i: s["outcomes"][rooms[i]] for i in (3, 5, 7, 9, 11, 13, 15)}
+    assert by_request == {
+        3: ["Failed", "injected fault"],
+        5: ["Failed", "local exception"],
+        7: ["Failed", "metadata corrupt"],
+        9: ["Failed", "waiting timeout"],
+        11: ["Success", "none"],
+        13: ["Success", "none"],
+        15: ["Failed", "injected fault"],  # on decode rank 2, once it reached WaitingForInput
+    }
+    assert s["faults_fired"] == 7 and s["unfired_faults"] == []
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
     fails = [
         json.loads(line)
@@ -95,6 +131,18 @@ def test_killed_rank_is_named_by_the_survivors(tmp_path, run_sim):
     assert s["dead_ranks"] == [3]
     assert any("dead rank(s) [3]" in e for e in s["rank_errors"])
     assert "dead rank(s) [3]" in proc.stdout
+
+
+def test_a_fault_that_never_fired_and_max_steps_fail_the_run(tmp_path, run_sim):
+    proc, s, _ = run_sim("fake", "nf", "--kill-rank", "1", "--kill-step", "500", "--max-steps", "4")
+    assert proc.returncode == 1
+    assert not s["ok"]
+    assert s["unfired_faults"] == ["kill_rank on rank 1 at step 500"]
+    text = "\n".join(s["problems"])
+    assert "1 targeted fault(s) never fired, e.g. kill_rank on rank 1 at step 500" in text
+    assert "stopped at --max-steps 4" in text
+    assert "never fired" in proc.stdout and "--max-steps 4" in proc.stdout
+    assert "result: FAILED" in proc.stdout
 
 
 def test_replay_finds_a_hand_edit(tmp_path, run_sim):

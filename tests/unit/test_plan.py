@@ -117,3 +117,133 @@ def test_field_environment_variables_keep_working():
     assert (hook.prob, hook.seed) == (0.1, 7)
     with pytest.raises(FaultPlanError, match="SGLANG_TEST_DISAGG_FAILURE_PROB"):
         from_env(env={"SGLANG_TEST_DISAGG_FAILURE_PROB": "often"})
+
+
+def states_ctx(rooms, states, step=1):
+    rooms = np.asarray(rooms, dtype=np.uint64)
+    return StepContext(
+        0, step, 0.0, rooms, np.asarray(states, np.int8), np.zeros(rooms.size, np.int64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"mode": "sometimes"}, "mode"),
+        ({"faults": [{"kind": "fail", "rank": 0, "request": 1, "at": "Later"}]}, r"\.at"),
+        ({"faults": [{"kind": "fail", "rank": 0, "request": 1, "at": 3}]}, r"\.at"),
+        (
+            {
+                "faults": [
+                    {"kind": "fail", "rank": 0, "request": 1, "at": "Transferring", "step": 2}
+                ]
+            },
+            r"faults\[0\]",
+        ),
+        (
+            {"faults": [{"kind": "drop_metadata", "rank": 0, "request": 1, "at": "Bootstrapping"}]},
+            r"\.at",
+        ),
+        ({"faults": [{"kind": "kill_rank", "rank": 0, "step": 3, "at": "Transferring"}]}, r"\.at"),
+    ],
+)
+def test_phase_fields_are_validated(doc, field):
+    with pytest.raises(FaultPlanError, match=field):
+        parse_plan(doc)
+
+
+def test_phase_mode_plans_parse_in_both_formats(tmp_path):
+    (tmp_path / "p.toml").write_text(
+        'seed = 2\nmode = "phase"\n[probabilistic]\nprob = 0.05\n'
+        '[[faults]]\nkind = "fail"\nrank = 1\nrequest = 4\nat = "Transferring"\n'
+    )
+    plan = load_plan(tmp_path / "p.toml")
+    assert plan.mode == "phase"
+    assert plan.faults[0].at == "Transferring"
+    assert parse_plan({}).mode is None
+
+
+def test_phase_draws_depend_on_the_request_alone():
+    from lifecycle.tools.plan import draw
+
+    rooms = np.arange(1, 5001, dtype=np.uint64) * 7919
+    a = draw(3, 1, 2, rooms)
+    # asked in another order, or a few at a time, a request gets the same number
+    assert (draw(3, 1, 2, rooms[::-1])[::-1] == a).all()
+    assert (draw(3, 1, 2, rooms[100:110]) == a[100:110]).all()
+    assert not (draw(3, 1, 3, rooms) == a).all()  # another rank
+    assert not (draw(4, 1, 2, rooms) == a).all()  # another seed
+    assert a.min() >= 0.0 and a.max() < 1.0
+    assert abs(float((a < 0.05).mean()) - 0.05) < 0.01
+
+
+def test_one_winner_per_request_earliest_phase_then_abort_then_lowest_rank():
+    from lifecycle.tools.plan import PHASES, FaultPlan, phase_decisions
+
+    rooms = np.arange(1, 20001, dtype=np.uint64)
+    ds = phase_decisions(FaultPlan(seed=1, prob=0.2), 0.2, 9, 4, rooms)
+    by_room = {}
+    for d in ds:
+        by_room.setdefault(d.room, []).append(d)
+    assert {d.kind for d in ds} == {"fail", "abort"}
+    assert {d.phase for d in ds} == set(PHASES)
+    for got in by_room.values():
+        winners = [d for d in got if d.wins]
+        assert len(winners) == 1
+        key = [(PHASES.index(d.phase), d.rank) for d in got]
+        assert (PHASES.index(winners[0].phase), winners[0].rank) == min(key)
+    # the same draws, asked for a subset of the requests
+    sub = phase_decisions(FaultPlan(seed=1, prob=0.2), 0.2, 9, 4, rooms[:50])
+    assert sub == [d for d in ds if d.room <= 50]
+
+
+def test_a_phase_fault_fires_when_the_request_reaches_its_phase_even_by_a_jump():
+    plan = parse_plan(
+        {
+            "mode": "phase",
+            "faults": [
+                {"kind": "fail", "rank": 0, "room": 10, "at": "Transferring"},
+                {"kind": "fail", "rank": 0, "room": 20, "at": "WaitingForInput"},
+                {"kind": "fail", "rank": 0, "room": 30, "at": "Transferring"},
+            ],
+        }
+    )
+    rf = RankFaults(plan, 0, [], mode="phase")
+    w, s = 2, 4
+    rooms, states = [10, 20, 30], [w, 1, w]
+    # step 1: 10 and 30 are waiting, 20 bootstrapping: nothing has reached its phase
+    assert rf.inject_phase(states_ctx(rooms, states, 1), np.array(states, np.int8)).tolist() == [
+        False,
+        False,
+        False,
+    ]
+    # step 2: the backend reports 10 done at once (Waiting -> Success, Transferring
+    # never observed), 20 waiting: both fire before either can finish
+    obs = np.array([s, w, w], np.int8)
+    assert rf.inject_phase(states_ctx(rooms, states, 2), obs).tolist() == [True, True, False]
+    # a fault fires once
+    assert not rf.inject_phase(states_ctx(rooms, states, 3), obs)[:2].any()
+    assert rf.unfired() == ["fail on rank 0, room 30, at Transferring"]
+
+
+def test_phase_winners_are_carried_out_by_their_rank_and_aborts_on_decode():
+    from lifecycle.tools.plan import FaultPlan, phase_decisions
+
+    plan = FaultPlan(seed=5, prob=0.3)
+    rooms = list(range(1, 401))
+    ds = phase_decisions(plan, 0.3, 5, 2, np.asarray(rooms, np.uint64))
+    aborted = []
+    fired = {}
+    for rank in (0, 1):
+        rf = RankFaults(plan, rank, rooms, mode="phase", world=2, abort_prob=0.3, abort_seed=5)
+        rf.admit(rooms, aborts_here=rank == 1)
+        obs = np.full(len(rooms), 4, np.int8)  # everything about to succeed
+        hit = rf.inject_phase(states_ctx(rooms, [2] * len(rooms)), obs, aborted.append)
+        fired[rank] = {r for r, h in zip(rooms, hit.tolist()) if h}
+    want = {
+        rank: {d.room for d in ds if d.wins and d.kind == "fail" and d.rank == rank}
+        for rank in (0, 1)
+    }
+    assert fired == want
+    assert sorted(aborted) == sorted(d.room for d in ds if d.wins and d.kind == "abort")
+    assert fired[0] and fired[1] and aborted

@@ -10,8 +10,9 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    from lifecycle.tools import bench, bench_transfer, simulate
+    from lifecycle.tools import bench, bench_transfer, engine_memory, simulate
 
     simulate.add_parser(sub)
     bench.add_parser(sub)
     bench_transfer.add_parser(sub)
+    engine_memory.add_parser(sub)

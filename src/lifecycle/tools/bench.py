@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lifecycle.tools.args import positive_int
 from lifecycle.tools.bench_cases import ArrayBackend, ObjPoller, churn_case, three_queues
 
 __all__ = ["add_parser", "run_bench"]
@@ -272,9 +273,20 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 64,1024"
+        ) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be at least 1, got {text!r}")
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
-    sizes = tuple(int(s) for s in args.sizes.split(","))
-    res = run_bench(sizes, args.reps, args.transitions_reps)
+    res = run_bench(args.sizes, args.reps, args.transitions_reps)
     print(format_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
@@ -286,8 +298,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench", help="step cost vs. the all-reduce floor and the per-request pattern"
     )
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--transitions-reps", type=int, default=6)
+    p.add_argument("--sizes", type=_sizes, default=SIZES, help="comma-separated request counts")
+    p.add_argument("--reps", type=positive_int, default=200)
+    p.add_argument("--transitions-reps", type=positive_int, default=6)
     p.add_argument("--json", help="write medians, p90s and ratios here")
     p.set_defaults(func=_run)

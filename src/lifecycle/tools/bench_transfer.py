@@ -197,12 +197,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
+    from lifecycle.tools.args import positive_int
+
     p = sub.add_parser(
         "bench-transfer", help="lifecycle-driven transfer vs. the raw engine (Mooncake, NIXL)"
     )
     p.add_argument("--backend", choices=["mooncake", "nixl"], default="mooncake")
-    p.add_argument("--mib", type=int, default=64)
-    p.add_argument("--page-kib", type=int, default=256)
-    p.add_argument("--reps", type=int, default=6)
+    p.add_argument("--mib", type=positive_int, default=64)
+    p.add_argument("--page-kib", type=positive_int, default=256)
+    p.add_argument("--reps", type=positive_int, default=6)
     p.add_argument("--json")
     p.set_defaults(func=_run)

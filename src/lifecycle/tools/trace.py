@@ -29,7 +29,13 @@ from lifecycle.graph import TRIGGERS
 from lifecycle.packing import pack, unpack
 from lifecycle.step import StepResult
 
-__all__ = ["TraceWriter", "ReplayReport", "replay", "read_trace"]
+__all__ = ["TraceWriter", "TraceError", "ReplayReport", "replay", "read_trace"]
+
+_OBS_KEYS = ("step", "rank", "side", "queue", "rooms", "local", "reason", "agreed")
+
+
+class TraceError(ValueError):
+    """A run directory without traces, or a trace that cannot be read back."""
 
 
 class TraceWriter:
@@ -84,14 +90,39 @@ class TraceWriter:
 
 
 def read_trace(directory: Path) -> Iterator[dict[str, Any]]:
-    for path in sorted((directory / "trace").glob("rank*.jsonl")):
+    """Every record of a run's traces; :class:`TraceError` if there are none,
+    or a line is not a well-formed record."""
+    if not directory.is_dir():
+        raise TraceError(f"{directory} is not a directory; give a run's --out directory")
+    paths = sorted((directory / "trace").glob("rank*.jsonl"))
+    if not paths:
+        raise TraceError(
+            f"no trace/rank*.jsonl under {directory}; give the --out directory of a simulate run"
+        )
+    for path in paths:
         with path.open() as f:
             for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceError(f"{path}:{n}: not JSON ({e}); the trace is corrupt") from None
+                if not isinstance(rec, dict) or "t" not in rec:
+                    raise TraceError(f"{path}:{n}: not a trace record; the trace is corrupt")
+                if rec["t"] == "obs":
+                    missing = [k for k in _OBS_KEYS if k not in rec]
+                    sizes = {len(rec.get(k) or []) for k in ("rooms", "local", "reason", "agreed")}
+                    if missing or len(sizes) != 1:
+                        what = (
+                            f"lacks {', '.join(missing)}"
+                            if missing
+                            else "has lists of different lengths"
+                        )
+                        raise TraceError(
+                            f"{path}:{n}: an observation record {what}; the trace is corrupt"
+                        )
+                yield rec
 
 
 @attrs.frozen
@@ -110,6 +141,8 @@ def replay(directory: Path) -> ReplayReport:
     for rec in read_trace(directory):
         if rec.get("t") == "obs":
             groups[(rec["side"], rec["queue"], rec["step"])][rec["rank"]] = rec
+    if not groups:
+        raise TraceError(f"the traces under {directory} hold no collective step")
     prev_agreed: dict[tuple[str, str, int], int] = {}
     checked = 0
     for key in sorted(groups, key=lambda k: (k[2], k[0], k[1])):

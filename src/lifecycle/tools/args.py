@@ -1,0 +1,75 @@
+"""Argument checks for the ``pdlife`` commands: every check runs before any
+rank is spawned, and a failed one names the argument and what to do."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+__all__ = ["UsageError", "positive_int", "nonneg_int", "probability", "seconds", "writable_dir"]
+
+
+class UsageError(Exception):
+    """A bad argument or input file (exit status 2); the message is one line."""
+
+    def __init__(self, what: str, problem: str) -> None:
+        self.what = what
+        super().__init__(f"{what}: {problem}")
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        return kind(text)  # type: ignore[no-any-return]
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+
+
+def positive_int(text: str) -> int:
+    v = int(_number(text, int))
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    v = int(_number(text, int))
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..2**63-1, got {v}")
+    return v
+
+
+def probability(text: str) -> float:
+    v = _number(text, float)
+    if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return v
+
+
+def seconds(text: str) -> float:
+    v = _number(text, float)
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
+def port(text: str) -> int:
+    v = int(_number(text, int))
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {v}")
+    return v
+
+
+def writable_dir(path: Path, flag: str) -> Path:
+    """Create ``path`` (and parents) or say why it cannot be the output directory."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".pdlife-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {path}", f"cannot write there ({e.strerror}); choose another directory"
+        ) from None
+    return path

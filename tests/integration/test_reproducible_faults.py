@@ -1,0 +1,119 @@
+"""Phase-keyed faults: the same seed fails the same requests, for the same
+reasons, on every run and every backend (500 requests, 5% failures per rank,
+5% client aborts). A backend added later (e.g. "nixl") joins BACKENDS."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+
+def _usable(module):
+    try:
+        __import__(module)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+BACKENDS = [
+    pytest.param("fake", id="fake"),
+    pytest.param(
+        "mooncake",
+        id="mooncake",
+        marks=pytest.mark.skipif(
+            not _usable("mooncake.engine"),
+            reason="Mooncake engine not usable here (pd-lifecycle[mooncake], Debian's libibverbs1)",
+        ),
+    ),
+]
+ARGS = ("--requests", "500", "--fail-prob", "0.05", "--abort-prob", "0.05", "--seed", "11")
+
+
+def pdlife(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    done = {}
+
+    def get(backend, n):
+        if (backend, n) not in done:
+            out = tmp_path_factory.mktemp(f"{backend}{n}")
+            proc = pdlife("simulate", "--backend", backend, "--quiet", "--out", str(out), *ARGS)
+            assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+            done[backend, n] = (out, json.loads((out / "summary.json").read_text()))
+        return done[backend, n]
+
+    return get
+
+
+def check_against_plan(s):
+    """Every request ends as its phase-keyed decisions say: the winner's kind
+    and reason, or Success when nothing was drawn for it."""
+    assert s["fault_mode"] == "phase"
+    assert len(s["outcomes"]) == s["requests"] == 500
+    winners = {str(d["room"]): d for d in s["fault_decisions"] if d["wins"]}
+    want = {
+        room: ["Success", "none"]
+        if room not in winners
+        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault"]
+        for room in s["outcomes"]
+    }
+    assert s["outcomes"] == want
+    failed = sum(1 for o in want.values() if o[1] == "injected fault")
+    aborted = sum(1 for o in want.values() if o[1] == "aborted")
+    assert s["failed"] == ({"injected fault": failed} if failed else {})
+    assert s["aborted"] == aborted
+    assert s["succeeded"] == 500 - failed - aborted
+    # about 5% per rank on 4 ranks, and 5% aborts: both well represented
+    assert 40 < failed < 160 and 10 < aborted < 50
+    assert {d["phase"] for d in winners.values()} == {
+        "Bootstrapping",
+        "WaitingForInput",
+        "Transferring",
+    }
+    assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_seed_twice_same_outcomes(backend, run):
+    (out1, s1), (out2, s2) = run(backend, 1), run(backend, 2)
+    check_against_plan(s1)
+    assert s1["outcomes"] == s2["outcomes"]
+    assert s1["fault_decisions"] == s2["fault_decisions"]
+    proc = pdlife("simulate", "--compare", str(out1), str(out2))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the 500 requests end the same" in proc.stdout
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "fake"])
+def test_backend_matches_the_fake_backend(backend, run):
+    (fake_out, fake), (out, s) = run("fake", 1), run(backend, 1)
+    check_against_plan(s)
+    assert s["outcomes"] == fake["outcomes"]
+    proc = pdlife("simulate", "--compare", str(fake_out), str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_step_mode_differs_and_compare_names_the_first_request(run, tmp_path):
+    fake_out, fake = run("fake", 1)
+    out = tmp_path / "step"
+    proc = pdlife(
+        "simulate", "--backend", "fake", "--quiet", "--out", str(out), "--fault-mode", "step", *ARGS
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    step = json.loads((out / "summary.json").read_text())
+    assert step["fault_mode"] == "step" and step["fault_decisions"] == []
+    first = next(
+        r for r in sorted(fake["outcomes"], key=int) if fake["outcomes"][r] != step["outcomes"][r]
+    )
+    proc = pdlife("simulate", "--compare", str(fake_out), str(out))
+    assert proc.returncode == 1
+    assert f"first: room {first}:" in proc.stdout

@@ -1,0 +1,124 @@
+"""`pdlife simulate --soak` with `--metrics-port`: requests keep arriving for a
+while, Prometheus answers on every rank meanwhile, RSS is sampled per rank."""
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def free_block(n):
+    # below Linux's ephemeral range, so the run's own stores cannot take them
+    for base in random.sample(range(20000, 30000, 8), 50):
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    pytest.skip("no block of free ports")
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        return r.read().decode()
+
+
+def sample(text, name, **labels):
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_soak_serves_metrics_and_samples_rss(tmp_path):
+    port = free_block(4)
+    out = tmp_path / "soak"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lifecycle",
+            "simulate",
+            "--backend",
+            "fake",
+            "--quiet",
+            "--soak",
+            "6",
+            "--fail-prob",
+            "0.05",
+            "--metrics-port",
+            str(port),
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    scraped = {}
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and len(scraped) < 4:
+            for rank in range(4):
+                if rank in scraped:
+                    continue
+                try:
+                    text = scrape(port + rank)
+                except OSError:
+                    continue
+                queue = "prefill/inflight" if rank < 2 else "decode/transfer"
+                done = sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("pdlife_transitions_total{")
+                    and f'queue="{queue}"' in line
+                    and 'to="Success"' in line
+                )
+                if done > 0:  # requests are flowing through this rank's queues
+                    scraped[rank] = text
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout + stderr[-2000:]
+    assert sorted(scraped) == [0, 1, 2, 3]
+    for rank, text in scraped.items():
+        side = "prefill" if rank < 2 else "decode"
+        assert (
+            sample(
+                text,
+                "pdlife_stuck_requests",
+                queue=f"{side}/{'bootstrap' if rank < 2 else 'handshake'}",
+            )
+            == 0
+        )
+        assert "pdlife_live_requests" in text
+        assert 'reason="injected fault"' in text or side == "decode"
+    s = json.loads((out / "summary.json").read_text())
+    # the soak admitted what it could in 6 s and finished every one of them
+    assert s["soak_s"] == 6.0
+    assert s["requests"] > 200
+    assert s["stuck"] == 0 and s["disagreements"] == 0 and s["leaked_slots"] == 0
+    assert s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == s["requests"]
+    assert len(s["outcomes"]) == s["requests"]
+    for rank in "0123":
+        samples = s["rss_mb"][rank]
+        assert len(samples) >= 5
+        assert all(mb > 50 and blocks > 1000 for _, _, mb, blocks in samples)
+        assert [x[0] for x in samples] == sorted(x[0] for x in samples)
+        assert samples[-1][1] == s["requests"]
+        assert rank in s["rss_growth_after_warmup"]

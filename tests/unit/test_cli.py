@@ -1,0 +1,158 @@
+"""`pdlife` on bad input: one line on stderr naming the argument or file,
+exit 2, no traceback, and nothing spawned."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lifecycle.cli import main
+
+
+def run(argv):
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse exits on its own errors
+        return e.code
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "bad.toml").write_text("seed = \n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "rank9.json").write_text(
+        json.dumps({"faults": [{"kind": "fail", "rank": 9, "request": 1}]})
+    )
+    (tmp_path / "req.json").write_text(
+        json.dumps({"faults": [{"kind": "fail", "rank": 0, "request": 500}]})
+    )
+    (tmp_path / "badat.json").write_text(
+        json.dumps({"faults": [{"kind": "fail", "rank": 0, "request": 1, "at": "Soon"}]})
+    )
+    (tmp_path / "mode.toml").write_text('mode = "sometimes"\n')
+    (tmp_path / "afile").write_text("")
+    trace = tmp_path / "corrupt" / "trace"
+    trace.mkdir(parents=True)
+    (trace / "rank0.jsonl").write_text('{"t": "obs", "step": 1, "rank"\n')
+    trace2 = tmp_path / "short" / "trace"
+    trace2.mkdir(parents=True)
+    (trace2 / "rank0.jsonl").write_text(json.dumps({"t": "obs", "step": 1, "rooms": [1]}) + "\n")
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+# (argv, the words the one line must contain); {d} is a scratch directory
+BAD = [
+    (["simulate", "--fail-prob", "1.5"], "--fail-prob"),
+    (["simulate", "--fail-prob", "nan"], "--fail-prob"),
+    (["simulate", "--fail-prob", "lots"], "--fail-prob"),
+    (["simulate", "--abort-prob", "-0.1"], "--abort-prob"),
+    (["simulate", "--backend", "nonsense"], "--backend nonsense"),
+    (["simulate", "--seed", "-1"], "--seed"),
+    (["simulate", "--seed", "1e3"], "--seed"),
+    (["simulate", "--prefill", "0"], "--prefill"),
+    (["simulate", "--decode", "-2"], "--decode"),
+    (["simulate", "--prefill", "40", "--decode", "40"], "--prefill/--decode"),
+    (["simulate", "--requests", "0"], "--requests"),
+    (["simulate", "--requests", "-5"], "--requests"),
+    (["simulate", "--max-steps", "0"], "--max-steps"),
+    (["simulate", "--timeout", "0"], "--timeout"),
+    (["simulate", "--pg-timeout", "-1"], "--pg-timeout"),
+    (["simulate", "--soak", "0"], "--soak"),
+    (["simulate", "--soak", "5", "--requests", "10"], "--soak"),
+    (["simulate", "--kill-rank", "9"], "--kill-rank 9"),
+    (["simulate", "--kill-rank", "1", "--kill-step", "0"], "--kill-step"),
+    (["simulate", "--metrics-port", "99999"], "--metrics-port"),
+    (["simulate", "--metrics-port", "65535"], "--metrics-port"),
+    (["simulate", "--fault-mode", "sometimes"], "--fault-mode"),
+    (["simulate", "--plan", "{d}/missing.json"], "missing.json"),
+    (["simulate", "--plan", "{d}/bad.json"], "not valid JSON"),
+    (["simulate", "--plan", "{d}/bad.toml"], "not valid TOML"),
+    (["simulate", "--plan", "{d}/list.json"], "--plan"),
+    (["simulate", "--plan", "{d}/rank9.json"], "faults[0].rank"),
+    (["simulate", "--plan", "{d}/req.json"], "faults[0].request"),
+    (["simulate", "--plan", "{d}/badat.json"], "faults[0].at"),
+    (["simulate", "--plan", "{d}/mode.toml"], "mode"),
+    (["simulate", "--out", "{d}/afile/sub"], "--out"),
+    (["simulate", "--compare", "{d}/nowhere", "{d}/empty"], "--compare"),
+    (["simulate", "--bogus"], "--bogus"),
+    (["replay", "{d}/nonexistent"], "nonexistent"),
+    (["replay", "{d}/empty"], "trace"),
+    (["replay", "{d}/corrupt"], "corrupt"),
+    (["replay", "{d}/short"], "corrupt"),
+    (["bench", "--sizes", "x"], "--sizes"),
+    (["bench", "--reps", "0"], "--reps"),
+    (["bench-transfer", "--mib", "-1"], "--mib"),
+    (["engine-memory", "--entries", "0"], "--entries"),
+    (["diagram", "--role", "x"], "--role"),
+    (["nonsense"], "nonsense"),
+    ([], "command"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), BAD, ids=[" ".join(a) or "<none>" for a, _ in BAD])
+def test_bad_invocation_is_one_line_and_exit_2(argv, named, files, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    monkeypatch.setenv("SGLANG_TEST_DISAGG_FAILURE_PROB", "")
+    argv = [a.replace("{d}", str(files)) for a in argv]
+    if argv and argv[0] == "simulate" and "--out" not in argv and "--compare" not in argv:
+        argv += ["--out", str(files / "out")]
+    rc = run(argv)
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert rc == 2, cap.err
+    assert len(lines) == 1, cap.err
+    assert "Traceback" not in cap.err + cap.out
+    assert named in lines[0]
+    assert not (files / "out" / "ranks").exists()  # nothing was started
+
+
+def test_the_installed_entry_point_prints_no_traceback(tmp_path):
+    for argv in (["simulate", "--seed", "-1"], ["replay", str(tmp_path / "x")]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "lifecycle", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys, tmp_path):
+    from lifecycle.tools import simulate
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(simulate, "simulate", boom)
+    rc = run(["simulate", "--backend", "fake", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.count("\n") == 1 and "disk on fire second line" in err
+    assert "PDLIFE_DEBUG" in err
+
+
+def _summary(path: Path, outcomes, backend="fake"):
+    path.mkdir()
+    (path / "summary.json").write_text(json.dumps({"backend": backend, "outcomes": outcomes}))
+    return path
+
+
+def test_compare_names_the_first_differing_request(tmp_path, capsys):
+    same = {"11": ["Success", "none"], "5": ["Failed", "injected fault"]}
+    a = _summary(tmp_path / "a", same)
+    b = _summary(tmp_path / "b", dict(same), backend="mooncake")
+    assert run(["simulate", "--compare", str(a), str(b)]) == 0
+    assert "the 2 requests end the same" in capsys.readouterr().out
+    c = _summary(
+        tmp_path / "c",
+        {"11": ["Failed", "aborted"], "5": ["Failed", "transfer error"], "7": ["Success", "none"]},
+    )
+    assert run(["simulate", "--compare", str(a), str(c / "summary.json")]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "3 requests differ; first: room 5: Failed (injected fault) vs Failed (transfer error)"
+        in (out.replace(" of 3", ""))
+    )

@@ -1,0 +1,135 @@
+"""One decode rank of the simulator, in process (fake backend, a group of one):
+the run's own bookkeeping -- buffers released, limits and faults reported."""
+
+import numpy as np
+import pytest
+
+from lifecycle import SingleRank
+from lifecycle.tools import sim
+from lifecycle.tools.plan import parse_plan
+from lifecycle.tools.sim import RankRun, SimConfig, Workload
+
+
+class Store:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+def decode_rank(tmp_path, plan=None, **kw):
+    kw.setdefault("requests", 20)
+    kw.setdefault("abort_prob", 0.0)
+    cfg = SimConfig(
+        prefill=1, decode=1, backend="fake", plan=parse_plan(plan or {}), fault_mode="step", **kw
+    )
+    return RankRun(cfg, 1, tmp_path, SingleRank(), Store())
+
+
+FAIL_FIRST = {"faults": [{"kind": "fail", "rank": 1, "request": 0}]}
+# fails request 0 once it holds a metadata slot and pages (held in transfer first)
+FAIL_IN_FLIGHT = {
+    "faults": [
+        {"kind": "hold_gate", "rank": 1, "request": 0, "steps": 5},
+        {"kind": "fail", "rank": 1, "request": 0, "step": 2},
+    ]
+}
+
+
+def test_a_clean_run_finishes_everything(tmp_path):
+    res = decode_rank(tmp_path).run()
+    assert res["problems"] == [] and res["violations"] == []
+    assert res["unfinished"] == 0 and len(res["outcome"]) == 20
+    assert (res["leaked_slots"], res["leaked_kv_pages"]) == (0, 0)
+
+
+def test_a_drain_entry_agreed_failed_gives_its_buffers_back(tmp_path, monkeypatch):
+    def broken(self, rooms, indices):
+        raise RuntimeError("drain poll broke")
+
+    monkeypatch.setattr(sim.DrainPoller, "poll_many", broken)
+    res = decode_rank(tmp_path, FAIL_IN_FLIGHT, max_steps=60).run()
+    assert res["drain_failed"] == 1
+    assert (res["leaked_slots"], res["leaked_kv_pages"]) == (0, 0)
+    assert res["problems"] == []
+    failed = [o for o in res["outcome"].values() if o[0] == "Failed"]
+    assert len(failed) == 1
+
+
+def test_pinned_buffers_and_max_steps_fail_the_run_and_say_why(tmp_path, monkeypatch):
+    def never(self, rooms, indices):
+        return np.full(rooms.size, sim.T, dtype=np.int8)  # the peer never stops writing
+
+    monkeypatch.setattr(sim.DrainPoller, "poll_many", never)
+    res = decode_rank(tmp_path, FAIL_IN_FLIGHT, max_steps=40, stuck_after=10_000).run()
+    text = " ".join(res["problems"])
+    assert "--max-steps 40" in text
+    assert "still pinned" in text and "1 failed request" in text
+    assert res["leaked_slots"] == 1 and res["leaked_kv_pages"] > 0
+
+
+def test_hitting_max_steps_names_the_unfinished(tmp_path):
+    res = decode_rank(tmp_path, requests=100, max_steps=2).run()
+    assert len(res["problems"]) == 1
+    assert "stopped at --max-steps 2 with" in res["problems"][0]
+    assert res["unfinished"] > 0
+
+
+def test_a_targeted_fault_that_never_fired_is_reported(tmp_path):
+    plan = {
+        "faults": [
+            {"kind": "fail", "rank": 1, "request": 3, "step": 900},
+            {"kind": "delay", "rank": 1, "request": 4, "steps": 2},
+        ]
+    }
+    res = decode_rank(tmp_path, plan).run()
+    assert res["unfired_faults"] == ["fail on rank 1, request 3, step 900"]
+
+
+def test_workload_rooms_are_distinct_reproducible_and_in_range():
+    cfg = SimConfig(requests=50_000, seed=3)
+    rooms = Workload(cfg).all_rooms(50_000)
+    assert len(set(rooms)) == 50_000
+    assert min(rooms) >= 1 and max(rooms) <= 2**62
+    assert Workload(cfg).all_rooms(10) == rooms[:10]
+    assert Workload(SimConfig(seed=4)).all_rooms(10) != rooms[:10]
+    w = Workload(cfg)
+    assert [w[i] for i in (0, 4095, 4096, 49_999)] == [rooms[i] for i in (0, 4095, 4096, 49_999)]
+
+
+@pytest.mark.parametrize(
+    ("step", "start", "room", "upto", "want"),
+    [
+        (1, 0, 100, None, range(0, 16)),  # 16 arrive per step
+        (3, 16, 100, None, range(16, 48)),  # behind schedule: catch up
+        (3, 16, 5, None, range(16, 21)),  # admission control
+        (3, 16, 100, 20, range(16, 20)),  # the soak's agreed limit
+        (3, 48, 100, None, range(48, 48)),
+    ],
+)
+def test_arrivals_respect_schedule_room_and_limit(step, start, room, upto, want):
+    assert Workload(SimConfig(requests=1000)).arriving(step, start, room, upto) == want
+
+
+def test_a_plan_in_step_mode_keeps_step_aborts_whatever_the_default(tmp_path):
+    cfg = SimConfig(
+        prefill=1,
+        decode=1,
+        backend="fake",
+        requests=200,
+        abort_prob=0.2,
+        plan=parse_plan({"mode": "step"}),
+        fault_mode="phase",
+    )
+    assert cfg.mode == "step"
+    res = RankRun(cfg, 1, tmp_path, SingleRank(), Store()).run()
+    aborted = [o for o in res["outcome"].values() if o[:2] == ["Failed", 0]]
+    assert res["fault_mode"] == "step" and res["decisions"] == []
+    assert 10 < len(aborted) < 80
