@@ -19,6 +19,9 @@ from lifecycle.table import RequestTable
 
 __all__ = ["Frame"]
 
+#: mixed into the room of an agreed-terminal row before fingerprinting
+_TERMINAL_MARK = np.uint64(0xA5A5_5A5A_C3C3_3C3C)
+
 
 class Frame:
     """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
@@ -52,13 +55,19 @@ class Frame:
         self.rows_all = t.order().copy()
         self.rooms_all = t.room[self.rows_all]
         self.n_all = self.rows_all.size
-        self.fp = fingerprint(self.rooms_all)
         # agreed columns of the whole list, kept current by the step's apply
         self.state_all = t.state[self.rows_all]
         self.reason_all = t.reason[self.rows_all]
         self.origin_all = t.origin[self.rows_all]
         active = ~TERMINAL[self.state_all]
         self.all_active = bool(active.all())
+        # the fingerprint covers which rows are agreed terminal too: ranks that
+        # disagree there would pack different rows at the same position
+        self.fp = fingerprint(
+            self.rooms_all
+            if self.all_active
+            else np.where(active, self.rooms_all, self.rooms_all ^ _TERMINAL_MARK)
+        )
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
             self.rows, self.rooms = self.rows_all, self.rooms_all
@@ -67,8 +76,8 @@ class Frame:
             self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
         self.n = self.rows.size
         self.hidx = t.handle_index[self.rows]
-        # handed to hooks: nobody may write into the cache
-        for a in (self.rooms, self.hidx, self.rooms_all):
+        # handed to hooks and results: nobody may write into the cache
+        for a in (self.rooms, self.hidx, self.rooms_all, self.pos):
             a.setflags(write=False)
         self.fake = t.fake[self.rows]
         self.zeros = np.zeros(self.n, dtype=bool)
@@ -94,7 +103,9 @@ class Frame:
         if not checkable.all():
             self.meta_pos = np.flatnonzero(checkable)
             self.meta_slots, self.meta_rooms = mslots[checkable], self.rooms[checkable]
-        self.meta_slots.setflags(write=False)  # lets the metadata source skip re-checking it
+        # read-only: lets the metadata source skip re-checking, and keeps the cache intact
+        self.meta_slots.setflags(write=False)
+        self.meta_rooms.setflags(write=False)
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:

@@ -37,6 +37,7 @@ differently.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -47,9 +48,10 @@ from numpy.typing import NDArray
 
 from lifecycle import validate
 from lifecycle.collective import Collective
-from lifecycle.errors import InvalidArgument
+from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
+from lifecycle.observe import contained
 from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
@@ -124,6 +126,20 @@ class StepConfig:
                 )
             )
         )
+
+
+def tag_word(tag: object, rank: int) -> int:
+    """The header word for ``tag`` (the caller's iteration number, or None).
+
+    Tags are compared modulo 2**63 (a tag travels as ``tag % 2**63 + 1``;
+    0 means none), so any iteration counter fits; a negative one is refused.
+    """
+    if tag is None:
+        return 0
+    value = operator.index(tag) if validate.is_integer(tag) else -1  # type: ignore[arg-type]
+    if value < 0:
+        raise InvalidArgument("step tag", tag, "None or a non-negative integer", rank)
+    return value % (1 << 63) + 1
 
 
 def _hook(obj: object, method: str, what: str) -> None:
@@ -210,19 +226,30 @@ class Stepper:
     # -- the sans-IO protocol ------------------------------------------------
     def prepare(self, tag: int | None = None) -> NDArray[np.uint8]:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
-        if tag is None:
-            tag_word = 0
-        else:
-            if not validate.is_integer(tag):
-                raise InvalidArgument("step tag", tag, "an integer (the iteration)", self.rank)
-            tag_word = int(tag) % (1 << 63) + 1
+        word = tag_word(tag, self.rank)
         t = self.table
         f = self._frame = Frame.of(t, self._frame, self._pool, self._by_index)
-        self.local.run(t, f, self.config, float(self.clock()), t.step_no + 1)
-        self._tag = tag_word
+        now, late = self._now()
+        self.local.run(t, f, self.config, now, t.step_no + 1, late)
+        self._tag = word
         self._prepared = True
         self._settled = None
         return self._pack()
+
+    def _now(self) -> tuple[float, HookError | None]:
+        """The clock's reading; a clock that raises or answers a non-finite or
+        non-numeric value is a hook error (the table's last time stands in)."""
+        try:
+            value = self.clock()
+            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+                value, (bool, np.bool_)
+            )
+            if not ok or not np.isfinite(value):
+                raise HookError("clock", self.rank, f"answered {value!r}, not a finite time")
+            return float(value), None
+        except Exception as e:
+            last = self.table.now
+            return (0.0 if np.isnan(last) else float(last)), contained("clock", self.rank, e)
 
     def _pack(self) -> NDArray[np.uint8]:
         f = self._frame
@@ -284,6 +311,11 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
+        return self.commit(self.settle(reduced, origins))
+
+    def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
+        """The checks of :meth:`apply`, changing nothing: raises what apply
+        would raise, else returns what :meth:`commit` applies."""
         fetch = self.origins(reduced)
         if fetch is not None and origins is None:
             raise RuntimeError(
@@ -292,9 +324,16 @@ class Stepper:
             )
         settled = self._settled
         assert settled is not None
+        settled.plan(self, origins)
+        return settled
+
+    def commit(self, settled: Settled) -> StepResult:
+        """Apply a settled step (from :meth:`settle`) to the table."""
+        if settled is not self._settled:
+            raise RuntimeError("commit(): pass the outcome settle() returned for this step")
         self._prepared = False
         self._settled = None
-        return settled.commit(self, origins)
+        return settled.commit(self)
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:

@@ -8,7 +8,6 @@ from buffers import BadArgument, MetadataBuffers, MetadataLayout, SlotAllocator,
 from lifecycle import KVPoll, RequestTable, Role, StepConfig, Stepper
 from lifecycle.errors import InvalidArgument, InvalidRoom, LifecycleError
 
-
 COLUMNS = (
     "room",
     "state",
