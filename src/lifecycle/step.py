@@ -217,6 +217,7 @@ class Stepper:
         self._queue_hash = stable_hash(queue)
         self._frame: Frame | None = None
         self._buf = np.empty(0, dtype=np.uint8)
+        self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
         self._packed = 0
         self._hdr_key: tuple[object, ...] = ()
         self._prepared = False
@@ -257,18 +258,22 @@ class Stepper:
         size = HEADER + self.capacity
         if self._buf.size != size:
             self._buf = np.full(size, PAD, dtype=np.uint8)
-            self._packed, self._hdr_key = 0, ()
+            self._packed = 0
         buf = self._buf
         key = (f.key, self._tag, self._want)
+        hdr = self._hdr
         if key != self._hdr_key:
-            write_field(buf, Field.FINGERPRINT, f.fp)
-            write_field(buf, Field.LENGTH, f.n_all)
-            write_field(buf, Field.CONFIG, self._config_hash)
-            write_field(buf, Field.QUEUE, self._queue_hash)
-            write_field(buf, Field.TAG, self._tag)
-            write_field(buf, Field.NEED, f.n)
-            write_field(buf, Field.FLOOR, self._want)
+            write_field(hdr, Field.FINGERPRINT, f.fp)
+            write_field(hdr, Field.LENGTH, f.n_all)
+            write_field(hdr, Field.CONFIG, self._config_hash)
+            write_field(hdr, Field.QUEUE, self._queue_hash)
+            write_field(hdr, Field.TAG, self._tag)
+            write_field(hdr, Field.NEED, f.n)
+            write_field(hdr, Field.FLOOR, self._want)
             self._hdr_key = key
+        # always copied in: a caller reduces ``buf`` in place, and a merged
+        # header left there after a mismatch would never agree again
+        buf[:HEADER] = hdr
         k = min(f.n, self.capacity)
         self.local.pack(buf[HEADER : HEADER + k])
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling

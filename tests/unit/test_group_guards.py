@@ -234,3 +234,29 @@ def test_ranks_disagreeing_on_which_rows_are_terminal_raise():
     out = lockstep(steppers)
     assert all(isinstance(e, CollectiveMismatch) for e in out), out
     assert all("request list" in e.differs for e in out)
+
+
+# -- recovering from a mismatch ---------------------------------------------------
+
+
+def test_a_rank_that_catches_up_after_a_mismatch_steps_again():
+    """A lone stepper's buffer is reduced in place: the merged header of a
+    mismatch must not be sent again by the rank whose list did not change."""
+    world = SimulatedWorld(2, timeout=5)
+    steppers = [_stepper(0, (1, 2)), _stepper(1, (1,))]
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    assert all(isinstance(e, CollectiveMismatch) for e in res), res
+    steppers[1].table.add(2)  # rank 1 catches up; rank 0's list is unchanged
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert [r.rooms.tolist() for r in res] == [[1, 2], [1, 2]]
+
+
+def test_a_rank_that_catches_up_after_a_tag_mismatch_steps_again():
+    world = SimulatedWorld(2, timeout=5)
+    steppers = [_stepper(r) for r in range(2)]
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=3 + r) for r in range(2)])
+    assert all(isinstance(e, CollectiveMismatch) for e in res), res
+    # rank 0 retries iteration 3 while rank 1 moves on... then both agree on 4
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=4) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in res), res
