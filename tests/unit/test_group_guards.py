@@ -260,3 +260,25 @@ def test_a_rank_that_catches_up_after_a_tag_mismatch_steps_again():
     # rank 0 retries iteration 3 while rank 1 moves on... then both agree on 4
     res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=4) for r in range(2)])
     assert all(not isinstance(r, BaseException) for r in res), res
+
+
+# -- origin fetch --------------------------------------------------------------------
+
+
+def test_origin_is_a_rank_whose_word_won_when_ranks_fail_a_row_for_different_reasons():
+    """Room 1 fails on every rank, each for another reason: the agreed reason is
+    the smallest code and the origin a rank that reported exactly that."""
+    steppers = [_stepper(r, (1, 2)) for r in range(3)]
+    boards = [s.local.poller for s in steppers]
+    boards[0].set([1], F)
+    boards[0].reasons[1] = FailureReason.TRANSFER_ERROR
+    steppers[1].table.request_abort(1)  # ABORTED: the smallest code
+    boards[2].set([1], F)
+    boards[2].reasons[1] = FailureReason.PEER_DEAD
+    boards[0].set([2], F)  # room 2: UNKNOWN on rank 0, an abort on rank 2
+    steppers[2].table.request_abort(2)
+    out = lockstep(steppers)
+    for r in out:
+        assert not isinstance(r, BaseException), r
+        got = {(f.room, f.reason, f.origin) for f in r.failures()}
+        assert got == {(1, FailureReason.ABORTED, 1), (2, FailureReason.ABORTED, 2)}
