@@ -13,20 +13,19 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import fingerprint
+from lifecycle.packing import fingerprint, status_sum, with_statuses
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
 __all__ = ["Frame"]
-
-#: mixed into the room of an agreed-terminal row before fingerprinting
-_TERMINAL_MARK = np.uint64(0xA5A5_5A5A_C3C3_3C3C)
 
 
 class Frame:
     """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
 
     __slots__ = (
+        "_rooms_fp",
+        "_sum",
         "all_active",
         "fake",
         "fp",
@@ -61,13 +60,12 @@ class Frame:
         self.origin_all = t.origin[self.rows_all]
         active = ~TERMINAL[self.state_all]
         self.all_active = bool(active.all())
-        # the fingerprint covers which rows are agreed terminal too: ranks that
-        # disagree there would pack different rows at the same position
-        self.fp = fingerprint(
-            self.rooms_all
-            if self.all_active
-            else np.where(active, self.rooms_all, self.rooms_all ^ _TERMINAL_MARK)
-        )
+        # the fingerprint covers every row's agreed status too: ranks that
+        # disagree on which rows are terminal would pack different rows at the
+        # same position, and on a status one of them would reject the agreed move
+        self._rooms_fp = fingerprint(self.rooms_all)
+        self._sum = status_sum(self.state_all)
+        self.fp = with_statuses(self._rooms_fp, self._sum)
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
             self.rows, self.rooms = self.rows_all, self.rooms_all
@@ -106,6 +104,14 @@ class Frame:
         # read-only: lets the metadata source skip re-checking, and keeps the cache intact
         self.meta_slots.setflags(write=False)
         self.meta_rooms.setflags(write=False)
+
+    def restate(self, pos: NDArray[np.int64], old: NDArray[np.int8], new: NDArray[np.int8]) -> None:
+        """Rows at ``pos`` moved from ``old`` to ``new`` agreed statuses."""
+        if pos.size:
+            delta = new.astype(np.int64) - old  # wraps correctly through uint64
+            self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
+            self.fp = with_statuses(self._rooms_fp, self._sum)
+        self.state_all[pos] = new
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:

@@ -118,7 +118,7 @@ class Settled:
         t.entered_step[slots] = step
         t.entered_time[slots] = now
         pos = f.pos[changed]
-        f.state_all[pos] = new[changed]
+        f.restate(pos, state[changed], new[changed])
         failed = changed[new[changed] == _F]
         if failed.size:
             t.reason[f.rows[failed]] = reason[failed]
@@ -147,8 +147,15 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
 
 
 def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
-    differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in hdr.differing()))
+    fields = hdr.differing()
+    differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in fields))
     detail = []
+    if Field.FINGERPRINT in fields and Field.LENGTH not in fields:
+        detail.append(
+            "The lists have the same length: their rooms, their order or an agreed status "
+            "differs (a request added or moved with another state on some rank, or a step "
+            "that raised on some ranks only)."
+        )
     if "queue" in differs:
         detail.append(f"This rank stepped queue {stepper.queue!r} in this collective.")
     if "tag" in differs:

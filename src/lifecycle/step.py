@@ -260,7 +260,7 @@ class Stepper:
             self._buf = np.full(size, PAD, dtype=np.uint8)
             self._packed = 0
         buf = self._buf
-        key = (f.key, self._tag, self._want)
+        key = (f.key, f.fp, self._tag, self._want)
         hdr = self._hdr
         if key != self._hdr_key:
             write_field(hdr, Field.FINGERPRINT, f.fp)

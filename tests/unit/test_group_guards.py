@@ -282,3 +282,37 @@ def test_origin_is_a_rank_whose_word_won_when_ranks_fail_a_row_for_different_rea
         assert not isinstance(r, BaseException), r
         got = {(f.room, f.reason, f.origin) for f in r.failures()}
         assert got == {(1, FailureReason.ABORTED, 1), (2, FailureReason.ABORTED, 2)}
+
+
+def test_ranks_disagreeing_on_an_agreed_status_raise_on_every_rank():
+    """Room 1 entered at Transferring on rank 1 only: every rank observes
+    Bootstrapping, so applying the agreed value is a regression on rank 1
+    alone, which would raise there while rank 0 moves on."""
+    tables = [RequestTable(rank=r) for r in range(2)]
+    tables[0].extend([1, 2])
+    tables[1].add(1, state=T)
+    tables[1].add(2)
+    steppers = [Stepper(tables[r], r, poller=StatusBoard()) for r in range(2)]
+    out = lockstep(steppers)
+    assert all(isinstance(e, CollectiveMismatch) for e in out), out
+    assert "agreed status" in str(out[0])
+
+
+def test_the_fingerprint_follows_status_changes_between_rebuilds():
+    """Statuses move without the frame being rebuilt (no row became terminal):
+    ranks stay in agreement step after step, and a later divergence is seen."""
+    steppers = [_stepper(r, (1, 2, 3)) for r in range(2)]
+    for s in steppers:
+        s.local.poller.set([1], W)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
+    for s in steppers:
+        s.local.poller.set([1, 2], T)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
+    assert [s.table.states().tolist() for s in steppers] == [[T, T, B]] * 2
+    # rank 1 replaces room 3 by a Waiting one: same rooms, another status
+    steppers[1].table.remove(3)
+    steppers[1].table.add(3, state=W)
+    steppers[0].table.remove(3)
+    steppers[0].table.add(3)
+    out = lockstep(steppers)
+    assert all(isinstance(e, CollectiveMismatch) for e in out), out
