@@ -12,6 +12,10 @@ fixed-size *hello* (a hash of the queues and their configurations), so
 ranks that built their groups differently raise instead of handing gloo
 buffers of different sizes.
 
+A group applies all its queues or none: every queue's checks (which read
+agreed data only, so every rank decides alike) pass before any queue's table
+changes.
+
 ``start`` prepares and launches the reduce asynchronously; ``finish`` waits
 and applies. In between the scheduler may run its forward pass, read the
 tables and poll its own engine, but not add, remove or abort requests in a
