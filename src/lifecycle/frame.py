@@ -105,9 +105,13 @@ class Frame:
         self.meta_slots.setflags(write=False)
         self.meta_rooms.setflags(write=False)
 
-    def restate(self, pos: NDArray[np.int64], old: NDArray[np.int8], new: NDArray[np.int8]) -> None:
-        """Rows at ``pos`` moved from ``old`` to ``new`` agreed statuses."""
-        if pos.size:
+    def restate(
+        self, pos: NDArray[np.int64], old: NDArray[np.int8], new: NDArray[np.int8], rehash: bool
+    ) -> None:
+        """Rows at ``pos`` moved from ``old`` to ``new`` agreed statuses
+        (``rehash`` False: the frame is rebuilt before its fingerprint is read
+        again, since some row became terminal)."""
+        if rehash and pos.size:
             delta = new.astype(np.int64) - old  # wraps correctly through uint64
             self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
             self.fp = with_statuses(self._rooms_fp, self._sum)

@@ -113,12 +113,13 @@ class Settled:
         changed = np.flatnonzero(new != state)
         slots = f.rows[changed]
         dwell = now - t.entered_time[slots]
-        t.terminal_count += int(TERMINAL[new[changed]].sum())
+        ended = int(TERMINAL[new[changed]].sum())
+        t.terminal_count += ended
         t.state[slots] = new[changed]
         t.entered_step[slots] = step
         t.entered_time[slots] = now
         pos = f.pos[changed]
-        f.restate(pos, state[changed], new[changed])
+        f.restate(pos, state[changed], new[changed], rehash=not ended)
         failed = changed[new[changed] == _F]
         if failed.size:
             t.reason[f.rows[failed]] = reason[failed]

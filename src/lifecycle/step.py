@@ -37,6 +37,7 @@ differently.
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -242,6 +243,8 @@ class Stepper:
         non-numeric value is a hook error (the table's last time stands in)."""
         try:
             value = self.clock()
+            if type(value) is float and math.isfinite(value):  # the common case
+                return value, None
             ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
                 value, (bool, np.bool_)
             )

@@ -309,6 +309,10 @@ def test_the_fingerprint_follows_status_changes_between_rebuilds():
         s.local.poller.set([1, 2], T)
     assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
     assert [s.table.states().tolist() for s in steppers] == [[T, T, B]] * 2
+    # a fresh stepper hashes rank 0's list from scratch; rank 1's was updated
+    # step by step: they must still agree
+    steppers[0] = Stepper(steppers[0].table, 0, poller=steppers[0].local.poller)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
     # rank 1 replaces room 3 by a Waiting one: same rooms, another status
     steppers[1].table.remove(3)
     steppers[1].table.add(3, state=W)
@@ -316,3 +320,25 @@ def test_the_fingerprint_follows_status_changes_between_rebuilds():
     steppers[0].table.add(3)
     out = lockstep(steppers)
     assert all(isinstance(e, CollectiveMismatch) for e in out), out
+
+
+@pytest.mark.parametrize("queue", [None, 1, b"a", ["a"]])
+def test_stepper_queue_must_be_a_name(queue):
+    t = RequestTable()
+    with pytest.raises(InvalidArgument, match="queue"):
+        Stepper(t, 0, queue=queue)  # type: ignore[arg-type]
+    assert t.rank == 0 and len(t) == 0
+
+
+def test_start_twice_and_finish_without_start_change_nothing():
+    s = _stepper(0)
+    s.local.poller.set([1], S)
+    coll = CountingCollective(SingleRank())
+    with pytest.raises(RuntimeError, match="without start"):
+        s.finish()
+    s.start(coll)
+    with pytest.raises(RuntimeError, match="twice"):
+        s.start(coll)
+    assert coll.reduces == 1
+    assert s.finish().succeeded.tolist() == [1]
+    assert not s.table.busy
