@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import fingerprint
+from lifecycle.packing import fingerprint, status_sum, with_statuses
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
@@ -24,6 +24,8 @@ class Frame:
     """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
 
     __slots__ = (
+        "_rooms_fp",
+        "_sum",
         "all_active",
         "fake",
         "fp",
@@ -52,13 +54,18 @@ class Frame:
         self.rows_all = t.order().copy()
         self.rooms_all = t.room[self.rows_all]
         self.n_all = self.rows_all.size
-        self.fp = fingerprint(self.rooms_all)
         # agreed columns of the whole list, kept current by the step's apply
         self.state_all = t.state[self.rows_all]
         self.reason_all = t.reason[self.rows_all]
         self.origin_all = t.origin[self.rows_all]
         active = ~TERMINAL[self.state_all]
         self.all_active = bool(active.all())
+        # the fingerprint covers every row's agreed status too: ranks that
+        # disagree on which rows are terminal would pack different rows at the
+        # same position, and on a status one of them would reject the agreed move
+        self._rooms_fp = fingerprint(self.rooms_all)
+        self._sum = status_sum(self.state_all)
+        self.fp = with_statuses(self._rooms_fp, self._sum)
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
             self.rows, self.rooms = self.rows_all, self.rooms_all
@@ -67,8 +74,8 @@ class Frame:
             self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
         self.n = self.rows.size
         self.hidx = t.handle_index[self.rows]
-        # handed to hooks: nobody may write into the cache
-        for a in (self.rooms, self.hidx, self.rooms_all):
+        # handed to hooks and results: nobody may write into the cache
+        for a in (self.rooms, self.hidx, self.rooms_all, self.pos):
             a.setflags(write=False)
         self.fake = t.fake[self.rows]
         self.zeros = np.zeros(self.n, dtype=bool)
@@ -94,7 +101,21 @@ class Frame:
         if not checkable.all():
             self.meta_pos = np.flatnonzero(checkable)
             self.meta_slots, self.meta_rooms = mslots[checkable], self.rooms[checkable]
-        self.meta_slots.setflags(write=False)  # lets the metadata source skip re-checking it
+        # read-only: lets the metadata source skip re-checking, and keeps the cache intact
+        self.meta_slots.setflags(write=False)
+        self.meta_rooms.setflags(write=False)
+
+    def restate(
+        self, pos: NDArray[np.int64], old: NDArray[np.int8], new: NDArray[np.int8], rehash: bool
+    ) -> None:
+        """Rows at ``pos`` moved from ``old`` to ``new`` agreed statuses
+        (``rehash`` False: the frame is rebuilt before its fingerprint is read
+        again, since some row became terminal)."""
+        if rehash and pos.size:
+            delta = new.astype(np.int64) - old  # wraps correctly through uint64
+            self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
+            self.fp = with_statuses(self._rooms_fp, self._sum)
+        self.state_all[pos] = new
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:

@@ -12,6 +12,10 @@ fixed-size *hello* (a hash of the queues and their configurations), so
 ranks that built their groups differently raise instead of handing gloo
 buffers of different sizes.
 
+A group applies all its queues or none: every queue's checks (which read
+agreed data only, so every rank decides alike) pass before any queue's table
+changes.
+
 ``start`` prepares and launches the reduce asynchronously; ``finish`` waits
 and applies. In between the scheduler may run its forward pass, read the
 tables and poll its own engine, but not add, remove or abort requests in a
@@ -21,16 +25,16 @@ stepped table: those raise :class:`~lifecycle.errors.TableBusy` until
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
-from lifecycle.errors import CollectiveMismatch
+from lifecycle.errors import CollectiveMismatch, InvalidArgument, TableBusy
 from lifecycle.packing import HEADER, Field, Header, stable_hash, write_field
 from lifecycle.result import StepResult
-from lifecycle.step import Stepper
+from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
 
 __all__ = ["StepGroup"]
 
@@ -38,19 +42,43 @@ __all__ = ["StepGroup"]
 class StepGroup:
     """Steps several queues' steppers (same rank) with one reduce per group."""
 
-    def __init__(self, steppers: Sequence[Stepper]) -> None:
-        if not steppers:
-            raise ValueError("StepGroup needs at least one stepper")
-        ranks = {s.rank for s in steppers}
-        if len(ranks) != 1:
-            raise ValueError(f"StepGroup: steppers of one group share a rank, got {sorted(ranks)}")
-        names = [s.queue for s in steppers]
-        if len(steppers) > 1 and len(set(names)) != len(names):
-            raise ValueError(
-                f"StepGroup: give each queue a distinct name (Stepper(queue=...)), got {names}"
+    def __init__(self, steppers: Iterable[Stepper]) -> None:
+        items = tuple(steppers) if isinstance(steppers, Iterable) else None
+        if not items:
+            raise InvalidArgument("StepGroup steppers", steppers, "at least one Stepper")
+        for s in items:
+            if not isinstance(s, Stepper):
+                raise InvalidArgument("StepGroup steppers", s, "a Stepper")
+        rank = items[0].rank
+        for s in items:
+            if s.rank != rank:
+                raise InvalidArgument(
+                    "StepGroup steppers",
+                    sorted({x.rank for x in items}),
+                    "steppers of one rank (a group is what one rank steps)",
+                    rank,
+                )
+        if len({id(s) for s in items}) != len(items):
+            raise InvalidArgument(
+                "StepGroup steppers", [s.queue for s in items], "each stepper once", rank
             )
-        self.steppers = tuple(steppers)
-        self._hello_done = len(steppers) == 1
+        if len({id(s.table) for s in items}) != len(items):
+            raise InvalidArgument(
+                "StepGroup steppers",
+                [s.queue for s in items],
+                "one stepper per table (two would apply one step twice to the same rows)",
+                rank,
+            )
+        names = [s.queue for s in items]
+        if len(items) > 1 and len(set(names)) != len(names):
+            raise InvalidArgument(
+                "StepGroup queue names",
+                names,
+                "a distinct name for each queue (Stepper(queue=...))",
+                rank,
+            )
+        self.steppers = items
+        self._hello_done = len(items) == 1
         self._work: Pending | None = None
         self._coll: Collective | None = None
         self._buf: NDArray[np.uint8] | None = None
@@ -63,6 +91,11 @@ class StepGroup:
     def start(self, collective: Collective, tag: int | None = None) -> None:
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
+        # everything that can refuse the call does so before the first collective
+        tag_word(tag, self.steppers[0].rank)
+        for s in self.steppers:
+            if s.table.busy:
+                raise TableBusy(s.rank)
         if not self._hello_done:
             self._hello(collective)
         bufs = [s.prepare(tag) for s in self.steppers]
@@ -91,9 +124,12 @@ class StepGroup:
                 segs = self._split(buf)
             fetches = [s.origins(seg) for s, seg in zip(self.steppers, segs)]
             origins = self._fetch(coll, fetches)
+            # every queue's checks pass before any queue changes: a queue that
+            # raises (on every rank alike) leaves the whole group unapplied
+            settled = [s.settle(seg, o) for s, seg, o in zip(self.steppers, segs, origins)]
         finally:
             self._release()
-        results = [s.apply(seg, o) for s, seg, o in zip(self.steppers, segs, origins)]
+        results = [s.commit(x) for s, x in zip(self.steppers, settled)]
         return tuple(self._stuck(coll, s, r) for s, r in zip(self.steppers, results))
 
     def _release(self) -> None:
@@ -131,7 +167,9 @@ class StepGroup:
     def _hello(self, collective: Collective) -> None:
         shape = "|".join(f"{s.queue}:{s.config.fingerprint:x}" for s in self.steppers)
         value = stable_hash(f"{len(self.steppers)}|{shape}")
-        buf = np.zeros(HEADER, dtype=np.uint8)
+        # as long as a lone stepper's first buffer, so a rank that steps these
+        # queues one by one meets the hello at the same size and both raise
+        buf = np.zeros(HEADER + FIRST_CAPACITY, dtype=np.uint8)
         write_field(buf, Field.CONFIG, value)
         collective.all_reduce_min(buf)
         hdr = Header(buf)

@@ -105,7 +105,15 @@ class LocalStage:
             self.obs.hook_failed(rows, f.rooms, contained(hook, self.rank, e))
             return None
 
-    def run(self, t: RequestTable, f: Frame, cfg: StepConfig, now: float, step: int) -> None:
+    def run(
+        self,
+        t: RequestTable,
+        f: Frame,
+        cfg: StepConfig,
+        now: float,
+        step: int,
+        clock_error: HookError | None = None,
+    ) -> None:
         n = f.n
         self.now = now
         staging = self.staging
@@ -121,6 +129,8 @@ class LocalStage:
         everyone = np.ones(n, dtype=bool)
         if early is not None:
             obs.hook_failed(everyone, f.rooms, contained("staging advance", self.rank, early))
+        if clock_error is not None:  # no deadline or stamp can be trusted on this rank
+            obs.hook_failed(everyone, f.rooms, clock_error)
         masks: dict[str, NDArray[np.bool_] | None] = {}
         if n:
             if t.abort_count:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.errors import LifecycleError
-from lifecycle.step import Stepper, StepResult
+from lifecycle.errors import InvalidArgument, LifecycleError
+from lifecycle.step import Stepper, StepResult, tag_word
 
 __all__ = ["lockstep", "reduce_min"]
 
@@ -40,7 +40,16 @@ def lockstep(
     a sequence gives each rank its own). A rank whose origins/apply raises gets
     its exception in its place in the returned list (ranks are independent
     there, exactly as in a real group)."""
-    tags = list(tag) if isinstance(tag, Sequence) else [tag] * len(steppers)
+    if isinstance(tag, Sequence) and not isinstance(tag, (str, bytes)):
+        tags = list(tag)
+        if len(tags) != len(steppers):
+            raise InvalidArgument(
+                "lockstep tag", tag, f"one tag per rank ({len(steppers)} of them)"
+            )
+    else:
+        tags = [tag] * len(steppers)  # type: ignore[list-item]
+    for s, t in zip(steppers, tags):
+        tag_word(t, s.rank)  # refused before any rank prepares
     red = reduce_min([s.prepare(t) for s, t in zip(steppers, tags)])
     if any([s.resize(red) for s in steppers]):
         red = reduce_min([s.repack() for s in steppers])

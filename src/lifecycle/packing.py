@@ -43,6 +43,9 @@ __all__ = [
     "pack",
     "unpack",
     "fingerprint",
+    "position_weights",
+    "status_sum",
+    "with_statuses",
     "stable_hash",
     "write_field",
     "Header",
@@ -118,6 +121,41 @@ def fingerprint(rooms: NDArray[np.uint64]) -> int:
         h = np.bitwise_xor.reduce(_mix(rooms ^ _mix(pos)), initial=np.uint64(0))
         h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
     return int(h)
+
+
+_WEIGHTS = np.empty(0, dtype=np.uint64)
+
+
+def position_weights(n: int) -> NDArray[np.uint64]:
+    """Fixed pseudo-random 64-bit weights for list positions 0..n-1 (cached,
+    read-only): :func:`status_sum` weighs each row's status by them."""
+    global _WEIGHTS
+    if _WEIGHTS.size < n:
+        size = max(n, 2 * _WEIGHTS.size, 1024)
+        with np.errstate(over="ignore"):
+            w = _mix(np.arange(1, size + 1, dtype=np.uint64) * _M2) | np.uint64(1)
+        w.setflags(write=False)
+        _WEIGHTS = w
+    return _WEIGHTS[:n]
+
+
+def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None) -> int:
+    """``sum(states[i] * weight[pos[i]])`` modulo 2**64 (``pos``: 0..n-1). Linear,
+    so a change of some rows updates it from those rows alone."""
+    w = position_weights(states.size) if pos is None else position_weights(int(pos.max()) + 1)[pos]
+    with np.errstate(over="ignore"):
+        return int((states.astype(np.uint64) * w).sum(dtype=np.uint64))
+
+
+def with_statuses(fp: int, total: int) -> int:
+    """A list fingerprint combined with its :func:`status_sum`."""
+    x = total & _MASK64_INT
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64_INT
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64_INT
+    return fp ^ x ^ (x >> 31)
+
+
+_MASK64_INT = 2**64 - 1
 
 
 def stable_hash(text: str) -> int:

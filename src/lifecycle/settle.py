@@ -42,7 +42,19 @@ _FIELD_NAMES = {
 class Settled:
     """The agreed outcome of one step, before it is applied to the table."""
 
-    __slots__ = ("agreed", "failed", "fetch", "frame", "hdr", "words")
+    __slots__ = (
+        "agreed",
+        "failed",
+        "fetch",
+        "frame",
+        "hdr",
+        "new",
+        "origin",
+        "reason",
+        "state",
+        "triggers",
+        "words",
+    )
 
     def __init__(self, frame: Frame, hdr: Header, words: NDArray[np.uint8]) -> None:
         self.frame = frame
@@ -51,21 +63,18 @@ class Settled:
         self.agreed = (words >> STATUS_SHIFT).astype(np.int8)
         self.failed: NDArray[np.int64] = _EMPTY_I64
         self.fetch: NDArray[np.int32] | None = None
+        self.state: NDArray[np.int8] | None = None
+        self.new: NDArray[np.int8] | None = None
 
-    def commit(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> StepResult:
-        f, t = self.frame, stepper.table
-        now = stepper.local.now
-        step = t.step_no + 1
-        state = t.state[f.rows]
+    def plan(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> None:
+        """Work out every row's move, raising (on every rank alike: from agreed
+        data only) before anything changes."""
+        f = self.frame
+        state = self.state = stepper.table.state[f.rows]
         agreed = self.agreed
-        cap, floor = stepper.capacity, stepper._floor
-        if cap < floor:  # the agreed floor takes effect from the next step
-            stepper.capacity = floor
-        elif self.hdr.need * 4 < cap and cap > floor:
-            stepper.capacity = max(floor, bucket(self.hdr.need * 2, floor))
+        self.new = None
         if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
-            t.step_no, t.now = step, now
-            return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
+            return
         reason = np.where(agreed == _F, self.words & _REASON, FailureReason.NONE).astype(np.int8)
         origin = np.full(f.n, -1, dtype=np.int32)
         if self.failed.size:
@@ -83,15 +92,34 @@ class Settled:
             raise IllegalTransition(
                 int(f.rooms[i]), stepper.rank, int(state[i]), int(agreed[i]), "advance"
             )
+        self.new, self.triggers, self.reason, self.origin = new, trig_all, reason, origin
+
+    def commit(self, stepper: Stepper) -> StepResult:
+        f, t = self.frame, stepper.table
+        now = stepper.local.now
+        step = t.step_no + 1
+        state = self.state
+        assert state is not None, "commit() before plan()"
+        cap, floor = stepper.capacity, stepper._floor
+        if cap < floor:  # the agreed floor takes effect from the next step
+            stepper.capacity = floor
+        elif self.hdr.need * 4 < cap and cap > floor:
+            stepper.capacity = max(floor, bucket(self.hdr.need * 2, floor))
+        new = self.new
+        if new is None:
+            t.step_no, t.now = step, now
+            return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
+        reason, origin = self.reason, self.origin
         changed = np.flatnonzero(new != state)
         slots = f.rows[changed]
         dwell = now - t.entered_time[slots]
-        t.terminal_count += int(TERMINAL[new[changed]].sum())
+        ended = int(TERMINAL[new[changed]].sum())
+        t.terminal_count += ended
         t.state[slots] = new[changed]
         t.entered_step[slots] = step
         t.entered_time[slots] = now
         pos = f.pos[changed]
-        f.state_all[pos] = new[changed]
+        f.restate(pos, state[changed], new[changed], rehash=not ended)
         failed = changed[new[changed] == _F]
         if failed.size:
             t.reason[f.rows[failed]] = reason[failed]
@@ -99,7 +127,7 @@ class Settled:
             f.reason_all[f.pos[failed]] = reason[failed]
             f.origin_all[f.pos[failed]] = origin[failed]
         t.step_no, t.now = step, now
-        return _result(stepper, f, step, pos, state[changed], trig_all[changed], dwell)
+        return _result(stepper, f, step, pos, state[changed], self.triggers[changed], dwell)
 
 
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
@@ -120,8 +148,15 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
 
 
 def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
-    differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in hdr.differing()))
+    fields = hdr.differing()
+    differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in fields))
     detail = []
+    if Field.FINGERPRINT in fields and Field.LENGTH not in fields:
+        detail.append(
+            "The lists have the same length: their rooms, their order or an agreed status "
+            "differs (a request added or moved with another state on some rank, or a step "
+            "that raised on some ranks only)."
+        )
     if "queue" in differs:
         detail.append(f"This rank stepped queue {stepper.queue!r} in this collective.")
     if "tag" in differs:

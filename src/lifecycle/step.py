@@ -37,6 +37,8 @@ differently.
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -47,9 +49,10 @@ from numpy.typing import NDArray
 
 from lifecycle import validate
 from lifecycle.collective import Collective
-from lifecycle.errors import InvalidArgument
+from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
+from lifecycle.observe import contained
 from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
@@ -124,6 +127,20 @@ class StepConfig:
                 )
             )
         )
+
+
+def tag_word(tag: object, rank: int) -> int:
+    """The header word for ``tag`` (the caller's iteration number, or None).
+
+    Tags are compared modulo 2**63 (a tag travels as ``tag % 2**63 + 1``;
+    0 means none), so any iteration counter fits; a negative one is refused.
+    """
+    if tag is None:
+        return 0
+    value = operator.index(tag) if validate.is_integer(tag) else -1  # type: ignore[arg-type]
+    if value < 0:
+        raise InvalidArgument("step tag", tag, "None or a non-negative integer", rank)
+    return value % (1 << 63) + 1
 
 
 def _hook(obj: object, method: str, what: str) -> None:
@@ -201,6 +218,7 @@ class Stepper:
         self._queue_hash = stable_hash(queue)
         self._frame: Frame | None = None
         self._buf = np.empty(0, dtype=np.uint8)
+        self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
         self._packed = 0
         self._hdr_key: tuple[object, ...] = ()
         self._prepared = False
@@ -210,19 +228,32 @@ class Stepper:
     # -- the sans-IO protocol ------------------------------------------------
     def prepare(self, tag: int | None = None) -> NDArray[np.uint8]:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
-        if tag is None:
-            tag_word = 0
-        else:
-            if not validate.is_integer(tag):
-                raise InvalidArgument("step tag", tag, "an integer (the iteration)", self.rank)
-            tag_word = int(tag) % (1 << 63) + 1
+        word = tag_word(tag, self.rank)
         t = self.table
         f = self._frame = Frame.of(t, self._frame, self._pool, self._by_index)
-        self.local.run(t, f, self.config, float(self.clock()), t.step_no + 1)
-        self._tag = tag_word
+        now, late = self._now()
+        self.local.run(t, f, self.config, now, t.step_no + 1, late)
+        self._tag = word
         self._prepared = True
         self._settled = None
         return self._pack()
+
+    def _now(self) -> tuple[float, HookError | None]:
+        """The clock's reading; a clock that raises or answers a non-finite or
+        non-numeric value is a hook error (the table's last time stands in)."""
+        try:
+            value = self.clock()
+            if type(value) is float and math.isfinite(value):  # the common case
+                return value, None
+            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+                value, (bool, np.bool_)
+            )
+            if not ok or not np.isfinite(value):
+                raise HookError("clock", self.rank, f"answered {value!r}, not a finite time")
+            return float(value), None
+        except Exception as e:
+            last = self.table.now
+            return (0.0 if np.isnan(last) else float(last)), contained("clock", self.rank, e)
 
     def _pack(self) -> NDArray[np.uint8]:
         f = self._frame
@@ -230,18 +261,22 @@ class Stepper:
         size = HEADER + self.capacity
         if self._buf.size != size:
             self._buf = np.full(size, PAD, dtype=np.uint8)
-            self._packed, self._hdr_key = 0, ()
+            self._packed = 0
         buf = self._buf
-        key = (f.key, self._tag, self._want)
+        key = (f.key, f.fp, self._tag, self._want)
+        hdr = self._hdr
         if key != self._hdr_key:
-            write_field(buf, Field.FINGERPRINT, f.fp)
-            write_field(buf, Field.LENGTH, f.n_all)
-            write_field(buf, Field.CONFIG, self._config_hash)
-            write_field(buf, Field.QUEUE, self._queue_hash)
-            write_field(buf, Field.TAG, self._tag)
-            write_field(buf, Field.NEED, f.n)
-            write_field(buf, Field.FLOOR, self._want)
+            write_field(hdr, Field.FINGERPRINT, f.fp)
+            write_field(hdr, Field.LENGTH, f.n_all)
+            write_field(hdr, Field.CONFIG, self._config_hash)
+            write_field(hdr, Field.QUEUE, self._queue_hash)
+            write_field(hdr, Field.TAG, self._tag)
+            write_field(hdr, Field.NEED, f.n)
+            write_field(hdr, Field.FLOOR, self._want)
             self._hdr_key = key
+        # always copied in: a caller reduces ``buf`` in place, and a merged
+        # header left there after a mismatch would never agree again
+        buf[:HEADER] = hdr
         k = min(f.n, self.capacity)
         self.local.pack(buf[HEADER : HEADER + k])
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
@@ -284,6 +319,11 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
+        return self.commit(self.settle(reduced, origins))
+
+    def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
+        """The checks of :meth:`apply`, changing nothing: raises what apply
+        would raise, else returns what :meth:`commit` applies."""
         fetch = self.origins(reduced)
         if fetch is not None and origins is None:
             raise RuntimeError(
@@ -292,9 +332,16 @@ class Stepper:
             )
         settled = self._settled
         assert settled is not None
+        settled.plan(self, origins)
+        return settled
+
+    def commit(self, settled: Settled) -> StepResult:
+        """Apply a settled step (from :meth:`settle`) to the table."""
+        if settled is not self._settled:
+            raise RuntimeError("commit(): pass the outcome settle() returned for this step")
         self._prepared = False
         self._settled = None
-        return settled.commit(self, origins)
+        return settled.commit(self)
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:

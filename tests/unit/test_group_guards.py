@@ -1,0 +1,344 @@
+"""Guards of the step's public surface: bad input, half-applied groups,
+rank-local errors that would leave peers waiting, read-only views."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from lifecycle import (
+    CollectiveMismatch,
+    CountingCollective,
+    FailureReason,
+    InvalidStatus,
+    KVPoll,
+    RequestTable,
+    SimulatedWorld,
+    SingleRank,
+    StepGroup,
+    Stepper,
+    TableBusy,
+    lockstep,
+)
+from lifecycle.errors import HookError, InvalidArgument
+from lifecycle.testing import StatusBoard
+
+B, W, T, S, F = (
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+    KVPoll.Success,
+    KVPoll.Failed,
+)
+
+
+def _on_ranks(fns):
+    with ThreadPoolExecutor(len(fns)) as pool:
+        futs = [pool.submit(f) for f in fns]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout=30))
+            except Exception as e:
+                out.append(e)
+        return out
+
+
+def _stepper(rank, rooms=(1, 2, 3), queue="", **kw):
+    t = RequestTable(rank=rank)
+    t.extend(rooms)
+    return Stepper(t, rank, poller=kw.pop("poller", StatusBoard()), queue=queue, **kw)
+
+
+# -- StepGroup construction -------------------------------------------------
+
+
+def test_group_refuses_bad_members_with_a_typed_error():
+    a, b = _stepper(0, queue="a"), _stepper(0, queue="b")
+    with pytest.raises(InvalidArgument, match="at least one"):
+        StepGroup([])
+    with pytest.raises(InvalidArgument, match="at least one"):
+        StepGroup(s for s in [])
+    with pytest.raises(InvalidArgument, match="Stepper"):
+        StepGroup([a, "b"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="rank"):
+        StepGroup([a, _stepper(1, queue="c")])
+    with pytest.raises(InvalidArgument, match="once"):
+        StepGroup([a, a])
+    # two steppers over one table would apply twice to the same rows
+    twin = Stepper(b.table, 0, poller=StatusBoard(), queue="b2")
+    with pytest.raises(InvalidArgument, match="table"):
+        StepGroup([b, twin])
+
+
+def test_group_takes_an_iterator_of_steppers():
+    g = StepGroup(iter([_stepper(0, queue="a"), _stepper(0, queue="b")]))
+    assert len(g.steppers) == 2
+    res = g.step(SingleRank())
+    assert [r.queue for r in res] == ["a", "b"]
+
+
+def test_a_table_already_in_flight_refuses_a_second_start_before_any_collective():
+    s = _stepper(0)
+    s.start(SingleRank())
+    coll = CountingCollective(SingleRank())
+    other = StepGroup([s])
+    with pytest.raises(TableBusy):
+        other.start(coll)
+    assert coll.reduces == 0
+    s.finish()
+
+
+# -- tags --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tag", [True, 1.0, "3", -1, -(2**70), np.float64(2.0)])
+def test_bad_tags_are_refused_before_any_collective(tag):
+    coll = CountingCollective(SingleRank())
+    g = StepGroup([_stepper(0, queue="a"), _stepper(0, queue="b")])
+    with pytest.raises(InvalidArgument, match="tag"):
+        g.step(coll, tag=tag)
+    assert coll.reduces == 0
+    assert not any(s.table.busy for s in g.steppers)
+    assert [r.step for r in g.step(coll, tag=2**100)] == [1, 1]  # huge counters still step
+
+
+def test_lockstep_tags_must_match_the_ranks():
+    steppers = [_stepper(r) for r in range(2)]
+    with pytest.raises(InvalidArgument, match="tag"):
+        lockstep(steppers, [1])
+    with pytest.raises(InvalidArgument, match="tag"):
+        lockstep(steppers, "12")  # type: ignore[arg-type]
+    assert all(s.table.step_no == 0 for s in steppers)
+    out = lockstep(steppers, [4, 4])
+    assert all(not isinstance(r, BaseException) for r in out)
+
+
+# -- groups built differently --------------------------------------------------
+
+
+def test_a_group_against_a_single_queue_raises_instead_of_mixing_sizes():
+    """Rank 0 steps queues a and b in one group; rank 1 steps a alone: the
+    hello meets rank 1's first step at the same size and both raise."""
+    world = SimulatedWorld(2, timeout=5)
+    g0 = StepGroup([_stepper(0, queue="a"), _stepper(0, queue="b")])
+    s1 = _stepper(1, queue="a")
+    res = _on_ranks([lambda: g0.step(world.rank(0)), lambda: s1.step(world.rank(1))])
+    assert all(isinstance(e, CollectiveMismatch) for e in res), res
+
+
+# -- a group applies all queues or none ----------------------------------------
+
+
+def test_a_raising_queue_leaves_the_other_queues_of_its_group_unapplied():
+    world = SimulatedWorld(2)
+    groups = []
+    for r in range(2):
+        a = _stepper(r, queue="a")
+        b = _stepper(r, (7, 8), queue="b")
+        a.local.poller.set([1, 2, 3], S)
+        b.local.poller.set([8], 9 if r == 1 else S)  # not a KVPoll value
+        groups.append(StepGroup([a, b]))
+    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    assert all(isinstance(e, InvalidStatus) for e in res), res
+    for g in groups:
+        for s in g.steppers:
+            assert s.table.step_no == 0
+            assert (s.table.states() == B).all()
+    # the group still steps once the poller answers sensibly
+    for g in groups:
+        g.steppers[1].local.poller.set([7, 8], S)
+    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    for r in res:
+        assert r[0].succeeded.tolist() == [1, 2, 3]
+        assert r[1].succeeded.tolist() == [7, 8]
+
+
+# -- a clock that fails on one rank ---------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["raise", "none", "nan"])
+def test_a_failing_clock_fails_its_requests_on_every_rank(bad):
+    calls = {"n": 0}
+
+    def clock():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return 0.0  # the stepper's construction reads it once
+        if bad == "raise":
+            raise OSError("clock gone")
+        return None if bad == "none" else float("nan")
+
+    world = SimulatedWorld(2, timeout=5)
+    steppers = [_stepper(0), _stepper(1, clock=clock)]
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in res), res
+    for r in res:
+        assert r.failed.tolist() == [1, 2, 3]
+        assert {f.reason for f in r.failures()} == {FailureReason.HOOK_ERROR}
+        assert {f.origin for f in r.failures()} == {1}
+    assert isinstance(res[1].exceptions[1], HookError)
+    assert "clock" in str(res[1].exceptions[1])
+
+
+# -- what the caller and hooks get is read-only ----------------------------------
+
+
+def test_result_positions_are_read_only():
+    s = _stepper(0)
+    s.local.poller.set([2], S)
+    coll = SingleRank()
+    r1 = s.step(coll)
+    r2 = s.step(coll)
+    for r in (r1, r2):
+        assert not r.active.flags.writeable
+        assert not r.rooms.flags.writeable
+    assert r2.active.tolist() == [0, 2]
+
+
+class _RecordingMetadata:
+    size = 16
+
+    def __init__(self):
+        self.writeable = []
+
+    def landed(self, slots, rooms):
+        self.writeable.append((slots.flags.writeable, rooms.flags.writeable))
+        n = slots.size
+        return np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
+
+
+def test_metadata_source_gets_read_only_rooms():
+    t = RequestTable()
+    t.extend([1, 2, 3], metadata_slots=[0, -1, 2])  # room 2 has no row: a subset is asked
+    md = _RecordingMetadata()
+    board = StatusBoard()
+    board.set([1, 3], S)
+    s = Stepper(t, 0, poller=board, metadata=md)
+    s.step(SingleRank())
+    assert md.writeable == [(False, False)]
+
+
+# -- ranks whose agreed states differ ---------------------------------------------
+
+
+def test_ranks_disagreeing_on_which_rows_are_terminal_raise():
+    """Same rooms, same order, but room 1 is agreed Success on rank 0 only:
+    without a check, rank 0 packs [room 2] and rank 1 packs [room 1, room 2]
+    and the reduce pairs different requests."""
+    tables = [RequestTable(rank=r) for r in range(2)]
+    tables[0].add(1, state=S)
+    tables[0].add(2)
+    tables[1].extend([1, 2])
+    steppers = [Stepper(tables[r], r, poller=StatusBoard()) for r in range(2)]
+    out = lockstep(steppers)
+    assert all(isinstance(e, CollectiveMismatch) for e in out), out
+    assert all("request list" in e.differs for e in out)
+
+
+# -- recovering from a mismatch ---------------------------------------------------
+
+
+def test_a_rank_that_catches_up_after_a_mismatch_steps_again():
+    """A lone stepper's buffer is reduced in place: the merged header of a
+    mismatch must not be sent again by the rank whose list did not change."""
+    world = SimulatedWorld(2, timeout=5)
+    steppers = [_stepper(0, (1, 2)), _stepper(1, (1,))]
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    assert all(isinstance(e, CollectiveMismatch) for e in res), res
+    steppers[1].table.add(2)  # rank 1 catches up; rank 0's list is unchanged
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert [r.rooms.tolist() for r in res] == [[1, 2], [1, 2]]
+
+
+def test_a_rank_that_catches_up_after_a_tag_mismatch_steps_again():
+    world = SimulatedWorld(2, timeout=5)
+    steppers = [_stepper(r) for r in range(2)]
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=3 + r) for r in range(2)])
+    assert all(isinstance(e, CollectiveMismatch) for e in res), res
+    # rank 0 retries iteration 3 while rank 1 moves on... then both agree on 4
+    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=4) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in res), res
+
+
+# -- origin fetch --------------------------------------------------------------------
+
+
+def test_origin_is_a_rank_whose_word_won_when_ranks_fail_a_row_for_different_reasons():
+    """Room 1 fails on every rank, each for another reason: the agreed reason is
+    the smallest code and the origin a rank that reported exactly that."""
+    steppers = [_stepper(r, (1, 2)) for r in range(3)]
+    boards = [s.local.poller for s in steppers]
+    boards[0].set([1], F)
+    boards[0].reasons[1] = FailureReason.TRANSFER_ERROR
+    steppers[1].table.request_abort(1)  # ABORTED: the smallest code
+    boards[2].set([1], F)
+    boards[2].reasons[1] = FailureReason.PEER_DEAD
+    boards[0].set([2], F)  # room 2: UNKNOWN on rank 0, an abort on rank 2
+    steppers[2].table.request_abort(2)
+    out = lockstep(steppers)
+    for r in out:
+        assert not isinstance(r, BaseException), r
+        got = {(f.room, f.reason, f.origin) for f in r.failures()}
+        assert got == {(1, FailureReason.ABORTED, 1), (2, FailureReason.ABORTED, 2)}
+
+
+def test_ranks_disagreeing_on_an_agreed_status_raise_on_every_rank():
+    """Room 1 entered at Transferring on rank 1 only: every rank observes
+    Bootstrapping, so applying the agreed value is a regression on rank 1
+    alone, which would raise there while rank 0 moves on."""
+    tables = [RequestTable(rank=r) for r in range(2)]
+    tables[0].extend([1, 2])
+    tables[1].add(1, state=T)
+    tables[1].add(2)
+    steppers = [Stepper(tables[r], r, poller=StatusBoard()) for r in range(2)]
+    out = lockstep(steppers)
+    assert all(isinstance(e, CollectiveMismatch) for e in out), out
+    assert "agreed status" in str(out[0])
+
+
+def test_the_fingerprint_follows_status_changes_between_rebuilds():
+    """Statuses move without the frame being rebuilt (no row became terminal):
+    ranks stay in agreement step after step, and a later divergence is seen."""
+    steppers = [_stepper(r, (1, 2, 3)) for r in range(2)]
+    for s in steppers:
+        s.local.poller.set([1], W)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
+    for s in steppers:
+        s.local.poller.set([1, 2], T)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
+    assert [s.table.states().tolist() for s in steppers] == [[T, T, B]] * 2
+    # a fresh stepper hashes rank 0's list from scratch; rank 1's was updated
+    # step by step: they must still agree
+    steppers[0] = Stepper(steppers[0].table, 0, poller=steppers[0].local.poller)
+    assert all(not isinstance(r, BaseException) for r in lockstep(steppers))
+    # rank 1 replaces room 3 by a Waiting one: same rooms, another status
+    steppers[1].table.remove(3)
+    steppers[1].table.add(3, state=W)
+    steppers[0].table.remove(3)
+    steppers[0].table.add(3)
+    out = lockstep(steppers)
+    assert all(isinstance(e, CollectiveMismatch) for e in out), out
+
+
+@pytest.mark.parametrize("queue", [None, 1, b"a", ["a"]])
+def test_stepper_queue_must_be_a_name(queue):
+    t = RequestTable()
+    with pytest.raises(InvalidArgument, match="queue"):
+        Stepper(t, 0, queue=queue)  # type: ignore[arg-type]
+    assert t.rank == 0 and len(t) == 0
+
+
+def test_start_twice_and_finish_without_start_change_nothing():
+    s = _stepper(0)
+    s.local.poller.set([1], S)
+    coll = CountingCollective(SingleRank())
+    with pytest.raises(RuntimeError, match="without start"):
+        s.finish()
+    s.start(coll)
+    with pytest.raises(RuntimeError, match="twice"):
+        s.start(coll)
+    assert coll.reduces == 1
+    assert s.finish().succeeded.tolist() == [1]
+    assert not s.table.busy
