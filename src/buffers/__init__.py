@@ -24,7 +24,6 @@ from buffers.kv_args import (
 )
 from buffers.metadata import (
     MIN_ROW_BYTES,
-    CachedTokens,
     FieldSpec,
     MetadataBuffers,
     MetadataLayout,
@@ -37,7 +36,6 @@ __all__ = [
     "C128",
     "MIN_ROW_BYTES",
     "BuffersError",
-    "CachedTokens",
     "DescribesState",
     "DisaggregationMode",
     "DoubleFree",

@@ -30,16 +30,9 @@ __all__ = [
     "MetadataRecord",
     "MetadataBuffers",
     "MIN_ROW_BYTES",
-    "CachedTokens",
 ]
 
 MIN_ROW_BYTES = 64  # the smallest RDMA write; rows narrower than this get torn
-
-
-class CachedTokens:
-    """Meaning of the ``cached_tokens`` entries."""
-
-    NONE, DEVICE, HOST, STORAGE, IMAGE, AUDIO, VIDEO = range(7)
 
 
 @attrs.frozen

@@ -55,29 +55,3 @@ def render(role: Role, fmt: str) -> str:
     if fmt == "dot":
         return dot(role)
     raise ValueError(f"unknown diagram format {fmt!r}; use 'mermaid' or 'dot'")
-
-
-def protocol(fmt: str) -> str:
-    """The connector's per-request protocol (:mod:`transport.connector_graph`)."""
-    # tooling may import the transport layer; lifecycle's core never does
-    from transport.connector_graph import EDGES as WIRE
-    from transport.connector_graph import TERMINAL, Phase
-
-    if fmt not in ("mermaid", "dot"):
-        raise ValueError(f"unknown diagram format {fmt!r}; use 'mermaid' or 'dot'")
-    title = "connector per-request protocol (prefill and decode)"
-    if fmt == "mermaid":
-        lines = ["stateDiagram-v2", f"    %% {title}", f"    [*] --> {Phase.Bootstrap.name}"]
-        for e in WIRE:
-            status = f" / {e.poll.name}" if e.poll is not None else ""
-            lines += [f"    {s.name} --> {e.dest.name}: {e.trigger}{status}" for s in e.sources]
-        lines += [f"    {p.name} --> [*]" for p in Phase if p in TERMINAL]
-    else:
-        lines = ["digraph protocol {", f'    label="{title}";', "    rankdir=LR;"]
-        for p in Phase:
-            shape = "doublecircle" if p in TERMINAL else "circle"
-            lines.append(f"    {p.name} [shape={shape}];")
-        for e in WIRE:
-            lines += [f'    {s.name} -> {e.dest.name} [label="{e.trigger}"];' for s in e.sources]
-        lines.append("}")
-    return "\n".join(lines) + "\n"

@@ -44,7 +44,7 @@ import enum
 import attrs
 
 from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll
+from lifecycle.status import B, F, KVPoll, S, T, W
 
 __all__ = [
     "EdgeKind",
@@ -58,14 +58,6 @@ __all__ = [
     "GateRule",
     "GATES",
 ]
-
-B, W, T, S, F = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-    KVPoll.Success,
-    KVPoll.Failed,
-)
 
 
 class EdgeKind(enum.Enum):

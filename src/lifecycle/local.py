@@ -29,7 +29,7 @@ from lifecycle.protocols import (
     StepContext,
 )
 from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll
+from lifecycle.status import I8
 from lifecycle.table import RequestTable
 from lifecycle.verdicts import bool_answer, combine, hold
 
@@ -53,9 +53,9 @@ def _or(a: NDArray[np.bool_] | None, b: NDArray[np.bool_]) -> NDArray[np.bool_]:
     return b.copy() if a is None else a | b
 
 
-_F = np.int8(KVPoll.Failed)
-_S = np.int8(KVPoll.Success)
-_B = np.int8(KVPoll.Bootstrapping)
+_F = I8.F
+_S = I8.S
+_B = I8.B
 _NONE = np.int8(FailureReason.NONE)
 
 

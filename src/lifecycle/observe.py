@@ -26,11 +26,11 @@ from lifecycle import validate
 from lifecycle.errors import HookError, PartialPollError
 from lifecycle.graph import VERDICTS
 from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll
+from lifecycle.status import I8, KVPoll
 
 __all__ = ["Observation", "observe", "contained", "BACKEND_REASONS"]
 
-_F = np.int8(KVPoll.Failed)
+_F = I8.F
 _NONE = np.int8(FailureReason.NONE)
 _HOOK = FailureReason.HOOK_ERROR
 #: reasons a backend may report for a Failed (its own, or a peer's it relays)

@@ -18,14 +18,14 @@ from lifecycle.frame import Frame
 from lifecycle.packing import HEADER, NO_ORIGIN, STATUS_SHIFT, Field, Header
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
-from lifecycle.status import TERMINAL, KVPoll
+from lifecycle.status import I8, TERMINAL
 
 if TYPE_CHECKING:
     from lifecycle.step import Stepper
 
 __all__ = ["Settled", "settle", "bucket"]
 
-_F = np.int8(KVPoll.Failed)
+_F = I8.F
 _REASON = np.uint8(0xF)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_I16 = np.empty(0, dtype=np.int16)

@@ -12,7 +12,7 @@ import enum
 
 import numpy as np
 
-__all__ = ["KVPoll", "Role", "NUM_STATUSES", "TERMINAL", "meaning"]
+__all__ = ["KVPoll", "Role", "NUM_STATUSES", "TERMINAL", "meaning", "B", "W", "T", "S", "F", "I8"]
 
 
 class KVPoll(enum.IntEnum):
@@ -28,6 +28,24 @@ class KVPoll(enum.IntEnum):
     def terminal(self) -> bool:
         """Success and Failed latch: once agreed, a request never leaves them."""
         return self in (KVPoll.Failed, KVPoll.Success)
+
+
+#: short names for tables and tests: ``B, W, T, S, F``
+B, W, T, S, F = (
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+    KVPoll.Success,
+    KVPoll.Failed,
+)
+
+
+class I8:
+    """The statuses as numpy int8 scalars, for array comparisons on hot paths."""
+
+    F = np.int8(KVPoll.Failed)
+    B = np.int8(KVPoll.Bootstrapping)
+    S = np.int8(KVPoll.Success)
 
 
 NUM_STATUSES = len(KVPoll)

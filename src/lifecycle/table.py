@@ -353,9 +353,6 @@ class RequestTable:
         self.handle_index[row] = validate.integer(index, "handle index", -1, _MAX_INDEX, self.rank)
         self.columns_version += 1
 
-    def set_handle(self, room: int, handle: Any) -> None:
-        self.handles[self.slot_of(room)] = handle
-
     # -- moving a request to the next queue ---------------------------------
     def move(
         self,

@@ -47,6 +47,7 @@ __all__ = [
     "ProtocolError",
     "fire",
     "build_machine",
+    "diagram",
 ]
 
 
@@ -200,3 +201,25 @@ def _check_declaration() -> None:
 
 
 _check_declaration()
+
+
+def diagram(fmt: str) -> str:
+    """The per-request protocol as a mermaid or dot diagram, from :data:`EDGES`."""
+    if fmt not in ("mermaid", "dot"):
+        raise ValueError(f"unknown diagram format {fmt!r}; use 'mermaid' or 'dot'")
+    title = "connector per-request protocol (prefill and decode)"
+    if fmt == "mermaid":
+        lines = ["stateDiagram-v2", f"    %% {title}", f"    [*] --> {Phase.Bootstrap.name}"]
+        for e in EDGES:
+            status = f" / {e.poll.name}" if e.poll is not None else ""
+            lines += [f"    {s.name} --> {e.dest.name}: {e.trigger}{status}" for s in e.sources]
+        lines += [f"    {p.name} --> [*]" for p in Phase if p in TERMINAL]
+    else:
+        lines = ["digraph protocol {", f'    label="{title}";', "    rankdir=LR;"]
+        for p in Phase:
+            shape = "doublecircle" if p in TERMINAL else "circle"
+            lines.append(f"    {p.name} [shape={shape}];")
+        for e in EDGES:
+            lines += [f'    {s.name} -> {e.dest.name} [label="{e.trigger}"];' for s in e.sources]
+        lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -87,7 +87,7 @@ def _from_module(name: str, mod: ModuleType) -> Backend:
     if probe is not None:
         probe()
     try:
-        return Backend(
+        backend = Backend(
             name=name,
             manager=mod.MANAGER,
             sender=mod.SENDER,
@@ -100,6 +100,34 @@ def _from_module(name: str, mod: ModuleType) -> Backend:
             f"module {mod.__name__} lacks {e.name}",
             "it must define MANAGER, SENDER, RECEIVER",
         ) from None
+    _check_shapes(backend)
+    return backend
+
+
+def _check_shapes(b: Backend) -> None:
+    """Every class has the methods of its protocol (:mod:`transport.protocols`),
+    so a plugin that lacks one fails here, naming it, not mid-transfer."""
+    from transport import protocols
+
+    pairs = [
+        ("MANAGER", b.manager, protocols.KVManager),
+        ("SENDER", b.sender, protocols.KVSender),
+        ("RECEIVER", b.receiver, protocols.KVReceiver),
+    ]
+    if b.bootstrap is not None:
+        pairs.append(("BOOTSTRAP", b.bootstrap, protocols.BootstrapService))
+    for what, cls, proto in pairs:
+        need = [m for m in _methods(proto) if not callable(getattr(cls, m, None))]
+        if need:
+            raise BackendUnavailable(
+                b.name,
+                f"its {what} {getattr(cls, '__name__', cls)!r} lacks {', '.join(need)}",
+                f"implement the {proto.__name__} protocol of transport.protocols",
+            )
+
+
+def _methods(proto: type) -> list[str]:
+    return [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]
 
 
 def get_backend(name: str) -> Backend:

@@ -12,7 +12,7 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
         [
             sys.executable,
             "-m",
-            "lifecycle",
+            "pdlife",
             "simulate",
             "--backend",
             backend,

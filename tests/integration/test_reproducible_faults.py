@@ -35,7 +35,7 @@ ARGS = ("--requests", "500", "--fail-prob", "0.05", "--abort-prob", "0.05", "--s
 
 def pdlife(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "lifecycle", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "pdlife", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

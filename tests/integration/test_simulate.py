@@ -71,7 +71,7 @@ def test_failure_probability_under_load(tmp_path, run_sim):
     assert s["succeeded"] == 2000 - len(want)
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
     rp = subprocess.run(
-        [sys.executable, "-m", "lifecycle", "replay", str(out)],
+        [sys.executable, "-m", "pdlife", "replay", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -102,7 +102,7 @@ def test_targeted_plan(tmp_path, run_sim):
         "waiting timeout": 1,
     }
     assert s["succeeded"] == s["requests"] - 5  # delay and hold only slow a request down
-    from lifecycle.tools.sim import SimConfig, Workload
+    from pdlife.sim import SimConfig, Workload
 
     rooms = [str(r) for r in Workload(SimConfig(seed=0)).all_rooms(200)]
     by_request = {i: s["outcomes"][rooms[i]] for i in (3, 5, 7, 9, 11, 13, 15)}
@@ -161,7 +161,7 @@ def test_replay_finds_a_hand_edit(tmp_path, run_sim):
             break
     path.write_text("\n".join(lines) + "\n")
     rp = subprocess.run(
-        [sys.executable, "-m", "lifecycle", "replay", str(out)],
+        [sys.executable, "-m", "pdlife", "replay", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -184,7 +184,7 @@ def test_same_command_runs_under_torchrun(tmp_path, run_sim):
             "--master-port",
             str(free_port()),
             "-m",
-            "lifecycle",
+            "pdlife",
             "simulate",
             "--backend",
             "fake",

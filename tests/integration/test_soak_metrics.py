@@ -51,7 +51,7 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
         [
             sys.executable,
             "-m",
-            "lifecycle",
+            "pdlife",
             "simulate",
             "--backend",
             "fake",

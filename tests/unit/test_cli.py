@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.cli import main
+from pdlife.cli import main
 
 
 def run(argv):
@@ -113,7 +113,7 @@ def test_bad_invocation_is_one_line_and_exit_2(argv, named, files, capsys, monke
 def test_the_installed_entry_point_prints_no_traceback(tmp_path):
     for argv in (["simulate", "--seed", "-1"], ["replay", str(tmp_path / "x")]):
         proc = subprocess.run(
-            [sys.executable, "-m", "lifecycle", *argv], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "pdlife", *argv], capture_output=True, text=True, timeout=60
         )
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -121,7 +121,7 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path):
 
 
 def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys, tmp_path):
-    from lifecycle.tools import simulate
+    from pdlife import simulate
 
     def boom(*a, **k):
         raise RuntimeError("disk on fire\nsecond line")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from transitions import MachineError
 
-from lifecycle.cli import main
+from pdlife.cli import main
 from transport.connector_graph import (
     DEST,
     EDGES,

@@ -1,7 +1,7 @@
 import pytest
 
 from lifecycle import EDGES, KVPoll
-from lifecycle.cli import main
+from pdlife.cli import main
 
 
 @pytest.mark.parametrize("role", ["sender", "receiver"])

@@ -50,7 +50,7 @@ def test_import_lifecycle_needs_no_optional_package_nor_torch():
         print(Stepper(t, 0, poller=b).step(SingleRank()).succeeded.tolist())
         loaded = sorted(
             m for m in sys.modules
-            if m.split(".")[0] in ("transport", "buffers", "torch") or m == "lifecycle.tools"
+            if m.split(".")[0] in ("transport", "buffers", "torch") or m == "pdlife"
         )
         print(loaded)
         """,
@@ -86,7 +86,7 @@ def test_lifecycle_import_does_not_load_transport_or_tools():
         set(),
         """
         import lifecycle, lifecycle.compat
-        print(sorted(m for m in sys.modules if m.startswith(("transport", "lifecycle.tools"))))
+        print(sorted(m for m in sys.modules if m.startswith(("transport", "pdlife"))))
         """,
     )
     assert out.strip() == "[]"
@@ -114,9 +114,19 @@ def test_a_backend_plugin_loads_through_its_entry_point(plugins):
         plugins,
         "acme",
         """
-        class Manager: pass
-        class Sender: pass
-        class Receiver: pass
+        class Manager:
+            def poll_many(self, rooms, indices): return [1] * len(rooms)
+        class Handle:
+            def poll(self): return 1
+            def failure_exception(self): return None
+            def abort(self): pass
+            def clear(self): pass
+        class Sender(Handle):
+            def init(self, num_pages, metadata_slot): pass
+            def send(self, page_indices, state_indices=None): pass
+        class Receiver(Handle):
+            def init(self, prefill_dp_rank=None): pass
+            def send_metadata(self, page_indices, metadata_slot, state_indices=None, decode_prefix_len=0): pass
         MANAGER, SENDER, RECEIVER = Manager, Sender, Receiver
         probed = []
         def probe():
@@ -143,3 +153,19 @@ def test_a_broken_plugin_is_a_typed_error(plugins):
         get_backend("broken")
     with pytest.raises(BackendUnavailable, match="SENDER"):
         get_backend("partial")
+
+
+def test_a_plugin_missing_a_method_is_named_at_load(plugins):
+    make_plugin(
+        plugins,
+        "acme",
+        """
+        class Manager:
+            def poll_many(self, rooms, indices): return []
+        class Sender:
+            def init(self, n, slot): pass
+        MANAGER, SENDER, RECEIVER = Manager, Sender, Sender
+        """,
+    )
+    with pytest.raises(BackendUnavailable, match=r"SENDER 'Sender' lacks .*poll"):
+        get_backend("acme")

@@ -7,7 +7,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def test_metrics_follow_the_step():
-    from lifecycle.tools.metrics import LifecycleMetrics
+    from pdlife.metrics import LifecycleMetrics
 
     reg = prometheus_client.CollectorRegistry()
     m = LifecycleMetrics(reg)

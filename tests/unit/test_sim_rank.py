@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from lifecycle import SingleRank
-from lifecycle.tools import sim
-from lifecycle.tools.plan import parse_plan
-from lifecycle.tools.sim import RankRun, SimConfig, Workload
+from pdlife import sim
+from pdlife.plan import parse_plan
+from pdlife.sim import RankRun, SimConfig, Workload
 
 
 class Store:

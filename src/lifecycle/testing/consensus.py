@@ -50,14 +50,13 @@ from lifecycle.errors import LifecycleError
 from lifecycle.graph import TRIGGERS
 from lifecycle.lockstep import reduce_min
 from lifecycle.reference import RequestMachine
-from lifecycle.status import KVPoll, Role
+from lifecycle.status import B, F, KVPoll, Role, S, T
 from lifecycle.step import Stepper, StepResult
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 
 __all__ = ["ConsensusMachine", "InvariantViolation"]
 
-B, W, T, S, F = (int(s) for s in (1, 2, 3, 4, 0))
 SLOTS = 12
 _LAYOUT = MetadataLayout(
     hidden_size=16, hidden_dtype=__import__("torch").float32, max_top_logprobs=16

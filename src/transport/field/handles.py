@@ -1,5 +1,5 @@
 """Per-request senders and receivers with the field's call shapes, over a
-backend's own handles (``transport.protocols.KVSender`` / ``KVReceiver``).
+backend's own handles (the ``KVSender`` / ``KVReceiver`` shapes of :mod:`transport.protocols`).
 
 The field's sender: ``init(num_kv_indices, aux_index)``, ``send(kv_indices,
 state_indices)``; its receiver: built with the prefill address (the handshake

@@ -29,21 +29,14 @@ from lifecycle.errors import LifecycleError, PartialPollError, RankFailure
 from lifecycle.packing import fingerprint
 from lifecycle.protocols import StepContext
 from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll, Role
+from lifecycle.status import B, F, KVPoll, Role, S, T, W
 from lifecycle.step import StepConfig, Stepper, StepResult
 from lifecycle.table import RequestTable
-from lifecycle.tools.plan import KINDS, FaultPlan, RankFaults
-from lifecycle.tools.trace import TraceWriter
+from pdlife.plan import KINDS, FaultPlan, RankFaults
+from pdlife.trace import TraceWriter
 
 __all__ = ["SimConfig", "Workload", "run_rank"]
 
-B, W, T, S, F = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-    KVPoll.Success,
-    KVPoll.Failed,
-)
 SIM_LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
 KV_LAYERS = 2
 PAGE_BYTES = 256
@@ -73,7 +66,7 @@ class SimConfig:
     pg_timeout: float = 30.0
     metrics_port: int | None = None  # rank r serves Prometheus metrics on port + r
     plan: FaultPlan = attrs.field(factory=FaultPlan)
-    fault_mode: str = "phase"  # phase | step (see lifecycle.tools.plan)
+    fault_mode: str = "phase"  # phase | step (see pdlife.plan)
     soak: float | None = None  # seconds: keep admitting requests this long
     # admission control, like a real scheduler's: past this many live requests
     # arrivals wait, so a long run holds a bounded backlog, not an ever-growing one
@@ -409,7 +402,7 @@ class RankRun:
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
         self.metrics: Any = None
         if cfg.metrics_port is not None:
-            from lifecycle.tools.metrics import LifecycleMetrics, serve
+            from pdlife.metrics import LifecycleMetrics, serve
 
             self.metrics = LifecycleMetrics()
             serve(cfg.metrics_port + rank)

@@ -26,10 +26,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from lifecycle.diagram import protocol, render
+    from lifecycle.diagram import render
 
+    if args.protocol:
+        from transport.connector_graph import diagram
+
+        sys.stdout.write(diagram(args.format))
+        return 0
     role = Role.SENDER if args.role == "sender" else Role.RECEIVER
-    sys.stdout.write(protocol(args.format) if args.protocol else render(role, args.format))
+    sys.stdout.write(render(role, args.format))
     return 0
 
 
@@ -47,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_diagram)
 
-    from lifecycle.tools import register_commands
+    from pdlife import register_commands
 
     register_commands(sub)
     return p
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from lifecycle.errors import FaultPlanError
-    from lifecycle.tools.args import UsageError
+    from pdlife.args import UsageError
     from transport.errors import TransportError
 
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from lifecycle.tools.args import positive_int
+from pdlife.args import positive_int
 
 __all__ = ["add_parser", "engine_rss_per_request"]
 

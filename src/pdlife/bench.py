@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lifecycle.tools.args import positive_int
-from lifecycle.tools.bench_cases import ArrayBackend, ObjPoller, churn_case, three_queues
+from pdlife.args import positive_int
+from pdlife.bench_cases import ArrayBackend, ObjPoller, churn_case, three_queues
 
 __all__ = ["add_parser", "run_bench"]
 

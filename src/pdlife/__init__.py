@@ -10,7 +10,7 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    from lifecycle.tools import bench, bench_transfer, engine_memory, simulate
+    from pdlife import bench, bench_transfer, engine_memory, simulate
 
     simulate.add_parser(sub)
     bench.add_parser(sub)

@@ -26,10 +26,10 @@ import numpy as np
 from lifecycle.errors import FaultPlanError
 from lifecycle.reasons import FailureReason
 from lifecycle.status import Role
-from lifecycle.tools import args as a
-from lifecycle.tools.args import UsageError
-from lifecycle.tools.plan import MODES, FaultPlan, TargetedFault, load_plan
-from lifecycle.tools.sim import SimConfig, Workload, run_rank
+from pdlife import args as a
+from pdlife.args import UsageError
+from pdlife.plan import MODES, FaultPlan, TargetedFault, load_plan
+from pdlife.sim import SimConfig, Workload, run_rank
 
 __all__ = ["add_parser", "simulate", "summarize", "pick_backend", "compare"]
 
@@ -569,7 +569,7 @@ def compare(a_dir: Path, b_dir: Path) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from lifecycle.tools.trace import TraceError, replay
+    from pdlife.trace import TraceError, replay
 
     try:
         report = replay(Path(args.dir))

@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from lifecycle.tools.args import positive_int
+    from pdlife.args import positive_int
 
     p = sub.add_parser(
         "bench-transfer", help="lifecycle-driven transfer vs. the raw engine (Mooncake, NIXL)"

@@ -1,3 +1,0 @@
-from lifecycle.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,3 @@
+from pdlife.cli import main
+
+raise SystemExit(main())
