@@ -28,6 +28,7 @@ from lifecycle.errors import (
     UnknownRequest,
 )
 from lifecycle.reasons import FailureReason
+from lifecycle.request_info import RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
 
 __all__ = ["RequestTable", "RequestInfo"]
@@ -37,37 +38,6 @@ _INITIAL = 64
 MAX_ROWS = 1 << 24
 #: metadata slots and handle indices: -1 (none) or a non-negative int64
 _MAX_INDEX = (1 << 62) - 1
-
-
-class RequestInfo:
-    """A read-only snapshot of one request's row (for humans and slow paths)."""
-
-    __slots__ = (
-        "entered_step",
-        "entered_time",
-        "fake",
-        "metadata_slot",
-        "origin",
-        "reason",
-        "role",
-        "room",
-        "state",
-    )
-
-    def __init__(self, table: RequestTable, slot: int) -> None:
-        self.room = int(table.room[slot])
-        self.state = KVPoll(int(table.state[slot]))
-        self.role = Role(int(table.role[slot]))
-        self.reason = FailureReason(int(table.reason[slot]))
-        self.origin = int(table.origin[slot])
-        self.entered_step = int(table.entered_step[slot])
-        self.entered_time = float(table.entered_time[slot])
-        self.fake = bool(table.fake[slot])
-        self.metadata_slot = int(table.metadata_slot[slot])
-
-    def __repr__(self) -> str:
-        extra = f", reason={self.reason.label}, origin={self.origin}" if self.state == 0 else ""
-        return f"RequestInfo(room={self.room}, state={self.state.name}{extra})"
 
 
 class RequestTable:

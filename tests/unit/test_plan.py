@@ -164,7 +164,7 @@ def test_phase_mode_plans_parse_in_both_formats(tmp_path):
 
 
 def test_phase_draws_depend_on_the_request_alone():
-    from pdlife.plan import draw
+    from pdlife.phase_draws import draw
 
     rooms = np.arange(1, 5001, dtype=np.uint64) * 7919
     a = draw(3, 1, 2, rooms)

@@ -48,7 +48,7 @@ from numpy.typing import NDArray
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.errors import LifecycleError
 from lifecycle.graph import TRIGGERS
-from lifecycle.lockstep import reduce_min
+from lifecycle.lockstep import lockstep, reduce_min
 from lifecycle.reference import RequestMachine
 from lifecycle.status import B, F, KVPoll, Role, S, T
 from lifecycle.step import Stepper, StepResult
@@ -105,8 +105,7 @@ class ConsensusMachine(RuleBasedStateMachine):
             faults=self.faults[rank],
         )
 
-    def reduce(self, bufs: list[NDArray[np.uint8]]) -> NDArray[np.uint8]:
-        return reduce_min(bufs)
+    reduce = staticmethod(reduce_min)  # the status reduce (negative controls replace it)
 
     def adjust_local(self, rank: int, local: NDArray[np.int8]) -> NDArray[np.int8]:
         """Change a rank's gated local values before the reduce (for negative controls)."""
@@ -246,30 +245,15 @@ class ConsensusMachine(RuleBasedStateMachine):
             faults = [room in f.rooms for f in self.faults]
             if any(aborts) or any(faults):
                 doomed[room] = any(aborts)
-        bufs = []
-        for r, stp in enumerate(self.steppers):
-            buf = stp.prepare()
-            adj = self.adjust_local(r, stp.local.values)
-            if adj is not stp.local.values:
-                stp.local.values = adj
-                buf = stp.repack()
-            bufs.append(buf)
-        red = self.reduce(bufs)
-        if any([stp.resize(red) for stp in self.steppers]):
-            red = self.reduce([stp.repack() for stp in self.steppers])
         try:
-            fetches = [stp.origins(red.copy()) for stp in self.steppers]
-        except LifecycleError as e:
-            raise InvariantViolation("step", f"a rank raised {e!r}") from e
-        present = [f for f in fetches if f is not None]
-        _check(len(present) in (0, self.world), "agreement", "ranks disagree on the origin fetch")
-        origins = np.minimum.reduce(present) if present else None
+            outcome = lockstep(self.steppers, reduce=self.reduce, adjust=self.adjust_local)
+        except LifecycleError as e:  # the ranks disagreed on the origin fetch
+            raise InvariantViolation("agreement", str(e)) from e
         results: list[StepResult] = []
-        for r, stp in enumerate(self.steppers):
-            try:
-                results.append(self.after_apply(r, stp.apply(red.copy(), origins)))
-            except LifecycleError as e:
-                raise InvariantViolation("step", f"rank {r} raised {e!r}") from e
+        for r, res in enumerate(outcome):
+            if isinstance(res, BaseException):
+                raise InvariantViolation("step", f"rank {r} raised {res!r}") from res
+            results.append(self.after_apply(r, res))
         self.last = results
         self._check_step(rows, before, gates_open, results, expected, doomed)
 
