@@ -133,18 +133,7 @@ class LocalStage:
             obs.hook_failed(everyone, f.rooms, clock_error)
         masks: dict[str, NDArray[np.bool_] | None] = {}
         if n:
-            if t.abort_count:
-                masks["abort_flag"] = t.abort_requested[f.rows]
-            if cfg.bootstrap_timeout is not None:
-                state = t.state[f.rows]
-                masks["bootstrap_deadline"] = (state == _B) & (
-                    now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
-                )
-            if cfg.waiting_timeout is not None:
-                with np.errstate(invalid="ignore"):
-                    masks["waiting_deadline"] = (
-                        now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
-                    )
+            # first: a fault hook may request an abort, which this step then carries
             if self.faults is not None:
                 faults = self.faults
                 # a copy: a hook writing into its view must not reach apply
@@ -157,6 +146,18 @@ class LocalStage:
                     everyone,
                     f,
                 )
+            if t.abort_count:
+                masks["abort_flag"] = t.abort_requested[f.rows]
+            if cfg.bootstrap_timeout is not None:
+                state = t.state[f.rows]
+                masks["bootstrap_deadline"] = (state == _B) & (
+                    now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
+                )
+            if cfg.waiting_timeout is not None:
+                with np.errstate(invalid="ignore"):
+                    masks["waiting_deadline"] = (
+                        now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
+                    )
             if self.metadata is not None and f.meta_bad is not None:
                 size = getattr(self.metadata, "size", "?")
                 for i in np.flatnonzero(f.meta_bad).tolist():

@@ -305,3 +305,24 @@ def test_a_hook_cannot_write_into_the_step_through_its_arguments():
     assert res.rooms.tolist() == [1, 2]
     assert res.statuses.tolist() == [F, F]  # the gate's write was refused: a hook error
     assert {f.reason for f in res.failures()} == {HOOK}
+
+
+def test_an_abort_requested_by_the_fault_hook_is_carried_in_the_same_step():
+    """A client abort keyed to a phase fires from inside the fault hook; the
+    step that asked must carry it, or a fast request succeeds first."""
+
+    class AbortingFaults:
+        def __init__(self, table):
+            self.table = table
+
+        def inject(self, ctx):
+            self.table.request_abort(2)
+            return np.zeros(ctx.rooms.size, dtype=bool)
+
+    t = RequestTable()
+    t.extend([1, 2])
+    board = StatusBoard()
+    board.set([1, 2], S)
+    (res,) = ok(lockstep([Stepper(t, 0, poller=board, faults=AbortingFaults(t))]))
+    assert res.succeeded.tolist() == [1]
+    assert [(f.room, f.reason) for f in res.failures()] == [(2, FailureReason.ABORTED)]
