@@ -47,6 +47,7 @@ from numpy.typing import ArrayLike, NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport.addressing import advertised_host, check_store_reachable
 from transport.errors import BackendUnavailable
 from transport.status_arrays import StatusArrays, StatusHandle
 
@@ -82,7 +83,7 @@ class MooncakeConfig:
     tp_rank: int
     store_host: str = "127.0.0.1"
     store_port: int = 0
-    hostname: str = "127.0.0.1"
+    hostname: str | None = None  # None: discovered, see transport.addressing
     namespace: str = "pd"
     heartbeat_interval: float = 0.5
     heartbeat_misses: int = 4
@@ -166,12 +167,14 @@ class MooncakeManager(StatusArrays):
         self.config = config
         self.kv_args = kv_args
         self.engine = TransferEngine()
-        rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", "")
+        host = advertised_host(config.hostname, target=config.store_host)
+        check_store_reachable(config.store_host, config.store_port, "MooncakeConfig.store_host")
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise BackendUnavailable(
                 "mooncake", f"engine initialize returned {rc}", "check the host name"
             )
-        self.endpoint = f"{config.hostname}:{self.engine.get_rpc_port()}"
+        self.endpoint = f"{host}:{self.engine.get_rpc_port()}"
         ptrs = list(kv_args.kv_data_ptrs) + list(kv_args.aux_data_ptrs)
         lens = list(kv_args.kv_data_lens) + list(kv_args.aux_data_lens)
         if self.engine.batch_register_memory(ptrs, lens) != 0:
