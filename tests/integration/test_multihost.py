@@ -1,0 +1,185 @@
+"""Prefill on one host, decode on another: two network namespaces, one
+torchrun node each (c10d rendezvous), Mooncake over TCP between them.
+
+The hosts are namespaces joined by a veth pair (192.0.2.1 and 192.0.2.2,
+documentation addresses that exist only inside them), so every address is
+the one a real deployment would use: nothing reaches the other side on
+127.0.0.1. The worked example of docs/deployment.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import netns
+from lifecycle.tools.sim import SimConfig, Workload
+
+pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
+_why = netns.unavailable()
+pytestmark = [
+    pytest.mark.skipif(_why is not None, reason=_why or ""),
+    pytest.mark.multiprocess,
+    pytest.mark.network,
+    pytest.mark.timeout(120),
+]
+
+RDZV_PORT = 29400  # inside fresh namespaces every port is free
+JOB_TIMEOUT = 75.0
+
+
+def torchrun(host: netns.Host, role: str, out: Path, *args: str) -> subprocess.Popen[str]:
+    """One node of the job, as docs/deployment.md starts it."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+    env.pop("PDLIFE_HOST", None)
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{netns.SUBNET}.1:{RDZV_PORT}",
+        "--rdzv-id",
+        "pdlife-test",
+        # the endpoint's node hosts the rendezvous store: say so rather than
+        # rely on torchrun matching the address against the host name
+        "--rdzv-conf",
+        f"is_host={int(role == 'prefill')}",
+        "--local-addr",
+        host.addr,
+        "--max-restarts",
+        "0",
+        "-m",
+        "lifecycle",
+        "simulate",
+        "--backend",
+        "mooncake",
+        "--quiet",
+        "--role",
+        role,
+        "--out",
+        str(out),
+        *args,
+    ]
+    return subprocess.Popen(
+        host.cmd(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(p: subprocess.Popen[str], deadline: float) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"a node did not exit within {JOB_TIMEOUT} s:\n{out}\n{err[-3000:]}")
+    return p.returncode, out, err
+
+
+def fault_plan(path: Path, requests: int) -> Path:
+    """5% of the requests fail by injection, spread over every rank and kind."""
+    kinds = ["fail", "raise_in_poll", "corrupt_metadata", "fail", "drop_metadata"]
+    n = requests // 20
+    faults = [
+        {"kind": kinds[i % len(kinds)], "rank": i % 4, "request": 7 + i * (requests // n)}
+        for i in range(n)
+    ]
+    # metadata faults happen on decode ranks (what lands in their rows)
+    for f in faults:
+        if f["kind"].endswith("metadata"):
+            f["rank"] = 2 + f["rank"] % 2
+    path.write_text(json.dumps({"faults": faults}))
+    return path
+
+
+def results(out: Path) -> dict[int, dict]:
+    return {
+        r: json.loads((out / "ranks" / f"rank{r}.json").read_text())
+        for r in range(4)
+        if (out / "ranks" / f"rank{r}.json").exists()
+    }
+
+
+def test_prefill_and_decode_on_two_hosts(tmp_path):
+    out = tmp_path / "run"
+    plan = fault_plan(tmp_path / "plan.json", 200)
+    args = ("--requests", "200", "--abort-prob", "0.05", "--plan", str(plan), "--seed", "5")
+    with netns.hosts(2) as (a, b):
+        deadline = time.monotonic() + JOB_TIMEOUT
+        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args)]
+        (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
+    assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["ok"], s
+    assert s["requests"] == 200
+    assert s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == 200
+    assert s["aborted"] > 0
+    assert s["succeeded"] >= 150
+    # decode checked every page and metadata row it committed; a difference is a violation
+    assert s["invariant_violations"] == []
+    assert s["kv_bytes_verified"] >= s["succeeded"] * 2 * 2 * 256
+    assert (s["disagreements"], s["leaked_slots"], s["leaked_kv_pages"], s["stuck"]) == (0,) * 4
+    r = results(out)
+    assert r[2]["outcome"] == r[3]["outcome"]  # both decode ranks, every request and reason
+    assert r[0]["outcome"] == r[1]["outcome"]
+    # every injected fault failed its request (or an abort got there first), on every rank
+    work = Workload.make(SimConfig(requests=200, seed=5, abort_prob=0.05))
+    for f in json.loads(plan.read_text())["faults"]:
+        room = str(work.rooms[f["request"]])
+        assert r[2]["outcome"][room][0] == "Failed", (f, r[2]["outcome"][room])
+    for res in r.values():
+        assert (res["error"], res["unfinished"], res["leaked_slots"]) == (None, 0, 0)
+    replay = subprocess.run(
+        [sys.executable, "-m", "lifecycle", "replay", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert replay.returncode == 0, replay.stdout
+    assert out_a.count("pdlife simulate:") == 1
+
+
+def test_a_killed_host_is_named_by_the_survivors(tmp_path):
+    out = tmp_path / "kill"
+    args = ("--requests", "200", "--abort-prob", "0.05", "--pg-timeout", "8")
+    with netns.hosts(2) as (a, b):
+        deadline = time.monotonic() + JOB_TIMEOUT
+        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args)]
+        trace = out / "trace" / "rank2.jsonl"
+        while time.monotonic() < deadline and procs[1].poll() is None:
+            if trace.exists() and trace.stat().st_size > 20_000:  # decode is well under way
+                break
+            time.sleep(0.1)
+        assert procs[1].poll() is None, "decode finished before it could be killed"
+        killed = b.kill_all()
+        assert killed
+        t_kill = time.monotonic()
+        rc_a, out_a, err_a = finish(procs[0], deadline)
+        exit_after = time.monotonic() - t_kill
+        procs[1].wait(5)
+    assert rc_a != 0, out_a
+    for r in (2, 3):
+        assert f"rank {r} (decode, on {b.addr}) stopped" in out_a, out_a + err_a[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert not s["ok"]
+    assert sorted(s["crashed_ranks"]) == [2, 3]
+    assert len(s["rank_errors"]) == 2
+    r = results(out)
+    assert r[0]["outcome"] == r[1]["outcome"]  # the prefill ranks still agree on everything
+    for p in (0, 1):
+        assert (r[p]["error"], r[p]["unfinished"], r[p]["leaked_slots"]) == (None, 0, 0)
+        assert r[p]["leaked_kv_pages"] == 0
+        reasons = {reason for status, reason, _ in r[p]["outcome"].values() if status == "Failed"}
+        assert 1 in reasons  # peer dead
+    assert exit_after < 40, exit_after
