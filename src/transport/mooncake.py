@@ -166,9 +166,9 @@ class MooncakeManager(StatusArrays):
 
         self.config = config
         self.kv_args = kv_args
-        self.engine = TransferEngine()
         host = advertised_host(config.hostname, target=config.store_host)
         check_store_reachable(config.store_host, config.store_port, "MooncakeConfig.store_host")
+        self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise BackendUnavailable(

@@ -183,3 +183,60 @@ def test_a_killed_host_is_named_by_the_survivors(tmp_path):
         reasons = {reason for status, reason, _ in r[p]["outcome"].values() if status == "Failed"}
         assert 1 in reasons  # peer dead
     assert exit_after < 40, exit_after
+
+
+MISCONFIGURED = r"""
+import json, os, sys, time
+import torch
+from buffers import MetadataBuffers
+from lifecycle.tools.sim import SIM_LAYOUT
+from transport.addressing import AddressError, advertised_host
+from transport.mooncake import MooncakeConfig, MooncakeManager, kv_args_for
+
+kv = kv_args_for([torch.zeros((4, 256), dtype=torch.uint8)], MetadataBuffers(4, SIM_LAYOUT).buf_infos(), 0)
+me, other = sys.argv[1], sys.argv[2]
+report = {
+    "by_route": advertised_host(env={"MASTER_ADDR": other}),
+    "by_interface": advertised_host(env={"GLOO_SOCKET_IFNAME": sys.argv[3]}),
+}
+cases = {
+    "explicit": (dict(hostname=other + "9"), {}),
+    "env": ({}, {"PDLIFE_HOST": other}),
+    "store": (dict(store_host=other, store_port=29999), {}),
+}
+for name, (cfg, env) in cases.items():
+    os.environ.update(env)
+    t0 = time.monotonic()
+    try:
+        MooncakeManager(kv, MooncakeConfig(role="prefill", tp_rank=0, **{"store_host": me, "store_port": 1, **cfg}))
+        report[name] = ("no error", 0.0)
+    except AddressError as e:
+        report[name] = (str(e), time.monotonic() - t0)
+    for k in env:
+        del os.environ[k]
+print(json.dumps(report))
+"""
+
+
+def test_misconfigured_addresses_fail_fast_naming_the_setting():
+    with netns.hosts(2) as (a, b):
+        proc = subprocess.run(
+            a.cmd([sys.executable, "-c", MISCONFIGURED, a.addr, b.addr, a.ifname]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k not in ("PDLIFE_HOST", "MASTER_ADDR")},
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["by_route"] == a.addr  # the interface that reaches the store
+    assert got["by_interface"] == a.addr
+    msg, took = got["explicit"]
+    assert msg.startswith(f"hostname='{b.addr}9': is not an address of this host"), msg
+    msg, took_env = got["env"]
+    assert msg.startswith(f"PDLIFE_HOST='{b.addr}': is not an address of this host"), msg
+    msg, took_store = got["store"]
+    assert msg.startswith(f"MooncakeConfig.store_host='{b.addr}:29999': the store does not answer")
+    assert "Connection refused" in msg
+    # an answer, not a connect timeout (the store's own is 30 s)
+    assert max(took, took_env, took_store) < 5
