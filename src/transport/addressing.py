@@ -57,7 +57,7 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
 def _resolve(host: str, setting: str) -> str:
     """An IPv4 address for ``host`` (a name is looked up once, here)."""
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]  # type: ignore[no-any-return]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, UnicodeError) as e:
         raise AddressError(
             setting, host, f"does not resolve to an IPv4 address ({e})", "Give an IPv4 address"
@@ -130,8 +130,7 @@ def route_source(target: str, setting: str = "MASTER_ADDR") -> str:
                 setting,
                 target,
                 f"no route from this host ({os.strerror(e.errno or 0) or e})",
-                "Check the address, this host's interfaces and routes (`ip route get "
-                f"{ip}`)",
+                f"Check the address, this host's interfaces and routes (`ip route get {ip}`)",
             ) from None
         return s.getsockname()[0]  # type: ignore[no-any-return]
 

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import netns
 import pytest
 
-import netns
 from lifecycle.tools.sim import SimConfig, Workload
 
 pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
@@ -150,27 +150,34 @@ def test_prefill_and_decode_on_two_hosts(tmp_path):
     assert out_a.count("pdlife simulate:") == 1
 
 
-def test_a_killed_host_is_named_by_the_survivors(tmp_path):
-    out = tmp_path / "kill"
+def run_and_kill(out: Path, victim: int) -> tuple[netns.Host, netns.Host, int, str, float]:
+    """Start both nodes, SIGKILL every process of host ``victim`` once it is
+    well under way; (survivor, victim host, survivor's exit code, output,
+    seconds from the kill to the survivor's exit)."""
     args = ("--requests", "200", "--abort-prob", "0.05", "--pg-timeout", "8")
-    with netns.hosts(2) as (a, b):
+    with netns.hosts(2) as hosts:
         deadline = time.monotonic() + JOB_TIMEOUT
-        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args)]
-        trace = out / "trace" / "rank2.jsonl"
-        while time.monotonic() < deadline and procs[1].poll() is None:
-            if trace.exists() and trace.stat().st_size > 20_000:  # decode is well under way
+        procs = [torchrun(h, role, out, *args) for h, role in zip(hosts, ("prefill", "decode"))]
+        trace = out / "trace" / f"rank{2 * victim}.jsonl"
+        while time.monotonic() < deadline and procs[victim].poll() is None:
+            if trace.exists() and trace.stat().st_size > 20_000:  # well under way
                 break
             time.sleep(0.1)
-        assert procs[1].poll() is None, "decode finished before it could be killed"
-        killed = b.kill_all()
-        assert killed
+        assert procs[victim].poll() is None, "the victim finished before it could be killed"
+        assert hosts[victim].kill_all()
         t_kill = time.monotonic()
-        rc_a, out_a, err_a = finish(procs[0], deadline)
+        rc, stdout, stderr = finish(procs[1 - victim], deadline)
         exit_after = time.monotonic() - t_kill
-        procs[1].wait(5)
-    assert rc_a != 0, out_a
+        procs[victim].wait(5)
+    return hosts[1 - victim], hosts[victim], rc, stdout + stderr, exit_after
+
+
+def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path):
+    out = tmp_path / "kill"
+    a, b, rc, text, exit_after = run_and_kill(out, victim=1)
+    assert rc != 0, text
     for r in (2, 3):
-        assert f"rank {r} (decode, on {b.addr}) stopped" in out_a, out_a + err_a[-2000:]
+        assert f"rank {r} (decode, on {b.addr}) stopped" in text, text[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert not s["ok"]
     assert sorted(s["crashed_ranks"]) == [2, 3]
@@ -182,7 +189,21 @@ def test_a_killed_host_is_named_by_the_survivors(tmp_path):
         assert r[p]["leaked_kv_pages"] == 0
         reasons = {reason for status, reason, _ in r[p]["outcome"].values() if status == "Failed"}
         assert 1 in reasons  # peer dead
-    assert exit_after < 40, exit_after
+    # Mooncake's heartbeat (2 s) + the collector's patience (--pg-timeout 8) + teardown
+    assert exit_after < 30, exit_after
+
+
+def test_a_killed_prefill_host_is_named_by_the_survivors(tmp_path):
+    # node 0 hosts torchrun's store: the decode ranks lose it and say whose it was
+    out = tmp_path / "kill0"
+    b, a, rc, text, exit_after = run_and_kill(out, victim=0)
+    assert rc != 0
+    for r in (2, 3):
+        want = f"rank {r} (decode, on {b.addr}): the job's store at {a.addr}:"
+        assert want in text, text[-3000:]
+    assert text.count("died with rank(s) [0, 1]; exiting") == 2
+    assert "]: Traceback" not in text  # no worker traceback (torch prefixes them "[rankN]: ")
+    assert exit_after < 30, exit_after
 
 
 MISCONFIGURED = r"""

@@ -91,7 +91,9 @@ def test_an_unreachable_store_is_one_typed_error():
         check_store_reachable("127.0.0.1", port, "MooncakeConfig.store_host", timeout=2)
     assert isinstance(e.value, AddressError)
     msg = str(e.value)
-    assert msg.startswith(f"MooncakeConfig.store_host='127.0.0.1:{port}': the store does not answer")
+    assert msg.startswith(
+        f"MooncakeConfig.store_host='127.0.0.1:{port}': the store does not answer"
+    )
     assert "Connection refused" in msg
 
 

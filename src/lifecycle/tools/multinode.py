@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Placement", "add_errors", "collect", "place", "publish"]
+__all__ = ["Placement", "add_errors", "collect", "place", "publish", "store_lost"]
 
 _ROLES = ("prefill", "decode")
 
@@ -38,9 +38,7 @@ class Placement:
     hosts: tuple[str, ...]  # by logical rank: the address each rank advertises
 
 
-def place(
-    rank: int, world: int, prefill: int, role: str | None, host: str, dist: Any
-) -> Placement:
+def place(rank: int, world: int, prefill: int, role: str | None, host: str, dist: Any) -> Placement:
     """Agree on which global rank serves which side (one all-gather on the world)."""
     mine = role if role is not None else ("prefill" if rank < prefill else "decode")
     said: list[Any] = [None] * world
@@ -120,3 +118,20 @@ def add_errors(summary: dict[str, Any], out: Path, msgs: list[str]) -> None:
     summary["rank_errors"] = [*summary["rank_errors"], *msgs]
     summary["ok"] = False
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+
+def store_lost(where: Placement, store: tuple[str, int], err: BaseException) -> str:
+    """What a survivor says when the job's store stops answering mid-run.
+
+    The store lives with torchrun's node 0, so its loss means that node died;
+    the ranks that advertised the store's address are named.
+    """
+    me = where.logical
+    side = "prefill" if me < len(where.prefill) else "decode"
+    gone = [r for r, h in enumerate(where.hosts) if h == store[0] and r != me]
+    cause = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+    return (
+        f"rank {me} ({side}, on {where.hosts[me]}): the job's store at {store[0]}:{store[1]} "
+        f"stopped answering ({cause}); the node hosting it died with rank(s) "
+        f"{gone or 'unknown'}; exiting"
+    )

@@ -358,7 +358,11 @@ def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
         "decode": dist.new_group(list(where.decode)),
     }
     start = time.monotonic()
-    result = run_rank(cfg, where.logical, out, store, groups, addr)
+    try:
+        result = run_rank(cfg, where.logical, out, store, groups, addr)
+    except dist.DistNetworkError as e:  # the store, and so node 0, is gone
+        print(multinode.store_lost(where, addr, e), file=sys.stderr)
+        return 4
     if result["error"]:
         print(result["error"], file=sys.stderr)
     multinode.publish(store, where.logical, out)
