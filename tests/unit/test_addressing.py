@@ -26,8 +26,8 @@ def closed_port() -> int:
 
 def test_store_address_from_torchrun_env():
     assert store_address({}) == ("127.0.0.1", 0)
-    assert store_address({"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}) == (
-        "10.1.2.3",
+    assert store_address({"MASTER_ADDR": "192.0.2.3", "MASTER_PORT": "29500"}) == (
+        "192.0.2.3",
         29500,
     )
 
