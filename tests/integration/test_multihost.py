@@ -35,7 +35,8 @@ JOB_TIMEOUT = 75.0
 
 
 def torchrun(host: netns.Host, role: str, out: Path, *args: str) -> subprocess.Popen[str]:
-    """One node of the job, as docs/deployment.md starts it."""
+    """One node of the job, as docs/deployment.md starts it (the first host,
+    192.0.2.1, holds the rendezvous)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
     env.pop("PDLIFE_HOST", None)
     argv = [
@@ -55,7 +56,7 @@ def torchrun(host: netns.Host, role: str, out: Path, *args: str) -> subprocess.P
         # the endpoint's node hosts the rendezvous store: say so rather than
         # rely on torchrun matching the address against the host name
         "--rdzv-conf",
-        f"is_host={int(role == 'prefill')}",
+        f"is_host={int(host.addr == f'{netns.SUBNET}.1')}",
         "--local-addr",
         host.addr,
         "--max-restarts",
@@ -148,6 +149,23 @@ def test_prefill_and_decode_on_two_hosts(tmp_path):
     )
     assert replay.returncode == 0, replay.stdout
     assert out_a.count("pdlife simulate:") == 1
+
+
+def test_sides_follow_the_roles_not_the_node_order(tmp_path):
+    # the rendezvous host (node 0, global ranks 0 and 1) serves decode this time
+    out = tmp_path / "swap"
+    args = ("--requests", "40", "--abort-prob", "0")
+    with netns.hosts(2) as (a, b):
+        deadline = time.monotonic() + JOB_TIMEOUT
+        procs = [torchrun(a, "decode", out, *args), torchrun(b, "prefill", out, *args)]
+        (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
+    assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
+    assert "result: OK" in out_a  # global rank 0, a decode rank, summarised
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["succeeded"], s["invariant_violations"]) == (40, [])
+    assert s["kv_bytes_verified"] >= 40 * 2 * 2 * 256
+    r = results(out)
+    assert [r[i]["side"] for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
 
 
 def run_and_kill(out: Path, victim: int) -> tuple[netns.Host, netns.Host, int, str, float]:
