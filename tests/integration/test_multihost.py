@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -34,7 +35,9 @@ RDZV_PORT = 29400  # inside fresh namespaces every port is free
 JOB_TIMEOUT = 75.0
 
 
-def torchrun(host: netns.Host, role: str, out: Path, *args: str) -> subprocess.Popen[str]:
+def torchrun(
+    host: netns.Host, role: str, out: Path, *args: str, delay: float = 0
+) -> subprocess.Popen[str]:
     """One node of the job, as docs/deployment.md starts it (the first host,
     192.0.2.1, holds the rendezvous)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
@@ -61,18 +64,13 @@ def torchrun(host: netns.Host, role: str, out: Path, *args: str) -> subprocess.P
         host.addr,
         "--max-restarts",
         "0",
-        "-m",
-        "lifecycle",
-        "simulate",
-        "--backend",
-        "mooncake",
-        "--quiet",
-        "--role",
-        role,
-        "--out",
-        str(out),
-        *args,
     ]
+    sim = [sys.executable, "-m", "lifecycle", "simulate", "--backend", "mooncake", "--quiet"]
+    sim += ["--role", role, "--out", str(out), *args]
+    if delay:  # this node's ranks start late, as on a slow or loaded host
+        argv += ["--no-python", "sh", "-c", f"sleep {delay}; exec {shlex.join(sim)}"]
+    else:
+        argv += sim[1:]
     return subprocess.Popen(
         host.cmd(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -166,6 +164,18 @@ def test_sides_follow_the_roles_not_the_node_order(tmp_path):
     assert s["kv_bytes_verified"] >= 40 * 2 * 2 * 256
     r = results(out)
     assert [r[i]["side"] for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_a_node_that_starts_late_is_waited_for(tmp_path):
+    # joining is not a step: a node slower to start than --pg-timeout is no dead node
+    out = tmp_path / "late"
+    args = ("--requests", "20", "--abort-prob", "0", "--pg-timeout", "4")
+    with netns.hosts(2) as (a, b):
+        deadline = time.monotonic() + JOB_TIMEOUT
+        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args, delay=10)]
+        (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
+    assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
+    assert json.loads((out / "summary.json").read_text())["succeeded"] == 20
 
 
 def run_and_kill(out: Path, victim: int) -> tuple[netns.Host, netns.Host, int, str, float]:

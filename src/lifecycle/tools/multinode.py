@@ -25,9 +25,11 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Placement", "add_errors", "collect", "place", "publish", "store_lost"]
+__all__ = ["JOIN_TIMEOUT_S", "Placement", "add_errors", "collect", "place", "publish", "store_lost"]
 
-_ROLES = ("prefill", "decode")
+# how long the world group waits for every node's ranks to join: nodes start
+# at different times (image pulls, imports on a loaded host)
+JOIN_TIMEOUT_S = 120.0
 
 
 @attrs.frozen

@@ -346,16 +346,20 @@ def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
         print(f"torchrun world size {world} != --prefill + --decode = {cfg.world}", file=sys.stderr)
         return 2
     addr = store_address()
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg.pg_timeout))
+    # joining waits for the slowest node to start; a rank that dies mid-run is
+    # caught by the side groups, which keep --pg-timeout
+    join = timedelta(seconds=max(cfg.pg_timeout, multinode.JOIN_TIMEOUT_S))
+    dist.init_process_group("gloo", init_method="env://", timeout=join)
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         for old in (out / "ranks").glob("*.json"):
             old.unlink()
     # the sides by what each rank says (--role), not by the node order rendezvous chose
     where = multinode.place(rank, world, cfg.prefill, role, advertised_host(target=addr[0]), dist)
+    step_timeout = timedelta(seconds=cfg.pg_timeout)
     groups = {
-        "prefill": dist.new_group(list(where.prefill)),
-        "decode": dist.new_group(list(where.decode)),
+        "prefill": dist.new_group(list(where.prefill), timeout=step_timeout),
+        "decode": dist.new_group(list(where.decode), timeout=step_timeout),
     }
     start = time.monotonic()
     try:
