@@ -289,3 +289,37 @@ def test_misconfigured_addresses_fail_fast_naming_the_setting():
     assert "Connection refused" in msg
     # an answer, not a connect timeout (the store's own is 30 s)
     assert max(took, took_env, took_store) < 5
+
+
+def _work_then_fail(seen: dict) -> None:
+    with netns.hosts(3) as hosts:
+        seen["names"] = [h.ns for h in hosts]
+        # three hosts share a bridge: the third reaches the first
+        seen["listen"] = subprocess.Popen(
+            hosts[0].cmd([sys.executable, "-c", LISTEN, hosts[0].addr]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert seen["listen"].stdout.readline().strip() == "ready"
+        connect = f"import socket; socket.create_connection(('{hosts[0].addr}', 5000), 5).close()"
+        subprocess.run(hosts[2].cmd([sys.executable, "-c", connect]), check=True, timeout=30)
+        seen["sleeper"] = subprocess.Popen(hosts[1].cmd(["sleep", "600"]))
+        raise RuntimeError("boom")
+
+
+def test_namespaces_and_their_processes_go_even_when_the_body_fails():
+    seen: dict = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        _work_then_fail(seen)
+    assert seen["sleeper"].wait(10) == -9  # killed with its namespace
+    seen["listen"].wait(10)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in left for n in seen["names"]), left
+
+
+LISTEN = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 5000))
+print("ready", flush=True)
+s.accept()[0].close()
+"""
