@@ -132,7 +132,7 @@ def route_source(target: str, setting: str = "MASTER_ADDR") -> str:
                 f"no route from this host ({os.strerror(e.errno or 0) or e})",
                 f"Check the address, this host's interfaces and routes (`ip route get {ip}`)",
             ) from None
-        return s.getsockname()[0]  # type: ignore[no-any-return]
+        return str(s.getsockname()[0])
 
 
 def advertised_host(

@@ -166,7 +166,12 @@ class MooncakeManager(StatusArrays):
 
         self.config = config
         self.kv_args = kv_args
-        host = advertised_host(config.hostname, target=config.store_host)
+        host = advertised_host(
+            config.hostname,
+            target=config.store_host,
+            setting="MooncakeConfig.hostname",
+            target_setting="MooncakeConfig.store_host",
+        )
         check_store_reachable(config.store_host, config.store_port, "MooncakeConfig.store_host")
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")

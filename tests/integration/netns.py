@@ -108,7 +108,9 @@ def hosts(n: int = 2) -> Iterator[list[Host]]:
             result.append(Host(ns, f"{SUBNET}.{i + 1}", f"pdl{i}"))
         if n == 2:
             a, b = result
-            _ip("-n", a.ns, "link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname, "netns", b.ns)  # fmt: skip
+            _ip(
+                *f"-n {a.ns} link add {a.ifname} type veth peer name {b.ifname} netns {b.ns}".split()
+            )
         else:
             switch = f"{tag}sw"
             _ip("netns", "add", switch)
@@ -117,7 +119,9 @@ def hosts(n: int = 2) -> Iterator[list[Host]]:
             _ip("-n", switch, "link", "set", "br0", "up")
             for i, h in enumerate(result):
                 port = f"port{i}"
-                _ip("-n", h.ns, "link", "add", h.ifname, "type", "veth", "peer", "name", port, "netns", switch)  # fmt: skip
+                _ip(
+                    *f"-n {h.ns} link add {h.ifname} type veth peer name {port} netns {switch}".split()
+                )
                 _ip("-n", switch, "link", "set", port, "master", "br0")
                 _ip("-n", switch, "link", "set", port, "up")
         for h in result:

@@ -226,10 +226,13 @@ def test_a_killed_prefill_host_is_named_by_the_survivors(tmp_path):
     out = tmp_path / "kill0"
     b, a, rc, text, exit_after = run_and_kill(out, victim=0)
     assert rc != 0
-    for r in (2, 3):
-        want = f"rank {r} (decode, on {b.addr}): the job's store at {a.addr}:"
-        assert want in text, text[-3000:]
-    assert text.count("died with rank(s) [0, 1]; exiting") == 2
+    # torchrun's agent on the decode host loses the rendezvous too and stops its
+    # workers: each decode rank that sees the loss first says so in one line
+    named = [
+        r for r in (2, 3) if f"rank {r} (decode, on {b.addr}): the job's store at {a.addr}:" in text
+    ]
+    assert named, text[-3000:]
+    assert text.count("died with rank(s) [0, 1]; exiting") == len(named)
     assert "]: Traceback" not in text  # no worker traceback (torch prefixes them "[rankN]: ")
     assert exit_after < 30, exit_after
 
@@ -281,7 +284,7 @@ def test_misconfigured_addresses_fail_fast_naming_the_setting():
     assert got["by_route"] == a.addr  # the interface that reaches the store
     assert got["by_interface"] == a.addr
     msg, took = got["explicit"]
-    assert msg.startswith(f"hostname='{b.addr}9': is not an address of this host"), msg
+    assert msg.startswith(f"MooncakeConfig.hostname='{b.addr}9': is not an address of this host")
     msg, took_env = got["env"]
     assert msg.startswith(f"PDLIFE_HOST='{b.addr}': is not an address of this host"), msg
     msg, took_store = got["store"]

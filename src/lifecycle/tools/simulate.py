@@ -364,12 +364,12 @@ def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
     start = time.monotonic()
     try:
         result = run_rank(cfg, where.logical, out, store, groups, addr)
+        if result["error"]:
+            print(result["error"], file=sys.stderr)
+        multinode.publish(store, where.logical, out)
     except dist.DistNetworkError as e:  # the store, and so node 0, is gone
         print(multinode.store_lost(where, addr, e), file=sys.stderr)
         return 4
-    if result["error"]:
-        print(result["error"], file=sys.stderr)
-    multinode.publish(store, where.logical, out)
     if rank != 0:
         dist.destroy_process_group()
         return 3 if result["error"] else 0
