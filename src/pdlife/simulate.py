@@ -497,38 +497,56 @@ def _run(args: argparse.Namespace) -> int:
             f"{cfg.mode}-keyed faults"
         )
     if torchrun:
-        return _under_torchrun(cfg, Path(args.out))
+        return _under_torchrun(cfg, Path(args.out), args.role)
     return simulate(cfg, Path(args.out), timeout=args.timeout, progress=not args.quiet)
 
 
-def _under_torchrun(cfg: SimConfig, out: Path) -> int:
+def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
     import torch.distributed as dist
+
+    from pdlife import multinode
+    from transport.addressing import advertised_host, store_address
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.world:
         raise UsageError(
             "--prefill/--decode", f"torchrun started {world} ranks but they add up to {cfg.world}"
         )
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg.pg_timeout))
+    addr = store_address()
+    # joining waits for the slowest node to start; a rank that dies mid-run is
+    # caught by the side groups, which keep --pg-timeout
+    join = timedelta(seconds=max(cfg.pg_timeout, multinode.JOIN_TIMEOUT_S))
+    dist.init_process_group("gloo", init_method="env://", timeout=join)
     store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        for old in (out / "ranks").glob("*.json"):
+            old.unlink()
+    # the sides by what each rank says (--role), not by the node order rendezvous chose
+    where = multinode.place(rank, world, cfg.prefill, role, advertised_host(target=addr[0]), dist)
+    step_timeout = timedelta(seconds=cfg.pg_timeout)
     groups = {
-        "prefill": dist.new_group(list(range(cfg.prefill))),
-        "decode": dist.new_group(list(range(cfg.prefill, cfg.world))),
+        "prefill": dist.new_group(list(where.prefill), timeout=step_timeout),
+        "decode": dist.new_group(list(where.decode), timeout=step_timeout),
     }
     start = time.monotonic()
-    addr = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
-    result = run_rank(cfg, rank, out, store, groups, addr)
-    if result["error"]:
-        print(result["error"], file=sys.stderr)
-        return 3
-    dist.barrier()
-    if rank == 0:
-        summary = summarize(cfg, out, dict.fromkeys(range(world), 0), [], time.monotonic() - start)
-        print_table(summary)
+    try:
+        result = run_rank(cfg, where.logical, out, store, groups, addr)
+        if result["error"]:
+            print(result["error"], file=sys.stderr)
+        multinode.publish(store, where.logical, out)
+    except dist.DistNetworkError as e:  # the store, and so node 0, is gone
+        print(multinode.store_lost(where, addr, e), file=sys.stderr)
+        return 4
+    if rank != 0:
         dist.destroy_process_group()
-        return 0 if summary["ok"] else 1
+        return 3 if result["error"] else 0
+    dead, msgs = multinode.collect(store, world, out, cfg.pg_timeout, where)
+    exits: dict[int, int | None] = {r: None if r in dead else 0 for r in range(world)}
+    summary = summarize(cfg, out, exits, [], time.monotonic() - start)
+    multinode.add_errors(summary, out, msgs)
+    print_table(summary)
     dist.destroy_process_group()
-    return 0
+    return 0 if summary["ok"] else 1
 
 
 def _outcomes(path: Path) -> dict[str, Any]:
@@ -642,6 +660,11 @@ def add_parser(sub: Any) -> None:
         help="diff two runs' per-request outcomes (run directories or summary.json files)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode"],
+        help="under torchrun: the side this node's ranks serve (default: by rank)",
+    )
     p.set_defaults(func=_run, requests_given=False)
 
     r = sub.add_parser("replay", help="recompute a recorded run from its local observations")

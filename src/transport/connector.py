@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport.addressing import advertised_host, check_store_reachable
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, page_writes, row_writes
 from transport.mailbox import Mailbox
@@ -46,7 +47,7 @@ class ConnectorConfig:
     tp_rank: int
     store_host: str = "127.0.0.1"
     store_port: int = 0
-    hostname: str = "127.0.0.1"
+    hostname: str | None = None  # None: discovered (see transport.addressing)
     namespace: str = "pd"
     heartbeat_interval: float = 0.5
     heartbeat_misses: int = 4
@@ -90,6 +91,15 @@ class Connector(StatusArrays):
 
     def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
         self.config, self.kv_args = config, kv_args
+        name = type(self).__name__.replace("Manager", "Config")
+        #: the address this rank's engine advertises (checked to be on this host)
+        self.host = advertised_host(
+            config.hostname,
+            target=config.store_host,
+            setting=f"{name}.hostname",
+            target_setting=f"{name}.store_host",
+        )
+        check_store_reachable(config.store_host, config.store_port, f"{name}.store_host")
         super().__init__()
         self.phase: NDArray[np.int8]
         self.born: NDArray[np.float64]

@@ -63,10 +63,12 @@ class MooncakeManager(Connector):
 
         self.engine = TransferEngine()
         self._batch_results: dict[int, int] = {}
-        rc = self.engine.initialize(self.config.hostname, "P2PHANDSHAKE", "tcp", "")
+        rc = self.engine.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise BackendUnavailable(
-                "mooncake", f"engine initialize returned {rc}", "check the host name"
+                "mooncake",
+                f"engine initialize on {self.host} returned {rc}",
+                "check MooncakeConfig.hostname (or PDLIFE_HOST)",
             )
         a = self.kv_args
         ptrs = list(a.kv_data_ptrs) + list(a.aux_data_ptrs)
@@ -75,7 +77,7 @@ class MooncakeManager(Connector):
             raise BackendUnavailable(
                 "mooncake", "registering the KV/metadata buffers failed", "check KVArgs"
             )
-        self.endpoint = f"{self.config.hostname}:{self.engine.get_rpc_port()}"
+        self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
         return {"endpoint": self.endpoint}
 
     def _write(self, info: dict[str, Any], *w_notif: Any) -> tuple[int, ...] | None:

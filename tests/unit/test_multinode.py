@@ -1,0 +1,77 @@
+"""Placement by role, results through the store, and naming what died."""
+
+import json
+
+import pytest
+
+from pdlife import multinode
+
+
+class FakeDist:
+    def __init__(self, said):
+        self.said = said
+
+    def all_gather_object(self, out, _mine):
+        out[:] = self.said
+
+
+class FakeStore:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, k, v):
+        self.kv[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self.kv[k]
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+
+def test_sides_come_from_the_roles_not_the_rank_order():
+    # rendezvous put the decode node first
+    said = [("decode", "192.0.2.2")] * 2 + [("prefill", "192.0.2.1")] * 2
+    where = multinode.place(2, 4, 2, "prefill", "192.0.2.1", FakeDist(said))
+    assert (where.logical, where.prefill, where.decode) == (0, (2, 3), (0, 1))
+    assert where.hosts == ("192.0.2.1", "192.0.2.1", "192.0.2.2", "192.0.2.2")
+    assert multinode.place(1, 4, 2, "decode", "192.0.2.2", FakeDist(said)).logical == 3
+
+
+def test_without_roles_prefill_is_the_first_ranks():
+    said = [("prefill", "a"), ("prefill", "a"), ("decode", "b"), ("decode", "b")]
+    where = multinode.place(3, 4, 2, None, "b", FakeDist(said))
+    assert (where.logical, where.prefill, where.decode) == (3, (0, 1), (2, 3))
+
+
+def test_a_wrong_count_of_roles_is_named():
+    said = [("prefill", "a")] * 3 + [("decode", "b")]
+    with pytest.raises(ValueError, match="3 ranks said --role prefill but --prefill is 2"):
+        multinode.place(0, 4, 2, "prefill", "a", FakeDist(said))
+
+
+def test_results_travel_through_the_store_and_the_silent_are_named(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "ranks").mkdir(parents=True)
+    (src / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0}))
+    store = FakeStore()
+    multinode.publish(store, 0, src)  # rank 0 reported, no trace
+    store.set("hb/1", "41")  # rank 1 started step 41, then went quiet
+    where = multinode.Placement(0, (0,), (1,), ("192.0.2.1", "192.0.2.2"))
+    dead, msgs = multinode.collect(store, 2, dst, patience=0.3, placement=where)
+    assert json.loads((dst / "ranks" / "rank0.json").read_text()) == {"rank": 0}
+    assert not (dst / "trace" / "rank0.jsonl").exists()
+    assert dead == [1]
+    assert msgs == [
+        "rank 1 (decode, on 192.0.2.2) stopped: no result, last heartbeat at step 41, "
+        "still for 0.3 s; its host or process died"
+    ]
+
+
+def test_a_lost_store_names_the_ranks_on_its_host():
+    where = multinode.Placement(2, (0, 1), (2, 3), ("192.0.2.1",) * 2 + ("192.0.2.2",) * 2)
+    msg = multinode.store_lost(where, ("192.0.2.1", 4242), RuntimeError("Connection reset\nmore"))
+    assert msg == (
+        "rank 2 (decode, on 192.0.2.2): the job's store at 192.0.2.1:4242 stopped answering "
+        "(Connection reset); the node hosting it died with rank(s) [0, 1]; exiting"
+    )
