@@ -24,6 +24,7 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 from transport.errors import TransportError
 
@@ -33,6 +34,7 @@ __all__ = [
     "advertised_host",
     "check_local",
     "check_store_reachable",
+    "engine_host",
     "interface_address",
     "route_source",
     "store_address",
@@ -181,3 +183,17 @@ def check_store_reachable(
             "Check that the store (torchrun's node 0) is up, the address and port are right "
             "and the port is open between the hosts",
         ) from None
+
+
+def engine_host(config: Any, name: str) -> str:
+    """The host a transfer engine built from ``config`` (``hostname``,
+    ``store_host``, ``store_port``) advertises, after checking it is on this
+    host and that the store answers; ``name`` is the config's type in errors."""
+    host = advertised_host(
+        config.hostname,
+        target=config.store_host,
+        setting=f"{name}.hostname",
+        target_setting=f"{name}.store_host",
+    )
+    check_store_reachable(config.store_host, config.store_port, f"{name}.store_host")
+    return host

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport.addressing import advertised_host, check_store_reachable
+from transport.addressing import engine_host
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, page_writes, row_writes
 from transport.mailbox import Mailbox
@@ -91,15 +91,8 @@ class Connector(StatusArrays):
 
     def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
         self.config, self.kv_args = config, kv_args
-        name = type(self).__name__.replace("Manager", "Config")
         #: the address this rank's engine advertises (checked to be on this host)
-        self.host = advertised_host(
-            config.hostname,
-            target=config.store_host,
-            setting=f"{name}.hostname",
-            target_setting=f"{name}.store_host",
-        )
-        check_store_reachable(config.store_host, config.store_port, f"{name}.store_host")
+        self.host = engine_host(config, type(self).__name__.replace("Manager", "Config"))
         super().__init__()
         self.phase: NDArray[np.int8]
         self.born: NDArray[np.float64]
