@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import attrs
 import numpy as np
 from numpy.typing import NDArray
 
@@ -26,6 +25,7 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.addressing import engine_host
+from transport.connector_config import ConnectorConfig
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, page_writes, row_writes
 from transport.mailbox import Mailbox
@@ -39,28 +39,6 @@ __all__ = ["ConnectorConfig", "Connector"]
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class ConnectorConfig:
-    role: str  # "prefill" | "decode"
-    tp_rank: int
-    store_host: str = "127.0.0.1"
-    store_port: int = 0
-    hostname: str | None = None  # None: discovered (see transport.addressing)
-    namespace: str = "pd"
-    heartbeat_interval: float = 0.5
-    heartbeat_misses: int = 4
-    bootstrap_timeout: float | None = 300.0
-    waiting_timeout: float | None = 300.0
-    poll_interval: float = 0.0005
-    idle_interval: float = 0.05
-    drain_timeout: float = 10.0
-    progress_delay_us: int = 100  # NIXL's progress thread: pause between polls
-
-    def __attrs_post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"config role must be 'prefill' or 'decode', got {self.role!r}")
 
 
 class _Req:
