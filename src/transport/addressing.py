@@ -23,6 +23,7 @@ import errno
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -167,19 +168,33 @@ def advertised_host(
 
 
 def check_store_reachable(
-    host: str, port: int, setting: str = "MASTER_ADDR", timeout: float = 3.0
+    host: str, port: int, setting: str = "MASTER_ADDR", timeout: float = 3.0, wait: float = 0.0
 ) -> None:
-    """Raise :class:`AddressError` unless a TCP connect to the store succeeds."""
+    """Raise :class:`AddressError` unless a TCP connect to the store succeeds.
+
+    ``wait``: how long a refused connection is retried, for a store that is
+    starting at the same time as this process (0: answer at once)."""
     ip = _resolve(host, setting)
-    try:
-        with socket.create_connection((ip, port), timeout=timeout):
-            return
-    except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (os.strerror(e.errno or 0) or str(e))
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with socket.create_connection((ip, port), timeout=timeout):
+                return
+        except ConnectionRefusedError:
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            why = os.strerror(errno.ECONNREFUSED)
+        except OSError as e:
+            why = (
+                "timed out"
+                if isinstance(e, TimeoutError)
+                else (os.strerror(e.errno or 0) or str(e))
+            )
         raise AddressError(
             setting,
             f"{host}:{port}",
-            f"the store does not answer ({why} after at most {timeout:g} s)",
+            f"the store does not answer ({why} after at most {max(timeout, wait):g} s)",
             "Check that the store (torchrun's node 0) is up, the address and port are right "
             "and the port is open between the hosts",
         ) from None
@@ -195,5 +210,7 @@ def engine_host(config: Any, name: str) -> str:
         setting=f"{name}.hostname",
         target_setting=f"{name}.store_host",
     )
-    check_store_reachable(config.store_host, config.store_port, f"{name}.store_host")
+    check_store_reachable(
+        config.store_host, config.store_port, f"{name}.store_host", wait=config.store_wait
+    )
     return host

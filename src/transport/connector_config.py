@@ -14,6 +14,8 @@ class ConnectorConfig:
     store_host: str = "127.0.0.1"
     store_port: int = 0
     hostname: str | None = None  # None: discovered (see transport.addressing)
+    #: seconds to retry a refused store connection (a store starting alongside)
+    store_wait: float = 0.0
     namespace: str = "pd"
     heartbeat_interval: float = 0.5
     heartbeat_misses: int = 4

@@ -133,9 +133,9 @@ def test_prefill_and_decode_on_two_hosts(tmp_path):
     assert r[2]["outcome"] == r[3]["outcome"]  # both decode ranks, every request and reason
     assert r[0]["outcome"] == r[1]["outcome"]
     # every injected fault failed its request (or an abort got there first), on every rank
-    work = Workload.make(SimConfig(requests=200, seed=5, abort_prob=0.05))
+    work = Workload(SimConfig(requests=200, seed=5, abort_prob=0.05))
     for f in json.loads(plan.read_text())["faults"]:
-        room = str(work.rooms[f["request"]])
+        room = str(work[f["request"]])
         assert r[2]["outcome"][room][0] == "Failed", (f, r[2]["outcome"][room])
     for res in r.values():
         assert (res["error"], res["unfinished"], res["leaked_slots"]) == (None, 0, 0)

@@ -1,6 +1,6 @@
 """Phase-keyed faults: the same seed fails the same requests, for the same
 reasons, on every run and every backend (500 requests, 5% failures per rank,
-5% client aborts). A backend added later (e.g. "nixl") joins BACKENDS."""
+5% client aborts), on the fake backend, Mooncake and NIXL."""
 
 import json
 import subprocess
@@ -27,6 +27,13 @@ BACKENDS = [
         marks=pytest.mark.skipif(
             not _usable("mooncake.engine"),
             reason="Mooncake engine not usable here (pd-lifecycle[mooncake], Debian's libibverbs1)",
+        ),
+    ),
+    pytest.param(
+        "nixl",
+        id="nixl",
+        marks=pytest.mark.skipif(
+            not _usable("nixl_cu12"), reason="NIXL not usable here (pd-lifecycle[nixl])"
         ),
     ),
 ]

@@ -102,3 +102,31 @@ def test_a_reachable_store_passes():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         check_store_reachable("127.0.0.1", s.getsockname()[1])
+
+
+def test_a_store_starting_alongside_is_waited_for_only_when_asked():
+    import threading
+    import time as _time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = _time.monotonic()
+    with pytest.raises(AddressError, match="Connection refused"):
+        check_store_reachable("127.0.0.1", port, "X.store_host")
+    assert _time.monotonic() - t0 < 2  # an answer, not a wait
+
+    server = socket.socket()
+
+    def start_late():
+        _time.sleep(0.5)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    th = threading.Thread(target=start_late)
+    th.start()
+    try:
+        check_store_reachable("127.0.0.1", port, "X.store_host", wait=10)
+    finally:
+        th.join()
+        server.close()

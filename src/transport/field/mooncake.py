@@ -83,6 +83,8 @@ class MooncakeKVManager:
             store_host=host,
             store_port=int(port),
             hostname=getattr(server_args, "host", None) or "127.0.0.1",
+            # the bootstrap server may be starting in the prefill process right now
+            store_wait=30.0,
         )
         core_args = args.to_core() if hasattr(args, "to_core") else args
         self.core = backend.manager(core_args, config)
