@@ -34,8 +34,8 @@ class SimConfig:
     # transport on the wall clock (seconds), like its heartbeats
     bootstrap_timeout: int = 400  # steps
     waiting_timeout: int = 200  # steps
-    bootstrap_timeout_s: float = 40.0
-    waiting_timeout_s: float = 30.0
+    bootstrap_timeout_s: float = 20.0
+    waiting_timeout_s: float = 10.0
     stuck_after: int = 100
     backend: str = "fake"
     pg_timeout: float = 30.0

@@ -79,7 +79,10 @@ def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim, backend):
     (o2, o3), ranks = decode_outcomes(out)
     assert o2 == o3  # every decode rank agrees on every request, reason and origin
     reasons = {v[1] for v in o2.values() if v[0] == "Failed"}
-    assert reasons <= {0, 1}  # aborted, peer dead
+    # aborted, peer dead; and transfer error: a write in flight when its prefill
+    # rank was killed may be reported failed by the engine before the heartbeat
+    # says the peer is gone (seen on NIXL, whose agent notices a lost remote at once)
+    assert reasons <= {0, 1, 5}
     assert 1 in reasons
     assert s["aborted"] > 0
     assert s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == 200
