@@ -36,7 +36,12 @@ JOB_TIMEOUT = 75.0
 
 
 def torchrun(
-    host: netns.Host, role: str, out: Path, *args: str, delay: float = 0
+    host: netns.Host,
+    role: str,
+    out: Path,
+    *args: str,
+    delay: float = 0,
+    backend: str = "mooncake",
 ) -> subprocess.Popen[str]:
     """One node of the job, as docs/deployment.md starts it (the first host,
     192.0.2.1, holds the rendezvous)."""
@@ -65,7 +70,7 @@ def torchrun(
         "--max-restarts",
         "0",
     ]
-    sim = [sys.executable, "-m", "pdlife", "simulate", "--backend", "mooncake", "--quiet"]
+    sim = [sys.executable, "-m", "pdlife", "simulate", "--backend", backend, "--quiet"]
     sim += ["--role", role, "--out", str(out), *args]
     if delay:  # this node's ranks start late, as on a slow or loaded host
         argv += ["--no-python", "sh", "-c", f"sleep {delay}; exec {shlex.join(sim)}"]
@@ -110,13 +115,34 @@ def results(out: Path) -> dict[int, dict]:
     }
 
 
-def test_prefill_and_decode_on_two_hosts(tmp_path):
+def _nixl_usable():
+    try:
+        import nixl_cu12  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "mooncake",
+        pytest.param(
+            "nixl",
+            marks=pytest.mark.skipif(not _nixl_usable(), reason="pd-lifecycle[nixl] not installed"),
+        ),
+    ],
+)
+def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     out = tmp_path / "run"
     plan = fault_plan(tmp_path / "plan.json", 200)
     args = ("--requests", "200", "--abort-prob", "0.05", "--plan", str(plan), "--seed", "5")
     with netns.hosts(2) as (a, b):
         deadline = time.monotonic() + JOB_TIMEOUT
-        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args)]
+        procs = [
+            torchrun(a, "prefill", out, *args, backend=backend),
+            torchrun(b, "decode", out, *args, backend=backend),
+        ]
         (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
     assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
     s = json.loads((out / "summary.json").read_text())

@@ -29,7 +29,11 @@ def stubs(tmp_path, uid, apt_rc=0):
     for name, body in scripts.items():
         (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_ / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin"}
+    # a suite run by `make test REQUIRE_SYSDEPS=1` (CI) passes that setting to
+    # every make below it through MAKEFLAGS: each call here says its own
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "REQUIRE_SYSDEPS")
+    env = {k: v for k, v in os.environ.items() if k not in outer}
+    env["PATH"] = f"{bin_}:/usr/bin:/bin"
     return env, log
 
 
