@@ -123,16 +123,16 @@ def _nixl_usable():
     return True
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "mooncake",
-        pytest.param(
-            "nixl",
-            marks=pytest.mark.skipif(not _nixl_usable(), reason="pd-lifecycle[nixl] not installed"),
-        ),
-    ],
-)
+BACKENDS = [
+    "mooncake",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(not _nixl_usable(), reason="pd-lifecycle[nixl] not installed"),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     out = tmp_path / "run"
     plan = fault_plan(tmp_path / "plan.json", 200)
@@ -204,14 +204,19 @@ def test_a_node_that_starts_late_is_waited_for(tmp_path):
     assert json.loads((out / "summary.json").read_text())["succeeded"] == 20
 
 
-def run_and_kill(out: Path, victim: int) -> tuple[netns.Host, netns.Host, int, str, float]:
+def run_and_kill(
+    out: Path, victim: int, backend: str = "mooncake"
+) -> tuple[netns.Host, netns.Host, int, str, float]:
     """Start both nodes, SIGKILL every process of host ``victim`` once it is
     well under way; (survivor, victim host, survivor's exit code, output,
     seconds from the kill to the survivor's exit)."""
     args = ("--requests", "200", "--abort-prob", "0.05", "--pg-timeout", "8")
     with netns.hosts(2) as hosts:
         deadline = time.monotonic() + JOB_TIMEOUT
-        procs = [torchrun(h, role, out, *args) for h, role in zip(hosts, ("prefill", "decode"))]
+        procs = [
+            torchrun(h, role, out, *args, backend=backend)
+            for h, role in zip(hosts, ("prefill", "decode"))
+        ]
         trace = out / "trace" / f"rank{2 * victim}.jsonl"
         while time.monotonic() < deadline and procs[victim].poll() is None:
             if trace.exists() and trace.stat().st_size > 20_000:  # well under way
@@ -226,9 +231,10 @@ def run_and_kill(out: Path, victim: int) -> tuple[netns.Host, netns.Host, int, s
     return hosts[1 - victim], hosts[victim], rc, stdout + stderr, exit_after
 
 
-def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path, backend):
     out = tmp_path / "kill"
-    a, b, rc, text, exit_after = run_and_kill(out, victim=1)
+    a, b, rc, text, exit_after = run_and_kill(out, victim=1, backend=backend)
     assert rc != 0, text
     for r in (2, 3):
         assert f"rank {r} (decode, on {b.addr}) stopped" in text, text[-3000:]
