@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pdlife.args import positive_int
-from pdlife.bench_cases import ArrayBackend, ObjPoller, churn_case, three_queues
+from pdlife.bench_cases import ObjPoller, churn_case, gated_queue, three_queues
 
 __all__ = ["add_parser", "run_bench"]
 
@@ -53,26 +53,12 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from buffers import MetadataBuffers, MetadataLayout
-    from lifecycle import KVPoll, RequestMachine, RequestTable, Stepper, TorchCollective
+    from buffers import MetadataLayout
+    from lifecycle import KVPoll, RequestMachine, TorchCollective
 
     coll = TorchCollective()
     layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
-    rooms = np.arange(1, n + 1, dtype=np.uint64) * 7919
-    meta = MetadataBuffers(n, layout)
-    # rows landed except for one in three: the metadata gate holds those back
-    room_col = meta.tensors["bootstrap_room"].view(torch.int64)
-    room_col[:, 0] = torch.from_numpy(rooms.view(np.int64))
-    room_col[2::3, 0] = 0
-    backend = ArrayBackend(n)
-    table = RequestTable(rank=rank, capacity=n)
-    table.extend(
-        rooms,
-        state=KVPoll.Transferring,
-        metadata_slots=np.arange(n),
-        handle_indices=np.arange(n),
-    )
-    stepper = Stepper(table, rank, poller=backend, staging=backend, metadata=meta)
+    stepper, backend, meta, rooms = gated_queue(rank, n, layout)
     # the pattern's per-request objects
     pollers = [ObjPoller() for _ in range(n)]
     slots = list(range(n))

@@ -9,7 +9,14 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-__all__ = ["ArrayBackend", "ChurnBackend", "ObjPoller", "three_queues", "churn_case"]
+__all__ = [
+    "ArrayBackend",
+    "ChurnBackend",
+    "ObjPoller",
+    "gated_queue",
+    "three_queues",
+    "churn_case",
+]
 
 
 class ArrayBackend:
@@ -57,32 +64,37 @@ class ChurnBackend:
         return out
 
 
+def gated_queue(
+    rank: int, n: int, layout: Any, queue: str = "", first: int = 1
+) -> tuple[Any, ArrayBackend, Any, NDArray[np.uint64]]:
+    """A queue of ``n`` requests with staging and metadata gates on: a third
+    still transferring, a third held by the staging gate, a third by the
+    metadata gate (its row not landed). (stepper, backend, metadata, rooms)."""
+    from buffers import MetadataBuffers
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    rooms = np.arange(first, first + n, dtype=np.uint64) * 7919
+    meta = MetadataBuffers(n, layout)
+    room_col = meta.tensors["bootstrap_room"].view(torch.int64)
+    room_col[:, 0] = torch.from_numpy(rooms.view(np.int64))
+    room_col[2::3, 0] = 0
+    backend = ArrayBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    table.extend(
+        rooms, state=KVPoll.Transferring, metadata_slots=np.arange(n), handle_indices=np.arange(n)
+    )
+    stepper = Stepper(table, rank, poller=backend, staging=backend, metadata=meta, queue=queue)
+    return stepper, backend, meta, rooms
+
+
 def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
     """Two copies of three gated queues of n/3 requests: one fused, one separate."""
-    from buffers import MetadataBuffers
-    from lifecycle import KVPoll, RequestTable, StepGroup, Stepper
+    from lifecycle import StepGroup
 
     def build() -> list[Any]:
-        steppers = []
-        for q, name in enumerate(("handshake", "prealloc", "transfer")):
-            k = max(1, n // 3)
-            rooms = (np.arange(1, k + 1, dtype=np.uint64) + q * 10_000_000) * 7919
-            meta = MetadataBuffers(k, layout)
-            meta.tensors["bootstrap_room"].view(torch.int64)[:, 0] = torch.from_numpy(
-                rooms.view(np.int64)
-            )
-            backend = ArrayBackend(k)
-            table = RequestTable(rank=rank, capacity=k)
-            table.extend(
-                rooms,
-                state=KVPoll.Transferring,
-                metadata_slots=np.arange(k),
-                handle_indices=np.arange(k),
-            )
-            steppers.append(
-                Stepper(table, rank, poller=backend, staging=backend, metadata=meta, queue=name)
-            )
-        return steppers
+        k = max(1, n // 3)
+        names = ("handshake", "prealloc", "transfer")
+        return [gated_queue(rank, k, layout, name, 1 + q * k)[0] for q, name in enumerate(names)]
 
     group = StepGroup(build())
     alone = build()
