@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from pathlib import Path
 
 __all__ = ["UsageError", "positive_int", "nonneg_int", "probability", "seconds", "writable_dir"]
@@ -65,9 +66,9 @@ def writable_dir(path: Path, flag: str) -> Path:
     """Create ``path`` (and parents) or say why it cannot be the output directory."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".pdlife-write-test"
-        probe.write_text("")
-        probe.unlink()
+        # a name of its own: every rank under torchrun checks the same directory
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pdlife-write-test-"):
+            pass
     except OSError as e:
         raise UsageError(
             f"{flag} {path}", f"cannot write there ({e.strerror}); choose another directory"

@@ -156,3 +156,28 @@ def test_compare_names_the_first_differing_request(tmp_path, capsys):
         "3 requests differ; first: room 5: Failed (injected fault) vs Failed (transfer error)"
         in (out.replace(" of 3", ""))
     )
+
+
+def test_the_output_directory_check_survives_ranks_checking_at_once(tmp_path):
+    """Under torchrun every rank checks --out at the same moment; a shared probe
+    file made one of them fail with exit 2."""
+    import threading
+
+    from pdlife.args import writable_dir
+
+    errors = []
+
+    def check():
+        try:
+            for _ in range(300):
+                writable_dir(tmp_path / "out", "--out")
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=check) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert list((tmp_path / "out").iterdir()) == []
