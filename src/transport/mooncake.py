@@ -62,7 +62,6 @@ class MooncakeManager(Connector):
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()
-        self._batch_results: dict[int, int] = {}
         rc = self.engine.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise BackendUnavailable(
@@ -80,7 +79,7 @@ class MooncakeManager(Connector):
         self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
         return {"endpoint": self.endpoint}
 
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> tuple[int, ...] | None:
+    def _write(self, info: dict[str, Any], *w_notif: Any) -> _Batches | None:
         src, dst, lens, _ = w_notif  # the room travels in the mailbox's "done" instead
         # One entry per batch: the engine's status call reads a batch's first
         # task only and frees the batch when that one is done; a batch whose
@@ -91,29 +90,36 @@ class MooncakeManager(Connector):
         for s_, d_, n_ in zip(_ints(src), _ints(dst), _ints(lens)):
             bid = int(self.engine.batch_transfer_async_write(info["endpoint"], [s_], [d_], [n_]))
             if bid == 0:  # the engine's way of saying "unreachable"
-                for b in bids:  # those already issued are still waited for by _check
-                    self._batch_results.setdefault(b, -1)
                 return None
             bids.append(bid)
-        return tuple(bids)
+        return _Batches(bids)
 
-    def _check(self, bids: tuple[int, ...]) -> int:
-        worst = 1
-        for bid in bids:
-            done = self._batch_results.get(bid)
-            if done is None:
-                s = int(self.engine.transfer_check_status(bid))
-                if s != 0:
-                    self._batch_results[bid] = done = s
-            st = 0 if done is None else (-1 if done < 0 else 1)
-            if st < 0:
+    def _check(self, token: _Batches) -> int:
+        # A batch's status is read once: the engine frees a finished batch and
+        # may hand its id to the next one, so a finished id is dropped at once
+        # and never asked about (or remembered) again.
+        still: list[int] = []
+        for bid in token.pending:
+            s = int(self.engine.transfer_check_status(bid))
+            if s < 0:
+                token.pending = still + token.pending[token.pending.index(bid) + 1 :]
                 return -1
-            worst = min(worst, st)
-        return worst
+            if s == 0:
+                still.append(bid)
+        token.pending = still
+        return 0 if still else 1
 
-    def _forget(self, bids: tuple[int, ...]) -> None:
-        for bid in bids:
-            self._batch_results.pop(bid, None)
+    def _forget(self, token: _Batches) -> None:
+        token.pending = []
+
+
+class _Batches:
+    """The engine batches of one write still in flight (compared by identity)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, bids: list[int]) -> None:
+        self.pending = bids
 
 
 def _ints(a: NDArray[np.int64]) -> list[int]:

@@ -35,7 +35,6 @@ class Engine:
 def manager(engine):
     m = object.__new__(MooncakeManager)
     m.engine = engine
-    m._batch_results = {}
     return m
 
 
@@ -47,13 +46,14 @@ def test_every_entry_is_its_own_batch_and_lands_only_with_all_of_them():
     m = manager(Engine())
     token = m._write({"endpoint": "127.0.0.1:1"}, *arrays([10, 20, 30], [11, 21, 31], [4, 4, 8]), 0)
     assert m.engine.submitted == [([10], [11], [4]), ([20], [21], [4]), ([30], [31], [8])]
-    assert token == (1, 2, 3)
+    assert token.pending == [1, 2, 3]
     m.engine.status[1] = 1  # the first batch landing is not the write landing
     assert m._check(token) == 0
+    assert token.pending == [2, 3]  # a finished id is never asked about again
     m.engine.status[2] = m.engine.status[3] = 1
     assert m._check(token) == 1
     m._forget(token)
-    assert m._batch_results == {}
+    assert token.pending == []
 
 
 def test_a_failed_batch_fails_the_write():
@@ -61,6 +61,20 @@ def test_a_failed_batch_fails_the_write():
     token = m._write({"endpoint": "e"}, *arrays([1, 2], [3, 4], [5, 6]), 0)
     m.engine.status[2] = -1
     assert m._check(token) == -1
+
+
+def test_a_reused_batch_id_is_not_taken_for_an_old_result():
+    """The engine frees a finished batch and may give its id to the next write:
+    nothing about a finished id may be remembered across writes."""
+    m = manager(Engine())
+    first = m._write({"endpoint": "e"}, *arrays([1, 2], [3, 4], [5, 6]), 0)
+    m.engine.status[1] = 1
+    assert m._check(first) == 0  # batch 1 done, batch 2 still in flight
+    m.engine.submitted.clear()  # the engine hands out id 1 again
+    m.engine.status = {2: 0}
+    second = m._write({"endpoint": "e"}, *arrays([7], [8], [9]), 0)
+    assert second.pending == [1]
+    assert m._check(second) == 0  # in flight, whatever the first write saw of id 1
 
 
 def test_an_unreachable_peer_is_reported_once():

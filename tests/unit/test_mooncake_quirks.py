@@ -39,7 +39,6 @@ def bare_manager(engine, role="prefill"):
     StatusArrays.__init__(m)
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0)
-    m._batch_results = {}
     m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
     return m
 
@@ -53,11 +52,14 @@ def writing_request(m, room=9):
 
 def test_a_finished_batch_is_read_once_and_remembered():
     m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
-    assert m._check((5,)) == 0
-    assert m._check((5,)) == 1
-    assert m._check((5,)) == 1  # a second read would have looked "in progress"
-    m._forget((5,))
-    assert m._batch_results == {}
+    from transport.mooncake import _Batches
+
+    token = _Batches([5])
+    assert m._check(token) == 0
+    assert m._check(token) == 1
+    assert m._check(token) == 1  # not read again: a second read would look "in progress"
+    m._forget(token)
+    assert token.pending == []
 
 
 def test_batch_id_zero_means_the_peer_is_unreachable():
@@ -75,7 +77,9 @@ def test_batch_id_zero_means_the_peer_is_unreachable():
 def test_failed_batch_is_a_transfer_error_and_latches():
     m = bare_manager(StubEngine(statuses=[-1]))
     req = writing_request(m)
-    req.tokens = [(3,)]  # a write's token: its batches
+    from transport.mooncake import _Batches
+
+    req.tokens = [_Batches([3])]  # a write's token: its batches
     m._reap(req, store=None)
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
