@@ -29,7 +29,8 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll, Role, S, T
 from lifecycle.step import StepResult
 from pdlife.plan import RankFaults
-from pdlife.sim_config import KV_LAYERS, PAGE_BYTES, SIM_LAYOUT, SimConfig, Workload
+from pdlife.sim_bytes import STATE_ROW_BYTES
+from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
 from pdlife.sim_hooks import (
     DrainPoller,
     _Queue,
@@ -38,9 +39,31 @@ from pdlife.sim_hooks import (
 from pdlife.sim_loops import decode_iteration, prefill_iteration
 from pdlife.sim_report import report
 from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_allowed, soak_words, who_died
+from pdlife.sim_topology import HEAD_BYTES, Place, heads_of, place
 from pdlife.trace import TraceWriter
 
-__all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank"]
+__all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
+
+
+def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) -> Any:
+    """The connector's configuration for one simulated rank."""
+    from transport.connector import ConnectorConfig
+
+    return ConnectorConfig(
+        role=where.side,
+        tp_rank=where.tp_rank,
+        tp_size=where.tp_size,
+        dp_rank=where.dp_rank,
+        mla=cfg.mla,
+        kv_heads=cfg.total_heads,
+        staging=cfg.staging and where.side == "decode",
+        staging_pages=(cfg.staging_pages or cfg.max_pages) if cfg.staging else 0,
+        store_host=store_addr[0],
+        store_port=store_addr[1],
+        namespace=f"sim{cfg.seed}",
+        bootstrap_timeout=float(cfg.pg_timeout) * 4,
+        waiting_timeout=float(cfg.pg_timeout) * 4,
+    )
 
 
 class RankRun:
@@ -59,7 +82,9 @@ class RankRun:
 
         self.cfg = cfg
         self.rank = rank
-        self.side = "prefill" if rank < cfg.prefill else "decode"
+        self.place = place(rank, cfg.prefill, cfg.prefill_dp, cfg.decode)
+        self.side = self.place.side
+        self.side_rank = self.place.tp_rank
         self.coll = coll
         self.store = store
         self.work = Workload(cfg)
@@ -67,35 +92,38 @@ class RankRun:
         self.faults = RankFaults(
             cfg.plan, rank, self.work, mode, cfg.world, cfg.abort_prob, cfg.seed
         )
-        paired = rank + cfg.prefill if rank < cfg.prefill else rank
+        # the decode rank whose metadata-row faults this prefill rank carries out
+        # (its TP peer; none when the decode group is smaller)
+        paired = rank
+        if self.side == "prefill":
+            paired = (
+                cfg.prefill_ranks + self.side_rank if self.side_rank < cfg.decode else cfg.world
+            )
         self.faults_for_decode = RankFaults(cfg.plan, paired, self.work)
         backend = get_backend(cfg.backend)
         self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
-        self.side_rank = rank if self.side == "prefill" else rank - cfg.prefill
+        #: the global KV heads this rank holds (MLA: the one latent head, everywhere)
+        self.heads = (
+            range(1) if cfg.mla else heads_of(self.place.tp_size, self.side_rank, cfg.total_heads)
+        )
         # the KV pool: a few layers of pages; real bytes when the backend moves them
         self.kv = [
-            torch.zeros((cfg.kv_pages, PAGE_BYTES), dtype=torch.uint8) for _ in range(KV_LAYERS)
+            torch.zeros(
+                (cfg.kv_pages, cfg.page_size, len(self.heads), HEAD_BYTES), dtype=torch.uint8
+            )
+            for _ in range(KV_LAYERS)
         ]
+        # a mamba-like state component: one row per request, replicated on every rank
+        self.state_tensors = (
+            [torch.zeros((cfg.metadata_slots, n), dtype=torch.uint8) for n in STATE_ROW_BYTES]
+            if cfg.state
+            else []
+        )
+        self.state_row_of: dict[int, int] = {}
         self.moves_bytes = cfg.backend != "fake"
         if self.moves_bytes:  # every byte-moving backend is a connector over one config
-            from transport.connector import ConnectorConfig
-            from transport.layout import kv_args_for
-
-            if cfg.prefill != cfg.decode:
-                raise ValueError(
-                    f"the {cfg.backend} simulation pairs prefill and decode TP ranks 1:1"
-                )
             self.manager = backend.manager(
-                kv_args_for(self.kv, self.meta.buf_infos(), rank),
-                ConnectorConfig(
-                    role=self.side,
-                    tp_rank=self.side_rank,
-                    store_host=store_addr[0],
-                    store_port=store_addr[1],
-                    namespace=f"sim{cfg.seed}",
-                    bootstrap_timeout=float(cfg.pg_timeout) * 4,
-                    waiting_timeout=float(cfg.pg_timeout) * 4,
-                ),
+                self._kv_args(), connector_config(cfg, self.place, store_addr)
             )
         else:
             self.manager = backend.manager()
@@ -106,7 +134,8 @@ class RankRun:
             self.q2 = _Queue("inflight", self, self.manager, self.faults)
         else:
             self.q1 = _Queue("handshake", self, self.manager, self.faults)
-            self.q2 = _Queue("transfer", self, self.manager, self.faults, self.meta)
+            staging = self.manager if cfg.staging and self.moves_bytes else None
+            self.q2 = _Queue("transfer", self, self.manager, self.faults, self.meta, staging)
             # draining is bookkeeping, not a transfer: no faults there
             self.q3 = _Queue("drain", self, DrainPoller(self), None)
         self.handles: dict[int, Any] = {}
@@ -145,6 +174,44 @@ class RankRun:
             self.metrics = LifecycleMetrics()
             serve(cfg.metrics_port + rank)
 
+    def _kv_args(self) -> Any:
+        from buffers.kv_args import StateComponent, StateType
+        from transport.layout import kv_args_for
+
+        state: tuple[StateComponent, ...] = ()
+        if self.state_tensors:
+            ts = self.state_tensors
+            state = (
+                StateComponent(
+                    type=StateType.MAMBA,
+                    ptrs=[t.data_ptr() for t in ts],
+                    lens=[t.nbytes for t in ts],
+                    item_lens=[t[0].nbytes for t in ts],
+                ),
+            )
+        return kv_args_for(
+            self.kv,
+            self.meta.buf_infos(),
+            self.rank,
+            page_size=self.cfg.page_size,
+            kv_head_num=len(self.heads),
+            state=state,
+        )
+
+    def state_row(self, slot: int) -> int:
+        """The state row a request holding metadata ``slot`` uses: the slot on
+        prefill, mirrored on decode, so that a transfer that confused state rows
+        with metadata slots lands in the wrong row."""
+        return slot if self.side == "prefill" else self.cfg.metadata_slots - 1 - slot
+
+    def serves(self) -> int | None:
+        """How many requests this rank sees in all (None: a soak not yet ended):
+        every one on decode, its DP group's share on prefill."""
+        n = self.work.limit if not self.cfg.soak else self.soak_limit
+        if n is None or self.side == "decode":
+            return n
+        return len(range(self.place.dp_rank, n, self.cfg.prefill_dp))
+
     def clock(self) -> float:
         # logical time (one unit per iteration) keeps fake runs reproducible;
         # a real transport runs on the wall clock, like its heartbeats
@@ -163,13 +230,16 @@ class RankRun:
             return
         role = Role.SENDER if self.side == "prefill" else Role.RECEIVER
         rooms = []
+        dp = self.cfg.prefill_dp
         for i in new:
+            if self.side == "prefill" and i % dp != self.place.dp_rank:
+                continue  # another prefill DP group serves it
             room, pages, abort_at = self.work.request(i)
             if self.side == "prefill":
                 h = self.manager.sender(room)
             else:
                 h = self.manager.receiver(room)
-                h.init(prefill_dp_rank=0)
+                h.init(prefill_dp_rank=i % dp)
             self.handles[room] = h
             self.need[room] = pages
             if abort_at:
@@ -201,6 +271,7 @@ class RankRun:
         h = self.handles.pop(room)
         slot = self._slot.pop(room, None)
         pages = self.pages_of.pop(room, None)
+        self.state_row_of.pop(room, None)  # the row goes with the metadata slot
         if status == S or self.side == "prefill":
             # success: every write has landed. prefill: its buffers are only read from
             if status != S:
@@ -316,11 +387,11 @@ class RankRun:
                 )
                 if self.side == "decode":
                     results.append(self._drain())
-                n = self.work.limit if not self.cfg.soak else self.soak_limit
+                total = self.work.limit if not self.cfg.soak else self.soak_limit
                 done = (
-                    n is not None
-                    and self.admitted >= n
-                    and self.finished == n
+                    total is not None
+                    and self.admitted >= total
+                    and self.finished == self.serves()
                     and not self.draining
                 )
                 all_done = self._agree_digest(results, done)
@@ -328,10 +399,10 @@ class RankRun:
                 self.counts.add([*np.bincount(states, minlength=5).tolist(), self.finished])
                 check_slots(self)
                 sample_rss(self)
-                if self.rank in (0, self.cfg.prefill) and self.step_no % 10 == 0:
+                if self.rank in (0, self.cfg.prefill_ranks) and self.step_no % 10 == 0:
                     self.store.set(f"progress/{self.side}", str(self.finished))
                 if all_done:
-                    if self.rank in (0, self.cfg.prefill):
+                    if self.rank in (0, self.cfg.prefill_ranks):
                         self.store.set(f"progress/{self.side}", str(self.finished))
                     break
         except RankFailure as e:
@@ -349,7 +420,7 @@ def run_rank(
     groups: dict[str, Any],
     store_addr: tuple[str, int] = ("127.0.0.1", 0),
 ) -> dict[str, Any]:
-    side = "prefill" if rank < cfg.prefill else "decode"
+    side = place(rank, cfg.prefill, cfg.prefill_dp, cfg.decode).side
     run = RankRun(cfg, rank, out, TorchCollective(groups[side]), store, store_addr)
     result = run.run()
     (out / "ranks").mkdir(parents=True, exist_ok=True)

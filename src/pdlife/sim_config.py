@@ -19,8 +19,16 @@ PAGE_BYTES = 256
 
 @attrs.frozen
 class SimConfig:
-    prefill: int = 2
-    decode: int = 2
+    prefill: int = 2  # prefill TP size (ranks per prefill DP group)
+    decode: int = 2  # decode TP size
+    prefill_dp: int = 1  # prefill DP groups; request i goes to group i % prefill_dp
+    mla: bool = False  # one latent KV head, the same on every rank
+    kv_heads: int | None = None  # the model's KV heads; None: 2 x the larger TP size
+    page_size: int = 1  # tokens per KV page
+    state: bool = False  # a mamba-like state component, one row per request
+    staging: bool = False  # decode lands head-sliced data in a staging buffer first
+    staging_pages: int = 0  # pages per staging region; 0: max_pages
+    prefix_pages: int = 0  # decode already holds this many pages of a longer request
     requests: int = 200
     seed: int = 0
     abort_prob: float = 0.02
@@ -49,8 +57,18 @@ class SimConfig:
     rss_every: float = 1.0  # seconds between RSS samples
 
     @property
+    def prefill_ranks(self) -> int:
+        return self.prefill * self.prefill_dp
+
+    @property
     def world(self) -> int:
-        return self.prefill + self.decode
+        return self.prefill_ranks + self.decode
+
+    @property
+    def total_heads(self) -> int:
+        if self.mla:
+            return 1
+        return self.kv_heads if self.kv_heads is not None else 2 * max(self.prefill, self.decode)
 
     @property
     def mode(self) -> str:

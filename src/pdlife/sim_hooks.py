@@ -116,6 +116,7 @@ class _Queue:
         manager: Any,
         faults: RankFaults | None,
         metadata: MetadataBuffers | None = None,
+        staging: Any = None,
     ) -> None:
         cfg = run.cfg
         self.name = name
@@ -129,6 +130,7 @@ class _Queue:
             self.table,
             run.rank,
             poller=self.poller,
+            staging=staging,
             metadata=metadata,
             gates=[self.gate],
             faults=None if faults is None else QueueFaults(faults, self.poller, self.table, run),

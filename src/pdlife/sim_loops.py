@@ -11,6 +11,8 @@ from lifecycle.status import B, F, KVPoll, Role, S, T, W
 from lifecycle.step import StepResult
 from pdlife.sim_bytes import (
     fill_pages,
+    fill_prefix,
+    fill_state,
     simulate_remote_write,
     verify_pages,
     write_first_token,
@@ -39,9 +41,13 @@ def prefill_iteration(run: RankRun) -> list[StepResult]:
             run._slot[room] = slot
             pages = take_pages(run, need)
             run.pages_of[room] = pages
+            if run.state_tensors:
+                run.state_row_of[room] = run.state_row(slot)
             if run.moves_bytes:
                 fill_pages(run, room, pages)
                 write_first_token(run, room, slot)
+                if run.state_tensors:
+                    fill_state(run, room, run.state_row_of[room])
             h = run.handles[room]
             h.init(need, slot)
             run.sent[room] = 0
@@ -60,8 +66,11 @@ def prefill_iteration(run: RankRun) -> list[StepResult]:
         k = min(run.cfg.chunk_pages, total - run.sent[room])
         if k > 0:
             chunk = run.pages_of[room][run.sent[room] : run.sent[room] + k]
-            run.handles[room].send(chunk)
             run.sent[room] += k
+            # the state rides with the last chunk, as a model's final state does
+            last = run.sent[room] == total and room in run.state_row_of
+            state = [np.array([run.state_row_of[room]], dtype=np.int64)] if last else None
+            run.handles[room].send(chunk, state_indices=state)
     r2 = run._step_queue(run.q2)
     for room, st, reason, origin in zip(
         r2.rooms.tolist(), r2.statuses.tolist(), r2.reasons.tolist(), r2.origins.tolist()
@@ -102,7 +111,20 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
         pages = take_pages(run, need)
         run.pages_of[room] = pages
         h = run.handles[room]
-        h.send_metadata(pages, slot)
+        # a cached prefix: decode holds the first pages already, prefill skips them
+        cached = run.cfg.prefix_pages if need > run.cfg.prefix_pages else 0
+        if cached and run.moves_bytes:
+            fill_prefix(run, room, pages[:cached])
+        state = None
+        if run.state_tensors:
+            run.state_row_of[room] = run.state_row(slot)
+            state = [np.array([run.state_row_of[room]], dtype=np.int64)]
+        h.send_metadata(
+            pages[cached:],
+            slot,
+            state_indices=state,
+            decode_prefix_len=cached * run.cfg.page_size,
+        )
         if not run.moves_bytes:
             simulate_remote_write(run, room, slot)
         run.q1.table.remove(room)
@@ -128,7 +150,7 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
                 )
             elif run.meta.read(slot).first_token != room % 50000:
                 run.violations.append(f"step {run.step_no}: room {room} first token corrupt")
-            if run.moves_bytes:
+            else:
                 verify_pages(run, room)
             run.q2.table.remove(room)
             run._finish(room, st, reason, origin)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pdlife.plan import KINDS
 from pdlife.sim_soak import sample_rss
 
@@ -12,6 +14,13 @@ if TYPE_CHECKING:
     from pdlife.sim import RankRun
 
 __all__ = ["report"]
+
+
+def _numbers(stats: Any) -> dict[str, float | int]:
+    return {
+        str(k): int(v) if isinstance(v, (int, np.integer)) else float(v)
+        for k, v in dict(stats).items()
+    }
 
 
 def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
@@ -28,7 +37,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
     close = getattr(run.manager, "close", None)
     if close is not None:
         close()
-    requests = run.work.limit if not run.cfg.soak else run.soak_limit
+    requests = run.serves()
     unfinished = (requests if requests is not None else run.admitted) - run.finished
     problems: list[str] = []
     if error is None and not all_done and not run.violations:
@@ -54,6 +63,9 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
     return {
         "rank": run.rank,
         "side": run.side,
+        "group": run.place.name,  # its TP group: the side, or a prefill DP group
+        # the transport's own counters (e.g. bytes_written), to hold against the layout
+        "transport_stats": _numbers(getattr(run.manager, "stats", None) or {}),
         "steps": run.step_no,
         "requests": requests,
         "outcome": outcome,

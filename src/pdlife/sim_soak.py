@@ -24,7 +24,7 @@ def soak_allowed(run: RankRun) -> int:
 
 
 def soak_words(run: RankRun) -> tuple[int, int]:
-    leader = run.rank in (0, run.cfg.prefill)
+    leader = run.rank in (0, run.cfg.prefill_ranks)
     if run.side == "prefill":
         up = time.monotonic() - run._start >= (run.cfg.soak or 0.0)
         return int(up and leader), 0
@@ -75,8 +75,7 @@ def check_slots(run: RankRun) -> None:
 
 def who_died(run: RankRun, e: RankFailure) -> str:
     """Name the ranks of this side whose heartbeat stopped (read twice, a beat apart)."""
-    cfg = run.cfg
-    side = range(cfg.prefill) if run.side == "prefill" else range(cfg.prefill, cfg.world)
+    side = run.place.group
 
     def beats() -> dict[int, int]:
         out = {}

@@ -26,6 +26,7 @@ from pdlife.args import UsageError
 from pdlife.compare import compare
 from pdlife.plan import MODES, FaultPlan, TargetedFault, load_plan
 from pdlife.sim import SimConfig, run_rank
+from pdlife.sim_topology import topology_problem
 from pdlife.summary import print_table, summarize
 
 __all__ = ["add_parser", "simulate", "summarize", "pick_backend", "compare"]
@@ -73,9 +74,14 @@ def _worker(cfg: SimConfig, rank: int, out: str, port: int) -> None:
         world_size=cfg.world,
         timeout=timedelta(seconds=cfg.pg_timeout),
     )
+    # every rank creates every group, in the same order: one per prefill DP group
+    prefill = [
+        dist.new_group(list(range(g * cfg.prefill, (g + 1) * cfg.prefill)))
+        for g in range(cfg.prefill_dp)
+    ]
     groups = {
-        "prefill": dist.new_group(list(range(cfg.prefill))),
-        "decode": dist.new_group(list(range(cfg.prefill, cfg.world))),
+        "prefill": prefill[min(rank // cfg.prefill, cfg.prefill_dp - 1)],
+        "decode": dist.new_group(list(range(cfg.prefill_ranks, cfg.world))),
     }
     try:
         result = run_rank(cfg, rank, Path(out), store, groups, ("127.0.0.1", port))
@@ -191,11 +197,65 @@ def _check_ports(base: int, world: int) -> None:
                 ) from None
 
 
+def _topology(args: argparse.Namespace) -> dict[str, Any]:
+    """The topology flags, checked together; SimConfig's fields for them."""
+    p, d = args.prefill, args.decode
+    if args.mla and args.kv_heads not in (None, 1):
+        raise UsageError(
+            f"--kv-heads {args.kv_heads}", "an MLA model has one latent KV head; drop --kv-heads"
+        )
+    heads = 1 if args.mla else (args.kv_heads or 2 * max(p, d))
+    problem = topology_problem(p, d, heads, args.mla)
+    if problem is not None:
+        raise UsageError(f"--kv-heads {heads}", problem)
+    if args.staging_pages and not args.staging:
+        raise UsageError("--staging-pages", "sizes the staging buffer; add --staging")
+    if args.prefix_pages >= args.max_pages_per_request:
+        raise UsageError(
+            f"--prefix-pages {args.prefix_pages}",
+            f"requests have at most {args.max_pages_per_request} pages, so none would have "
+            "more than the prefix; choose fewer",
+        )
+    if args.prefill_dp > 1 and args.soak is not None:
+        raise UsageError(
+            "--prefill-dp", "a soak runs one prefill group; drop --soak or --prefill-dp"
+        )
+    if args.prefill_dp > 1 and _torchrun():
+        raise UsageError(
+            "--prefill-dp", "under torchrun one prefill group is supported; run it on one host"
+        )
+    return {
+        "prefill_dp": args.prefill_dp,
+        "mla": args.mla,
+        "kv_heads": heads,
+        "page_size": args.page_size,
+        "state": args.state,
+        "staging": args.staging,
+        "staging_pages": args.staging_pages or 0,
+        "prefix_pages": args.prefix_pages,
+        "max_pages": args.max_pages_per_request,
+    }
+
+
+def staging_note(cfg: SimConfig) -> str | None:
+    """Why --staging changes nothing in this topology, or None."""
+    if cfg.staging and (cfg.mla or cfg.prefill == cfg.decode):
+        why = "MLA" if cfg.mla else "equal prefill and decode TP sizes"
+        return f"note: --staging has nothing to scatter with {why} (pages land whole)"
+    return None
+
+
+def _torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
 def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     """Every check of the command line, before anything is started."""
-    world = args.prefill + args.decode
+    world = args.prefill * args.prefill_dp + args.decode
     if world > 64:
-        raise UsageError("--prefill/--decode", f"{world} ranks on one machine; use at most 64")
+        raise UsageError(
+            "--prefill-tp/--prefill-dp/--decode-tp", f"{world} ranks on one machine; use at most 64"
+        )
     if args.kill_rank is not None and not 0 <= args.kill_rank < world:
         raise UsageError(
             f"--kill-rank {args.kill_rank}", f"not a rank of this run; choose 0..{world - 1}"
@@ -211,11 +271,7 @@ def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
         raise UsageError("--soak", "admits requests for that long; drop --requests")
     plan = _plan(args, world, args.requests)
     backend, why = pick_backend(args.backend)
-    if backend in ("mooncake", "nixl") and args.prefill != args.decode:
-        raise UsageError(
-            "--prefill/--decode",
-            f"the {backend} simulation pairs prefill and decode ranks 1:1; give equal counts",
-        )
+    topology = _topology(args)
     a.writable_dir(Path(args.out), "--out")
     cfg = SimConfig(
         prefill=args.prefill,
@@ -230,6 +286,7 @@ def _config(args: argparse.Namespace) -> tuple[SimConfig, str]:
         plan=plan,
         fault_mode=args.fault_mode,
         soak=args.soak,
+        **topology,
     )
     return cfg, why
 
@@ -240,17 +297,33 @@ def _run(args: argparse.Namespace) -> int:
     if args.soak is not None and args.max_steps == _MAX_STEPS:
         args.max_steps = 2**31 - 1  # a soak ends by time
     cfg, why = _config(args)
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    torchrun = _torchrun()
     if not torchrun or os.environ["RANK"] == "0":
         where = "under torchrun (env://)" if torchrun else "on 127.0.0.1"
         print(
             f"pdlife simulate: backend {cfg.backend} ({why}); "
-            f"{cfg.prefill}P + {cfg.decode}D ranks {where}; seed {cfg.seed}; "
-            f"{cfg.mode}-keyed faults"
+            f"{_shape(cfg)} {where}; seed {cfg.seed}; {cfg.mode}-keyed faults"
         )
+        note = staging_note(cfg)
+        if note:
+            print(note)
     if torchrun:
         return _under_torchrun(cfg, Path(args.out), args.role)
     return simulate(cfg, Path(args.out), timeout=args.timeout, progress=not args.quiet)
+
+
+def _shape(cfg: SimConfig) -> str:
+    """``2P + 2D ranks``, or e.g. ``2x2P (DP 2) + 4D ranks, MLA, staging``."""
+    dp = f"{cfg.prefill_dp}x{cfg.prefill}P (DP {cfg.prefill_dp})" if cfg.prefill_dp > 1 else ""
+    text = f"{dp or f'{cfg.prefill}P'} + {cfg.decode}D ranks"
+    extras = [
+        "MLA" if cfg.mla else f"{cfg.total_heads} KV heads",
+        f"page size {cfg.page_size}" if cfg.page_size > 1 else "",
+        "state" if cfg.state else "",
+        "staging" if cfg.staging else "",
+        f"cached prefix {cfg.prefix_pages} pages" if cfg.prefix_pages else "",
+    ]
+    return ", ".join([text, *(e for e in extras if e)])
 
 
 def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
@@ -329,8 +402,63 @@ class _RequestsAction(argparse.Action):
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="run a local PD cluster under a fault plan")
-    p.add_argument("--prefill", type=a.positive_int, default=2, help="prefill ranks (TP group)")
-    p.add_argument("--decode", type=a.positive_int, default=2, help="decode ranks (TP group)")
+    p.add_argument(
+        "--prefill-tp",
+        "--prefill",
+        dest="prefill",
+        type=a.positive_int,
+        default=2,
+        help="prefill TP size: ranks per prefill DP group",
+    )
+    p.add_argument(
+        "--decode-tp",
+        "--decode",
+        dest="decode",
+        type=a.positive_int,
+        default=2,
+        help="decode TP size (ranks)",
+    )
+    p.add_argument(
+        "--prefill-dp",
+        type=a.positive_int,
+        default=1,
+        help="prefill DP groups, each its own TP group; request i goes to group i %% N",
+    )
+    p.add_argument("--mla", action="store_true", help="MLA: one latent KV head on every rank")
+    p.add_argument(
+        "--kv-heads",
+        type=a.positive_int,
+        help="the model's KV heads, split over each side's TP ranks (default 2 x the larger TP)",
+    )
+    p.add_argument("--page-size", type=a.positive_int, default=1, help="tokens per KV page")
+    p.add_argument(
+        "--state",
+        action="store_true",
+        help="a hybrid model: a mamba-like state row per request moves with its pages",
+    )
+    p.add_argument(
+        "--staging",
+        action="store_true",
+        help="decode lands head-sliced KV in a staging buffer, then scatters it",
+    )
+    p.add_argument(
+        "--staging-pages",
+        type=a.positive_int,
+        help="pages per staging region (default: the largest request)",
+    )
+    p.add_argument(
+        "--prefix-pages",
+        type=a.nonneg_int,
+        default=0,
+        metavar="K",
+        help="decode already holds the first K pages of every longer request (a cached prefix)",
+    )
+    p.add_argument(
+        "--max-pages-per-request",
+        type=a.positive_int,
+        default=32,
+        help="requests have 1..this many pages",
+    )
     p.add_argument("--requests", type=a.positive_int, default=200, action=_RequestsAction)
     p.add_argument("--seed", type=a.nonneg_int, default=0)
     p.add_argument(

@@ -26,12 +26,16 @@ def _rss_growth(samples: list[list[float]], requests: int) -> float | None:
 
 
 def _end_to_end(
-    rooms: list[int], by_side: dict[str, list[dict[str, Any]]]
+    rooms: list[int], by_group: dict[str, list[dict[str, Any]]]
 ) -> dict[str, tuple[str, int]]:
     """Per request: Failed if either side failed it (decode's reason first, as the
-    side the client sees), Success only once decode succeeded, else unfinished."""
+    side the client sees), Success only once decode succeeded, else unfinished.
+    Prefill DP groups each saw their own requests: their outcomes are merged."""
     final: dict[str, tuple[str, int]] = {}
-    firsts = {side: results[0]["outcome"] for side, results in by_side.items() if results}
+    firsts: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    for results in by_group.values():
+        if results:
+            firsts[results[0]["side"]].update(results[0]["outcome"])
     for room in map(str, rooms):
         seen = {side: got.get(room) for side, got in firsts.items()}
         failed_on = [
@@ -55,14 +59,16 @@ def summarize(
         if path.exists():
             ranks[r] = json.loads(path.read_text())
     by_side: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    by_group: dict[str, list[dict[str, Any]]] = {}
     for _, res in sorted(ranks.items()):
         by_side[res["side"]].append(res)
+        by_group.setdefault(res.get("group", res["side"]), []).append(res)
     requests = cfg.requests
     if cfg.soak:
         agreed = [r["requests"] for r in ranks.values() if r.get("requests") is not None]
         requests = max(agreed, default=0)
     rooms = Workload(cfg).all_rooms(requests)
-    final = _end_to_end(rooms, by_side)
+    final = _end_to_end(rooms, by_group)
     failed = Counter(
         FailureReason(reason).label for status, reason in final.values() if status == "Failed"
     )
@@ -71,14 +77,14 @@ def summarize(
         [np.asarray(r["latency_us"], dtype=float) for r in ranks.values()] or [np.zeros(1)]
     )
     violations = [v for r in ranks.values() for v in r["violations"]]
-    # every rank of a side must report the same outcome for every request
+    # every rank of a TP group must report the same outcome for every request
     disagreements = sum(r["disagreements"] for r in ranks.values())
-    for side, results in by_side.items():
+    for group, results in by_group.items():
         for res in results[1:]:
             if res["outcome"] != results[0]["outcome"]:
                 disagreements += 1
                 violations.append(
-                    f"{side} rank {res['rank']} ended with different outcomes than rank {results[0]['rank']}"
+                    f"{group} rank {res['rank']} ended with different outcomes than rank {results[0]['rank']}"
                 )
     dead = sorted(r for r, code in exits.items() if code == 17)
     errors = [r["error"] for r in ranks.values() if r.get("error")]
@@ -125,7 +131,21 @@ def summarize(
         "backend": cfg.backend,
         "seed": cfg.seed,
         "fault_mode": cfg.mode,
-        "ranks": {"prefill": cfg.prefill, "decode": cfg.decode},
+        "ranks": {"prefill": cfg.prefill_ranks, "decode": cfg.decode},
+        "topology": {
+            "prefill_tp": cfg.prefill,
+            "prefill_dp": cfg.prefill_dp,
+            "decode_tp": cfg.decode,
+            "kv_heads": cfg.total_heads,
+            "mla": cfg.mla,
+            "page_size": cfg.page_size,
+            "state": cfg.state,
+            "staging": cfg.staging,
+            "prefix_pages": cfg.prefix_pages,
+        },
+        "prefill_bytes_written": sum(
+            r.get("transport_stats", {}).get("bytes_written", 0) for r in by_side["prefill"]
+        ),
         "faults_fired": sum(r["faults_fired"] for r in ranks.values()),
         "fault_decisions": [
             {
@@ -192,7 +212,7 @@ def _timeline(out: Path, ranks: dict[int, dict[str, Any]], cfg: SimConfig) -> No
     names = ["Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"]
     colors = ["#d62728", "#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c"]
     drawn = False
-    for ax, (side, first) in zip(axes, (("prefill", 0), ("decode", cfg.prefill))):
+    for ax, (side, first) in zip(axes, (("prefill", 0), ("decode", cfg.prefill_ranks))):
         res = ranks.get(first)
         ax.set_title(f"{side} rank {first}: live requests by agreed status")
         if not res or not res["counts"]:

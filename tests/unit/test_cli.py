@@ -55,7 +55,18 @@ BAD = [
     (["simulate", "--seed", "1e3"], "--seed"),
     (["simulate", "--prefill", "0"], "--prefill"),
     (["simulate", "--decode", "-2"], "--decode"),
-    (["simulate", "--prefill", "40", "--decode", "40"], "--prefill/--decode"),
+    (["simulate", "--prefill", "40", "--decode", "40"], "--prefill-tp/--prefill-dp/--decode-tp"),
+    (["simulate", "--prefill-tp", "2", "--prefill-dp", "40"], "--prefill-tp/--prefill-dp"),
+    (["simulate", "--prefill-dp", "0"], "--prefill-dp"),
+    (["simulate", "--decode-tp", "0"], "--decode-tp"),
+    (["simulate", "--page-size", "0"], "--page-size"),
+    (["simulate", "--prefill-tp", "4", "--kv-heads", "3"], "--kv-heads 3"),
+    (["simulate", "--decode-tp", "3", "--kv-heads", "4"], "--kv-heads 4"),
+    (["simulate", "--mla", "--kv-heads", "8"], "--kv-heads 8"),
+    (["simulate", "--staging-pages", "4"], "--staging-pages"),
+    (["simulate", "--prefix-pages", "32"], "--prefix-pages 32"),
+    (["simulate", "--prefix-pages", "4", "--max-pages-per-request", "4"], "--prefix-pages 4"),
+    (["simulate", "--prefill-dp", "2", "--soak", "5"], "--prefill-dp"),
     (["simulate", "--requests", "0"], "--requests"),
     (["simulate", "--requests", "-5"], "--requests"),
     (["simulate", "--max-steps", "0"], "--max-steps"),
@@ -181,3 +192,48 @@ def test_the_output_directory_check_survives_ranks_checking_at_once(tmp_path):
         t.join()
     assert errors == []
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def _parsed(*argv, out):
+    from pdlife.cli import build_parser
+
+    return build_parser().parse_args(["simulate", "--backend", "fake", "--out", str(out), *argv])
+
+
+def test_topology_flags_reach_the_config(tmp_path):
+    from pdlife.simulate import _config
+
+    cfg, _ = _config(
+        _parsed(
+            "--prefill-tp", "2", "--decode-tp", "4", "--prefill-dp", "3", "--staging",
+            "--staging-pages", "4", "--state", "--page-size", "2", "--prefix-pages", "3",
+            out=tmp_path,
+        )
+    )  # fmt: skip
+    assert (cfg.prefill, cfg.decode, cfg.prefill_dp, cfg.world) == (2, 4, 3, 10)
+    assert (cfg.staging, cfg.staging_pages, cfg.state) == (True, 4, True)
+    assert (cfg.page_size, cfg.prefix_pages, cfg.total_heads) == (2, 3, 8)
+    old, _ = _config(_parsed("--prefill", "3", "--decode", "1", out=tmp_path))
+    assert (old.prefill, old.decode, old.world, old.total_heads) == (3, 1, 4, 6)
+    mla, _ = _config(_parsed("--mla", "--prefill-tp", "2", "--decode-tp", "1", out=tmp_path))
+    assert mla.total_heads == 1
+
+
+def test_staging_without_head_slicing_is_allowed_and_said_to_do_nothing(tmp_path):
+    from pdlife.simulate import _config, staging_note
+
+    same, _ = _config(_parsed("--staging", out=tmp_path))
+    assert "nothing to scatter" in staging_note(same)
+    mla, _ = _config(_parsed("--staging", "--mla", "--decode-tp", "1", out=tmp_path))
+    assert "MLA" in staging_note(mla)
+    sliced, _ = _config(_parsed("--staging", "--decode-tp", "4", out=tmp_path))
+    assert staging_note(sliced) is None
+
+
+def test_prefill_dp_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "6"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    rc = run(["simulate", "--backend", "fake", "--out", str(tmp_path), "--prefill-dp", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "--prefill-dp" in err[0] and "torchrun" in err[0]

@@ -133,3 +133,51 @@ def test_a_plan_in_step_mode_keeps_step_aborts_whatever_the_default(tmp_path):
     aborted = [o for o in res["outcome"].values() if o[:2] == ["Failed", 0]]
     assert res["fault_mode"] == "step" and res["decisions"] == []
     assert 10 < len(aborted) < 80
+
+
+def test_a_prefill_dp_group_serves_its_share_and_decode_names_the_group(tmp_path, monkeypatch):
+    cfg = SimConfig(
+        prefill=1, prefill_dp=3, decode=1, backend="fake", requests=20, abort_prob=0.0
+    )
+    res = RankRun(cfg, 1, tmp_path / "p", SingleRank(), Store()).run()  # group 1 of 3
+    rooms = Workload(cfg).all_rooms(20)
+    assert sorted(res["outcome"]) == sorted(str(rooms[i]) for i in range(1, 20, 3))
+    assert res["unfinished"] == 0 and res["group"] == "prefill/1"
+
+    named = {}
+    from transport.fake import FakeReceiver
+
+    real_init = FakeReceiver.init
+
+    def init(self, prefill_dp_rank=None):
+        named[self.bootstrap_room] = prefill_dp_rank
+        real_init(self, prefill_dp_rank)
+
+    monkeypatch.setattr(FakeReceiver, "init", init)
+    res = RankRun(cfg, 3, tmp_path / "d", SingleRank(), Store()).run()
+    assert len(res["outcome"]) == 20 and res["group"] == "decode"
+    assert named == {rooms[i]: i % 3 for i in range(20)}
+
+
+def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, monkeypatch):
+    sent = {}
+    from transport.fake import FakeReceiver
+
+    real = FakeReceiver.send_metadata
+
+    def send_metadata(self, pages, slot, state_indices=None, decode_prefix_len=0):
+        sent[self.bootstrap_room] = (len(pages), state_indices, decode_prefix_len, slot)
+        real(self, pages, slot, state_indices, decode_prefix_len)
+
+    monkeypatch.setattr(FakeReceiver, "send_metadata", send_metadata)
+    run = decode_rank(tmp_path, state=True, prefix_pages=3, page_size=4, metadata_slots=16)
+    res = run.run()
+    assert res["violations"] == [] and res["unfinished"] == 0
+    assert res["bytes_checked"] > 0  # every committed metadata row, byte for byte
+    w = run.work
+    for i in range(20):
+        room, pages, _ = w.request(i)
+        n, state, prefix, slot = sent[room]
+        cached = 3 if pages > 3 else 0
+        assert (n, prefix) == (pages - cached, cached * 4)
+        assert [s.tolist() for s in state] == [[16 - 1 - slot]]

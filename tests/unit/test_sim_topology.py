@@ -1,0 +1,175 @@
+"""The simulator's topology and byte patterns: which heads a rank holds, what
+its pages, state rows and metadata rows must contain, and that a check of
+them reports a wrong head range or a single flipped byte."""
+
+import numpy as np
+import pytest
+import torch
+
+from lifecycle import SingleRank
+from pdlife.sim import RankRun, SimConfig
+from pdlife.sim_bytes import (
+    fill_pages,
+    fill_state,
+    kv_difference,
+    kv_pattern,
+    row_difference,
+    state_pattern,
+    verify_pages,
+    write_first_token,
+)
+from pdlife.sim_topology import HEAD_BYTES, heads_of, place, topology_problem
+
+
+@pytest.mark.parametrize(
+    ("tp", "heads", "want"),
+    [
+        (1, 4, [range(0, 4)]),
+        (2, 4, [range(0, 2), range(2, 4)]),
+        (4, 4, [range(i, i + 1) for i in range(4)]),
+        (4, 2, [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]),  # replicated
+        (2, 1, [range(0, 1), range(0, 1)]),
+    ],
+)
+def test_heads_split_evenly_or_replicate(tp, heads, want):
+    assert [heads_of(tp, r, heads) for r in range(tp)] == want
+
+
+def test_the_split_agrees_with_the_transport_where_it_has_one():
+    topology = pytest.importorskip("transport.topology")
+    for tp, heads in ((1, 4), (2, 4), (4, 4), (4, 2), (8, 2), (2, 8), (2, 1)):
+        for r in range(tp):
+            assert list(topology.head_range(tp, r, heads)) == list(heads_of(tp, r, heads))
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "heads", "mla", "bad"),
+    [
+        (2, 4, 8, False, False),
+        (2, 4, 2, False, False),  # decode replicates
+        (4, 2, 3, False, True),
+        (2, 3, 4, False, True),
+        (2, 1, 1, True, False),
+        (2, 1, 2, True, True),
+    ],
+)
+def test_topology_problems_are_named(p, d, heads, mla, bad):
+    problem = topology_problem(p, d, heads, mla)
+    assert (problem is not None) == bad
+    if bad and not mla:
+        assert "--kv-heads" in problem
+
+
+def test_places_of_prefill_dp_groups_and_decode():
+    ps = [place(r, 2, 2, 3) for r in range(7)]
+    assert [(p.side, p.dp_rank, p.tp_rank) for p in ps] == [
+        ("prefill", 0, 0),
+        ("prefill", 0, 1),
+        ("prefill", 1, 0),
+        ("prefill", 1, 1),
+        ("decode", 0, 0),
+        ("decode", 0, 1),
+        ("decode", 0, 2),
+    ]
+    assert ps[2].group == (2, 3) and ps[5].group == (4, 5, 6)
+    assert [p.name for p in ps[1:5]] == ["prefill/0", "prefill/1", "prefill/1", "decode"]
+    assert place(0, 2, 1, 2).name == "prefill"
+    with pytest.raises(ValueError):
+        place(7, 2, 2, 3)
+
+
+def test_the_kv_pattern_is_keyed_by_room_layer_token_and_head():
+    full = kv_pattern(7, 0, 0, 5, 2, range(4))
+    assert full.shape == (5, 2, 4, HEAD_BYTES)
+    # head slices and later pages are cut from the same pattern
+    assert np.array_equal(kv_pattern(7, 0, 0, 5, 2, range(2, 4)), full[:, :, 2:4])
+    assert np.array_equal(kv_pattern(7, 0, 2, 3, 2, range(4)), full[2:])
+    # a page of size 2 holds the tokens of two pages of size 1
+    assert np.array_equal(kv_pattern(7, 0, 0, 10, 1, range(4)).reshape(5, 2, 4, -1), full)
+    for other in (
+        kv_pattern(8, 0, 0, 5, 2, range(4)),
+        kv_pattern(7, 1, 0, 5, 2, range(4)),
+    ):
+        assert not np.array_equal(other, full)
+    tokens = full.reshape(10, 4, HEAD_BYTES)
+    assert len({tokens[t, h].tobytes() for t in range(10) for h in range(4)}) == 40
+
+
+def test_a_wrong_head_range_or_a_flipped_byte_is_reported():
+    got = kv_pattern(11, 1, 0, 3, 2, range(2, 4))
+    assert kv_difference(got, 11, 1, 0, range(2, 4)) is None
+    wrong = kv_difference(got, 11, 1, 0, range(0, 2))  # another rank's heads
+    assert wrong is not None and "head 0" in wrong and "layer 1" in wrong
+    flipped = got.copy()
+    flipped[2, 1, 1, 77] ^= 0x10
+    what = kv_difference(flipped, 11, 1, 0, range(2, 4))
+    assert what is not None and "page 2 token 5 head 3 byte 77" in what
+    assert "expected" in kv_difference(got[:, :, :1], 11, 1, 0, range(2, 4))
+
+
+def test_state_rows_differ_by_room_and_tensor():
+    a = state_pattern(5, 0, 64)
+    assert a.shape == (64,) and np.array_equal(a, state_pattern(5, 0, 64))
+    assert not np.array_equal(a, state_pattern(6, 0, 64))
+    assert not np.array_equal(a, state_pattern(5, 1, 64))
+
+
+class _Store:
+    def set(self, k, v):
+        pass
+
+
+def _run(tmp_path, rank, **kw):
+    cfg = SimConfig(prefill=2, decode=4, backend="fake", state=True, page_size=2, **kw)
+    run = RankRun(cfg, rank, tmp_path / str(rank), SingleRank(), _Store())
+    run.moves_bytes = True  # check bytes as a byte-moving backend's run does
+    return run
+
+
+def _land(prefills, decode, room, n_pages, d_pages):
+    """What the connector should do: each decode head from the prefill rank that holds it."""
+    for layer, t in enumerate(decode.kv):
+        for j, h in enumerate(decode.heads):
+            src = next(p for p in prefills if h in p.heads)
+            k = list(src.heads).index(h)
+            t.numpy()[d_pages, :, j] = src.kv[layer].numpy()[np.arange(n_pages), :, k]
+    for i, t in enumerate(decode.state_tensors):
+        t.numpy()[decode.state_row_of[room]] = prefills[0].state_tensors[i].numpy()[0]
+    for name, tensor in decode.meta.tensors.items():
+        tensor[decode._slot[room]] = prefills[0].meta.tensors[name][0]
+
+
+def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte(tmp_path):
+    prefills = [_run(tmp_path, r) for r in range(2)]
+    decode = _run(tmp_path, 3)  # decode TP rank 1 of 4: heads 2 and 3 of 8
+    assert list(decode.heads) == [2, 3] and [list(p.heads) for p in prefills] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    room, n = 99, 3
+    for p in prefills:
+        fill_pages(p, room, np.arange(n))
+        write_first_token(p, room, 0)
+        fill_state(p, room, 0)
+    d_pages = np.array([7, 3, 5])
+    decode.pages_of[room], decode._slot[room] = d_pages, 4
+    decode.state_row_of[room] = decode.state_row(4)
+    assert decode.state_row_of[room] != 4  # state rows are not metadata slots
+    _land(prefills, decode, room, n, d_pages)
+    verify_pages(decode, room)
+    assert decode.violations == [] and decode.bytes_checked > n * 2 * 2 * 2 * HEAD_BYTES
+    row = decode.state_row_of[room]
+    for buf, at in (
+        (decode.kv[1].numpy(), (5, 1, 0, 3)),  # page 2, token 5, head 2
+        (decode.state_tensors[1].numpy(), (row, 9)),
+        (decode.meta.tensors["output_hidden_states"].view(torch.uint8).numpy(), (4, 2)),
+    ):
+        _land(prefills, decode, room, n, d_pages)
+        buf[at] ^= 1
+        before = decode.bytes_checked
+        verify_pages(decode, room)
+        assert len(decode.violations) == 1, decode.violations
+        assert f"room {room}" in decode.violations[0]
+        assert decode.bytes_checked == before  # a bad request counts nothing verified
+        decode.violations.clear()
+    assert row_difference(decode.meta, 4, room + 1) is not None
