@@ -136,9 +136,7 @@ def test_a_plan_in_step_mode_keeps_step_aborts_whatever_the_default(tmp_path):
 
 
 def test_a_prefill_dp_group_serves_its_share_and_decode_names_the_group(tmp_path, monkeypatch):
-    cfg = SimConfig(
-        prefill=1, prefill_dp=3, decode=1, backend="fake", requests=20, abort_prob=0.0
-    )
+    cfg = SimConfig(prefill=1, prefill_dp=3, decode=1, backend="fake", requests=20, abort_prob=0.0)
     res = RankRun(cfg, 1, tmp_path / "p", SingleRank(), Store()).run()  # group 1 of 3
     rooms = Workload(cfg).all_rooms(20)
     assert sorted(res["outcome"]) == sorted(str(rooms[i]) for i in range(1, 20, 3))

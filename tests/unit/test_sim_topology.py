@@ -74,7 +74,7 @@ def test_places_of_prefill_dp_groups_and_decode():
     assert ps[2].group == (2, 3) and ps[5].group == (4, 5, 6)
     assert [p.name for p in ps[1:5]] == ["prefill/0", "prefill/1", "prefill/1", "decode"]
     assert place(0, 2, 1, 2).name == "prefill"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rank 7 is not in a cluster of 7"):
         place(7, 2, 2, 3)
 
 
