@@ -149,6 +149,10 @@ class RankRun:
         self.pages_of: dict[int, NDArray[np.int64]] = {}
         self._slot: dict[int, int] = {}
         self.bytes_checked = 0
+        # decode: KV bytes asked of prefill (uncached pages of this rank's heads), in
+        # all and for the requests that succeeded, to hold prefill's bytes_written against
+        self.kv_bytes_asked = self.kv_bytes_due = 0
+        self.kv_due_of: dict[int, int] = {}
         self.ready: deque[int] = deque()
         self.finished = 0
         # every finished request's (room, status, reason, origin), streamed to disk
@@ -272,6 +276,7 @@ class RankRun:
         slot = self._slot.pop(room, None)
         pages = self.pages_of.pop(room, None)
         self.state_row_of.pop(room, None)  # the row goes with the metadata slot
+        self.kv_due_of.pop(room, None)
         if status == S or self.side == "prefill":
             # success: every write has landed. prefill: its buffers are only read from
             if status != S:

@@ -78,6 +78,8 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free),
         "drain_failed": run.drain_failed,
         "bytes_checked": run.bytes_checked,
+        "kv_bytes_asked": run.kv_bytes_asked,
+        "kv_bytes_due": run.kv_bytes_due,
         "latency_us": run.latency_us.items,
         "counts": run.counts.items,
         "counts_stride": run.counts.stride,

@@ -173,9 +173,14 @@ def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, m
     assert res["violations"] == [] and res["unfinished"] == 0
     assert res["bytes_checked"] > 0  # every committed metadata row, byte for byte
     w = run.work
+    uncached = 0
     for i in range(20):
         room, pages, _ = w.request(i)
         n, state, prefix, slot = sent[room]
         cached = 3 if pages > 3 else 0
         assert (n, prefix) == (pages - cached, cached * 4)
         assert [s.tolist() for s in state] == [[16 - 1 - slot]]
+        uncached += n
+    # what prefill must send this rank: uncached pages, 2 layers, its heads (2 of 4)
+    page = 4 * 2 * 128  # tokens x heads x head bytes
+    assert res["kv_bytes_asked"] == res["kv_bytes_due"] == uncached * 2 * page
