@@ -181,6 +181,6 @@ def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, m
         assert (n, prefix) == (pages - cached, cached * 4)
         assert [s.tolist() for s in state] == [[16 - 1 - slot]]
         uncached += n
-    # what prefill must send this rank: uncached pages, 2 layers, its heads (2 of 4)
+    # what prefill must send this rank: uncached pages, 2 layers, both of the 2 KV heads
     page = 4 * 2 * 128  # tokens x heads x head bytes
     assert res["kv_bytes_asked"] == res["kv_bytes_due"] == uncached * 2 * page
