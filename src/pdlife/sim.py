@@ -57,7 +57,7 @@ def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) 
         mla=cfg.mla,
         kv_heads=cfg.total_heads,
         staging=cfg.staging and where.side == "decode",
-        staging_pages=(cfg.staging_pages or cfg.max_pages) if cfg.staging else 0,
+        staging_pages=cfg.staging_pages or cfg.max_pages,
         store_host=store_addr[0],
         store_port=store_addr[1],
         namespace=f"sim{cfg.seed}",
@@ -149,10 +149,14 @@ class RankRun:
         self.pages_of: dict[int, NDArray[np.int64]] = {}
         self._slot: dict[int, int] = {}
         self.bytes_checked = 0
-        # decode: KV bytes asked of prefill (uncached pages of this rank's heads), in
-        # all and for the requests that succeeded, to hold prefill's bytes_written against
-        self.kv_bytes_asked = self.kv_bytes_due = 0
-        self.kv_due_of: dict[int, int] = {}
+        # decode: bytes asked of prefill (uncached pages of this rank's heads, the
+        # state and metadata rows), in all and for the requests that succeeded, to
+        # hold prefill's bytes_written against
+        self.bytes_asked = self.bytes_due = 0
+        self.row_bytes = sum(self.meta.buf_infos()[2]) + sum(
+            t[0].nbytes for t in self.state_tensors
+        )
+        self.due_of: dict[int, int] = {}
         self.ready: deque[int] = deque()
         self.finished = 0
         # every finished request's (room, status, reason, origin), streamed to disk
@@ -276,7 +280,7 @@ class RankRun:
         slot = self._slot.pop(room, None)
         pages = self.pages_of.pop(room, None)
         self.state_row_of.pop(room, None)  # the row goes with the metadata slot
-        self.kv_due_of.pop(room, None)
+        self.due_of.pop(room, None)
         if status == S or self.side == "prefill":
             # success: every write has landed. prefill: its buffers are only read from
             if status != S:

@@ -119,10 +119,11 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
         if run.state_tensors:
             run.state_row_of[room] = run.state_row(slot)
             state = [np.array([run.state_row_of[room]], dtype=np.int64)]
-        # what must come over the network for this rank: the uncached pages of its heads
-        due = (need - cached) * sum(t[0].nbytes for t in run.kv)
-        run.kv_bytes_asked += due
-        run.kv_due_of[room] = due
+        # what must come over the network for this rank: the uncached pages of its
+        # heads, its state row and its metadata row
+        due = (need - cached) * sum(t[0].nbytes for t in run.kv) + run.row_bytes
+        run.bytes_asked += due
+        run.due_of[room] = due
         h.send_metadata(
             pages[cached:],
             slot,
@@ -156,7 +157,7 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
                 run.violations.append(f"step {run.step_no}: room {room} first token corrupt")
             else:
                 verify_pages(run, room)
-            run.kv_bytes_due += run.kv_due_of.get(room, 0)
+            run.bytes_due += run.due_of.get(room, 0)
             run.q2.table.remove(room)
             run._finish(room, st, reason, origin)
         elif st == F:

@@ -143,11 +143,12 @@ def summarize(
             "staging": cfg.staging,
             "prefix_pages": cfg.prefix_pages,
         },
-        # KV bytes decode asked for (uncached pages, each rank its heads): of every
-        # request given pages, and of those that succeeded; prefill's bytes_written
-        # (its transport's count) lies between them when nothing cached was sent
-        "decode_kv_bytes_asked": sum(r.get("kv_bytes_asked", 0) for r in by_side["decode"]),
-        "decode_kv_bytes_due": sum(r.get("kv_bytes_due", 0) for r in by_side["decode"]),
+        # bytes decode asked prefill for (uncached pages of each rank's heads, state
+        # and metadata rows): of every request given pages, and of those that
+        # succeeded; prefill's bytes_written (its transport's count) lies between
+        # them when nothing cached and nothing twice was sent
+        "decode_bytes_asked": sum(r.get("bytes_asked", 0) for r in by_side["decode"]),
+        "decode_bytes_due": sum(r.get("bytes_due", 0) for r in by_side["decode"]),
         "prefill_bytes_written": sum(
             r.get("transport_stats", {}).get("bytes_written", 0) for r in by_side["prefill"]
         ),

@@ -58,9 +58,7 @@ CASES = {
     "mla-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--mla"),
     "state-tp2-to-tp2": ("--prefill-tp", "2", "--decode-tp", "2", "--state"),
     "mla-state-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--mla", "--state"),
-    "prefix-tp2-to-tp1": (
-        "--prefill-tp", "2", "--decode-tp", "1", "--prefix-pages", "4", "--page-size", "2",
-    ),  # fmt: skip
+    "prefix-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--prefix-pages", "4"),
     "dp2-tp1-to-tp2": ("--prefill-tp", "1", "--prefill-dp", "2", "--decode-tp", "2"),
 }
 

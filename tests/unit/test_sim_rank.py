@@ -183,4 +183,5 @@ def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, m
         uncached += n
     # what prefill must send this rank: uncached pages, 2 layers, both of the 2 KV heads
     page = 4 * 2 * 128  # tokens x heads x head bytes
-    assert res["kv_bytes_asked"] == res["kv_bytes_due"] == uncached * 2 * page
+    rows = sum(run.meta.buf_infos()[2]) + 64 + 192  # metadata row, state row
+    assert res["bytes_asked"] == res["bytes_due"] == uncached * 2 * page + 20 * rows
