@@ -51,15 +51,15 @@ REQUESTS = 80
 FAULTS = ("--fail-prob", "0.02", "--abort-prob", "0.05", "--pg-timeout", "20")
 
 CASES = {
-    "tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1"),
-    "tp1-to-tp2": ("--prefill-tp", "1", "--decode-tp", "2"),
-    "tp2-to-tp4-direct": ("--prefill-tp", "2", "--decode-tp", "4"),
-    "tp2-to-tp4-staging": ("--prefill-tp", "2", "--decode-tp", "4", "--staging"),
-    "mla-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--mla"),
-    "state-tp2-to-tp2": ("--prefill-tp", "2", "--decode-tp", "2", "--state"),
-    "mla-state-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--mla", "--state"),
-    "prefix-tp2-to-tp1": ("--prefill-tp", "2", "--decode-tp", "1", "--prefix-pages", "4"),
-    "dp2-tp1-to-tp2": ("--prefill-tp", "1", "--prefill-dp", "2", "--decode-tp", "2"),
+    "tp2-to-tp1": "--prefill-tp 2 --decode-tp 1",
+    "tp1-to-tp2": "--prefill-tp 1 --decode-tp 2",
+    "tp2-to-tp4-direct": "--prefill-tp 2 --decode-tp 4",
+    "tp2-to-tp4-staging": "--prefill-tp 2 --decode-tp 4 --staging --page-size 2",
+    "mla-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --mla",
+    "state-tp2-to-tp2": "--prefill-tp 2 --decode-tp 2 --state",
+    "mla-state-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --mla --state",
+    "prefix-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --prefix-pages 4 --page-size 2",
+    "dp2-tp1-to-tp2": "--prefill-tp 1 --prefill-dp 2 --decode-tp 2",
 }
 
 
@@ -94,7 +94,7 @@ def check_run(proc, s, out):
 @pytest.mark.parametrize("case", list(CASES))
 def test_topology_moves_every_byte_under_faults(run_sim, backend, case):
     proc, s, out = run_sim(
-        backend, case, "--requests", str(REQUESTS), "--seed", "7", *FAULTS, *CASES[case]
+        backend, case, "--requests", str(REQUESTS), "--seed", "7", *FAULTS, *CASES[case].split()
     )
     check_run(proc, s, out)
 
