@@ -15,7 +15,9 @@ import json
 
 import pytest
 
-from pdlife.sim_config import KV_LAYERS, SimConfig, Workload
+from buffers import MetadataBuffers
+from pdlife.sim_bytes import STATE_ROW_BYTES
+from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
 from pdlife.sim_topology import HEAD_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network]
@@ -45,7 +47,7 @@ def backend(request):
     return request.param
 
 
-REQUESTS = 80
+REQUESTS = 60
 # per rank and request (phase-keyed), and per request: a few percent of requests
 # fail somewhere, about 5% are aborted by the client
 FAULTS = ("--fail-prob", "0.02", "--abort-prob", "0.05", "--pg-timeout", "20")
@@ -87,6 +89,9 @@ def check_run(proc, s, out):
     heads = 1 if t["mla"] else max(t["kv_heads"] // t["decode_tp"], 1)
     per_page = KV_LAYERS * t["page_size"] * heads * HEAD_BYTES
     assert s["kv_bytes_verified"] >= s["succeeded"] * len(decode) * per_page
+    # prefill wrote everything the succeeded requests needed and nothing decode
+    # did not ask for (a cached prefix page, a page twice, another rank's heads)
+    assert s["decode_bytes_due"] <= s["prefill_bytes_written"] <= s["decode_bytes_asked"]
     return ranks
 
 
@@ -99,13 +104,34 @@ def test_topology_moves_every_byte_under_faults(run_sim, backend, case):
     check_run(proc, s, out)
 
 
-def _kv_bytes_needed(requests, seed, prefix_pages, page_size, kv_heads):
-    """The KV bytes the decode group must receive in all: the uncached pages of
-    every request, each of its heads once (no replication on decode here)."""
+def _kv_bytes(requests, seed, prefix_pages, page_size, kv_heads):
+    """The KV bytes the decode group needs in all, and those of its cached
+    prefixes: every page of every request, each head once (no replication)."""
     w = Workload(SimConfig(requests=requests, seed=seed))
-    total = 0
+    page = KV_LAYERS * page_size * kv_heads * HEAD_BYTES
+    uncached = cached = 0
     for i in range(requests):
         pages = w.request(i)[1]
-        sent = pages - prefix_pages if pages > prefix_pages else pages
-        total += sent * KV_LAYERS * page_size * kv_heads * HEAD_BYTES
-    return total
+        k = prefix_pages if pages > prefix_pages else 0
+        uncached += (pages - k) * page
+        cached += k * page
+    return uncached, cached
+
+
+@pytest.mark.timeout(150)
+def test_a_cached_prefix_is_not_sent(run_sim, backend):
+    """Without faults every byte prefill writes is counted: exactly the
+    uncached pages of every request, plus one state and metadata row each."""
+    args = ["--prefill-tp", "2", "--decode-tp", "1", "--prefix-pages", "3", "--state"]
+    args += ["--page-size", "2"]
+    proc, s, out = run_sim(
+        backend, "prefix", "--requests", str(REQUESTS), "--seed", "9", "--abort-prob", "0", *args
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["invariant_violations"] == [] and s["succeeded"] == REQUESTS
+    uncached, cached = _kv_bytes(REQUESTS, 9, 3, 2, s["topology"]["kv_heads"])
+    meta = MetadataBuffers(1, SIM_LAYOUT)
+    rows = REQUESTS * (sum(meta.buf_infos()[2]) + sum(STATE_ROW_BYTES))
+    assert cached > REQUESTS  # the prefix is worth checking for
+    assert s["prefill_bytes_written"] == s["decode_bytes_asked"] == uncached + rows
+    assert s["kv_bytes_verified"] >= uncached + cached  # the prefix was checked too
