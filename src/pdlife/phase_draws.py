@@ -3,6 +3,7 @@ which draw wins, as a function of the seed alone (see :mod:`pdlife.plan`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -56,11 +57,18 @@ class Decision:
 
 
 def phase_decisions(
-    plan: FaultPlan, abort_prob: float, abort_seed: int, world: int, rooms: NDArray[np.uint64]
+    plan: FaultPlan,
+    abort_prob: float,
+    abort_seed: int,
+    world: int,
+    rooms: NDArray[np.uint64],
+    serves: Callable[[int], NDArray[np.bool_]] | None = None,
 ) -> list[Decision]:
     """Every phase-keyed draw for ``rooms`` (each rank's fault, the client's abort),
     with each request's winner marked: the earliest phase; ties go to the abort,
-    then to the lowest rank."""
+    then to the lowest rank. ``serves(rank)``, if given, masks the rooms a rank
+    sees at all (prefill DP groups each see their own): a rank draws no fault
+    for a request it never sees, so it cannot win one it could not fire."""
     rooms = np.asarray(rooms, np.uint64)
     n = rooms.size
     big = len(PHASES) * (world + 2)
@@ -72,7 +80,8 @@ def phase_decisions(
         found.append((hit, -1, "abort", phase))
     if plan.prob > 0:
         for r in range(world) if plan.prob_ranks is None else plan.prob_ranks:
-            hit = np.flatnonzero(draw(plan.seed, 1, r, rooms) < plan.prob)
+            drawn = draw(plan.seed, 1, r, rooms) < plan.prob
+            hit = np.flatnonzero(drawn if serves is None else drawn & serves(r))
             phase = (draw(plan.seed, 2, r, rooms[hit]) * len(PHASES)).astype(np.int64)
             found.append((hit, r, "fail", phase))
     for hit, r, _, phase in found:

@@ -137,17 +137,34 @@ class RankFaults:
         return f.room if f.room is not None else int(self._room_of_request[f.request or 0])
 
     # -- phase mode --------------------------------------------------------------
-    def admit(self, rooms: Sequence[int], aborts_here: bool) -> None:
+    def admit(
+        self,
+        rooms: Sequence[int],
+        aborts_here: bool,
+        groups: Sequence[int] | None = None,
+        rank_group: Any = None,
+    ) -> None:
         """Draw the phase-keyed decisions of new requests; keep those this rank
-        carries out (its own faults; the client's aborts if ``aborts_here``)."""
+        carries out (its own faults; the client's aborts if ``aborts_here``).
+        With prefill DP, ``groups`` holds each request's DP group and
+        ``rank_group(rank)`` a rank's (None: it sees every request)."""
         if self.mode != "phase" or not rooms or (self.plan.prob == 0 and self.abort_prob == 0):
             return
+        serves = None
+        if groups is not None and rank_group is not None:
+            g = np.asarray(groups, np.int64)
+
+            def serves(rank: int) -> NDArray[np.bool_]:
+                mine = rank_group(rank)
+                return np.ones(g.size, bool) if mine is None else g == mine
+
         for d in phase_decisions(
             self.plan,
             self.abort_prob,
             self.abort_seed,
             self.world,
             np.asarray(rooms, np.uint64),
+            serves,
         ):
             if d.rank == self.rank or (d.rank == -1 and aborts_here):
                 self.decisions.append(d)

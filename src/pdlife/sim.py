@@ -237,7 +237,7 @@ class RankRun:
         if not new:
             return
         role = Role.SENDER if self.side == "prefill" else Role.RECEIVER
-        rooms = []
+        rooms, groups = [], []
         dp = self.cfg.prefill_dp
         for i in new:
             if self.side == "prefill" and i % dp != self.place.dp_rank:
@@ -254,9 +254,21 @@ class RankRun:
                 self.abort_due.setdefault(abort_at, []).append(room)
             self.q1.table.add(room, role=role, handle=h, handle_index=h.index)
             rooms.append(room)
+            groups.append(i % dp)
         self.admitted = new.stop
         # the client's aborts reach the decode side (and through the backend, prefill)
-        self.faults.admit(rooms, aborts_here=self.side == "decode")
+        self.faults.admit(
+            rooms,
+            aborts_here=self.side == "decode",
+            groups=groups if dp > 1 else None,
+            rank_group=self._dp_group_of,
+        )
+
+    def _dp_group_of(self, rank: int) -> int | None:
+        """The prefill DP group a rank serves; None for a decode rank (it sees all)."""
+        if rank >= self.cfg.prefill_ranks:
+            return None
+        return rank // self.cfg.prefill
 
     def client_abort(self, room: int) -> None:
         h = self.handles.get(room)

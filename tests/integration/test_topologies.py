@@ -135,3 +135,31 @@ def test_a_cached_prefix_is_not_sent(run_sim, backend):
     assert cached > REQUESTS  # the prefix is worth checking for
     assert s["prefill_bytes_written"] == s["decode_bytes_asked"] == uncached + rows
     assert s["kv_bytes_verified"] >= uncached + cached  # the prefix was checked too
+
+
+@pytest.mark.timeout(120)
+def test_prefill_dp_groups_fail_exactly_the_requests_drawn_for_them(run_sim):
+    """Phase-keyed faults under prefill DP (fake backend: no bytes, the same
+    statuses): a prefill rank draws faults only for its own group's requests,
+    so every request ends as its winning draw says."""
+    args = ["--prefill-tp", "1", "--prefill-dp", "2", "--decode-tp", "2", "--seed", "4"]
+    proc, s, out = run_sim(
+        "fake", "dp", "--requests", "300", "--fail-prob", "0.1", "--abort-prob", "0.1", *args
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    winners = {str(d["room"]): d for d in s["fault_decisions"] if d["wins"]}
+    # every request drawn for has its winner among the draws of the ranks that
+    # see it (a draw of a rank that never sees the request must not win it)
+    assert {str(d["room"]) for d in s["fault_decisions"]} == set(winners)
+    want = {
+        room: ["Success", "none"]
+        if room not in winners
+        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault"]
+        for room in s["outcomes"]
+    }
+    assert len(s["outcomes"]) == 300 and s["outcomes"] == want
+    assert any(d["rank"] in (0, 1) for d in winners.values())  # prefill groups did fail some
+    ranks = _ranks(out, s)
+    for g in (0, 1):  # each group saw its own requests only
+        rooms = Workload(SimConfig(requests=300, seed=4)).all_rooms(300)[g::2]
+        assert sorted(ranks[g]["outcome"]) == sorted(map(str, rooms))

@@ -173,3 +173,29 @@ def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte(tmp_pa
         assert decode.bytes_checked == before  # a bad request counts nothing verified
         decode.violations.clear()
     assert row_difference(decode.meta, 4, room + 1) is not None
+
+
+def test_a_prefill_rank_draws_no_fault_for_another_dp_groups_request():
+    from pdlife.plan import FaultPlan, phase_decisions
+
+    rooms = np.arange(1, 401, dtype=np.uint64)
+    group = np.arange(400) % 2
+    plan = FaultPlan(seed=3, prob=0.2)
+    # ranks 0, 1: prefill DP groups 0 and 1 (TP 1); rank 2: decode, sees all
+    owner = {0: 0, 1: 1, 2: None}
+
+    def serves(rank):
+        return np.ones(400, bool) if owner[rank] is None else group == owner[rank]
+
+    full = phase_decisions(plan, 0.05, 9, 3, rooms)
+    masked = phase_decisions(plan, 0.05, 9, 3, rooms, serves)
+    index = {int(r): i for i, r in enumerate(rooms)}
+    assert masked and all(
+        d.rank in (-1, 2) or group[index[d.room]] == owner[d.rank] for d in masked
+    )
+    # a rank's draws for the requests it serves are the ones it made unmasked
+    kept = {
+        (d.room, d.rank, d.phase) for d in full if d.rank == -1 or serves(d.rank)[index[d.room]]
+    }
+    assert {(d.room, d.rank, d.phase) for d in masked} == kept
+    assert len(masked) < len(full)
