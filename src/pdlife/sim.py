@@ -90,6 +90,7 @@ class RankRun:
                 ConnectorConfig(
                     role=self.side,
                     tp_rank=self.side_rank,
+                    tp_size=cfg.prefill if self.side == "prefill" else cfg.decode,
                     store_host=store_addr[0],
                     store_port=store_addr[1],
                     namespace=f"sim{cfg.seed}",
