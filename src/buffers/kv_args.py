@@ -106,8 +106,11 @@ class KVArgs:
     aux_data_lens: tuple[int, ...] = attrs.field(converter=_ints, default=())
     aux_item_lens: tuple[int, ...] = attrs.field(converter=_ints, default=())
     state: tuple[StateComponent, ...] = ()
-    page_size: int = 1
+    page_size: int = 1  # tokens per page
     ib_device: str | None = None
+    #: KV heads of each page on this rank: a page item is page_size x kv_head_num
+    #: heads of equal size, token-major (what head slicing across TP sizes cuts)
+    kv_head_num: int = 1
 
     def __attrs_post_init__(self) -> None:
         if not len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens):
@@ -118,6 +121,19 @@ class KVArgs:
             )
         if self.page_size < 1:
             raise LayoutError(f"KVArgs: page_size must be >= 1, got {self.page_size}")
+        if self.kv_head_num < 1:
+            raise LayoutError(f"KVArgs: kv_head_num must be >= 1, got {self.kv_head_num}")
+        for i, item in enumerate(self.kv_item_lens):
+            if item % (self.page_size * self.kv_head_num):
+                raise LayoutError(
+                    f"KVArgs: KV buffer {i} has {item}-byte pages, not a whole number of "
+                    f"{self.page_size} tokens x {self.kv_head_num} heads"
+                )
+
+    @property
+    def head_bytes(self) -> tuple[int, ...]:
+        """Bytes of one head of one token, per KV buffer."""
+        return tuple(it // (self.page_size * self.kv_head_num) for it in self.kv_item_lens)
 
     def with_state(self, *components: StateComponent) -> KVArgs:
         """A copy with ``components`` appended after the existing ones (order matters)."""

@@ -1,17 +1,19 @@
 """One connector for every transfer engine: all that is not engine-specific.
 
 Control plane in :mod:`transport.mailbox` (rendezvous, queues, heartbeats);
-where writes go in :mod:`transport.layout`; an engine subclass (Mooncake,
-NIXL) registers memory, issues writes and reads their completion. Each
-request moves along the protocol of :mod:`transport.connector_graph` (the
-``phase`` column, fired through its tables; in batches for timeouts and dead
-peers). Prefill TP rank *r* pairs with decode TP rank *r*. A failed request
-stays quarantined (Aborted) until no write for it can land (Drained).
+who sends which heads to whom in :mod:`transport.topology`; where writes go in
+:mod:`transport.layout`; each side's part of the protocol in
+:mod:`transport.connector_prefill` and :mod:`transport.connector_decode`; an
+engine subclass (Mooncake, NIXL) registers memory, issues writes and reads
+their completion. Each request moves along the protocol of
+:mod:`transport.connector_graph` (the ``phase`` column, fired through its
+tables; in batches for timeouts and dead peers), with a :class:`~transport.legs.Leg`
+per peer rank. A failed request stays quarantined (Aborted) until no write for
+it can land (Drained).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -24,12 +26,17 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport import connector_decode as dec
+from transport import connector_prefill as pre
 from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
-from transport.layout import Writes, page_writes, row_writes
+from transport.layout import Writes
+from transport.legs import Leg
 from transport.mailbox import Mailbox
+from transport.staging import Scatter, Staging
 from transport.status_arrays import StatusArrays
+from transport.topology import TopologyError, head_range
 
 if TYPE_CHECKING:
     from transport.connector_handles import ConnectorReceiver, ConnectorSender
@@ -44,15 +51,21 @@ logger = logging.getLogger(__name__)
 class _Req:
     """One request's bookkeeping; its phase and clocks live in the manager's columns."""
 
-    def __init__(self, room: int, index: int, peer: int) -> None:
-        self.room, self.index, self.peer = room, index, peer
+    def __init__(self, room: int, index: int) -> None:
+        self.room, self.index = room, index
+        self.legs: dict[int, Leg] = {}  # peer rank -> leg, once known
+        self.dp = 0  # decode: the prefill DP group it pairs with
         self.num_pages = self.local_slot = -1
-        self.chunks: list[NDArray[np.int64]] = []
-        self.sent_pages, self.dst_slot = 0, -1
-        self.dst_pages: NDArray[np.int64] | None = None
+        self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
+        self.src_state: list[NDArray[np.int64]] | None = None
         self.tokens: list[Any] = []  # the engine's handles of writes in flight
-        self.fields_out = self.want_register = self.cleared = self.released = False
-        self.reply: dict[str, Any] | None = None  # told to the peer once drained
+        self.want_register = self.cleared = self.released = False
+        self.staged = False  # decode: lands in staging, then scatters
+        self.scatter: Scatter | None = None
+        self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
+
+    def senders(self) -> list[Leg]:
+        return [leg for leg in self.legs.values() if leg.sends]
 
 
 class Connector(StatusArrays):
@@ -65,10 +78,23 @@ class Connector(StatusArrays):
         "born": (np.float64, np.nan),
         "waited": (np.float64, np.nan),
         "failed_at": (np.float64, np.nan),
+        "scatter_left": (np.int32, 0),  # decode: staged pages not yet placed
     }
 
     def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
-        self.config, self.kv_args = config, kv_args
+        c = self.config = config
+        self.kv_args = kv_args
+        #: every global head this model has, and this rank's (refused if they do not fit)
+        self.kv_heads = c.kv_heads or kv_args.kv_head_num * c.tp_size
+        if not c.mla and len(head_range(c.tp_size, c.tp_rank, self.kv_heads)) != (
+            kv_args.kv_head_num
+        ):
+            raise TopologyError(
+                f"{c.role} rank {c.tp_rank} of TP {c.tp_size} holds "
+                f"{len(head_range(c.tp_size, c.tp_rank, self.kv_heads))} of {self.kv_heads} "
+                f"KV heads, but its KVArgs say {kv_args.kv_head_num}; set kv_heads or kv_head_num"
+            )
+        self.rank = c.dp_rank * c.tp_size + c.tp_rank  # the global id peers know this rank by
         #: the address this rank's engine advertises (checked to be on this host)
         self.host = engine_host(config, type(self).__name__.replace("Manager", "Config"))
         super().__init__()
@@ -76,25 +102,49 @@ class Connector(StatusArrays):
         self.born: NDArray[np.float64]
         self.waited: NDArray[np.float64]
         self.failed_at: NDArray[np.float64]
+        self.scatter_left: NDArray[np.int32]
+        self.staging: Staging | None = None
+        if c.role == "decode" and c.staging:
+            slots = (
+                kv_args.aux_data_lens[0] // kv_args.aux_item_lens[0] if kv_args.aux_data_lens else 0
+            )
+            self.staging = Staging(kv_args, slots, c.staging_pages)
+        #: what this rank moved: bytes and writes issued (prefill)
+        self.stats = {"bytes_written": 0, "writes": 0}
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
-        c = config
-        self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, c.tp_rank, self._wake)
+        self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, self.rank, self._wake)
         self.store = self.mail.store
-        info.update(kv_ptrs=list(kv_args.kv_data_ptrs), kv_item_lens=list(kv_args.kv_item_lens))
-        info.update(aux_ptrs=list(kv_args.aux_data_ptrs), aux_item_lens=list(kv_args.aux_item_lens))
+        a = kv_args
+        info.update(kv_ptrs=list(a.kv_data_ptrs), kv_item_lens=list(a.kv_item_lens))
+        info.update(aux_ptrs=list(a.aux_data_ptrs), aux_item_lens=list(a.aux_item_lens))
+        info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
         self._reqs: dict[int, _Req] = {}  # room -> request
         self._early: dict[int, list[dict[str, Any]]] = {}
         self._cleared: set[int] = set()
         self._peer_dead: set[int] = set()
         self.last_error: Exception | None = None
+        if c.role == "prefill":
+            self.mail.publish_group(
+                c.dp_rank, {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
+            )
         self.mail.publish(info)
         self._thread = threading.Thread(target=self._loop, name=f"pd-{c.role}", daemon=True)
         self._thread.start()
 
+    def regions(self) -> list[tuple[int, int]]:
+        """Every (address, length) the engine must register: KV, metadata, state, staging."""
+        a = self.kv_args
+        out = list(zip(a.kv_data_ptrs, a.kv_data_lens)) + list(
+            zip(a.aux_data_ptrs, a.aux_data_lens)
+        )
+        for comp in a.state:
+            out += list(zip(comp.ptrs, comp.lens))
+        return out + (self.staging.regions() if self.staging is not None else [])
+
     # -- engine hooks ---------------------------------------------------------------------
     def _start_engine(self) -> dict[str, Any]:
-        """Start the engine and register ``kv_args``; return what peers need to write here."""
+        """Start the engine and register :meth:`regions`; return what peers need to write here."""
         raise NotImplementedError
 
     def _connect(self, peer: int, info: dict[str, Any]) -> None: ...  # once, before writes
@@ -108,18 +158,18 @@ class Connector(StatusArrays):
 
     def _forget(self, token: Any) -> None: ...
 
-    def _notified(self) -> list[int]:
-        """Rooms whose completion the engine itself told this (decode) rank about."""
+    def _notified(self) -> list[tuple[int, int]]:
+        """(room, peer) pairs whose last write the engine itself told this (decode) rank of."""
         return []
 
     def _stop_engine(self) -> None: ...
 
     # -- requests and the protocol ---------------------------------------------------------
-    def _take(self, room: int, peer: int) -> _Req:
+    def _take(self, room: int) -> _Req:
         with self._lock:
             if room in self._reqs:
                 raise ValueError(f"room={room} already has a live request on this manager")
-            req = _Req(room, self.take(int(KVPoll.Bootstrapping)), peer)
+            req = _Req(room, self.take(int(KVPoll.Bootstrapping)))
             self.phase[req.index] = Phase.Bootstrap
             self.born[req.index] = NOW()
             self._reqs[room] = req
@@ -160,19 +210,18 @@ class Connector(StatusArrays):
             return int(Phase.Drained) if req.released else int(self.phase[req.index])
 
     def _fail(self, req: _Req, reason: FailureReason, store: Any) -> None:
-        """Fail locally and make the peer stop writing."""
-        before = self._phase(req)
-        if not self._fire(req, "abort", reason):
-            return
-        if self.config.role == "prefill":  # decode hears of it once our writes drained
-            req.reply = {"kind": "failed", "room": req.room, "reason": int(reason)}
-            return
-        if before < Phase.Metadata:  # decode told no pages yet: nothing can land
-            self._fire(req, "drain")
-        with contextlib.suppress(Exception):  # else heartbeats and timeouts catch up
-            self.mail.send(
-                req.peer, {"kind": "abort", "room": req.room, "reason": int(reason)}, store
-            )
+        """Fail locally and make the peers stop writing."""
+        if self.config.role == "prefill":
+            pre.fail(self, req, reason)
+        else:
+            dec.fail(self, req, reason, store)
+
+    def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
+        """Best effort: a peer that is gone is caught by heartbeats and timeouts."""
+        try:
+            self.mail.send(peer, msg, store)
+        except Exception:
+            logger.debug("message %s to rank %d not sent", msg.get("kind"), peer, exc_info=True)
 
     def _clear(self, req: _Req) -> None:
         with self._lock:
@@ -180,20 +229,32 @@ class Connector(StatusArrays):
             if IS_TERMINAL[self._phase(req)] and not req.tokens and not req.released:
                 req.released = True
                 del self._reqs[req.room]
+                self.scatter_left[req.index] = 0
                 self.release(req.index)
                 self._cleared.add(req.room)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
 
-    def sender(self, room: int, peer: int | None = None) -> ConnectorSender:
+    def sender(self, room: int) -> ConnectorSender:
         from transport.connector_handles import ConnectorSender
 
-        return ConnectorSender(self, room, self.config.tp_rank if peer is None else peer)
+        return ConnectorSender(self, room)
 
-    def receiver(self, room: int, peer: int | None = None) -> ConnectorReceiver:
+    def receiver(self, room: int) -> ConnectorReceiver:
         from transport.connector_handles import ConnectorReceiver
 
-        return ConnectorReceiver(self, room, self.config.tp_rank if peer is None else peer)
+        return ConnectorReceiver(self, room)
+
+    # -- the staging gate (decode; see lifecycle.protocols.StagingGate) ----------------------
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        """Place the next pages of every staged request whose data all landed."""
+        dec.advance(self, rooms, indices)
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        """True where a request's scatter is not done yet."""
+        with self._lock:
+            out: NDArray[np.bool_] = self.scatter_left[indices] > 0
+            return out
 
     # -- messages ------------------------------------------------------------------------
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
@@ -204,32 +265,23 @@ class Connector(StatusArrays):
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
         room, kind = msg["room"], msg["kind"]
-        reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
         with self._lock:
             req = self._reqs.get(room)
             if req is None:
                 if room not in self._cleared:  # the peer is ahead of our scheduler
                     self._early.setdefault(room, []).append(msg)
                 elif kind == "abort":  # finished and drained here: nothing more is written
-                    self.mail.send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
+                    self._send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
+                elif kind == "register":  # it failed and was cleared before this rank knew
+                    reason = int(FailureReason.ABORTED)
+                    self._send(
+                        int(msg["from"]), {"kind": "failed", "room": room, "reason": reason}, store
+                    )
                 return
-        if kind == "register":
-            self._fire(req, "handshake")
-        elif kind == "pages":
-            req.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
-            req.dst_slot = int(msg["slot"])
-            self._fire(req, "metadata")
-        elif kind == "done":
-            _ = self._fire(req, "complete") or self._fire(req, "drain")
-        elif kind == "failed":  # prefill failed it and its writes have drained
-            _ = self._fire(req, "peer_failed", reason) or self._fire(req, "drain")
-        elif kind == "stopped":  # prefill acknowledged our abort: nothing more will land
-            self._fire(req, "drain")
-        elif kind == "abort":  # decode gave up: stop writing, say so once drained
-            if self._fire(req, "abort", reason):
-                req.reply = {"kind": "stopped", "room": room}
-            elif IS_TERMINAL[self._phase(req)]:
-                self.mail.send(req.peer, {"kind": "stopped", "room": room}, store)
+        if self.config.role == "prefill":
+            pre.on_message(self, req, msg, store)
+        else:
+            dec.on_message(self, req, msg, store)
 
     # -- the background loop --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -244,8 +296,8 @@ class Connector(StatusArrays):
                     last_beat = now
                 for msg in self.mail.received():
                     self._on_message(msg, store)
-                for room in self._notified():
-                    self._on_message({"kind": "done", "room": room}, store)
+                for room, peer in self._notified():
+                    self._on_message({"kind": "done", "room": room, "from": peer}, store)
                 self._timeouts(now, store)
                 with self._lock:
                     reqs = list(self._reqs.values())
@@ -272,12 +324,15 @@ class Connector(StatusArrays):
     def _check_peers(self, store: Any) -> None:
         limit = self.config.heartbeat_interval * self.config.heartbeat_misses
         reqs, _, _ = self._live()
-        self._peer_dead |= self.mail.silent({r.peer for r in reqs} - self._peer_dead, limit, store)
-        dead = np.fromiter((r.peer in self._peer_dead for r in reqs), dtype=bool, count=len(reqs))
-        if dead.any():
-            self._fire_many(
-                [r for r, d in zip(reqs, dead) if d], "peer_dead", FailureReason.PEER_DEAD
-            )
+        peers = {p for r in reqs for p in r.legs} - self._peer_dead
+        self._peer_dead |= self.mail.silent(peers, limit, store)
+        hit = [r for r in reqs if self._peer_dead.intersection(r.legs)]
+        if not hit:
+            return
+        if self.config.role == "prefill":  # its pages are only read from: done at once
+            self._fire_many(hit, "peer_dead", FailureReason.PEER_DEAD)
+        else:
+            dec.peers_dead(self, hit, store)
 
     def _timeouts(self, now: float, store: Any) -> None:
         cfg = self.config
@@ -308,55 +363,14 @@ class Connector(StatusArrays):
         """Move one request on; True while it wants close polling (writes in flight)."""
         if req.released:
             return False
-        ph, watch = self._phase(req), False
         if self.config.role == "prefill":
-            self._prefill_steps(req, store)
-        elif ph == Phase.Bootstrap and req.want_register and self._peer_info(req.peer, store):
-            self.mail.send(req.peer, {"kind": "register", "room": req.room}, store)
-            self._fire(req, "handshake")
-        else:  # an engine that notifies completion is watched closely while data is due
-            watch = self.NOTIFIES and ph == Phase.Metadata
+            pre.steps(self, req, store)
+            watch = False
+        else:
+            watch = dec.steps(self, req, store)
         if req.cleared:
             self._clear(req)
         return watch or bool(req.tokens)
-
-    def _prefill_steps(self, req: _Req, store: Any) -> None:
-        before = -1  # a write that landed at once lets the next step go in the same pass
-        while self._phase(req) != before:
-            self._reap(req, store)
-            before = ph = self._phase(req)
-            if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
-                self._issue(req, store)
-            elif ph == Phase.RoomWritten and not req.tokens:
-                self.mail.send(req.peer, {"kind": "done", "room": req.room}, store)
-                self._fire(req, "complete")
-            elif ph == Phase.Aborted and not req.tokens:
-                if req.reply is not None and req.peer not in self._peer_dead:
-                    self.mail.send(req.peer, req.reply, store)
-                req.reply = None
-                self._fire(req, "drain")
-
-    def _issue(self, req: _Req, store: Any) -> None:
-        info = self._peer_info(req.peer, store)
-        if info is None or req.dst_pages is None:
-            return
-        while req.chunks and self._phase(req) in (Phase.Metadata, Phase.Writing):
-            chunk = req.chunks.pop(0)
-            dst = req.dst_pages[req.sent_pages : req.sent_pages + chunk.size]
-            if dst.size != chunk.size:
-                self._fail(req, FailureReason.TRANSFER_ERROR, store)
-                return
-            self._submit(req, info, page_writes(self.kv_args, info, chunk, dst), b"", store)
-            req.sent_pages += chunk.size
-        if req.sent_pages >= req.num_pages and not req.fields_out:
-            # the row's fields travel with the last pages; only the room waits for all
-            self._submit_row(req, info, False, store)
-            req.fields_out = True
-        if self._phase(req) == Phase.Metadata and (req.tokens or req.fields_out):
-            self._fire(req, "write")
-        if self._phase(req) == Phase.Writing and req.fields_out and not req.tokens:
-            self._submit_row(req, info, True, store)
-            self._fire(req, "write_room")
 
     def _submit(self, req: _Req, info: dict[str, Any], w: Writes, notif: bytes, st: Any) -> None:
         if w[0].size == 0 or self._phase(req) not in (Phase.Metadata, Phase.Writing):
@@ -366,12 +380,8 @@ class Connector(StatusArrays):
             self._fail(req, FailureReason.PEER_DEAD, st)
         else:
             req.tokens.append(token)
-
-    def _submit_row(self, req: _Req, info: dict[str, Any], room_field: bool, st: Any) -> None:
-        if req.local_slot < 0 or req.dst_slot < 0:
-            return  # no row to write: decode's metadata gate will hold the request
-        w = row_writes(self.kv_args, info, req.local_slot, req.dst_slot, room_field)
-        self._submit(req, info, w, str(req.room).encode() if room_field else b"", st)
+            self.stats["bytes_written"] += int(w[2].sum())
+            self.stats["writes"] += int(w[2].size)
 
     def close(self) -> None:
         self._stop.set()

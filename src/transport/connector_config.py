@@ -11,6 +11,15 @@ __all__ = ["ConnectorConfig"]
 class ConnectorConfig:
     role: str  # "prefill" | "decode"
     tp_rank: int
+    tp_size: int = 1  # this side's TP group
+    dp_rank: int = 0  # this rank's DP group (prefill DP groups are 0..dp-1)
+    mla: bool = False  # every rank holds the same latent KV (kv_head_num 1)
+    kv_heads: int | None = None  # the model's KV heads; None: kv_head_num x tp_size
+    #: decode: head slices land in a staging region per metadata slot of at most
+    #: ``staging_pages`` pages, then ``scatter_pages`` per scheduler step are placed
+    staging: bool = False
+    staging_pages: int = 64
+    scatter_pages: int = 16
     store_host: str = "127.0.0.1"
     store_port: int = 0
     hostname: str | None = None  # None: discovered (see transport.addressing)
@@ -29,3 +38,10 @@ class ConnectorConfig:
     def __attrs_post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"config role must be 'prefill' or 'decode', got {self.role!r}")
+        if not 0 <= self.tp_rank < self.tp_size or self.dp_rank < 0:
+            raise ValueError(
+                f"config: tp_rank {self.tp_rank} must be in 0..tp_size-1 ({self.tp_size}) "
+                f"and dp_rank {self.dp_rank} >= 0"
+            )
+        if self.staging_pages < 1 or self.scatter_pages < 1:
+            raise ValueError("config: staging_pages and scatter_pages must be >= 1")

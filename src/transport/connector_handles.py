@@ -1,6 +1,6 @@
 """A request's handles on a :class:`~transport.connector.Connector`: the
 prefill sender and decode receiver the scheduler holds (the field's
-``KVSender``/``KVReceiver`` calls), and the KV arguments they are built on."""
+``KVSender``/``KVReceiver`` calls)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from numpy.typing import ArrayLike
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport.connector import NOW, Connector
+from transport import connector_decode
+from transport.connector import Connector
 from transport.connector_graph import IS_TERMINAL, Phase, ProtocolError
+from transport.legs import rows_of
 from transport.status_arrays import StatusHandle
 
 __all__ = ["ConnectorSender", "ConnectorReceiver"]
@@ -21,9 +23,9 @@ T = int(KVPoll.Transferring)
 
 
 class _Handle(StatusHandle):
-    def __init__(self, manager: Connector, room: int, peer: int) -> None:
+    def __init__(self, manager: Connector, room: int) -> None:
         self.manager = manager
-        self._req = manager._take(room, peer)
+        self._req = manager._take(room)
         super().__init__(manager, room, self._req.index)
 
     def abort(self) -> None:
@@ -31,7 +33,7 @@ class _Handle(StatusHandle):
 
     def fail(self, reason: FailureReason) -> None:
         """The scheduler gave up on this request (agreed Failed, or a client abort):
-        stop, and make the peer stop writing; see :attr:`drained`."""
+        stop, and make the peers stop writing; see :attr:`drained`."""
         if not self.detached:
             self.manager._fail(self._req, reason, self.manager.store)
             self.manager._wake.set()
@@ -61,16 +63,48 @@ class ConnectorSender(_Handle):
         self.manager._wake.set()
 
     def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
+        """Hand over the next pages (in request order) and, once, the state rows:
+        one int array per state component, or one array for every component."""
+        m, req = self.manager, self._req
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
-        if pages.size and not self.detached:
-            self._req.chunks.append(pages)
-            self.manager._wake.set()
+        rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
+        if self.detached:
+            return
+        if rows is not None:
+            req.src_state = rows
+        if pages.size:
+            req.src = np.concatenate((req.src, pages))  # one swap: the loop reads either
+        if pages.size or rows is not None:
+            m._wake.set()
 
 
 class ConnectorReceiver(_Handle):
     def init(self, prefill_dp_rank: int | None = None) -> None:
-        self._req.want_register = True  # registers once the prefill endpoint is known
+        """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once
+        that group and its ranks are known."""
+        dp = 0 if prefill_dp_rank is None else prefill_dp_rank
+        if not isinstance(dp, (int, np.integer)) or isinstance(dp, bool) or dp < 0:
+            raise ValueError(
+                f"room={self.bootstrap_room}: prefill_dp_rank must be an int >= 0, got {dp!r}"
+            )
+        self._req.dp = int(dp)
+        self._req.want_register = True
         self.manager._wake.set()
+
+    @property
+    def require_staging(self) -> bool:
+        """Whether this request lands in staging and is scattered (known once registered)."""
+        return self._req.staged
+
+    @property
+    def scatter_done(self) -> bool:
+        return int(self.manager.scatter_left[self.index]) == 0 or self.detached
+
+    def advance_scatter(self) -> None:
+        """Place the next pages of this request (see ``ConnectorConfig.scatter_pages``)."""
+        if not self.detached:
+            rooms = np.array([self.bootstrap_room], dtype=np.uint64)
+            self.manager.advance(rooms, np.array([self.index], dtype=np.int64))
 
     def send_metadata(
         self,
@@ -79,6 +113,9 @@ class ConnectorReceiver(_Handle):
         state_indices: Any = None,
         decode_prefix_len: int = 0,
     ) -> None:
+        """Tell prefill where to write: ``page_indices`` are this rank's pages for the
+        request's pages after the first ``decode_prefix_len`` tokens, which decode
+        holds already (a cached prefix, whole pages) and which are not sent."""
         m, req = self.manager, self._req
         ph = m._phase(req)
         if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
@@ -86,8 +123,20 @@ class ConnectorReceiver(_Handle):
         if ph != Phase.Handshaken:
             raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata")
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
-        msg = {"kind": "pages", "room": req.room, "pages": pages.tolist(), "slot": metadata_slot}
-        with m._lock:  # growth replaces the column: write it under the lock
-            m.waited[req.index] = NOW()
-        m._fire(req, "metadata")
-        m.mail.send(req.peer, msg, m.store)
+        ps = m.kv_args.page_size
+        if decode_prefix_len < 0 or decode_prefix_len % ps:
+            raise ValueError(
+                f"room={req.room}: decode_prefix_len {decode_prefix_len} is not a whole "
+                f"number of {ps}-token pages; only whole cached pages can be skipped"
+            )
+        rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
+        st = m.staging
+        if (req.staged and st is not None) and (
+            not 0 <= metadata_slot < st.slots or pages.size > st.pages
+        ):
+            raise ValueError(
+                f"room={req.room}: staging holds {st.pages} pages in each of {st.slots} "
+                f"slots; got {pages.size} pages for slot {metadata_slot} "
+                "(raise ConnectorConfig.staging_pages)"
+            )
+        connector_decode.tell_pages(m, req, pages, metadata_slot, rows, decode_prefix_len // ps)

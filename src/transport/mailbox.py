@@ -4,7 +4,10 @@ No server of our own: the store the process group already has serves it.
 
 Keys, under the configured namespace: ``{role}/{rank}/endpoint`` (JSON record
 of what a peer needs to write here), ``{role}/{rank}/hb`` (wall-clock time of
-the last heartbeat) and the queue ``q/{role}/{rank}``.
+the last heartbeat), the queue ``q/{role}/{rank}``, and ``prefill/group{dp}``
+(a prefill DP group's TP size and head count, which decode reads before it
+knows whom to register a request with). A rank is its global id: DP group x TP
+size + TP rank.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Mailbox:
         self.store = self.client()
         self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._peers: dict[int, dict[str, Any]] = {}
+        self._groups: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="pd-mailbox", daemon=True)
 
@@ -86,6 +90,19 @@ class Mailbox:
             return None, False
         info = self._peers[peer] = json.loads(store.get(key))
         return info, True
+
+    def publish_group(self, dp: int, record: dict[str, Any]) -> None:
+        self.store.set(f"{self._ns}/prefill/group{dp}", json.dumps(record))
+
+    def group(self, dp: int, store: Any) -> dict[str, Any] | None:
+        """Prefill DP group ``dp``'s record, or None if no rank of it is up yet."""
+        got = self._groups.get(dp)
+        if got is None:
+            key = f"{self._ns}/prefill/group{dp}"
+            if not store.check([key]):
+                return None
+            got = self._groups[dp] = json.loads(store.get(key))
+        return got
 
     def beat(self, store: Any) -> None:
         store.set(f"{self._me}/hb", repr(time.time()))

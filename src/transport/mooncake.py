@@ -69,9 +69,7 @@ class MooncakeManager(Connector):
                 f"engine initialize on {self.host} returned {rc}",
                 "check MooncakeConfig.hostname (or PDLIFE_HOST)",
             )
-        a = self.kv_args
-        ptrs = list(a.kv_data_ptrs) + list(a.aux_data_ptrs)
-        lens = list(a.kv_data_lens) + list(a.aux_data_lens)
+        ptrs, lens = (list(x) for x in zip(*self.regions()))
         if self.engine.batch_register_memory(ptrs, lens) != 0:
             raise BackendUnavailable(
                 "mooncake", "registering the KV/metadata buffers failed", "check KVArgs"

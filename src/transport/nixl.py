@@ -97,11 +97,9 @@ class NixlManager(Connector):
     def _start_engine(self) -> dict[str, Any]:
         c = self.config
         self.agent = make_agent(
-            f"{c.namespace}-{c.role}{c.tp_rank}-{uuid.uuid4().hex[:8]}", c.progress_delay_us
+            f"{c.namespace}-{c.role}{self.rank}-{uuid.uuid4().hex[:8]}", c.progress_delay_us
         )
-        a = self.kv_args
-        addrs = np.array(list(a.kv_data_ptrs) + list(a.aux_data_ptrs), dtype=np.int64)
-        lens = np.array(list(a.kv_data_lens) + list(a.aux_data_lens), dtype=np.int64)
+        addrs, lens = np.array(self.regions(), dtype=np.int64).reshape(-1, 2).T
         try:
             self._reg = self.agent.register_memory(_descs(addrs, lens), "DRAM")
         except Exception as e:
@@ -109,10 +107,13 @@ class NixlManager(Connector):
                 "nixl", f"registering the KV/metadata buffers failed ({e})", "check KVArgs"
             ) from None
         self._remotes: dict[int, str] = {}
+        self._peer_of: dict[str, int] = {}  # remote agent name -> peer rank
         return {"agent": base64.b64encode(self.agent.get_agent_metadata()).decode()}
 
     def _connect(self, peer: int, info: dict[str, Any]) -> None:
-        self._remotes[peer] = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
+        name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
+        self._remotes[peer] = name
+        self._peer_of[name.decode() if isinstance(name, bytes) else str(name)] = peer
         info["_peer"] = peer
 
     def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
@@ -140,14 +141,19 @@ class NixlManager(Connector):
         except Exception:
             return  # NIXL could not cancel a failed transfer: it owns the handle now
 
-    def _notified(self) -> list[int]:
+    def _notified(self) -> list[tuple[int, int]]:
         if self.config.role != "decode":
             return []
         try:
             notes = self.agent.get_new_notifs()
         except Exception:
             return []  # a peer went away: its requests end by heartbeat, not by this
-        return [int(m) for msgs in notes.values() for m in msgs if m.isdigit()]
+        out = []
+        for name, msgs in notes.items():
+            peer = self._peer_of.get(name.decode() if isinstance(name, bytes) else str(name))
+            if peer is not None:  # the room landed last: every write of that peer did
+                out += [(int(m), peer) for m in msgs if m.isdigit()]
+        return out
 
     def _stop_engine(self) -> None:
         for name in self._remotes.values():

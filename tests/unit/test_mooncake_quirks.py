@@ -40,11 +40,12 @@ def bare_manager(engine, role="prefill"):
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0)
     m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
+    m.stats = {"bytes_written": 0, "writes": 0}
     return m
 
 
 def writing_request(m, room=9):
-    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)), peer=1)
+    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = Phase.Writing
     m._reqs[room] = req
     return req
@@ -71,7 +72,7 @@ def test_batch_id_zero_means_the_peer_is_unreachable():
     assert m.reason[req.index] == FailureReason.PEER_DEAD
     assert m.phase[req.index] == Phase.Aborted  # quarantined until drained
     assert req.tokens == []
-    assert req.reply["kind"] == "failed"  # decode hears of it once nothing is in flight
+    assert req.reason == FailureReason.PEER_DEAD  # decode hears why once nothing is in flight
 
 
 def test_failed_batch_is_a_transfer_error_and_latches():

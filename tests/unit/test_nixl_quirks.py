@@ -44,14 +44,15 @@ class StubAgent:
 def bare_manager(agent, role="prefill", **cfg):
     m = object.__new__(NixlManager)  # no agent, no store: just the bookkeeping
     StatusArrays.__init__(m)
-    m.agent, m._remotes = agent, {1: "peer-agent"}
+    m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, **cfg)
     m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
+    m.stats = {"bytes_written": 0, "writes": 0}
     return m
 
 
 def request(m, phase, room=9):
-    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)), peer=1)
+    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = phase
     m._reqs[room] = req
     return req
@@ -79,8 +80,9 @@ def test_a_transfer_in_error_state_is_a_transfer_error():
 
 
 def test_the_room_notification_completes_decode():
-    m = bare_manager(StubAgent(notifs={"p": [b"9", b"not-a-room"]}), role="decode")
-    assert m._notified() == [9]
+    notifs = {"peer-agent": [b"9", b"not-a-room"], "stranger": [b"7"]}
+    m = bare_manager(StubAgent(notifs=notifs), role="decode")
+    assert m._notified() == [(9, 1)]  # (room, the peer rank whose room write landed)
     assert m._notified() == []  # consumed once
 
 

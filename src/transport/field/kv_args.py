@@ -72,4 +72,5 @@ class KVArgs:
             state=state,
             page_size=int(self.page_size),
             ib_device=self.ib_device,
+            kv_head_num=int(self.kv_head_num),
         )

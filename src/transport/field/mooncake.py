@@ -80,6 +80,8 @@ class MooncakeKVManager:
         config = ConnectorConfig(
             role=_role(disaggregation_mode, self.BACKEND),
             tp_rank=int(args.engine_rank),
+            tp_size=int(getattr(server_args, "tp_size", 0) or int(args.engine_rank) + 1),
+            mla=bool(is_mla_backend),
             store_host=host,
             store_port=int(port),
             hostname=getattr(server_args, "host", None) or "127.0.0.1",

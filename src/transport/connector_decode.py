@@ -1,0 +1,187 @@
+"""The decode side of the connector protocol: one request, several prefill ranks.
+
+Once ``init()`` named the prefill DP group, the request waits for that group's
+record (its TP size), plans its legs from the topology (its senders, and the
+idle prefill ranks it informs), registers with every one of them
+(Handshaken), and on ``send_metadata`` tells each where to write (Metadata):
+its own KV pages, or a block of the staging region when head slices are
+staged. It is Done when every sender said "done"; a staged request is then
+scattered a bounded amount per scheduler step (the staging gate holds its
+Success meanwhile). A failed request tells every leg to stop and stays
+Aborted until every sender stopped or died (Drained / PeerDead).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.reasons import FailureReason
+from transport.connector_graph import Phase
+from transport.legs import leg_of
+from transport.staging import Scatter
+from transport.topology import Topology, TopologyError
+
+if TYPE_CHECKING:
+    from transport.connector import Connector, _Req
+
+__all__ = ["fail", "on_message", "steps", "tell_pages", "advance", "peers_dead"]
+
+logger = logging.getLogger(__name__)
+
+
+def _stop_all(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
+    for leg in req.legs.values():
+        if not leg.stopped:
+            m._send(leg.peer, {"kind": "abort", "room": req.room, "reason": int(reason)}, store)
+
+
+def _drain_if_stopped(m: Connector, req: _Req) -> None:
+    if m._phase(req) == Phase.Aborted and all(leg.stopped for leg in req.senders()):
+        m._fire(req, "drain")
+
+
+def fail(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
+    """Fail here and make every leg stop writing; Drained once every sender stopped."""
+    before = m._phase(req)
+    if not m._fire(req, "abort", reason):
+        return
+    if before < Phase.Metadata:  # no page list was sent: nothing can land
+        for leg in req.legs.values():
+            leg.stopped = True
+    _stop_all(m, req, reason, store)
+    _drain_if_stopped(m, req)
+
+
+def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None:
+    kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
+    if leg is None:
+        return  # not a rank this request is paired with (or not planned yet)
+    if kind == "done":  # every write of this sender landed
+        leg.done = leg.stopped = True
+        if all(x.done for x in req.senders()):
+            m._fire(req, "complete")
+        _drain_if_stopped(m, req)
+    elif kind == "failed":  # the sender failed it; its writes have drained
+        leg.stopped = True
+        reason = FailureReason(int(msg.get("reason", FailureReason.UNKNOWN)))
+        if all(x.stopped for x in req.senders()):
+            _ = m._fire(req, "peer_failed", reason) or m._fire(req, "drain")
+        elif m._fire(req, "abort", reason):
+            _stop_all(m, req, reason, store)
+    elif kind == "stopped":  # a sender acknowledged our abort: nothing more from it
+        leg.stopped = True
+        _drain_if_stopped(m, req)
+
+
+def peers_dead(m: Connector, reqs: list[_Req], store: Any) -> None:
+    """Some legs' ranks stopped beating: they write no more. A request all of whose
+    senders are gone is PeerDead; the others fail and wait for the rest."""
+    gone = []
+    for req in reqs:
+        for peer in m._peer_dead.intersection(req.legs):
+            req.legs[peer].stopped = True
+        if all(leg.stopped for leg in req.senders()):
+            gone.append(req)
+        else:
+            fail(m, req, FailureReason.PEER_DEAD, store)
+    m._fire_many(gone, "peer_dead", FailureReason.PEER_DEAD)
+
+
+def _plan(m: Connector, req: _Req, store: Any) -> bool:
+    """The legs of ``req`` once its prefill DP group is known; False until then."""
+    if req.legs:
+        return True
+    group = m.mail.group(req.dp, store)
+    if group is None:
+        return False
+    c = m.config
+    if (int(group["kv_heads"]), bool(group["mla"])) != (m.kv_heads, c.mla):
+        err = TopologyError(
+            f"room={req.room} on decode rank {m.rank}: prefill DP group {req.dp} has "
+            f"{group['kv_heads']} KV heads (mla={group['mla']}), decode {m.kv_heads} "
+            f"(mla={c.mla}); both sides must serve the same model"
+        )
+        m.last_error = err
+        logger.error("%s", err)
+        fail(m, req, FailureReason.TRANSFER_ERROR, store)
+        return False
+    topo = Topology(int(group["tp_size"]), c.tp_size, m.kv_heads, c.mla)
+    base = req.dp * topo.prefill_tp
+    send = {s.prefill: s for s in topo.senders(c.tp_rank)}
+    req.legs = {base + p: leg_of(base + p, send.get(p)) for p in topo.contacts(c.tp_rank)}
+    # TP sizes that differ cut pages into head slices: those land in staging if asked
+    req.staged = m.staging is not None and not c.mla and topo.prefill_tp != topo.decode_tp
+    return True
+
+
+def steps(m: Connector, req: _Req, store: Any) -> bool:
+    """Register once the legs and their endpoints are known; True while data is due
+    from an engine that notifies completion."""
+    ph = m._phase(req)
+    if ph == Phase.Bootstrap and req.want_register and _plan(m, req, store):
+        if all(m._peer_info(p, store) is not None for p in req.legs):
+            c = m.config
+            for leg in req.legs.values():
+                msg = {"kind": "register", "room": req.room, "decode_tp": c.tp_size}
+                msg.update(dp=c.dp_rank, kv_heads=m.kv_heads, mla=c.mla, slice=leg.slice)
+                m._send(leg.peer, msg, store)
+            m._fire(req, "handshake")
+        return False
+    return m.NOTIFIES and ph == Phase.Metadata
+
+
+def tell_pages(
+    m: Connector,
+    req: _Req,
+    pages: NDArray[np.int64],
+    slot: int,
+    state: list[NDArray[np.int64]] | None,
+    skip: int,
+) -> None:
+    """Tell every leg where to write (the arguments are checked by the caller)."""
+    messages = []
+    blocks = []
+    for leg in req.legs.values():
+        msg: dict[str, Any] = {"kind": "pages", "room": req.room, "skip": skip}
+        if not leg.sends:
+            msg.update(pages=[], slot=-1, dst_heads=0)
+        elif req.staged and m.staging is not None:
+            msg.update(pages=list(range(pages.size)), dst_heads=leg.count)
+            msg.update(dst_ptrs=m.staging.block(slot, leg.dst_head))
+            blocks.append((leg.dst_head, leg.count))
+        else:
+            msg.update(pages=pages.tolist(), dst_heads=m.kv_args.kv_head_num)
+        if leg.sends and leg.primary:
+            msg.update(slot=slot, state=None if state is None else [r.tolist() for r in state])
+        else:
+            msg.setdefault("slot", -1)
+        messages.append((leg.peer, msg))
+    with m._lock:  # growth replaces the columns: write them under the lock
+        m.waited[req.index] = time.monotonic()
+        if blocks:
+            req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
+            m.scatter_left[req.index] = pages.size
+    m._fire(req, "metadata")
+    for peer, msg in messages:
+        m._send(peer, msg, m.store)
+
+
+def advance(m: Connector, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+    """Scatter the next pages of every staged request whose senders are all done."""
+    if m.staging is None or indices.size == 0:
+        return
+    with m._lock:
+        due = (m.scatter_left[indices] > 0) & (m.phase[indices] == Phase.Done)
+        reqs = [m._reqs.get(int(r)) for r in rooms[due].tolist()]
+    for req in reqs:
+        if req is None or req.scatter is None or m._phase(req) != Phase.Done:
+            continue
+        m.staging.scatter(req.scatter, m.config.scatter_pages)
+        with m._lock:
+            if not req.released:
+                m.scatter_left[req.index] = req.scatter.left

@@ -1,0 +1,93 @@
+"""One request's peers on the connector: a :class:`Leg` per peer rank.
+
+On decode, a leg per prefill rank the request was registered with (its
+senders, and the idle prefill ranks it informs; see :mod:`transport.topology`).
+On prefill, a leg per decode rank that registers the request: where that rank
+said to write, and how far this rank has written there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+from numpy.typing import NDArray
+
+from buffers.kv_args import KVArgs
+from transport.layout import Writes, page_writes, sliced_page_writes
+from transport.topology import Slice
+
+__all__ = ["Leg", "leg_of", "kv_writes", "rows_of"]
+
+
+@attrs.define(eq=False)
+class Leg:
+    peer: int  # the peer rank's global id (DP group x TP size + TP rank)
+    sends: bool  # data moves on this leg (an idle prefill rank's leg moves none)
+    primary: bool = False  # the metadata row and state rows move on this leg
+    src_head: int = 0
+    dst_head: int = 0
+    count: int = 0
+    registered: bool = False
+    # prefill: where the decode rank said to write, once told
+    told: bool = False
+    dst_pages: NDArray[np.int64] | None = None
+    dst_slot: int = -1
+    skip: int = 0  # leading pages decode already holds (a cached prefix)
+    dst_ptrs: list[int] | None = None  # a staging region; None: the peer's KV buffers
+    dst_heads: int = 0
+    dst_state: list[NDArray[np.int64]] | None = None
+    issued: int = 0  # this request's source pages written (or skipped) so far
+    fields_out: bool = False
+    asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
+    # decode: what this sender said
+    done: bool = False
+    stopped: bool = False  # it can write nothing more here
+
+    @property
+    def slice(self) -> list[int] | None:
+        return [self.src_head, self.dst_head, self.count] if self.sends else None
+
+
+def leg_of(peer: int, s: Slice | None) -> Leg:
+    if s is None:
+        return Leg(peer, sends=False)
+    return Leg(peer, True, s.primary, s.src_head, s.dst_head, s.count)
+
+
+def kv_writes(
+    local: KVArgs, info: dict[str, Any], leg: Leg, src: NDArray[np.int64], dst: NDArray[np.int64]
+) -> Writes:
+    """Local pages ``src`` to the leg's pages ``dst``: whole pages when both sides
+    hold exactly the leg's heads in the peer's own KV buffers, head slices else."""
+    whole = leg.count == local.kv_head_num == leg.dst_heads and leg.dst_ptrs is None
+    if whole:
+        return page_writes(local, info, src, dst)
+    ptrs = info["kv_ptrs"] if leg.dst_ptrs is None else leg.dst_ptrs
+    return sliced_page_writes(
+        local, ptrs, leg.dst_heads, src, dst, leg.src_head, leg.dst_head, leg.count
+    )
+
+
+def rows_of(
+    room: int, state_indices: Any, components: int, what: str
+) -> list[NDArray[np.int64]] | None:
+    """State rows as one int64 array per state component: None, one array for
+    every component, or a sequence of ``components`` arrays."""
+    if state_indices is None:
+        return None
+    if components == 0:
+        raise ValueError(f"room={room}: {what} given, but no state component is registered")
+    if isinstance(state_indices, Sequence) and state_indices and not np.isscalar(state_indices[0]):
+        rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in state_indices]
+        if len(rows) != components:
+            raise ValueError(
+                f"room={room}: {what} has {len(rows)} arrays for {components} state components"
+            )
+    else:
+        rows = [np.asarray(state_indices, dtype=np.int64).reshape(-1)] * components
+    if any((r < 0).any() for r in rows):
+        raise ValueError(f"room={room}: {what} holds a negative row")
+    return rows

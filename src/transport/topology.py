@@ -1,0 +1,137 @@
+"""Who sends which KV heads to whom when prefill and decode TP sizes differ.
+
+Theory of operation
+-------------------
+A model has ``kv_heads`` KV heads. A TP group of size ``tp`` splits them
+evenly: rank *r* holds ``kv_heads // tp`` consecutive heads; when ``tp`` is
+larger than ``kv_heads`` each head is replicated on ``tp // kv_heads``
+consecutive ranks. A decode rank hears from every prefill rank that holds
+some of its heads (one holder per head, spread over the replicas), each
+sending the overlap: a :class:`Slice`. The first slice of a decode rank is
+its *primary*: that prefill rank also writes the metadata row and the
+per-request state (which every rank holds whole).
+
+With MLA every rank holds the same latent KV: decode rank *d* hears from
+prefill rank ``d % prefill_tp`` alone and gets whole pages.
+
+A prefill rank that is no decode rank's sender (more prefill than decode
+ranks under MLA, or replicated heads) still takes part: decode rank
+``p % decode_tp`` registers the request with it (its *informer*), so that it
+leaves Bootstrapping and reports Success with the others; it writes nothing.
+
+Everything here is pure and deterministic: both sides compute the same
+answer from the same four numbers.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from transport.errors import TransportError
+
+__all__ = ["TopologyError", "Slice", "Topology", "head_range"]
+
+
+class TopologyError(TransportError, ValueError):
+    """The two sides' TP sizes and head counts do not fit together."""
+
+
+def head_range(tp_size: int, tp_rank: int, total_heads: int) -> range:
+    """The global KV heads rank ``tp_rank`` of a TP group of ``tp_size`` holds."""
+    if not 0 <= tp_rank < tp_size:
+        raise TopologyError(f"TP rank {tp_rank} is outside a TP group of size {tp_size}")
+    if total_heads < 1:
+        raise TopologyError(f"a model needs at least one KV head, got {total_heads}")
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise TopologyError(
+                f"{total_heads} KV heads do not split over TP size {tp_size}; "
+                "use a TP size that divides the head count (or a multiple of it)"
+            )
+        n = total_heads // tp_size
+        return range(tp_rank * n, (tp_rank + 1) * n)
+    if tp_size % total_heads:
+        raise TopologyError(
+            f"TP size {tp_size} is not a multiple of the {total_heads} KV heads it replicates"
+        )
+    h = tp_rank * total_heads // tp_size
+    return range(h, h + 1)
+
+
+@attrs.frozen
+class Slice:
+    """Prefill rank ``prefill`` sends heads ``[src_head, src_head + count)`` of its
+    own to heads ``[dst_head, dst_head + count)`` of decode rank ``decode``."""
+
+    prefill: int
+    decode: int
+    src_head: int
+    dst_head: int
+    count: int
+    primary: bool
+
+
+@attrs.frozen
+class Topology:
+    prefill_tp: int
+    decode_tp: int
+    kv_heads: int = 1
+    mla: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise TopologyError(
+                f"TP sizes must be >= 1, got prefill {self.prefill_tp}, decode {self.decode_tp}"
+            )
+        if not self.mla:  # both splits must exist
+            head_range(self.prefill_tp, 0, self.kv_heads)
+            head_range(self.decode_tp, 0, self.kv_heads)
+
+    def heads(self, role: str, tp_rank: int) -> range:
+        """The global heads a rank holds (MLA: the one latent, head 0)."""
+        if self.mla:
+            return range(0, 1)
+        tp = self.prefill_tp if role == "prefill" else self.decode_tp
+        return head_range(tp, tp_rank, self.kv_heads)
+
+    def senders(self, decode_rank: int) -> tuple[Slice, ...]:
+        """The slices decode rank ``decode_rank`` receives, primary first."""
+        if self.mla:
+            if not 0 <= decode_rank < self.decode_tp:
+                raise TopologyError(f"decode rank {decode_rank} is outside TP {self.decode_tp}")
+            return (Slice(decode_rank % self.prefill_tp, decode_rank, 0, 0, 1, True),)
+        mine = self.heads("decode", decode_rank)
+        out: list[Slice] = []
+        h = mine.start
+        while h < mine.stop:
+            holders = [p for p in range(self.prefill_tp) if h in self.heads("prefill", p)]
+            p = holders[decode_rank % len(holders)]
+            theirs = self.heads("prefill", p)
+            stop = min(mine.stop, theirs.stop)
+            out.append(Slice(p, decode_rank, h - theirs.start, h - mine.start, stop - h, not out))
+            h = stop
+        return tuple(out)
+
+    def targets(self, prefill_rank: int) -> tuple[Slice, ...]:
+        """The slices prefill rank ``prefill_rank`` sends, by decode rank."""
+        if not 0 <= prefill_rank < self.prefill_tp:
+            raise TopologyError(f"prefill rank {prefill_rank} is outside TP {self.prefill_tp}")
+        return tuple(
+            s for d in range(self.decode_tp) for s in self.senders(d) if s.prefill == prefill_rank
+        )
+
+    def contacts(self, decode_rank: int) -> tuple[int, ...]:
+        """Every prefill rank decode rank ``decode_rank`` registers a request with:
+        its senders, then the idle prefill ranks it informs."""
+        send = [s.prefill for s in self.senders(decode_rank)]
+        idle = [
+            p
+            for p in range(self.prefill_tp)
+            if p % self.decode_tp == decode_rank and not self.targets(p)
+        ]
+        return tuple(dict.fromkeys(send + idle))
+
+    def peers(self, prefill_rank: int) -> tuple[int, ...]:
+        """The decode ranks that register a request with prefill rank ``prefill_rank``."""
+        t = self.targets(prefill_rank)
+        return tuple(dict.fromkeys(s.decode for s in t)) if t else (prefill_rank % self.decode_tp,)

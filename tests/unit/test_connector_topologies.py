@@ -1,0 +1,304 @@
+"""The shared connector over real topologies, in one process with a stub
+engine that copies at once: prefill and decode TP sizes that differ (direct
+head-sliced writes and staging), MLA, state components, a cached prefix and
+prefill DP groups. Every page decode holds is compared, head by head, with
+what the prefill rank holding that head wrote."""
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from buffers import MetadataBuffers, MetadataLayout
+from buffers.kv_args import StateComponent, StateType
+from lifecycle import FailureReason, KVPoll
+from lifecycle.testing.spawn import free_port
+from transport.connector import Connector, ConnectorConfig
+from transport.layout import kv_args_for
+from transport.topology import Topology, TopologyError
+
+PAGES, PS, HB, SLOTS = 32, 2, 8, 4
+LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+
+
+class CopyConnector(Connector):
+    def _start_engine(self):
+        return {}
+
+    def _write(self, info, src, dst, lens, notif):
+        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+            ctypes.memmove(d, s, n)
+        return 1
+
+    def _check(self, token):
+        return token
+
+
+def wait_for(cond, what, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def pattern(room, layer, tokens, heads):
+    """What global heads ``heads`` of tokens ``tokens`` of ``room`` hold: (tokens, heads, HB)."""
+    t = np.asarray(tokens)[:, None, None]
+    h = np.asarray(heads)[None, :, None]
+    b = np.arange(HB)[None, None, :]
+    return ((room * 31 + layer * 7 + t * 13 + h * 29 + b) % 251).astype(np.uint8)
+
+
+class Rank:
+    def __init__(self, role, tp, rank, port, topo, dp=0, state=False, **cfg):
+        cfg = {"kv_heads": topo.kv_heads, **cfg}
+        self.role, self.tp_rank, self.dp = role, rank, dp
+        self.heads = list(topo.heads(role, rank))
+        self.kv = [
+            torch.zeros((PAGES, PS, len(self.heads), HB), dtype=torch.uint8) for _ in range(2)
+        ]
+        self.meta = MetadataBuffers(SLOTS, LAYOUT)
+        self.state = torch.zeros((8, 24), dtype=torch.uint8) if state else None
+        comps = (
+            [StateComponent(StateType.MAMBA, [self.state.data_ptr()], [self.state.nbytes], [24])]
+            if state
+            else []
+        )
+        args = kv_args_for(
+            self.kv,
+            self.meta.buf_infos(),
+            rank,
+            page_size=PS,
+            kv_head_num=len(self.heads),
+            state=comps,
+        )
+        c = ConnectorConfig(
+            role=role,
+            tp_rank=rank,
+            tp_size=tp,
+            dp_rank=dp,
+            store_port=port,
+            idle_interval=0.005,
+            mla=topo.mla,
+            **cfg,
+        )
+        self.m = CopyConnector(args, c)
+
+    def fill(self, room, pages):
+        for layer, t in enumerate(self.kv):
+            tokens = np.arange(pages.size * PS)
+            t.numpy()[pages] = pattern(room, layer, tokens, self.heads).reshape(
+                pages.size, PS, len(self.heads), HB
+            )
+
+    def check(self, room, pages, first_page=0):
+        for layer, t in enumerate(self.kv):
+            tokens = np.arange(first_page * PS, (first_page + pages.size) * PS)
+            want = pattern(room, layer, tokens, self.heads).reshape(
+                pages.size, PS, len(self.heads), HB
+            )
+            assert np.array_equal(t.numpy()[pages], want), (
+                f"decode rank {self.tp_rank} layer {layer}"
+            )
+
+
+@pytest.fixture(scope="module")
+def store():
+    port = free_port()  # one store for the module: each test has a namespace of its own
+    server = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    yield port
+    _ = server
+
+
+@pytest.fixture
+def cluster(store, request):
+    made = []
+    ns = f"t{abs(hash(request.node.name))}"
+
+    def build(pt, dt, heads=4, mla=False, dp=1, state=False, **decode_cfg):
+        topo = Topology(pt, dt, heads, mla)
+        pre = [
+            Rank("prefill", pt, r, store, topo, dp=g, state=state, namespace=ns)
+            for g in range(dp)
+            for r in range(pt)
+        ]
+        dec = [
+            Rank("decode", dt, r, store, topo, state=state, namespace=ns, **decode_cfg)
+            for r in range(dt)
+        ]
+        made.extend(pre + dec)
+        return pre, dec
+
+    yield build
+    for r in made:
+        r.m.close()
+
+
+def run_request(pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
+    group = [p for p in pre if p.dp == dp]
+    senders = [p.m.sender(room) for p in group]
+    receivers = [d.m.receiver(room) for d in dec]
+    for r in receivers:
+        r.init(prefill_dp_rank=dp)
+    wait_for(
+        lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders + receivers), "handshake"
+    )
+    src = np.arange(3, 3 + n)
+    for p, s in zip(group, senders):
+        p.fill(room, src)
+        p.meta.write(1, room, {"output_ids": [room % 1000]})
+        if p.state is not None:
+            p.state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
+        s.init(n, 1)
+    dst = np.arange(10, 10 + n - prefix)[::-1].copy()  # decode pages in another order
+    for d, r in zip(dec, receivers):
+        r.send_metadata(
+            dst,
+            2,
+            state_indices=[np.array([5])] if d.state is not None else None,
+            decode_prefix_len=prefix * PS,
+        )
+    for k in range(0, n, chunks):
+        for p, s in zip(group, senders):
+            s.send(
+                src[k : k + chunks], state_indices=[np.array([2])] if p.state is not None else None
+            )
+    return senders, receivers, dst
+
+
+def finish(senders, receivers, dec, staged=False):
+    def done():
+        for d, r in zip(dec, receivers):
+            if staged:
+                d.m.advance(np.array([r.bootstrap_room], np.uint64), np.array([r.index]))
+        return all(r.poll() == KVPoll.Success for r in receivers) and (
+            not staged
+            or not any(
+                d.m.pending(np.array([0], np.uint64), np.array([r.index]))[0]
+                for d, r in zip(dec, receivers)
+            )
+        )
+
+    wait_for(done, "decode success")
+    wait_for(lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
+
+
+@pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2)])
+def test_head_sliced_writes_land_every_head(cluster, pt, dt):
+    pre, dec = cluster(pt, dt, heads=4)
+    senders, receivers, dst = run_request(pre, dec, room=77)
+    finish(senders, receivers, dec)
+    for d in dec:
+        d.check(77, dst)
+        assert d.meta.room_of(2) == 77 and d.meta.read(2).first_token == 77
+    assert not any(r.require_staging for r in receivers)
+
+
+def test_staging_lands_contiguous_then_the_gate_holds_until_scattered(cluster):
+    pre, dec = cluster(2, 4, heads=4, staging=True, staging_pages=8, scatter_pages=2)
+    senders, receivers, dst = run_request(pre, dec, room=91, n=5)
+    assert all(r.require_staging for r in receivers)
+    # every sender done: the connector says Success, the scatter is still to come
+    wait_for(lambda: all(r.poll() == KVPoll.Success for r in receivers), "transfer done")
+    idx = np.array([r.index for r in receivers])
+    assert dec[0].m.pending(np.array([91], np.uint64), idx[:1]).all()
+    assert dec[0].kv[0].sum() == 0  # nothing placed yet
+    for _ in range(2):  # 2 pages a step: 5 pages need 3 steps
+        dec[0].m.advance(np.array([91], np.uint64), idx[:1])
+    assert dec[0].m.pending(np.array([91], np.uint64), idx[:1]).all()
+    finish(senders, receivers, dec, staged=True)
+    for d in dec:
+        d.check(91, dst)
+
+
+def test_mla_one_sender_per_decode_rank_idle_prefill_ranks_still_succeed(cluster):
+    pre, dec = cluster(2, 1, mla=True, heads=1)
+    senders, receivers, dst = run_request(pre, dec, room=5)
+    finish(senders, receivers, dec)
+    dec[0].check(5, dst)
+    assert pre[1].m.stats["bytes_written"] == 0  # the idle rank wrote nothing
+    assert pre[0].m.stats["bytes_written"] > 0
+
+
+def test_state_rows_travel_with_the_pages(cluster):
+    pre, dec = cluster(2, 1, heads=2, state=True)
+    senders, receivers, dst = run_request(pre, dec, room=33)
+    finish(senders, receivers, dec)
+    dec[0].check(33, dst)
+    assert np.array_equal(dec[0].state[5].numpy(), pattern(33, 9, [0], range(3)).reshape(-1))
+    assert dec[0].state[:5].sum() == 0
+
+
+def test_a_cached_prefix_is_not_sent(cluster):
+    pre, dec = cluster(1, 1, heads=2)
+    senders, receivers, dst = run_request(pre, dec, room=44, n=6, prefix=2)
+    finish(senders, receivers, dec)
+    dec[0].check(44, dst, first_page=2)
+    page = PS * 2 * HB  # a page of one layer: 2 tokens x 2 heads
+    assert pre[0].m.stats["bytes_written"] == 4 * page * 2 + sum(pre[0].m.kv_args.aux_item_lens)
+
+
+def test_prefill_dp_groups_pair_only_with_the_named_group(cluster):
+    pre, dec = cluster(2, 1, heads=2, dp=2)
+    senders, receivers, dst = run_request(pre, dec, room=66, dp=1)
+    finish(senders, receivers, dec)
+    dec[0].check(66, dst)
+    assert all(p.m.stats["bytes_written"] == 0 for p in pre if p.dp == 0)
+
+
+def test_an_abort_on_one_decode_rank_fails_and_drains_every_leg(cluster):
+    pre, dec = cluster(2, 4, heads=4)
+    senders = [p.m.sender(12) for p in pre]
+    receivers = [d.m.receiver(12) for d in dec]
+    for r in receivers:
+        r.init()
+    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "handshake")
+    for r in receivers:
+        r.send_metadata(np.arange(3), 0)
+    receivers[1].abort()  # decode rank 1's heads come from prefill rank 0 alone
+    wait_for(lambda: senders[0].poll() == KVPoll.Failed, "prefill rank 0 hears")
+    # prefill rank 0 tells its other leg, decode rank 0, once its writes drained
+    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode rank 0 hears")
+    assert receivers[0].failure_reason() == FailureReason.ABORTED
+    assert senders[1].poll() == KVPoll.WaitingForInput  # its own scheduler's consensus tells it
+    senders[1].fail(FailureReason.ABORTED)
+    for r in receivers[2:]:
+        r.fail(FailureReason.ABORTED)
+    wait_for(lambda: all(r.drained for r in receivers), "every decode rank drained")
+    wait_for(lambda: all(s.drained for s in senders), "every prefill rank drained")
+
+
+def test_decode_refuses_a_prefill_group_serving_another_model(store):
+    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), namespace="mismatch")
+    d = Rank("decode", 1, 0, store, Topology(1, 1, 4), namespace="mismatch")
+    try:
+        r = d.m.receiver(3)
+        r.init()
+        wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
+        assert isinstance(d.m.last_error, TopologyError)
+        assert "2 KV heads" in str(d.m.last_error) and "room=3" in str(d.m.last_error)
+    finally:
+        p.m.close()
+        d.m.close()
+
+
+def test_bad_arguments_are_refused_before_anything_moves(cluster):
+    pre, dec = cluster(1, 1, heads=2)
+    s, r = pre[0].m.sender(8), dec[0].m.receiver(8)
+    with pytest.raises(ValueError, match="prefill_dp_rank"):
+        r.init(prefill_dp_rank=-1)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    with pytest.raises(ValueError, match="room=8: decode_prefix_len 3"):
+        r.send_metadata([1, 2], 0, decode_prefix_len=3)
+    with pytest.raises(ValueError, match="no state component"):
+        r.send_metadata([1, 2], 0, state_indices=[np.array([1])])
+    with pytest.raises(ValueError, match="no state component"):
+        s.send([1], state_indices=[1])
+    assert r.poll() == KVPoll.WaitingForInput  # nothing was sent
+    with pytest.raises(TopologyError, match="holds 1 of 2 KV heads, but its KVArgs say 2"):
+        Rank("decode", 2, 0, 1, Topology(1, 1, 2), kv_heads=2)

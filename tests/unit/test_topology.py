@@ -1,0 +1,137 @@
+"""Who sends which heads to whom (transport.topology), and the head-sliced,
+state and staged layouts the connector writes with (transport.layout,
+transport.staging)."""
+
+import numpy as np
+import pytest
+import torch
+
+from buffers.errors import LayoutError
+from buffers.kv_args import KVArgs, StateComponent, StateType
+from transport.layout import coalesce, kv_args_for, sliced_page_writes, state_writes
+from transport.staging import Scatter, Staging
+from transport.topology import Slice, Topology, TopologyError, head_range
+
+
+def test_head_ranges_split_and_replicate():
+    assert [head_range(2, r, 8) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [head_range(4, r, 2) for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
+    with pytest.raises(TopologyError, match="do not split"):
+        head_range(3, 0, 8)
+    with pytest.raises(TopologyError, match="not a multiple"):
+        head_range(6, 0, 4)
+    with pytest.raises(TopologyError, match="outside"):
+        head_range(2, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("pt", "dt", "h"), [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 4, 4), (4, 2, 8), (4, 2, 2), (2, 8, 4)]
+)
+def test_every_decode_head_comes_from_exactly_one_holder(pt, dt, h):
+    topo = Topology(pt, dt, h)
+    for d in range(dt):
+        got = []
+        for s in topo.senders(d):
+            theirs = topo.heads("prefill", s.prefill)
+            got += [theirs[s.src_head + i] for i in range(s.count)]
+            assert list(range(s.dst_head, s.dst_head + s.count)) == [
+                topo.heads("decode", d).index(theirs[s.src_head + i]) for i in range(s.count)
+            ]
+        assert got == list(topo.heads("decode", d))
+        senders = topo.senders(d)
+        assert [s.primary for s in senders] == [True] + [False] * (len(senders) - 1)
+    # every prefill rank is either a sender or informed by exactly one decode rank
+    for p in range(pt):
+        informers = [d for d in range(dt) if p in topo.contacts(d)]
+        assert informers, f"prefill rank {p} hears from no decode rank"
+        assert set(topo.peers(p)) == set(informers)
+
+
+def test_mla_one_sender_per_decode_rank_the_rest_idle():
+    topo = Topology(4, 2, mla=True)
+    assert topo.senders(0) == (Slice(0, 0, 0, 0, 1, True),)
+    assert topo.senders(1) == (Slice(1, 1, 0, 0, 1, True),)
+    assert topo.targets(2) == () and topo.peers(2) == (0,)
+    assert topo.contacts(0) == (0, 2) and topo.contacts(1) == (1, 3)
+    assert Topology(1, 2, mla=True).targets(0) == (
+        Slice(0, 0, 0, 0, 1, True),
+        Slice(0, 1, 0, 0, 1, True),
+    )
+
+
+def test_a_bad_topology_is_refused_up_front():
+    with pytest.raises(TopologyError, match="split over TP size 3"):
+        Topology(3, 1, 4)
+    with pytest.raises(TopologyError, match=">= 1"):
+        Topology(0, 1, 4)
+
+
+def _kv(pages, ps, heads, hb, fill):
+    t = torch.zeros((pages, ps, heads, hb), dtype=torch.uint8)
+    if fill:
+        t.copy_(torch.arange(t.numel(), dtype=torch.int64).view_as(t) % 251)
+    return t
+
+
+def _apply(w):
+    import ctypes
+
+    for s, d, n in zip(*(a.tolist() for a in w)):
+        ctypes.memmove(d, s, n)
+
+
+def test_sliced_writes_move_exactly_the_heads_and_coalesce():
+    src, dst = _kv(6, 2, 4, 8, True), _kv(6, 2, 2, 8, False)
+    args = kv_args_for([src], ([], [], []), 0, page_size=2, kv_head_num=4)
+    w = sliced_page_writes(args, [dst.data_ptr()], 2, np.array([1, 2]), np.array([4, 5]), 2, 0, 2)
+    assert w[0].size == 4  # one run per token: the source is strided
+    _apply(w)
+    assert torch.equal(dst[4:6], src[1:3, :, 2:4])
+    assert dst[:4].sum() == 0
+    # whole pages on both sides: one run for two contiguous pages
+    full = _kv(6, 2, 2, 8, False)
+    args2 = kv_args_for([dst], ([], [], []), 0, page_size=2, kv_head_num=2)
+    w2 = sliced_page_writes(
+        args2, [full.data_ptr()], 2, np.array([4, 5]), np.array([0, 1]), 0, 0, 2
+    )
+    assert w2[0].size == 1 and int(w2[2][0]) == 2 * 2 * 2 * 8
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides():
+    s, d, n = (np.array(v, dtype=np.int64) for v in ([0, 4, 8, 20], [100, 104, 200, 204], [4] * 4))
+    got = coalesce(s, d, n)
+    assert [a.tolist() for a in got] == [[0, 8, 20], [100, 200, 204], [8, 4, 4]]
+
+
+def test_state_rows_move_by_component():
+    a = torch.arange(40, dtype=torch.uint8).view(10, 4)
+    b = torch.zeros((10, 4), dtype=torch.uint8)
+    comp = StateComponent(StateType.MAMBA, [a.data_ptr()], [a.nbytes], [4])
+    args = kv_args_for([], ([], [], []), 0, state=[comp])
+    _apply(state_writes(args, [[b.data_ptr()]], [np.array([2, 3])], [np.array([7, 8])]))
+    assert torch.equal(b[7:9], a[2:4]) and b[:7].sum() == 0
+
+
+def test_kv_args_refuse_pages_that_are_not_tokens_by_heads():
+    with pytest.raises(LayoutError, match="KV buffer 0 has 30-byte pages"):
+        KVArgs(0, [1], [60], [30], page_size=2, kv_head_num=4)
+
+
+def test_staging_scatter_places_blocks_a_bounded_amount_at_a_time():
+    kv = _kv(8, 2, 4, 4, False)
+    args = kv_args_for([kv], ([], [], []), 0, page_size=2, kv_head_num=4)
+    st = Staging(args, slots=2, pages=3)
+    # two senders' blocks for slot 1: heads 0-1 and heads 2-3, three pages each
+    for head in (0, 2):
+        at = st.block(1, head)[0] - st.bufs[0].ctypes.data
+        blk = np.arange(3 * 2 * 2 * 4, dtype=np.uint8).reshape(3, 2, 2, 4) + head * 50
+        st.bufs[0][at : at + blk.size] = blk.reshape(-1)
+    job = Scatter(1, np.array([5, 1, 6]), [(0, 2), (2, 2)])
+    st.scatter(job, 2)
+    assert job.left == 1 and kv[6].sum() == 0
+    st.scatter(job, 2)
+    assert job.left == 0
+    want = np.arange(48, dtype=np.uint8).reshape(3, 2, 2, 4)
+    for j, page in enumerate([5, 1, 6]):
+        assert np.array_equal(kv[page, :, 0:2].numpy(), want[j])
+        assert np.array_equal(kv[page, :, 2:4].numpy(), want[j] + 100)
