@@ -12,10 +12,12 @@ request the same way, nothing may leak and nothing may hang.
 
 import importlib.util
 import json
+from collections import Counter
 
 import pytest
 
 from buffers import MetadataBuffers
+from lifecycle.reasons import FailureReason
 from pdlife.sim_bytes import STATE_ROW_BYTES
 from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
 from pdlife.sim_topology import HEAD_BYTES
@@ -78,6 +80,18 @@ def check_run(proc, s, out):
     assert (s["hung_ranks"], s["crashed_ranks"], s["stuck"]) == ([], [], 0)
     assert (s["leaked_slots"], s["leaked_kv_pages"], s["disagreements"]) == (0, 0, 0)
     ranks = _ranks(out, s)
+    # every rank ends a failed request for a drawn reason: injected or aborted. A
+    # peer-dead, timeout or transfer error would mean a rank was never told, or
+    # gave up on a peer that was there all along (the summary's end-to-end
+    # outcome takes decode's reason first, so each rank's is checked here)
+    for r in ranks:
+        other = Counter(
+            FailureReason(o[1]).label
+            for o in r["outcome"].values()
+            if o[0] == "Failed"
+            and o[1] not in (FailureReason.ABORTED, FailureReason.INJECTED_FAULT)
+        )
+        assert not other, f"{r['side']} rank {r['rank']}: {dict(other)}"
     decode = [r for r in ranks if r["side"] == "decode"]
     assert all(r["outcome"] == decode[0]["outcome"] for r in decode)  # every decode rank agrees
     assert len(decode[0]["outcome"]) == REQUESTS
