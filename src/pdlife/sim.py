@@ -157,6 +157,7 @@ class RankRun:
             t[0].nbytes for t in self.state_tensors
         )
         self.due_of: dict[int, int] = {}
+        self.staged = 0  # decode: requests whose KV landed via the staging buffer
         self.ready: deque[int] = deque()
         self.finished = 0
         # every finished request's (room, status, reason, origin), streamed to disk

@@ -130,6 +130,8 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
             state_indices=state,
             decode_prefix_len=cached * run.cfg.page_size,
         )
+        # known once registered: whether its head slices land via the staging buffer
+        run.staged += bool(getattr(h, "require_staging", False))
         if not run.moves_bytes:
             simulate_remote_write(run, room, slot)
         run.q1.table.remove(room)

@@ -80,6 +80,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "bytes_checked": run.bytes_checked,
         "bytes_asked": run.bytes_asked,
         "bytes_due": run.bytes_due,
+        "staged": run.staged,
         "latency_us": run.latency_us.items,
         "counts": run.counts.items,
         "counts_stride": run.counts.stride,

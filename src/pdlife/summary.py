@@ -149,6 +149,8 @@ def summarize(
         # them when nothing cached and nothing twice was sent
         "decode_bytes_asked": sum(r.get("bytes_asked", 0) for r in by_side["decode"]),
         "decode_bytes_due": sum(r.get("bytes_due", 0) for r in by_side["decode"]),
+        # decode requests (per rank) whose head slices landed via the staging buffer
+        "staged_requests": sum(r.get("staged", 0) for r in by_side["decode"]),
         "prefill_bytes_written": sum(
             r.get("transport_stats", {}).get("bytes_written", 0) for r in by_side["prefill"]
         ),

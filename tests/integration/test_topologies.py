@@ -106,6 +106,8 @@ def check_run(proc, s, out):
     # prefill wrote everything the succeeded requests needed and nothing decode
     # did not ask for (a cached prefix page, a page twice, another rank's heads)
     assert s["decode_bytes_due"] <= s["prefill_bytes_written"] <= s["decode_bytes_asked"]
+    # head slices land via the staging buffer exactly when it was asked for
+    assert (s["staged_requests"] > 0) == t["staging"]
     return ranks
 
 
