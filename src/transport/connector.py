@@ -63,6 +63,7 @@ class _Req:
         self.staged = False  # decode: lands in staging, then scatters
         self.scatter: Scatter | None = None
         self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
+        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
 
     def senders(self) -> list[Leg]:
         return [leg for leg in self.legs.values() if leg.sends]

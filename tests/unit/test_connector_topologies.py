@@ -4,45 +4,22 @@ head-sliced writes and staging), MLA, state components, a cached prefix and
 prefill DP groups. Every page decode holds is compared, head by head, with
 what the prefill rank holding that head wrote."""
 
-import ctypes
-import time
-
 import numpy as np
 import pytest
 import torch
+from stub_engine import CopyConnector, wait_for
 from torch.distributed import TCPStore
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import free_port
-from transport.connector import Connector, ConnectorConfig
+from transport.connector import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
 
 PAGES, PS, HB, SLOTS = 32, 2, 8, 4
 LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
-
-
-class CopyConnector(Connector):
-    def _start_engine(self):
-        return {}
-
-    def _write(self, info, src, dst, lens, notif):
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
-        return 1
-
-    def _check(self, token):
-        return token
-
-
-def wait_for(cond, what, timeout=10.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def pattern(room, layer, tokens, heads):
@@ -302,3 +279,22 @@ def test_bad_arguments_are_refused_before_anything_moves(cluster):
     assert r.poll() == KVPoll.WaitingForInput  # nothing was sent
     with pytest.raises(TopologyError, match="holds 1 of 2 KV heads, but its KVArgs say 2"):
         Rank("decode", 2, 0, 1, Topology(1, 1, 2), kv_heads=2)
+
+
+def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
+    # decode's scheduler and its loop send on two store connections: "pages"
+    # can reach prefill before "register"
+    from transport.connector_graph import Phase
+
+    pre, _ = cluster(1, 1, heads=2)
+    m = pre[0].m
+    s = m.sender(21)
+    pages = {"kind": "pages", "room": 21, "from": 0, "pages": [4], "slot": 1, "skip": 0}
+    pages.update(dst_heads=2, dst_ptrs=None, state=None)
+    register = {"kind": "register", "room": 21, "from": 0, "decode_tp": 1, "dp": 0}
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 2])
+    m._on_message(pages, m.store)
+    assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
+    m._on_message(register, m.store)
+    assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
+    assert m._reqs[21].legs[0].dst_pages.tolist() == [4]
