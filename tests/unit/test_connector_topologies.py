@@ -298,3 +298,21 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     m._on_message(register, m.store)
     assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
     assert m._reqs[21].legs[0].dst_pages.tolist() == [4]
+
+
+@pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
+def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster, when):
+    pre, dec = cluster(2, 1, heads=2)
+    senders = [p.m.sender(31) for p in pre]
+    r = dec[0].m.receiver(31)
+    if when == "after the handshake":
+        r.init()
+        wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "handshake")
+    else:  # named its group, not registered yet: the legs are planned to tell them
+        r._req.want_register = True
+        r._req.dp = 0
+    r.abort()
+    assert r.drained  # no page list was sent: nothing can land
+    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "every prefill rank hears")
+    assert {s.failure_reason() for s in senders} == {FailureReason.ABORTED}
+    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
