@@ -61,6 +61,7 @@ def _plan(m: Connector, req: _Req, msg: dict[str, Any]) -> bool:
     base = int(msg["dp"]) * topo.decode_tp
     by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
     req.legs = {base + d: leg_of(base + d, by_decode.get(d)) for d in topo.peers(c.tp_rank)}
+    m.expected = frozenset(req.legs)
     return True
 
 

@@ -316,3 +316,19 @@ def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster,
     wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "every prefill rank hears")
     assert {s.failure_reason() for s in senders} == {FailureReason.ABORTED}
     wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+
+
+def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
+    pre, dec = cluster(2, 1, heads=2)
+    senders = [p.m.sender(41) for p in pre]
+    for s in senders:  # prefill agreed Failed before decode registered; released at once
+        s.fail(FailureReason.INJECTED_FAULT)
+    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+    for s in senders:
+        s.clear()
+    wait_for(lambda: all(41 not in p.m._reqs for p in pre), "prefill released")
+    r = dec[0].m.receiver(41)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears")
+    assert r.failure_reason() == FailureReason.INJECTED_FAULT
+    wait_for(lambda: r.drained, "decode drained")
