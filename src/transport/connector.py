@@ -63,6 +63,7 @@ class _Req:
         self.staged = False  # decode: lands in staging, then scatters
         self.scatter: Scatter | None = None
         self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
+        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
 
     def senders(self) -> list[Leg]:
         return [leg for leg in self.legs.values() if leg.sends]
@@ -121,7 +122,11 @@ class Connector(StatusArrays):
         info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
         self._reqs: dict[int, _Req] = {}  # room -> request
         self._early: dict[int, list[dict[str, Any]]] = {}
-        self._cleared: set[int] = set()
+        #: rooms released here -> their failure reason (told to a late register)
+        self._cleared: dict[int, int] = {}
+        #: prefill: the decode ranks the last registered request paired with; a request
+        #: not registered yet is expected from them (a dead one fails it: peer dead)
+        self.expected: frozenset[int] = frozenset()
         self._peer_dead: set[int] = set()
         self.last_error: Exception | None = None
         if c.role == "prefill":
@@ -173,7 +178,7 @@ class Connector(StatusArrays):
             self.phase[req.index] = Phase.Bootstrap
             self.born[req.index] = NOW()
             self._reqs[room] = req
-            self._cleared.discard(room)
+            self._cleared.pop(room, None)
             early = self._early.pop(room, [])
         for msg in early:
             self._on_message(msg, self.store)
@@ -231,7 +236,8 @@ class Connector(StatusArrays):
                 del self._reqs[req.room]
                 self.scatter_left[req.index] = 0
                 self.release(req.index)
-                self._cleared.add(req.room)
+                failed = int(self.status[req.index]) == F
+                self._cleared[req.room] = int(self.reason[req.index] if failed else 0)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
 
@@ -273,7 +279,7 @@ class Connector(StatusArrays):
                 elif kind == "abort":  # finished and drained here: nothing more is written
                     self._send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
                 elif kind == "register":  # it failed and was cleared before this rank knew
-                    reason = int(FailureReason.ABORTED)
+                    reason = self._cleared[room]
                     self._send(
                         int(msg["from"]), {"kind": "failed", "room": room, "reason": reason}, store
                     )
@@ -324,9 +330,9 @@ class Connector(StatusArrays):
     def _check_peers(self, store: Any) -> None:
         limit = self.config.heartbeat_interval * self.config.heartbeat_misses
         reqs, _, _ = self._live()
-        peers = {p for r in reqs for p in r.legs} - self._peer_dead
+        peers = {p for r in reqs for p in r.legs or self.expected} - self._peer_dead
         self._peer_dead |= self.mail.silent(peers, limit, store)
-        hit = [r for r in reqs if self._peer_dead.intersection(r.legs)]
+        hit = [r for r in reqs if self._peer_dead.intersection(r.legs or self.expected)]
         if not hit:
             return
         if self.config.role == "prefill":  # its pages are only read from: done at once

@@ -50,10 +50,14 @@ def fail(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
     before = m._phase(req)
     if not m._fire(req, "abort", reason):
         return
+    # not registered yet: plan the legs anyway (if the group is known), so that
+    # prefill hears of it instead of waiting for a register that never comes
+    if req.want_register:
+        _plan(m, req, store, failing=True)
+    _stop_all(m, req, reason, store)
     if before < Phase.Metadata:  # no page list was sent: nothing can land
         for leg in req.legs.values():
             leg.stopped = True
-    _stop_all(m, req, reason, store)
     _drain_if_stopped(m, req)
 
 
@@ -92,15 +96,21 @@ def peers_dead(m: Connector, reqs: list[_Req], store: Any) -> None:
     m._fire_many(gone, "peer_dead", FailureReason.PEER_DEAD)
 
 
-def _plan(m: Connector, req: _Req, store: Any) -> bool:
+def _plan(m: Connector, req: _Req, store: Any, failing: bool = False) -> bool:
     """The legs of ``req`` once its prefill DP group is known; False until then."""
     if req.legs:
         return True
-    group = m.mail.group(req.dp, store)
+    try:
+        group = m.mail.group(req.dp, store)
+    except Exception:  # the store is gone (shutting down): nobody is left to tell
+        return False
     if group is None:
         return False
     c = m.config
-    if (int(group["kv_heads"]), bool(group["mla"])) != (m.kv_heads, c.mla):
+    same = (int(group["kv_heads"]), bool(group["mla"])) == (m.kv_heads, c.mla)
+    if not same and failing:
+        return False
+    if not same:
         err = TopologyError(
             f"room={req.room} on decode rank {m.rank}: prefill DP group {req.dp} has "
             f"{group['kv_heads']} KV heads (mla={group['mla']}), decode {m.kv_heads} "

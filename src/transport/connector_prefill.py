@@ -61,6 +61,7 @@ def _plan(m: Connector, req: _Req, msg: dict[str, Any]) -> bool:
     base = int(msg["dp"]) * topo.decode_tp
     by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
     req.legs = {base + d: leg_of(base + d, by_decode.get(d)) for d in topo.peers(c.tp_rank)}
+    m.expected = frozenset(req.legs)
     return True
 
 
@@ -97,10 +98,15 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
         leg.registered = True
         if all(x.registered for x in req.legs.values()):
             m._fire(req, "handshake")
+        for held in [h for h in req.held if int(h["from"]) == peer]:
+            req.held.remove(held)
+            on_message(m, req, held, store)
     elif kind == "pages":
         leg = req.legs.get(peer)
-        if leg is None:
-            _refuse(m, req, f"pages from decode rank {peer}, which is not one of its legs")
+        if leg is None or not leg.registered:
+            # decode's scheduler sends this on another connection than its loop's
+            # register, so it may overtake it: held until that register is in
+            req.held.append(msg)
             return
         leg.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
         leg.dst_slot, leg.skip = int(msg["slot"]), int(msg["skip"])

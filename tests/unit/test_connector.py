@@ -2,48 +2,18 @@
 that copies memory at once: the protocol's phases, the bytes, the room-last
 ordering, and the API's illegal moves."""
 
-import ctypes
-import time
-
 import numpy as np
 import pytest
 import torch
+from stub_engine import CopyConnector, wait_for
 from torch.distributed import TCPStore
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import free_port
-from transport.connector import Connector, ConnectorConfig
+from transport.connector import ConnectorConfig
 from transport.connector_graph import Phase, ProtocolError
 from transport.layout import kv_args_for
-
-
-class CopyConnector(Connector):
-    """Writes land inside the call, in order; ``fail_next`` makes the next one fail."""
-
-    fail_next = False
-
-    def _start_engine(self):
-        self.writes = []
-        return {}
-
-    def _write(self, info, src, dst, lens, notif):
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
-        self.writes.append(lens.tolist())
-        failed, CopyConnector.fail_next = CopyConnector.fail_next, False
-        return -1 if failed else 1
-
-    def _check(self, token):
-        return token
-
-
-def wait_for(cond, what, timeout=10.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 @pytest.fixture

@@ -4,45 +4,22 @@ head-sliced writes and staging), MLA, state components, a cached prefix and
 prefill DP groups. Every page decode holds is compared, head by head, with
 what the prefill rank holding that head wrote."""
 
-import ctypes
-import time
-
 import numpy as np
 import pytest
 import torch
+from stub_engine import CopyConnector, wait_for
 from torch.distributed import TCPStore
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import free_port
-from transport.connector import Connector, ConnectorConfig
+from transport.connector import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
 
 PAGES, PS, HB, SLOTS = 32, 2, 8, 4
 LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
-
-
-class CopyConnector(Connector):
-    def _start_engine(self):
-        return {}
-
-    def _write(self, info, src, dst, lens, notif):
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
-        return 1
-
-    def _check(self, token):
-        return token
-
-
-def wait_for(cond, what, timeout=10.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def pattern(room, layer, tokens, heads):
@@ -302,3 +279,56 @@ def test_bad_arguments_are_refused_before_anything_moves(cluster):
     assert r.poll() == KVPoll.WaitingForInput  # nothing was sent
     with pytest.raises(TopologyError, match="holds 1 of 2 KV heads, but its KVArgs say 2"):
         Rank("decode", 2, 0, 1, Topology(1, 1, 2), kv_heads=2)
+
+
+def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
+    # decode's scheduler and its loop send on two store connections: "pages"
+    # can reach prefill before "register"
+    from transport.connector_graph import Phase
+
+    pre, _ = cluster(1, 1, heads=2)
+    m = pre[0].m
+    s = m.sender(21)
+    pages = {"kind": "pages", "room": 21, "from": 0, "pages": [4], "slot": 1, "skip": 0}
+    pages.update(dst_heads=2, dst_ptrs=None, state=None)
+    register = {"kind": "register", "room": 21, "from": 0, "decode_tp": 1, "dp": 0}
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 2])
+    m._on_message(pages, m.store)
+    assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
+    m._on_message(register, m.store)
+    assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
+    assert m._reqs[21].legs[0].dst_pages.tolist() == [4]
+
+
+@pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
+def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster, when):
+    pre, dec = cluster(2, 1, heads=2)
+    senders = [p.m.sender(31) for p in pre]
+    r = dec[0].m.receiver(31)
+    if when == "after the handshake":
+        r.init()
+        wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "handshake")
+    else:  # named its group, not registered yet: the legs are planned to tell them
+        r._req.want_register = True
+        r._req.dp = 0
+    r.abort()
+    assert r.drained  # no page list was sent: nothing can land
+    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "every prefill rank hears")
+    assert {s.failure_reason() for s in senders} == {FailureReason.ABORTED}
+    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+
+
+def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
+    pre, dec = cluster(2, 1, heads=2)
+    senders = [p.m.sender(41) for p in pre]
+    for s in senders:  # prefill agreed Failed before decode registered; released at once
+        s.fail(FailureReason.INJECTED_FAULT)
+    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+    for s in senders:
+        s.clear()
+    wait_for(lambda: all(41 not in p.m._reqs for p in pre), "prefill released")
+    r = dec[0].m.receiver(41)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears")
+    assert r.failure_reason() == FailureReason.INJECTED_FAULT
+    wait_for(lambda: r.drained, "decode drained")

@@ -39,7 +39,8 @@ def bare_manager(engine, role="prefill"):
     StatusArrays.__init__(m)
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0)
-    m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
+    m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
+    m.expected = frozenset()
     m.stats = {"bytes_written": 0, "writes": 0}
     return m
 

@@ -46,7 +46,8 @@ def bare_manager(agent, role="prefill", **cfg):
     StatusArrays.__init__(m)
     m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, **cfg)
-    m._reqs, m._cleared, m._early, m._peer_dead = {}, set(), {}, set()
+    m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
+    m.expected = frozenset()
     m.stats = {"bytes_written": 0, "writes": 0}
     return m
 

@@ -79,7 +79,10 @@ class FieldSender(_Handle):
 class FieldReceiver(_Handle):
     """Decode side of one request; the handshake starts when it is built."""
 
-    require_staging = False
+    @property
+    def require_staging(self) -> bool:
+        """Whether this request lands in staging (the backend decides once registered)."""
+        return bool(getattr(self.core, "require_staging", False))
 
     def __init__(
         self,

@@ -1,0 +1,35 @@
+"""A connector whose engine copies memory inside the write call, for driving
+the shared connector end to end in one process."""
+
+import ctypes
+import time
+
+from transport.connector import Connector
+
+
+class CopyConnector(Connector):
+    """Writes land inside the call, in order; ``fail_next`` makes the next one fail."""
+
+    fail_next = False
+
+    def _start_engine(self):
+        self.writes = []
+        return {}
+
+    def _write(self, info, src, dst, lens, notif):
+        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+            ctypes.memmove(d, s, n)
+        self.writes.append(lens.tolist())
+        failed, CopyConnector.fail_next = CopyConnector.fail_next, False
+        return -1 if failed else 1
+
+    def _check(self, token):
+        return token
+
+
+def wait_for(cond, what, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
