@@ -49,7 +49,7 @@ def backend(request):
     return request.param
 
 
-REQUESTS = 60
+REQUESTS = 48
 # per rank and request (phase-keyed), and per request: a few percent of requests
 # fail somewhere, about 5% are aborted by the client
 FAULTS = ("--fail-prob", "0.02", "--abort-prob", "0.05", "--pg-timeout", "20")
