@@ -210,6 +210,14 @@ def _topology(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--kv-heads {heads}", problem)
     if args.staging_pages and not args.staging:
         raise UsageError("--staging-pages", "sizes the staging buffer; add --staging")
+    # the most pages one request asks prefill for: all of a short one, the rest of a long one
+    longest = max(args.max_pages_per_request - args.prefix_pages, args.prefix_pages)
+    if args.staging_pages and args.staging_pages < longest:
+        raise UsageError(
+            f"--staging-pages {args.staging_pages}",
+            f"a request may ask for {longest} pages, which would not fit its staging "
+            f"region; give at least {longest}",
+        )
     if args.prefix_pages >= args.max_pages_per_request:
         raise UsageError(
             f"--prefix-pages {args.prefix_pages}",

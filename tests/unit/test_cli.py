@@ -64,6 +64,7 @@ BAD = [
     (["simulate", "--decode-tp", "3", "--kv-heads", "4"], "--kv-heads 4"),
     (["simulate", "--mla", "--kv-heads", "8"], "--kv-heads 8"),
     (["simulate", "--staging-pages", "4"], "--staging-pages"),
+    (["simulate", "--decode-tp", "4", "--staging", "--staging-pages", "31"], "--staging-pages 31"),
     (["simulate", "--prefix-pages", "32"], "--prefix-pages 32"),
     (["simulate", "--prefix-pages", "4", "--max-pages-per-request", "4"], "--prefix-pages 4"),
     (["simulate", "--prefill-dp", "2", "--soak", "5"], "--prefill-dp"),
@@ -206,12 +207,12 @@ def test_topology_flags_reach_the_config(tmp_path):
     cfg, _ = _config(
         _parsed(
             "--prefill-tp", "2", "--decode-tp", "4", "--prefill-dp", "3", "--staging",
-            "--staging-pages", "4", "--state", "--page-size", "2", "--prefix-pages", "3",
+            "--staging-pages", "29", "--state", "--page-size", "2", "--prefix-pages", "3",
             out=tmp_path,
         )
     )  # fmt: skip
     assert (cfg.prefill, cfg.decode, cfg.prefill_dp, cfg.world) == (2, 4, 3, 10)
-    assert (cfg.staging, cfg.staging_pages, cfg.state) == (True, 4, True)
+    assert (cfg.staging, cfg.staging_pages, cfg.state) == (True, 29, True)
     assert (cfg.page_size, cfg.prefix_pages, cfg.total_heads) == (2, 3, 8)
     old, _ = _config(_parsed("--prefill", "3", "--decode", "1", out=tmp_path))
     assert (old.prefill, old.decode, old.world, old.total_heads) == (3, 1, 4, 6)
