@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import fingerprint, status_sum, with_statuses
+from lifecycle.packing import STATUS_SHIFT, fingerprint, status_sum, with_statuses
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
@@ -45,6 +45,8 @@ class Frame:
         "rooms_all",
         "rows",
         "rows_all",
+        "same",
+        "snap",
         "state_all",
         "zeros",
     )
@@ -66,6 +68,8 @@ class Frame:
         self._rooms_fp = fingerprint(self.rooms_all)
         self._sum = status_sum(self.state_all)
         self.fp = with_statuses(self._rooms_fp, self._sum)
+        self.same: bytes | None = None  # see unchanged_words()
+        self.snap: tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]] | None = None
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
             self.rows, self.rooms = self.rows_all, self.rooms_all
@@ -116,6 +120,26 @@ class Frame:
             self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
             self.fp = with_statuses(self._rooms_fp, self._sum)
         self.state_all[pos] = new
+        self.same = self.snap = None
+
+    def unchanged_words(self) -> bytes:
+        """The reduced words of the active rows on a step where nothing moves
+        (each row's agreed status, no reason), as bytes to compare against."""
+        if self.same is None:
+            out = np.empty(self.n, dtype=np.uint8)
+            np.left_shift(self.state_all[self.pos], STATUS_SHIFT, out=out, casting="unsafe")
+            self.same = out.tobytes()
+        return self.same
+
+    def snapshot(self) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]]:
+        """Read-only copies of the agreed columns of the whole list, shared by
+        the results of the steps until a row moves."""
+        if self.snap is None:
+            cols = (self.state_all.copy(), self.reason_all.copy(), self.origin_all.copy())
+            for a in cols:
+                a.setflags(write=False)
+            self.snap = cols
+        return self.snap
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:

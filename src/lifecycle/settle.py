@@ -23,12 +23,13 @@ from lifecycle.status import I8, TERMINAL
 if TYPE_CHECKING:
     from lifecycle.step import Stepper
 
-__all__ = ["Settled", "settle", "bucket"]
+__all__ = ["Settled", "settle", "bucket", "unchanged_result"]
 
 _F = I8.F
 _REASON = np.uint8(0xF)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_I16 = np.empty(0, dtype=np.int16)
+_EMPTY_I8 = np.empty(0, dtype=np.int8)
 _EMPTY_F64 = np.empty(0, dtype=np.float64)
 _FIELD_NAMES = {
     Field.FINGERPRINT: "request list",
@@ -122,12 +123,28 @@ class Settled:
         f.restate(pos, state[changed], new[changed], rehash=not ended)
         failed = changed[new[changed] == _F]
         if failed.size:
+            f.snap = None
             t.reason[f.rows[failed]] = reason[failed]
             t.origin[f.rows[failed]] = origin[failed]
             f.reason_all[f.pos[failed]] = reason[failed]
             f.origin_all[f.pos[failed]] = origin[failed]
         t.step_no, t.now = step, now
         return _result(stepper, f, step, pos, state[changed], self.triggers[changed], dwell)
+
+
+def unchanged_result(stepper: Stepper, f: Frame) -> StepResult:
+    """Commit a step whose reduced buffer was this rank's own header and every
+    row's agreed status (what :meth:`Stepper.unchanged` checks): the same as
+    :meth:`Settled.commit` with nothing moved and ``need == f.n``."""
+    t = stepper.table
+    step = t.step_no + 1
+    cap, floor = stepper.capacity, stepper._floor
+    if cap < floor:
+        stepper.capacity = floor
+    elif f.n * 4 < cap and cap > floor:
+        stepper.capacity = max(floor, bucket(f.n * 2, floor))
+    t.step_no, t.now = step, stepper.local.now
+    return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
 
 
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
@@ -199,13 +216,14 @@ def _result(
     triggers: NDArray[np.int16],
     dwell: NDArray[np.float64],
 ) -> StepResult:
+    statuses, reasons, origins = f.snapshot()
     return StepResult(
         step=step,
         queue=stepper.queue,
         rooms=f.rooms_all,
-        statuses=f.state_all.copy(),
-        reasons=f.reason_all.copy(),
-        origins=f.origin_all.copy(),
+        statuses=statuses,
+        reasons=reasons,
+        origins=origins,
         active=f.pos,
         changed=pos,
         previous=previous,

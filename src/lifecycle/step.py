@@ -38,17 +38,23 @@ differently.
 from __future__ import annotations
 
 import math
-import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import validate
 from lifecycle.collective import Collective
+from lifecycle.config import (
+    FIRST_CAPACITY,
+    MAX_CAPACITY,
+    MAX_RANK,
+    StepConfig,
+    require_method,
+    tag_word,
+)
 from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
@@ -56,7 +62,7 @@ from lifecycle.observe import contained
 from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.settle import Settled, bucket, settle
+from lifecycle.settle import Settled, bucket, settle, unchanged_result
 from lifecycle.table import RequestTable
 
 __all__ = [
@@ -67,89 +73,8 @@ __all__ = [
     "Stepper",
     "FIRST_CAPACITY",
     "MAX_CAPACITY",
+    "tag_word",
 ]
-
-#: size of every stepper's first reduce, whatever its configuration: the group
-#: agrees there on the largest ``initial_capacity`` any rank asked for, so
-#: ranks built with different settings never hand gloo different sizes
-FIRST_CAPACITY = 64
-#: the largest buffer capacity a config may ask for
-MAX_CAPACITY = 1 << 24
-
-
-def _seconds_or_none(inst: Any, attribute: Any, value: object) -> None:
-    if value is not None:
-        validate.seconds(value, f"StepConfig.{attribute.name}")
-
-
-@attrs.frozen
-class StepConfig:
-    """How a stepper behaves; all deadlines off by default.
-
-    Every rank of a group must use the same config (except
-    ``initial_capacity``, of which the group takes the largest): a hash of
-    it travels in the header and a difference raises
-    :class:`~lifecycle.errors.CollectiveMismatch` on every rank.
-    """
-
-    #: seconds a request may stay Bootstrapping before it fails (None: never)
-    bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
-    #: seconds from ``mark_metadata_sent`` until an unfinished request fails
-    waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
-    #: a poll value outside KVPoll: "raise" InvalidStatus on every rank after the
-    #: reduce (nothing applied), or "fail" the request with reason INVALID_STATUS
-    invalid_status: Literal["raise", "fail"] = "raise"
-    #: report requests that have not changed status for this many steps
-    stuck_after: int | None = None
-    #: buffer capacity to keep at least (the largest over the ranks is agreed)
-    initial_capacity: int = 64
-
-    def __attrs_post_init__(self) -> None:
-        if not isinstance(self.invalid_status, str) or self.invalid_status not in ("raise", "fail"):
-            raise InvalidArgument(
-                "StepConfig.invalid_status", self.invalid_status, "'raise' or 'fail'"
-            )
-        if self.stuck_after is not None:
-            validate.integer(self.stuck_after, "StepConfig.stuck_after", 1, 1 << 40)
-        validate.integer(self.initial_capacity, "StepConfig.initial_capacity", 1, MAX_CAPACITY)
-
-    @property
-    def fingerprint(self) -> int:
-        """Hash of the settings every rank of a group must share (the capacity
-        is agreed instead, so it is not part of it)."""
-        return stable_hash(
-            repr(
-                (
-                    None if self.bootstrap_timeout is None else float(self.bootstrap_timeout),
-                    None if self.waiting_timeout is None else float(self.waiting_timeout),
-                    self.invalid_status,
-                    None if self.stuck_after is None else int(self.stuck_after),
-                )
-            )
-        )
-
-
-def tag_word(tag: object, rank: int) -> int:
-    """The header word for ``tag`` (the caller's iteration number, or None).
-
-    Tags are compared modulo 2**63 (a tag travels as ``tag % 2**63 + 1``;
-    0 means none), so any iteration counter fits; a negative one is refused.
-    """
-    if tag is None:
-        return 0
-    value = operator.index(tag) if validate.is_integer(tag) else -1  # type: ignore[arg-type]
-    if value < 0:
-        raise InvalidArgument("step tag", tag, "None or a non-negative integer", rank)
-    return value % (1 << 63) + 1
-
-
-def _hook(obj: object, method: str, what: str) -> None:
-    if obj is not None and not callable(getattr(obj, method, None)):
-        raise InvalidArgument(what, obj, f"an object with a {method}() method")
-
-
-#: ranks are stamped into the origin fetch as int32
-MAX_RANK = (1 << 24) - 1
 
 
 class Stepper:
@@ -179,14 +104,14 @@ class Stepper:
             raise InvalidArgument("Stepper queue", queue, "a str naming the queue", rank)
         if not callable(clock):
             raise InvalidArgument("Stepper clock", clock, "a callable returning seconds", rank)
-        _hook(poller, "poll_many", "Stepper poller")
-        _hook(staging, "advance", "Stepper staging")
-        _hook(staging, "pending", "Stepper staging")
-        _hook(metadata, "landed", "Stepper metadata")
-        _hook(faults, "inject", "Stepper faults")
+        require_method(poller, "poll_many", "Stepper poller")
+        require_method(staging, "advance", "Stepper staging")
+        require_method(staging, "pending", "Stepper staging")
+        require_method(metadata, "landed", "Stepper metadata")
+        require_method(faults, "inject", "Stepper faults")
         gates = tuple(gates)
         for g in gates:
-            _hook(g, "closed", "Stepper gate")
+            require_method(g, "closed", "Stepper gate")
         if agreed_capacity is not None:
             agreed_capacity = validate.integer(
                 agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
@@ -221,6 +146,9 @@ class Stepper:
         self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
         self._packed = 0
         self._hdr_key: tuple[object, ...] = ()
+        self._hdr_bytes = b""
+        #: the largest capacity floor this rank asked for, as resize() would agree it
+        self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
         self._prepared = False
         self._settled: Settled | None = None
         self._group: Any = None
@@ -274,6 +202,7 @@ class Stepper:
             write_field(hdr, Field.NEED, f.n)
             write_field(hdr, Field.FLOOR, self._want)
             self._hdr_key = key
+            self._hdr_bytes = hdr.tobytes()
         # always copied in: a caller reduces ``buf`` in place, and a merged
         # header left there after a mismatch would never agree again
         buf[:HEADER] = hdr
@@ -297,6 +226,29 @@ class Stepper:
             return False
         self.capacity = bucket(hdr.need, self._floor)
         return True
+
+    def unchanged(self, reduced: NDArray[np.uint8]) -> bool:
+        """True when the reduce returned this rank's own header and every
+        active row at its agreed status: every rank sent the same list,
+        configuration, queue, tag and sizes, and nothing moves. Then nothing
+        can raise, no origin is fetched, and :meth:`commit_unchanged` applies
+        the step (the common step, in a few byte comparisons)."""
+        f = self._frame
+        if not self._prepared or f is None or f.n > self.capacity:
+            return False
+        return (
+            reduced[:HEADER].tobytes() == self._hdr_bytes
+            and reduced[HEADER : HEADER + f.n].tobytes() == f.unchanged_words()
+        )
+
+    def commit_unchanged(self) -> StepResult:
+        """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do)."""
+        f = self._frame
+        assert f is not None and self._prepared
+        self._floor = max(self._floor, self._want_floor)
+        self._prepared = False
+        self._settled = None
+        return unchanged_result(self, f)
 
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
