@@ -271,6 +271,8 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
+        if origins is None and self.unchanged(reduced):
+            return self.commit_unchanged()
         return self.commit(self.settle(reduced, origins))
 
     def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
