@@ -286,7 +286,16 @@ class LocalStage:
         else:
             pack(self.values[:k], self.codes[:k], out)
 
-    def words(self) -> NDArray[np.uint8]:
-        out = np.empty(self.values.size, dtype=np.uint8)
-        self.pack(out)
+    def words(self, rows: NDArray[np.int64] | None = None) -> NDArray[np.uint8]:
+        """This rank's words for all active rows, or for the positions ``rows``."""
+        if rows is None:
+            out = np.empty(self.values.size, dtype=np.uint8)
+            self.pack(out)
+            return out
+        out = np.empty(rows.size, dtype=np.uint8)
+        codes = None if self.codes is None else self.codes[rows]
+        if codes is None:
+            np.left_shift(self.values[rows], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+        else:
+            pack(self.values[rows], codes, out)
         return out

@@ -117,13 +117,27 @@ def fingerprint(rooms: NDArray[np.uint64]) -> int:
     """A 64-bit hash of the ordered list of rooms (order and length sensitive)."""
     n = rooms.size
     with np.errstate(over="ignore"):
-        pos = np.arange(1, n + 1, dtype=np.uint64) * _GOLD
-        h = np.bitwise_xor.reduce(_mix(rooms ^ _mix(pos)), initial=np.uint64(0))
+        h = np.bitwise_xor.reduce(_mix(rooms ^ _position_keys(n)), initial=np.uint64(0))
         h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
     return int(h)
 
 
 _WEIGHTS = np.empty(0, dtype=np.uint64)
+_KEYS = np.empty(0, dtype=np.uint64)
+
+
+def _position_keys(n: int) -> NDArray[np.uint64]:
+    """``_mix((i + 1) * GOLD)`` for positions 0..n-1 (cached: a frame is
+    rebuilt on every change of membership, and this half of the hash depends
+    on the length alone)."""
+    global _KEYS
+    if _KEYS.size < n:
+        size = max(n, 2 * _KEYS.size, 1024)
+        with np.errstate(over="ignore"):
+            k = _mix(np.arange(1, size + 1, dtype=np.uint64) * _GOLD)
+        k.setflags(write=False)
+        _KEYS = k
+    return _KEYS[:n]
 
 
 def position_weights(n: int) -> NDArray[np.uint64]:

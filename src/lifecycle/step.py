@@ -158,7 +158,9 @@ class Stepper:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
         word = tag_word(tag, self.rank)
         t = self.table
-        f = self._frame = Frame.of(t, self._frame, self._pool, self._by_index)
+        f = self._frame = Frame.of(
+            t, self._frame, self._pool, self._by_index, self.local.metadata is not None
+        )
         now, late = self._now()
         self.local.run(t, f, self.config, now, t.step_no + 1, late)
         self._tag = word
