@@ -118,9 +118,7 @@ class StepGroup:
             work.wait()
             segs = self._split(buf)
             if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
-                return tuple(
-                    self._stuck(coll, s, s.commit_unchanged()) for s in self.steppers
-                )
+                return tuple(self._stuck(coll, s, s.commit_unchanged()) for s in self.steppers)
             if any([s.resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s.repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)

@@ -295,7 +295,9 @@ class LocalStage:
         out = np.empty(rows.size, dtype=np.uint8)
         codes = None if self.codes is None else self.codes[rows]
         if codes is None:
-            np.left_shift(self.values[rows], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+            np.left_shift(
+                self.values[rows], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe"
+            )
         else:
             pack(self.values[rows], codes, out)
         return out
