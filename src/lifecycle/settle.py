@@ -84,7 +84,9 @@ class Settled:
         failed = to == _F  # active rows were not Failed before, so every one moved
         reason = np.where(failed, self.words[moved] & _REASON, FailureReason.NONE).astype(np.int8)
         origin = np.full(moved.size, -1, dtype=np.int32)
-        if self.failed.size:
+        if self.failed.size and self.hdr.sole is not None:
+            origin[failed] = self.hdr.sole  # one rank failed rows: all came from it
+        elif self.failed.size:
             assert origins is not None
             # both ascending, and every failed row moved: the same order
             origin[failed] = origins[: self.failed.size]
@@ -167,8 +169,9 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
     failed = np.flatnonzero(s.agreed == _F)  # active rows were not Failed before
     if failed.size:
         s.failed = failed
-        mine = stepper.local.words(failed) == s.words[failed]
-        s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
+        if hdr.sole is None:  # several ranks failed rows: ask which word won
+            mine = stepper.local.words(failed) == s.words[failed]
+            s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
     return s
 
 

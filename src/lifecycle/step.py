@@ -16,8 +16,9 @@ Per rank, for the ordered list of live requests of one queue, a step is:
 4. **reduce** -- the caller's collective MIN-reduces the buffer
    (:mod:`lifecycle.packing`): a byte per active row plus a header that
    catches diverging lists, configurations, queues and iterations. On a step
-   where some request newly fails, a second small reduce fetches the rank
-   each failure came from.
+   where some request newly fails and more than one rank failed rows, a
+   second small reduce fetches the rank each failure came from (when a single
+   rank did, the header names it).
 5. **apply** -- every row moves to its agreed status along a declared edge
    (:mod:`lifecycle.batch`); a move the graph lacks raises before anything
    changes.
@@ -59,9 +60,19 @@ from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
 from lifecycle.observe import contained
-from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
+from lifecycle.packing import (
+    HEADER,
+    NO_FAILER,
+    PAD,
+    Field,
+    Header,
+    field_slice,
+    stable_hash,
+    write_field,
+)
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
+from lifecycle.status import KVPoll
 from lifecycle.settle import Settled, bucket, settle, unchanged_result
 from lifecycle.table import RequestTable
 
@@ -75,6 +86,11 @@ __all__ = [
     "MAX_CAPACITY",
     "tag_word",
 ]
+
+
+_FAILER = field_slice(Field.FAILER)
+_NO_FAILER = np.frombuffer(NO_FAILER, dtype=np.uint8)
+_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 
 
 class Stepper:
@@ -193,7 +209,9 @@ class Stepper:
             self._buf = np.full(size, PAD, dtype=np.uint8)
             self._packed = 0
         buf = self._buf
-        key = (f.key, f.fp, self._tag, self._want)
+        k = min(f.n, self.capacity)
+        failer = self._failer(k)
+        key = (f.key, f.fp, self._tag, self._want, failer)
         hdr = self._hdr
         if key != self._hdr_key:
             write_field(hdr, Field.FINGERPRINT, f.fp)
@@ -203,17 +221,24 @@ class Stepper:
             write_field(hdr, Field.TAG, self._tag)
             write_field(hdr, Field.NEED, f.n)
             write_field(hdr, Field.FLOOR, self._want)
+            if failer:
+                write_field(hdr, Field.FAILER, self.rank)
+            else:
+                hdr[_FAILER] = _NO_FAILER
             self._hdr_key = key
             self._hdr_bytes = hdr.tobytes()
         # always copied in: a caller reduces ``buf`` in place, and a merged
         # header left there after a mismatch would never agree again
         buf[:HEADER] = hdr
-        k = min(f.n, self.capacity)
         self.local.pack(buf[HEADER : HEADER + k])
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
             buf[HEADER + k : HEADER + self._packed] = PAD
         self._packed = k
         return buf
+
+    def _failer(self, k: int) -> bool:
+        """Does this rank fail one of the first ``k`` active rows (those it packs)?"""
+        return _FAILED_BYTE in self.local.values[:k].tobytes()
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.
@@ -260,7 +285,8 @@ class Stepper:
 
     def origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
         """After the last reduce: the int32 buffer to MIN-reduce for the origin
-        ranks of new failures, or None when this step has none (the same
+        ranks of new failures, or None when this step needs none: no new
+        failure, or a single rank failed rows (the header says so; the same
         answer on every rank). Raises :class:`CollectiveMismatch` on every
         rank when the ranks' lists, configurations, queues or tags differ."""
         if not self._prepared or self._frame is None:

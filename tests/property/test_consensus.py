@@ -89,6 +89,28 @@ class HeaderOnlyFastPath(Distributed):
         )
 
 
+class HidesItsFailures(Distributed):
+    """Rank 1 never says in the header that it failed rows: when rank 0 fails
+    some too, the header names rank 0 as the only origin."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+
+        class Hiding(Stepper):
+            def _failer(self, k):
+                return False if self.rank == 1 else super()._failer(k)
+
+        return Hiding(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            gates=[self.gates[rank]],
+            faults=self.faults[rank],
+        )
+
+
 class PromotingGate(Distributed):
     def adjust_local(self, rank, local):
         return np.where(local == 3, 4, local).astype(np.int8)
@@ -112,6 +134,7 @@ BROKEN = settings(
         (PromotingGate, "success|validity"),
         (DropsFaults, "validity|doomed"),
         (HeaderOnlyFastPath, "validity|success|monotone|step|origin|doomed"),
+        (HidesItsFailures, "origin"),
     ],
 )
 def test_property_suite_catches_broken_variants(variant, caught_by):
