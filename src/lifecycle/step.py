@@ -72,8 +72,8 @@ from lifecycle.packing import (
 )
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.status import KVPoll
 from lifecycle.settle import Settled, bucket, settle, unchanged_result
+from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = [
