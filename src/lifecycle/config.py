@@ -3,19 +3,24 @@ capacity bounds every rank agrees on."""
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 
 from lifecycle import validate
-from lifecycle.errors import InvalidArgument
+from lifecycle.errors import HookError, InvalidArgument
+from lifecycle.observe import contained
 from lifecycle.packing import stable_hash
 
 __all__ = [
     "StepConfig",
     "tag_word",
     "require_method",
+    "read_clock",
     "FIRST_CAPACITY",
     "MAX_CAPACITY",
     "MAX_RANK",
@@ -103,3 +108,23 @@ def require_method(obj: object, method: str, what: str) -> None:
 
 #: ranks are stamped into the origin fetch as int32
 MAX_RANK = (1 << 24) - 1
+
+
+def read_clock(
+    clock: Callable[[], float], rank: int, last: float
+) -> tuple[float, HookError | None]:
+    """The clock's reading; a clock that raises or answers a non-finite or
+    non-numeric value is a hook error (``last``, the table's last time, stands
+    in; 0 if it has none)."""
+    try:
+        value = clock()
+        if type(value) is float and math.isfinite(value):  # the common case
+            return value, None
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, (bool, np.bool_)
+        )
+        if not ok or not np.isfinite(value):
+            raise HookError("clock", rank, f"answered {value!r}, not a finite time")
+        return float(value), None
+    except Exception as e:
+        return (0.0 if math.isnan(last) else float(last)), contained("clock", rank, e)

@@ -38,7 +38,6 @@ differently.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,29 +46,21 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import validate
+from lifecycle.buffer import StepBuffer
 from lifecycle.collective import Collective
 from lifecycle.config import (
     FIRST_CAPACITY,
     MAX_CAPACITY,
     MAX_RANK,
     StepConfig,
+    read_clock,
     require_method,
     tag_word,
 )
 from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
-from lifecycle.observe import contained
-from lifecycle.packing import (
-    HEADER,
-    NO_FAILER,
-    PAD,
-    Field,
-    Header,
-    field_slice,
-    stable_hash,
-    write_field,
-)
+from lifecycle.packing import Header, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.settle import Settled, bucket, settle, unchanged_result
@@ -88,8 +79,6 @@ __all__ = [
 ]
 
 
-_FAILER = field_slice(Field.FAILER)
-_NO_FAILER = np.frombuffer(NO_FAILER, dtype=np.uint8)
 _FAILED_BYTE = bytes([int(KVPoll.Failed)])
 
 
@@ -155,14 +144,8 @@ class Stepper:
         cap = FIRST_CAPACITY if agreed_capacity is None else bucket(0, agreed_capacity)
         self.capacity = self._floor = cap
         self._want = bucket(0, self.config.initial_capacity)
-        self._config_hash = self.config.fingerprint
-        self._queue_hash = stable_hash(queue)
         self._frame: Frame | None = None
-        self._buf = np.empty(0, dtype=np.uint8)
-        self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
-        self._packed = 0
-        self._hdr_key: tuple[object, ...] = ()
-        self._hdr_bytes = b""
+        self._buffer = StepBuffer(rank, self.config.fingerprint, stable_hash(queue))
         #: the largest capacity floor this rank asked for, as resize() would agree it
         self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
         self._prepared = False
@@ -185,59 +168,15 @@ class Stepper:
         return self._pack()
 
     def _now(self) -> tuple[float, HookError | None]:
-        """The clock's reading; a clock that raises or answers a non-finite or
-        non-numeric value is a hook error (the table's last time stands in)."""
-        try:
-            value = self.clock()
-            if type(value) is float and math.isfinite(value):  # the common case
-                return value, None
-            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-                value, (bool, np.bool_)
-            )
-            if not ok or not np.isfinite(value):
-                raise HookError("clock", self.rank, f"answered {value!r}, not a finite time")
-            return float(value), None
-        except Exception as e:
-            last = self.table.now
-            return (0.0 if np.isnan(last) else float(last)), contained("clock", self.rank, e)
+        return read_clock(self.clock, self.rank, self.table.now)
 
     def _pack(self) -> NDArray[np.uint8]:
-        f = self._frame
+        f, cap = self._frame, self.capacity
         assert f is not None
-        size = HEADER + self.capacity
-        if self._buf.size != size:
-            self._buf = np.full(size, PAD, dtype=np.uint8)
-            self._packed = 0
-        buf = self._buf
-        k = min(f.n, self.capacity)
-        failer = self._failer(k)
-        key = (f.key, f.fp, self._tag, self._want, failer)
-        hdr = self._hdr
-        if key != self._hdr_key:
-            write_field(hdr, Field.FINGERPRINT, f.fp)
-            write_field(hdr, Field.LENGTH, f.n_all)
-            write_field(hdr, Field.CONFIG, self._config_hash)
-            write_field(hdr, Field.QUEUE, self._queue_hash)
-            write_field(hdr, Field.TAG, self._tag)
-            write_field(hdr, Field.NEED, f.n)
-            write_field(hdr, Field.FLOOR, self._want)
-            if failer:
-                write_field(hdr, Field.FAILER, self.rank)
-            else:
-                hdr[_FAILER] = _NO_FAILER
-            self._hdr_key = key
-            self._hdr_bytes = hdr.tobytes()
-        # always copied in: a caller reduces ``buf`` in place, and a merged
-        # header left there after a mismatch would never agree again
-        buf[:HEADER] = hdr
-        self.local.pack(buf[HEADER : HEADER + k])
-        if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
-            buf[HEADER + k : HEADER + self._packed] = PAD
-        self._packed = k
-        return buf
+        return self._buffer.pack(f, self.local, cap, self._tag, self._want, self._failer(cap))
 
     def _failer(self, k: int) -> bool:
-        """Does this rank fail one of the first ``k`` active rows (those it packs)?"""
+        """Does this rank fail one of its first ``k`` active rows (those it packs)?"""
         return _FAILED_BYTE in self.local.values[:k].tobytes()
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
@@ -263,10 +202,7 @@ class Stepper:
         f = self._frame
         if not self._prepared or f is None or f.n > self.capacity:
             return False
-        return (
-            reduced[:HEADER].tobytes() == self._hdr_bytes
-            and reduced[HEADER : HEADER + f.n].tobytes() == f.unchanged_words()
-        )
+        return self._buffer.unchanged(reduced, f)
 
     def commit_unchanged(self) -> StepResult:
         """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do)."""

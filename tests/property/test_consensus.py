@@ -76,7 +76,7 @@ class HeaderOnlyFastPath(Distributed):
 
         class Shortcut(Stepper):
             def unchanged(self, reduced):
-                return self._prepared and reduced[:HEADER].tobytes() == self._hdr_bytes
+                return self._prepared and reduced[:HEADER].tobytes() == self._buffer.header
 
         return Shortcut(
             self.tables[rank],
