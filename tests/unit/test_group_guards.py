@@ -196,6 +196,26 @@ def test_result_positions_are_read_only():
     assert r2.active.tolist() == [0, 2]
 
 
+def test_result_columns_are_read_only_snapshots():
+    """Steps where nothing moves share their agreed columns; a later move
+    never reaches an earlier result, and nobody can write into them."""
+    s = _stepper(0)
+    coll = SingleRank()
+    r1 = s.step(coll)  # nothing moves
+    r2 = s.step(coll)
+    s.local.poller.set([1], S)
+    s.local.poller.set([3], F)
+    r3 = s.step(coll)
+    assert r1.statuses.tolist() == r2.statuses.tolist() == [B, B, B]
+    assert r3.statuses.tolist() == [S, B, F]
+    assert r1.origins.tolist() == [-1, -1, -1] and r3.origins.tolist() == [-1, -1, 0]
+    for r in (r1, r2, r3):
+        for col in (r.statuses, r.reasons, r.origins):
+            assert not col.flags.writeable
+            with pytest.raises(ValueError):
+                col[0] = 0
+
+
 class _RecordingMetadata:
     size = 16
 
