@@ -212,7 +212,7 @@ def test_result_columns_are_read_only_snapshots():
     for r in (r1, r2, r3):
         for col in (r.statuses, r.reasons, r.origins):
             assert not col.flags.writeable
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="read-only"):
                 col[0] = 0
 
 
