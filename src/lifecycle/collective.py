@@ -62,7 +62,12 @@ class Collective(Protocol):
 
 @runtime_checkable
 class Pending(Protocol):
-    """A reduce in flight; ``wait`` returns once the buffer holds the result."""
+    """A reduce in flight; ``wait`` returns once the buffer holds the result.
+
+    A pending reduce may also offer ``then(fn)``: run ``fn`` (which must not
+    raise) on the thread that completes the reduce, ``wait`` returning only
+    after it; a step uses it to do the read-only half of ``finish`` while the
+    caller runs its forward pass."""
 
     def wait(self) -> None: ...
 
@@ -80,6 +85,9 @@ class _Thread:
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._landed = False
+        self._after: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self._thread.start()
 
@@ -88,6 +96,22 @@ class _Thread:
             fn()
         except BaseException as e:
             self._error = e
+        with self._lock:
+            self._landed = True
+            after = self._after
+        if self._error is None:
+            for cb in after:
+                cb()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the reduce has landed (on this thread, or at once if
+        it already has); ``wait`` returns after it."""
+        with self._lock:
+            if not self._landed:
+                self._after.append(fn)
+                return
+        if self._error is None:
+            fn()
 
     def wait(self) -> None:
         self._thread.join()
@@ -282,12 +306,22 @@ class TorchCollective:
 class _TorchWork:
     def __init__(self, work: Any, coll: TorchCollective) -> None:
         self._work, self._coll = work, coll
+        self._after: Any = None
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the backend's thread once the reduce has landed."""
+        try:
+            self._after = self._work.get_future().then(lambda _: fn())
+        except Exception:  # a backend without futures: finish does it all
+            self._after = None
 
     def wait(self) -> None:
         try:
             self._work.wait()
         except RuntimeError as exc:
             raise self._coll._failure(exc) from exc
+        if self._after is not None:
+            self._after.wait()
 
 
 class Hierarchical:

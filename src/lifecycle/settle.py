@@ -23,7 +23,7 @@ from lifecycle.status import I8, TERMINAL
 if TYPE_CHECKING:
     from lifecycle.step import Stepper
 
-__all__ = ["Settled", "settle", "bucket", "unchanged_result"]
+__all__ = ["Settled", "settle", "bucket", "unchanged_result", "commit_unchanged"]
 
 _F = I8.F
 _REASON = np.uint8(0xF)
@@ -143,18 +143,24 @@ class Settled:
 
 
 def unchanged_result(stepper: Stepper, f: Frame) -> StepResult:
-    """Commit a step whose reduced buffer was this rank's own header and every
-    row's agreed status (what :meth:`Stepper.unchanged` checks): the same as
-    :meth:`Settled.commit` with nothing moved and ``need == f.n``."""
+    """The result of a step whose reduced buffer was this rank's own header
+    and every row's agreed status (what :meth:`Stepper.unchanged` checks),
+    changing nothing (:func:`commit_unchanged` applies it)."""
+    step = stepper.table.step_no + 1
+    return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+
+
+def commit_unchanged(stepper: Stepper, f: Frame, result: StepResult) -> StepResult:
+    """Apply such a step: the same as :meth:`Settled.commit` with nothing
+    moved and ``need == f.n``."""
     t = stepper.table
-    step = t.step_no + 1
     cap, floor = stepper.capacity, stepper._floor
     if cap < floor:
         stepper.capacity = floor
     elif f.n * 4 < cap and cap > floor:
         stepper.capacity = max(floor, bucket(f.n * 2, floor))
-    t.step_no, t.now = step, stepper.local.now
-    return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+    t.step_no, t.now = result.step, stepper.local.now
+    return result
 
 
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:

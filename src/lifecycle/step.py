@@ -63,7 +63,7 @@ from lifecycle.local import LocalStage
 from lifecycle.packing import Header, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.settle import Settled, bucket, settle, unchanged_result
+from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
 from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
 
@@ -204,14 +204,15 @@ class Stepper:
             return False
         return self._buffer.unchanged(reduced, f)
 
-    def commit_unchanged(self) -> StepResult:
-        """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do)."""
+    def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
+        """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);
+        ``result``: its :func:`~lifecycle.settle.unchanged_result`, if built."""
         f = self._frame
         assert f is not None and self._prepared
         self._floor = max(self._floor, self._want_floor)
         self._prepared = False
         self._settled = None
-        return unchanged_result(self, f)
+        return commit_unchanged(self, f, result or unchanged_result(self, f))
 
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
