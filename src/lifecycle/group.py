@@ -88,10 +88,12 @@ class StepGroup:
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        self.start(collective, tag)
+        self.start(collective, tag, ahead=False)  # nothing to overlap: finish does it all
         return self.finish()
 
-    def start(self, collective: Collective, tag: int | None = None) -> None:
+    def start(self, collective: Collective, tag: int | None = None, *, ahead: bool = True) -> None:
+        """Prepare every queue and launch the reduce (``ahead``: build the
+        results of a step where nothing moved as soon as the reduce lands)."""
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
         # everything that can refuse the call does so before the first collective
@@ -111,7 +113,7 @@ class StepGroup:
         except BaseException:
             self._release()
             raise
-        then = getattr(work, "then", None)
+        then = getattr(work, "then", None) if ahead else None
         if then is not None:
             then(self._ahead)
 
