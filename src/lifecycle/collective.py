@@ -62,7 +62,12 @@ class Collective(Protocol):
 
 @runtime_checkable
 class Pending(Protocol):
-    """A reduce in flight; ``wait`` returns once the buffer holds the result."""
+    """A reduce in flight; ``wait`` returns once the buffer holds the result.
+
+    A pending reduce may also offer ``then(fn)``: run ``fn`` (which must not
+    raise) on the thread that completes the reduce, ``wait`` returning only
+    after it; a step uses it to do the read-only half of ``finish`` while the
+    caller runs its forward pass."""
 
     def wait(self) -> None: ...
 
@@ -80,6 +85,9 @@ class _Thread:
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._landed = False
+        self._after: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self._thread.start()
 
@@ -88,6 +96,22 @@ class _Thread:
             fn()
         except BaseException as e:
             self._error = e
+        with self._lock:
+            self._landed = True
+            after = self._after
+        if self._error is None:
+            for cb in after:
+                cb()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the reduce has landed (on this thread, or at once if
+        it already has); ``wait`` returns after it."""
+        with self._lock:
+            if not self._landed:
+                self._after.append(fn)
+                return
+        if self._error is None:
+            fn()
 
     def wait(self) -> None:
         self._thread.join()
@@ -186,6 +210,25 @@ class TorchCollective:
             self._store = store
         except Exception:  # no store reachable: dead peers stay unnamed
             self._store = None
+        # the step's reduce goes straight to the process group: the Python
+        # wrapper of dist.all_reduce costs tens of microseconds when caches are
+        # cold, and a started reduce is visible to the caller for all of it
+        self._pg: Any = None
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            self._coalescing = c10d._world.pg_coalesce_state
+            self._pg = group if group is not None else c10d._get_default_group()
+            self._opts = {}
+            for is_async in (False, True):
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = self._min  # type: ignore[assignment]
+                if hasattr(opts, "asyncOp"):
+                    opts.asyncOp = is_async
+                self._opts[is_async] = opts
+        except Exception:  # another torch: the public call does the same
+            self._pg = None
+        self._last: tuple[NDArray[Any], Any] | None = None
 
     @property
     def rank(self) -> int:
@@ -218,21 +261,32 @@ class TorchCollective:
     def _failure(self, exc: RuntimeError) -> RankFailure:
         return RankFailure(self._rank, self.dead_peers(), str(exc).splitlines()[0])
 
-    def all_reduce_min(self, buf: NDArray[Any]) -> None:
-        import torch
+    def _launch(self, buf: NDArray[Any], is_async: bool) -> Any:
+        """Start a MIN all-reduce of ``buf`` in place; the backend's work handle."""
+        last = self._last
+        if last is not None and last[0] is buf:  # a stepper reduces the same buffer each step
+            tensor = last[1]
+        else:
+            import torch
 
+            tensor = torch.from_numpy(buf)
+            self._last = (buf, tensor)
+        pg = self._pg
+        if pg is None or pg in self._coalescing:
+            return self._dist.all_reduce(tensor, op=self._min, group=self.group, async_op=True)
+        return pg.allreduce([tensor], self._opts[is_async])
+
+    def all_reduce_min(self, buf: NDArray[Any]) -> None:
         try:
-            self._dist.all_reduce(torch.from_numpy(buf), op=self._min, group=self.group)
+            work = self._launch(buf, False)
+            if work is not None:
+                work.wait()
         except RuntimeError as exc:  # gloo reports a dead or hung peer this way
             raise self._failure(exc) from exc
 
     def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
-        import torch
-
         try:
-            work = self._dist.all_reduce(
-                torch.from_numpy(buf), op=self._min, group=self.group, async_op=True
-            )
+            work = self._launch(buf, True)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
         return _TorchWork(work, self)
@@ -252,12 +306,22 @@ class TorchCollective:
 class _TorchWork:
     def __init__(self, work: Any, coll: TorchCollective) -> None:
         self._work, self._coll = work, coll
+        self._after: Any = None
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the backend's thread once the reduce has landed."""
+        try:
+            self._after = self._work.get_future().then(lambda _: fn())
+        except Exception:  # a backend without futures: finish does it all
+            self._after = None
 
     def wait(self) -> None:
         try:
             self._work.wait()
         except RuntimeError as exc:
             raise self._coll._failure(exc) from exc
+        if self._after is not None:
+            self._after.wait()
 
 
 class Hierarchical:

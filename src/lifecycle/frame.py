@@ -10,14 +10,22 @@ between costs no gathers at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import fingerprint, status_sum, with_statuses
+from lifecycle.packing import STATUS_SHIFT, fingerprint, status_sum, with_statuses
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
 __all__ = ["Frame"]
+
+#: the bytes of the statuses that are not terminal
+_LIVE = bytes(i for i, terminal in enumerate(TERMINAL.tolist()) if not terminal)
+#: stands in for the metadata columns of a frame no metadata gate reads
+_NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
+_NONE_READ.setflags(write=False)
 
 
 class Frame:
@@ -45,11 +53,15 @@ class Frame:
         "rooms_all",
         "rows",
         "rows_all",
+        "same",
+        "snap",
         "state_all",
         "zeros",
     )
 
-    def __init__(self, t: RequestTable, pool: int | None, by_index: bool) -> None:
+    def __init__(
+        self, t: RequestTable, pool: int | None, by_index: bool, metadata: bool = True
+    ) -> None:
         self.key = Frame.key_of(t)
         self.rows_all = t.order().copy()
         self.rooms_all = t.room[self.rows_all]
@@ -58,27 +70,28 @@ class Frame:
         self.state_all = t.state[self.rows_all]
         self.reason_all = t.reason[self.rows_all]
         self.origin_all = t.origin[self.rows_all]
-        active = ~TERMINAL[self.state_all]
-        self.all_active = bool(active.all())
+        # a byte scan first: a frame is rebuilt right after a collective, when
+        # caches are cold, and most lists hold no terminal row
+        self.all_active = not self.state_all.tobytes().translate(None, _LIVE)
         # the fingerprint covers every row's agreed status too: ranks that
         # disagree on which rows are terminal would pack different rows at the
         # same position, and on a status one of them would reject the agreed move
         self._rooms_fp = fingerprint(self.rooms_all)
         self._sum = status_sum(self.state_all)
         self.fp = with_statuses(self._rooms_fp, self._sum)
+        self.same: bytes | None = None  # see unchanged_words()
+        self.snap: tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]] | None = None
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
             self.rows, self.rooms = self.rows_all, self.rooms_all
         else:
-            self.pos = np.flatnonzero(active)
+            self.pos = np.flatnonzero(~TERMINAL[self.state_all])
             self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
         self.n = self.rows.size
         self.hidx = t.handle_index[self.rows]
         # handed to hooks and results: nobody may write into the cache
         for a in (self.rooms, self.hidx, self.rooms_all, self.pos):
             a.setflags(write=False)
-        self.fake = t.fake[self.rows]
-        self.zeros = np.zeros(self.n, dtype=bool)
         # rows a batch poller that reads by index cannot answer for: polling
         # them with index -1 would read another request's status
         self.no_index: NDArray[np.bool_] | None = None
@@ -86,17 +99,22 @@ class Frame:
             missing = self.hidx < 0
             if missing.any():
                 self.no_index = missing
+        self.meta_bad: NDArray[np.bool_] | None = None
+        self.meta_pos: NDArray[np.int64] | None = None
+        if not metadata:  # no metadata gate reads them
+            self.fake = self.zeros = self.meta_slots = self.meta_rooms = _NONE_READ
+            return
+        self.fake = t.fake[self.rows]
+        self.zeros = np.zeros(self.n, dtype=bool)
         mslots = t.metadata_slot[self.rows]
         # rows the metadata gate reads: real requests with a row (None: all of them)
         checkable = ~self.fake & (mslots >= 0)
         # a row outside the pool can never land; it fails instead of being read
-        self.meta_bad: NDArray[np.bool_] | None = None
         if pool is not None:
             bad = checkable & (mslots >= pool)
             if bad.any():
                 self.meta_bad = bad
                 checkable &= ~bad
-        self.meta_pos: NDArray[np.int64] | None = None
         self.meta_slots, self.meta_rooms = mslots, self.rooms
         if not checkable.all():
             self.meta_pos = np.flatnonzero(checkable)
@@ -116,6 +134,26 @@ class Frame:
             self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
             self.fp = with_statuses(self._rooms_fp, self._sum)
         self.state_all[pos] = new
+        self.same = self.snap = None
+
+    def unchanged_words(self) -> bytes:
+        """The reduced words of the active rows on a step where nothing moves
+        (each row's agreed status, no reason), as bytes to compare against."""
+        if self.same is None:
+            out = np.empty(self.n, dtype=np.uint8)
+            np.left_shift(self.state_all[self.pos], STATUS_SHIFT, out=out, casting="unsafe")
+            self.same = out.tobytes()
+        return self.same
+
+    def snapshot(self) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]]:
+        """Read-only copies of the agreed columns of the whole list, shared by
+        the results of the steps until a row moves."""
+        if self.snap is None:
+            cols = (self.state_all.copy(), self.reason_all.copy(), self.origin_all.copy())
+            for a in cols:
+                a.setflags(write=False)
+            self.snap = cols
+        return self.snap
 
     @staticmethod
     def key_of(t: RequestTable) -> tuple[int, int, int]:
@@ -124,9 +162,16 @@ class Frame:
         return (t.version, t.columns_version, t.terminal_count)
 
     @classmethod
-    def of(cls, t: RequestTable, cached: Frame | None, pool: int | None, by_index: bool) -> Frame:
+    def of(
+        cls,
+        t: RequestTable,
+        cached: Frame | None,
+        pool: int | None,
+        by_index: bool,
+        metadata: bool = True,
+    ) -> Frame:
         if t._limbo:
             t.order()  # compacts removed rows (membership changes were already counted)
         if cached is not None and cached.key == cls.key_of(t):
             return cached
-        return cls(t, pool, by_index)
+        return cls(t, pool, by_index, metadata)

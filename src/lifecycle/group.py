@@ -34,6 +34,7 @@ from lifecycle.collective import Collective, Pending, start_min
 from lifecycle.errors import CollectiveMismatch, InvalidArgument, TableBusy
 from lifecycle.packing import HEADER, Field, Header, stable_hash, write_field
 from lifecycle.result import StepResult
+from lifecycle.settle import unchanged_result
 from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
 
 __all__ = ["StepGroup"]
@@ -82,13 +83,17 @@ class StepGroup:
         self._work: Pending | None = None
         self._coll: Collective | None = None
         self._buf: NDArray[np.uint8] | None = None
+        #: the results of the step in flight, when _ahead found nothing moved
+        self._ready: list[StepResult] | None = None
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        self.start(collective, tag)
+        self.start(collective, tag, ahead=False)  # nothing to overlap: finish does it all
         return self.finish()
 
-    def start(self, collective: Collective, tag: int | None = None) -> None:
+    def start(self, collective: Collective, tag: int | None = None, *, ahead: bool = True) -> None:
+        """Prepare every queue and launch the reduce (``ahead``: build the
+        results of a step where nothing moved as soon as the reduce lands)."""
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
         # everything that can refuse the call does so before the first collective
@@ -102,12 +107,32 @@ class StepGroup:
         buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
         for s in self.steppers:
             s.table.busy = True
-        self._coll, self._buf = collective, buf
+        self._coll, self._buf, self._ready = collective, buf, None
         try:
-            self._work = start_min(collective, buf)
+            work = self._work = start_min(collective, buf)
         except BaseException:
             self._release()
             raise
+        then = getattr(work, "then", None) if ahead else None
+        if then is not None:
+            then(self._ahead)
+
+    def _ahead(self) -> None:
+        """Run where the reduce completes, while the caller runs its forward
+        pass: for the common step (nothing moved), build the results. Reads
+        only (the tables are busy until ``finish``, which applies them)."""
+        try:
+            buf = self._buf
+            assert buf is not None
+            segs = self._split(buf)
+            if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+                ready = []
+                for s in self.steppers:
+                    assert s._frame is not None
+                    ready.append(unchanged_result(s, s._frame))
+                self._ready = ready
+        except Exception:  # finish does it all again, and raises what it must
+            self._ready = None
 
     def finish(self) -> tuple[StepResult, ...]:
         work, coll, buf = self._work, self._coll, self._buf
@@ -116,7 +141,15 @@ class StepGroup:
         self._work = None
         try:
             work.wait()
+            ready, self._ready = self._ready, None
+            if ready is not None:
+                return tuple(
+                    self._stuck(coll, s, s.commit_unchanged(r))
+                    for s, r in zip(self.steppers, ready)
+                )
             segs = self._split(buf)
+            if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+                return tuple(self._stuck(coll, s, s.commit_unchanged()) for s in self.steppers)
             if any([s.resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s.repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)

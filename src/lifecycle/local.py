@@ -49,6 +49,33 @@ def _mask(n: int, pos: NDArray[np.int64]) -> NDArray[np.bool_]:
     return out
 
 
+_S_BYTE = bytes([int(I8.S)])
+
+
+def _any(mask: NDArray[np.bool_]) -> bool:
+    # a byte scan: right after a collective (cold caches) far cheaper than .any()
+    return b"\x01" in mask.tobytes()
+
+
+class _Lazy:
+    """The rows at Success, computed on first use (most steps never need them)."""
+
+    __slots__ = ("_local", "_mask")
+
+    def __init__(self, local: NDArray[np.int8]) -> None:
+        self._local = local
+        self._mask: NDArray[np.bool_] | None = None
+
+    def __call__(self) -> NDArray[np.bool_]:
+        if self._mask is None:
+            self._mask = self._local == _S
+        return self._mask
+
+
+def _everyone(n: int) -> NDArray[np.bool_]:
+    return np.ones(n, dtype=bool)
+
+
 def _or(a: NDArray[np.bool_] | None, b: NDArray[np.bool_]) -> NDArray[np.bool_]:
     return b.copy() if a is None else a | b
 
@@ -114,6 +141,9 @@ class LocalStage:
         step: int,
         clock_error: HookError | None = None,
     ) -> None:
+        # every stage adds work only when its source can hit: right after a
+        # blocking collective each numpy call costs microseconds (cold caches),
+        # so the common step makes as few as it can
         n = f.n
         self.now = now
         staging = self.staging
@@ -126,95 +156,106 @@ class LocalStage:
         obs = self.obs = observe(
             self.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
         )
-        everyone = np.ones(n, dtype=bool)
         if early is not None:
-            obs.hook_failed(everyone, f.rooms, contained("staging advance", self.rank, early))
+            obs.hook_failed(_everyone(n), f.rooms, contained("staging advance", self.rank, early))
         if clock_error is not None:  # no deadline or stamp can be trusted on this rank
-            obs.hook_failed(everyone, f.rooms, clock_error)
+            obs.hook_failed(_everyone(n), f.rooms, clock_error)
         masks: dict[str, NDArray[np.bool_] | None] = {}
         if n:
-            # first: a fault hook may request an abort, which this step then carries
-            if self.faults is not None:
-                faults = self.faults
-                # a copy: a hook writing into its view must not reach apply
-                ctx = StepContext(
-                    self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows]
-                )
-                masks["fault_hook"] = self._ask(
-                    "fault hook",
-                    lambda: bool_answer(faults.inject(ctx), n, "fault hook", self.rank),
-                    everyone,
-                    f,
-                )
-            if t.abort_count:
-                masks["abort_flag"] = t.abort_requested[f.rows]
-            if cfg.bootstrap_timeout is not None:
-                state = t.state[f.rows]
-                masks["bootstrap_deadline"] = (state == _B) & (
-                    now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
-                )
-            if cfg.waiting_timeout is not None:
-                with np.errstate(invalid="ignore"):
-                    masks["waiting_deadline"] = (
-                        now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
-                    )
-            if self.metadata is not None and f.meta_bad is not None:
-                size = getattr(self.metadata, "size", "?")
-                for i in np.flatnonzero(f.meta_bad).tolist():
-                    obs.exceptions[int(f.rooms[i])] = HookError(
-                        "metadata source",
-                        self.rank,
-                        f"cannot hold room={int(f.rooms[i])}: its metadata slot is outside "
-                        f"the pool of {size} rows",
-                    )
-                obs.hooked = _or(obs.hooked, f.meta_bad)
+            self._verdicts(t, f, cfg, now, step, masks)
         masks["poll_value"] = obs.invalid
         masks["poll_error"] = obs.errors
-        masks["hook_error"] = obs.hooked
+        hooked = masks["hook_error"] = obs.hooked
         codes = combine(n, masks, obs.backend)
         local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
-        if n and (staging is not None or self.metadata is not None or self.gates):
-            success = local == _S
-            if success.any():
-                closed, corrupt = self._gates(f, success)
-                if corrupt is not None or obs.hooked is not masks["hook_error"]:
-                    masks["metadata_row"] = corrupt
-                    masks["hook_error"] = obs.hooked
-                    codes = combine(n, masks, obs.backend)
-                    assert codes is not None
-                    local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
-                hold(local, closed)
+        gated = staging is not None or self.metadata is not None or self.gates
+        if gated and _S_BYTE in local.tobytes():  # gates decide only local Successes
+            closed, corrupt = self._gates(f, local)
+            if corrupt is not None or obs.hooked is not hooked:
+                masks["metadata_row"] = corrupt
+                masks["hook_error"] = obs.hooked
+                codes = combine(n, masks, obs.backend)
+                assert codes is not None
+                local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+            hold(local, closed)
         self.values, self.codes = local, codes
 
+    def _verdicts(
+        self,
+        t: RequestTable,
+        f: Frame,
+        cfg: StepConfig,
+        now: float,
+        step: int,
+        masks: dict[str, NDArray[np.bool_] | None],
+    ) -> None:
+        """The verdict sources other than observing, as masks over the active rows."""
+        n, obs = f.n, self.obs
+        # first: a fault hook may request an abort, which this step then carries
+        if self.faults is not None:
+            faults = self.faults
+            # a copy: a hook writing into its view must not reach apply
+            ctx = StepContext(self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows])
+            masks["fault_hook"] = self._ask(
+                "fault hook",
+                lambda: bool_answer(faults.inject(ctx), n, "fault hook", self.rank),
+                _everyone(n),
+                f,
+            )
+        if t.abort_count:
+            masks["abort_flag"] = t.abort_requested[f.rows]
+        if cfg.bootstrap_timeout is not None:
+            state = t.state[f.rows]
+            masks["bootstrap_deadline"] = (state == _B) & (
+                now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
+            )
+        if cfg.waiting_timeout is not None:
+            with np.errstate(invalid="ignore"):
+                masks["waiting_deadline"] = now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
+        if self.metadata is not None and f.meta_bad is not None:
+            size = getattr(self.metadata, "size", "?")
+            for i in np.flatnonzero(f.meta_bad).tolist():
+                obs.exceptions[int(f.rooms[i])] = HookError(
+                    "metadata source",
+                    self.rank,
+                    f"cannot hold room={int(f.rooms[i])}: its metadata slot is outside "
+                    f"the pool of {size} rows",
+                )
+            obs.hooked = _or(obs.hooked, f.meta_bad)
+
     def _gates(
-        self, f: Frame, success: NDArray[np.bool_]
+        self, f: Frame, local: NDArray[np.int8]
     ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
         """Every gate's closed mask over the active rows, and the corrupt metadata
         rows. A gate decides only rows at Success, so its errors fail those."""
         n, rank = f.n, self.rank
+        success = _Lazy(local)
         closed: dict[str, NDArray[np.bool_] | None] = {}
         corrupt: NDArray[np.bool_] | None = None
         staging = self.staging
         if staging is not None:
-            closed["staging_pending"] = self._ask(
-                "staging pending",
-                lambda: bool_answer(staging.pending(f.rooms, f.hidx), n, "staging pending", rank),
-                success,
-                f,
-            )
+            try:
+                closed["staging_pending"] = bool_answer(
+                    staging.pending(f.rooms, f.hidx), n, "staging pending", rank
+                )
+            except Exception as e:
+                self.obs.hook_failed(success(), f.rooms, contained("staging pending", rank, e))
         if self.metadata is not None:
-            asked = success if f.meta_pos is None else success & _mask(n, f.meta_pos)
-            pair = self._ask("metadata source", lambda: self._metadata(f), asked, f)
-            if pair is not None:
-                landed, bad = pair
+            try:
+                landed, bad = self._metadata(f)
+            except Exception as e:
+                asked = success() if f.meta_pos is None else success() & _mask(n, f.meta_pos)
+                self.obs.hook_failed(asked, f.rooms, contained("metadata source", rank, e))
+            else:
                 closed["metadata_pending"] = ~landed
-                bad &= success
-                corrupt = bad if bad.any() else None
+                if _any(bad):  # never written to: the arrays may be the source's own
+                    bad = bad & success()
+                    corrupt = bad if _any(bad) else None
         if self.gates:
             user = np.zeros(n, dtype=bool)
             for gate in self.gates:
                 name = f"gate {getattr(gate, 'name', '?')!r}"
-                ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success, f)
+                ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success(), f)
                 if ans is not None:
                     user |= ans
             closed["gate_closed"] = user
@@ -222,14 +263,15 @@ class LocalStage:
 
     def _metadata(self, f: Frame) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
         """(landed, corrupt) per active row; fake-path requests count as landed,
-        a real request without a metadata row never does."""
+        a real request without a metadata row never does. The caller only
+        reads them."""
         assert self.metadata is not None
         m = f.meta_slots.size
         ok, bad = self.metadata.landed(f.meta_slots, f.meta_rooms)
         ok = bool_answer(ok, m, "metadata source (landed)", self.rank)
         bad = bool_answer(bad, m, "metadata source (corrupt)", self.rank)
         if f.meta_pos is None:
-            return ok.copy(), bad.copy()
+            return ok, bad
         landed = f.fake.copy()
         landed[f.meta_pos] = ok
         corrupt = f.zeros.copy()
@@ -244,7 +286,18 @@ class LocalStage:
         else:
             pack(self.values[:k], self.codes[:k], out)
 
-    def words(self) -> NDArray[np.uint8]:
-        out = np.empty(self.values.size, dtype=np.uint8)
-        self.pack(out)
+    def words(self, rows: NDArray[np.int64] | None = None) -> NDArray[np.uint8]:
+        """This rank's words for all active rows, or for the positions ``rows``."""
+        if rows is None:
+            out = np.empty(self.values.size, dtype=np.uint8)
+            self.pack(out)
+            return out
+        out = np.empty(rows.size, dtype=np.uint8)
+        codes = None if self.codes is None else self.codes[rows]
+        if codes is None:
+            np.left_shift(
+                self.values[rows], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe"
+            )
+        else:
+            pack(self.values[rows], codes, out)
         return out

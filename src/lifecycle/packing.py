@@ -10,7 +10,9 @@ among ranks that failed a request, MIN then keeps the smallest reason code,
 which is the documented priority (:mod:`lifecycle.reasons`). Every rank
 decodes the same status and, for Failed, the same reason. The rank a failure
 came from is not in the word: it is fetched by a second, small collective
-only on steps where some request newly failed (see :func:`origin_words`).
+only on steps where some request newly failed and more than one rank failed
+rows (the header's FAILER field says when a single rank did: every new
+failure then came from it).
 
 A buffer is :data:`HEADER` bytes followed by ``capacity`` request bytes
 (padded with :data:`PAD`, which MIN ignores). The header is a list of 64-bit
@@ -48,6 +50,8 @@ __all__ = [
     "with_statuses",
     "stable_hash",
     "write_field",
+    "field_slice",
+    "NO_FAILER",
     "Header",
 ]
 
@@ -68,13 +72,14 @@ class Field(enum.IntEnum):
     TAG = 4  # the caller's iteration number (0: none given)
     NEED = 5  # capacity needed (active rows): upper bound across ranks
     FLOOR = 6  # capacity wanted as a floor: upper bound across ranks
+    FAILER = 7  # this rank, if it fails some row locally (else all 0xFF): see Header.sole
 
 
 MATCHED = (Field.FINGERPRINT, Field.LENGTH, Field.CONFIG, Field.QUEUE, Field.TAG)
 _BOUNDS = (Field.NEED, Field.FLOOR)
 _OFFSET: dict[Field, int] = {}
 _at = 0
-for _f in MATCHED:
+for _f in (*MATCHED, Field.FAILER):
     _OFFSET[_f] = _at
     _at += 16
 for _f in _BOUNDS:
@@ -117,13 +122,27 @@ def fingerprint(rooms: NDArray[np.uint64]) -> int:
     """A 64-bit hash of the ordered list of rooms (order and length sensitive)."""
     n = rooms.size
     with np.errstate(over="ignore"):
-        pos = np.arange(1, n + 1, dtype=np.uint64) * _GOLD
-        h = np.bitwise_xor.reduce(_mix(rooms ^ _mix(pos)), initial=np.uint64(0))
+        h = np.bitwise_xor.reduce(_mix(rooms ^ _position_keys(n)), initial=np.uint64(0))
         h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
     return int(h)
 
 
 _WEIGHTS = np.empty(0, dtype=np.uint64)
+_KEYS = np.empty(0, dtype=np.uint64)
+
+
+def _position_keys(n: int) -> NDArray[np.uint64]:
+    """``_mix((i + 1) * GOLD)`` for positions 0..n-1 (cached: a frame is
+    rebuilt on every change of membership, and this half of the hash depends
+    on the length alone)."""
+    global _KEYS
+    if _KEYS.size < n:
+        size = max(n, 2 * _KEYS.size, 1024)
+        with np.errstate(over="ignore"):
+            k = _mix(np.arange(1, size + 1, dtype=np.uint64) * _GOLD)
+        k.setflags(write=False)
+        _KEYS = k
+    return _KEYS[:n]
 
 
 def position_weights(n: int) -> NDArray[np.uint64]:
@@ -163,6 +182,12 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+def field_slice(field: Field) -> slice:
+    """Where ``field`` sits in a header (value and complement, if it has one)."""
+    at = _OFFSET[field]
+    return slice(at, at + (8 if field in _BOUNDS else 16))
+
+
 def write_field(buf: NDArray[np.uint8], field: Field, value: int) -> None:
     """Write one header field (and its complement where it has one) into ``buf``."""
     at = _OFFSET[field]
@@ -176,6 +201,9 @@ def write_field(buf: NDArray[np.uint8], field: Field, value: int) -> None:
 
 _MASK64 = 2**64 - 1
 _STRUCT = struct.Struct(f">{HEADER // 8}Q")
+_FAILER_AT = _OFFSET[Field.FAILER] // 8
+#: the FAILER field of a rank that fails no row: neutral for both its halves
+NO_FAILER = b"\xff" * 16
 _NEED_AT = _OFFSET[Field.NEED] // 8
 _FLOOR_AT = _OFFSET[Field.FLOOR] // 8
 
@@ -187,7 +215,7 @@ class Header:
     of the value, so each field's byte-wise minimum and maximum are two words.
     """
 
-    __slots__ = ("_words", "agreed", "floor", "need")
+    __slots__ = ("_words", "agreed", "floor", "need", "sole")
 
     def __init__(self, buf: NDArray[np.uint8]) -> None:
         w = self._words = _STRUCT.unpack(buf[:HEADER].tobytes())
@@ -195,6 +223,13 @@ class Header:
         self.agreed = all(w[2 * i] == w[2 * i + 1] ^ _MASK64 for i in range(len(MATCHED)))
         self.need = w[_NEED_AT] ^ _MASK64
         self.floor = w[_FLOOR_AT] ^ _MASK64
+        # the ranks failing some row locally write their rank (value and
+        # complement), the others 0xFF bytes, neutral to both halves: the
+        # byte-wise low and high of the failing ranks' values are equal exactly
+        # when one rank failed rows, and then every new failure came from it
+        lo, hi = w[_FAILER_AT], w[_FAILER_AT + 1] ^ _MASK64
+        #: the only rank that failed rows in this step (None: none, or several)
+        self.sole: int | None = lo if lo == hi else None
 
     def bounds(self, field: Field) -> tuple[int, int]:
         """(byte-wise low, byte-wise high) of a matched field across ranks."""

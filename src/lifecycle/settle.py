@@ -23,12 +23,13 @@ from lifecycle.status import I8, TERMINAL
 if TYPE_CHECKING:
     from lifecycle.step import Stepper
 
-__all__ = ["Settled", "settle", "bucket"]
+__all__ = ["Settled", "settle", "bucket", "unchanged_result", "commit_unchanged"]
 
 _F = I8.F
 _REASON = np.uint8(0xF)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_I16 = np.empty(0, dtype=np.int16)
+_EMPTY_I8 = np.empty(0, dtype=np.int8)
 _EMPTY_F64 = np.empty(0, dtype=np.float64)
 _FIELD_NAMES = {
     Field.FINGERPRINT: "request list",
@@ -48,6 +49,7 @@ class Settled:
         "fetch",
         "frame",
         "hdr",
+        "moved",
         "new",
         "origin",
         "reason",
@@ -65,34 +67,42 @@ class Settled:
         self.fetch: NDArray[np.int32] | None = None
         self.state: NDArray[np.int8] | None = None
         self.new: NDArray[np.int8] | None = None
+        self.moved: NDArray[np.int64] = _EMPTY_I64
 
     def plan(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> None:
-        """Work out every row's move, raising (on every rank alike: from agreed
-        data only) before anything changes."""
+        """Work out every moving row's move, raising (on every rank alike: from
+        agreed data only) before anything changes. Only the rows whose agreed
+        status differs are worked on (a few per step, however long the list)."""
         f = self.frame
         state = self.state = stepper.table.state[f.rows]
         agreed = self.agreed
         self.new = None
         if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
             return
-        reason = np.where(agreed == _F, self.words & _REASON, FailureReason.NONE).astype(np.int8)
-        origin = np.full(f.n, -1, dtype=np.int32)
-        if self.failed.size:
+        moved = self.moved = np.flatnonzero(agreed != state)
+        to, was = agreed[moved], state[moved]
+        failed = to == _F  # active rows were not Failed before, so every one moved
+        reason = np.where(failed, self.words[moved] & _REASON, FailureReason.NONE).astype(np.int8)
+        origin = np.full(moved.size, -1, dtype=np.int32)
+        if self.failed.size and self.hdr.sole is not None:
+            origin[failed] = self.hdr.sole  # one rank failed rows: all came from it
+        elif self.failed.size:
             assert origins is not None
-            origin[self.failed] = origins[: self.failed.size]
+            # both ascending, and every failed row moved: the same order
+            origin[failed] = origins[: self.failed.size]
         if stepper.config.invalid_status == "raise":
-            bad = (agreed == _F) & (reason == FailureReason.INVALID_STATUS)
+            bad = failed & (reason == FailureReason.INVALID_STATUS)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                room = int(f.rooms[i])
+                room = int(f.rooms[moved[i]])
                 raise InvalidStatus(room, int(origin[i]), stepper.local.raw_invalid.get(room))
-        new, trig_all, illegal = batch.advance(state, agreed, reason)
+        new, trig, illegal = batch.advance(was, to, reason)
         if illegal.any():
             i = int(np.flatnonzero(illegal)[0])
             raise IllegalTransition(
-                int(f.rooms[i]), stepper.rank, int(state[i]), int(agreed[i]), "advance"
+                int(f.rooms[moved[i]]), stepper.rank, int(was[i]), int(to[i]), "advance"
             )
-        self.new, self.triggers, self.reason, self.origin = new, trig_all, reason, origin
+        self.new, self.triggers, self.reason, self.origin = new, trig, reason, origin
 
     def commit(self, stepper: Stepper) -> StepResult:
         f, t = self.frame, stepper.table
@@ -109,25 +119,48 @@ class Settled:
         if new is None:
             t.step_no, t.now = step, now
             return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
-        reason, origin = self.reason, self.origin
-        changed = np.flatnonzero(new != state)
-        slots = f.rows[changed]
+        moved, reason, origin = self.moved, self.reason, self.origin
+        was = state[moved]
+        slots = f.rows[moved]
         dwell = now - t.entered_time[slots]
-        ended = int(TERMINAL[new[changed]].sum())
+        ended = int(TERMINAL[new].sum())
         t.terminal_count += ended
-        t.state[slots] = new[changed]
+        t.state[slots] = new
         t.entered_step[slots] = step
         t.entered_time[slots] = now
-        pos = f.pos[changed]
-        f.restate(pos, state[changed], new[changed], rehash=not ended)
-        failed = changed[new[changed] == _F]
+        pos = f.pos[moved]
+        f.restate(pos, was, new, rehash=not ended)
+        failed = np.flatnonzero(new == _F)
         if failed.size:
-            t.reason[f.rows[failed]] = reason[failed]
-            t.origin[f.rows[failed]] = origin[failed]
-            f.reason_all[f.pos[failed]] = reason[failed]
-            f.origin_all[f.pos[failed]] = origin[failed]
+            f.snap = None
+            at = slots[failed]
+            t.reason[at] = reason[failed]
+            t.origin[at] = origin[failed]
+            f.reason_all[pos[failed]] = reason[failed]
+            f.origin_all[pos[failed]] = origin[failed]
         t.step_no, t.now = step, now
-        return _result(stepper, f, step, pos, state[changed], self.triggers[changed], dwell)
+        return _result(stepper, f, step, pos, was, self.triggers, dwell)
+
+
+def unchanged_result(stepper: Stepper, f: Frame) -> StepResult:
+    """The result of a step whose reduced buffer was this rank's own header
+    and every row's agreed status (what :meth:`Stepper.unchanged` checks),
+    changing nothing (:func:`commit_unchanged` applies it)."""
+    step = stepper.table.step_no + 1
+    return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+
+
+def commit_unchanged(stepper: Stepper, f: Frame, result: StepResult) -> StepResult:
+    """Apply such a step: the same as :meth:`Settled.commit` with nothing
+    moved and ``need == f.n``."""
+    t = stepper.table
+    cap, floor = stepper.capacity, stepper._floor
+    if cap < floor:
+        stepper.capacity = floor
+    elif f.n * 4 < cap and cap > floor:
+        stepper.capacity = max(floor, bucket(f.n * 2, floor))
+    t.step_no, t.now = result.step, stepper.local.now
+    return result
 
 
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
@@ -142,8 +175,9 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
     failed = np.flatnonzero(s.agreed == _F)  # active rows were not Failed before
     if failed.size:
         s.failed = failed
-        mine = stepper.local.words()[failed] == s.words[failed]
-        s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
+        if hdr.sole is None:  # several ranks failed rows: ask which word won
+            mine = stepper.local.words(failed) == s.words[failed]
+            s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
     return s
 
 
@@ -199,13 +233,14 @@ def _result(
     triggers: NDArray[np.int16],
     dwell: NDArray[np.float64],
 ) -> StepResult:
+    statuses, reasons, origins = f.snapshot()
     return StepResult(
         step=step,
         queue=stepper.queue,
         rooms=f.rooms_all,
-        statuses=f.state_all.copy(),
-        reasons=f.reason_all.copy(),
-        origins=f.origin_all.copy(),
+        statuses=statuses,
+        reasons=reasons,
+        origins=origins,
         active=f.pos,
         changed=pos,
         previous=previous,

@@ -16,8 +16,9 @@ Per rank, for the ordered list of live requests of one queue, a step is:
 4. **reduce** -- the caller's collective MIN-reduces the buffer
    (:mod:`lifecycle.packing`): a byte per active row plus a header that
    catches diverging lists, configurations, queues and iterations. On a step
-   where some request newly fails, a second small reduce fetches the rank
-   each failure came from.
+   where some request newly fails and more than one rank failed rows, a
+   second small reduce fetches the rank each failure came from (when a single
+   rank did, the header names it).
 5. **apply** -- every row moves to its agreed status along a declared edge
    (:mod:`lifecycle.batch`); a move the graph lacks raises before anything
    changes.
@@ -37,26 +38,33 @@ differently.
 
 from __future__ import annotations
 
-import math
-import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import validate
+from lifecycle.buffer import StepBuffer
 from lifecycle.collective import Collective
+from lifecycle.config import (
+    FIRST_CAPACITY,
+    MAX_CAPACITY,
+    MAX_RANK,
+    StepConfig,
+    read_clock,
+    require_method,
+    tag_word,
+)
 from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
-from lifecycle.observe import contained
-from lifecycle.packing import HEADER, PAD, Field, Header, stable_hash, write_field
+from lifecycle.packing import Header, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.settle import Settled, bucket, settle
+from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
+from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = [
@@ -67,89 +75,11 @@ __all__ = [
     "Stepper",
     "FIRST_CAPACITY",
     "MAX_CAPACITY",
+    "tag_word",
 ]
 
-#: size of every stepper's first reduce, whatever its configuration: the group
-#: agrees there on the largest ``initial_capacity`` any rank asked for, so
-#: ranks built with different settings never hand gloo different sizes
-FIRST_CAPACITY = 64
-#: the largest buffer capacity a config may ask for
-MAX_CAPACITY = 1 << 24
 
-
-def _seconds_or_none(inst: Any, attribute: Any, value: object) -> None:
-    if value is not None:
-        validate.seconds(value, f"StepConfig.{attribute.name}")
-
-
-@attrs.frozen
-class StepConfig:
-    """How a stepper behaves; all deadlines off by default.
-
-    Every rank of a group must use the same config (except
-    ``initial_capacity``, of which the group takes the largest): a hash of
-    it travels in the header and a difference raises
-    :class:`~lifecycle.errors.CollectiveMismatch` on every rank.
-    """
-
-    #: seconds a request may stay Bootstrapping before it fails (None: never)
-    bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
-    #: seconds from ``mark_metadata_sent`` until an unfinished request fails
-    waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
-    #: a poll value outside KVPoll: "raise" InvalidStatus on every rank after the
-    #: reduce (nothing applied), or "fail" the request with reason INVALID_STATUS
-    invalid_status: Literal["raise", "fail"] = "raise"
-    #: report requests that have not changed status for this many steps
-    stuck_after: int | None = None
-    #: buffer capacity to keep at least (the largest over the ranks is agreed)
-    initial_capacity: int = 64
-
-    def __attrs_post_init__(self) -> None:
-        if not isinstance(self.invalid_status, str) or self.invalid_status not in ("raise", "fail"):
-            raise InvalidArgument(
-                "StepConfig.invalid_status", self.invalid_status, "'raise' or 'fail'"
-            )
-        if self.stuck_after is not None:
-            validate.integer(self.stuck_after, "StepConfig.stuck_after", 1, 1 << 40)
-        validate.integer(self.initial_capacity, "StepConfig.initial_capacity", 1, MAX_CAPACITY)
-
-    @property
-    def fingerprint(self) -> int:
-        """Hash of the settings every rank of a group must share (the capacity
-        is agreed instead, so it is not part of it)."""
-        return stable_hash(
-            repr(
-                (
-                    None if self.bootstrap_timeout is None else float(self.bootstrap_timeout),
-                    None if self.waiting_timeout is None else float(self.waiting_timeout),
-                    self.invalid_status,
-                    None if self.stuck_after is None else int(self.stuck_after),
-                )
-            )
-        )
-
-
-def tag_word(tag: object, rank: int) -> int:
-    """The header word for ``tag`` (the caller's iteration number, or None).
-
-    Tags are compared modulo 2**63 (a tag travels as ``tag % 2**63 + 1``;
-    0 means none), so any iteration counter fits; a negative one is refused.
-    """
-    if tag is None:
-        return 0
-    value = operator.index(tag) if validate.is_integer(tag) else -1  # type: ignore[arg-type]
-    if value < 0:
-        raise InvalidArgument("step tag", tag, "None or a non-negative integer", rank)
-    return value % (1 << 63) + 1
-
-
-def _hook(obj: object, method: str, what: str) -> None:
-    if obj is not None and not callable(getattr(obj, method, None)):
-        raise InvalidArgument(what, obj, f"an object with a {method}() method")
-
-
-#: ranks are stamped into the origin fetch as int32
-MAX_RANK = (1 << 24) - 1
+_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 
 
 class Stepper:
@@ -179,14 +109,14 @@ class Stepper:
             raise InvalidArgument("Stepper queue", queue, "a str naming the queue", rank)
         if not callable(clock):
             raise InvalidArgument("Stepper clock", clock, "a callable returning seconds", rank)
-        _hook(poller, "poll_many", "Stepper poller")
-        _hook(staging, "advance", "Stepper staging")
-        _hook(staging, "pending", "Stepper staging")
-        _hook(metadata, "landed", "Stepper metadata")
-        _hook(faults, "inject", "Stepper faults")
+        require_method(poller, "poll_many", "Stepper poller")
+        require_method(staging, "advance", "Stepper staging")
+        require_method(staging, "pending", "Stepper staging")
+        require_method(metadata, "landed", "Stepper metadata")
+        require_method(faults, "inject", "Stepper faults")
         gates = tuple(gates)
         for g in gates:
-            _hook(g, "closed", "Stepper gate")
+            require_method(g, "closed", "Stepper gate")
         if agreed_capacity is not None:
             agreed_capacity = validate.integer(
                 agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
@@ -214,13 +144,10 @@ class Stepper:
         cap = FIRST_CAPACITY if agreed_capacity is None else bucket(0, agreed_capacity)
         self.capacity = self._floor = cap
         self._want = bucket(0, self.config.initial_capacity)
-        self._config_hash = self.config.fingerprint
-        self._queue_hash = stable_hash(queue)
         self._frame: Frame | None = None
-        self._buf = np.empty(0, dtype=np.uint8)
-        self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
-        self._packed = 0
-        self._hdr_key: tuple[object, ...] = ()
+        self._buffer = StepBuffer(rank, self.config.fingerprint, stable_hash(queue))
+        #: the largest capacity floor this rank asked for, as resize() would agree it
+        self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
         self._prepared = False
         self._settled: Settled | None = None
         self._group: Any = None
@@ -230,7 +157,9 @@ class Stepper:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
         word = tag_word(tag, self.rank)
         t = self.table
-        f = self._frame = Frame.of(t, self._frame, self._pool, self._by_index)
+        f = self._frame = Frame.of(
+            t, self._frame, self._pool, self._by_index, self.local.metadata is not None
+        )
         now, late = self._now()
         self.local.run(t, f, self.config, now, t.step_no + 1, late)
         self._tag = word
@@ -239,50 +168,16 @@ class Stepper:
         return self._pack()
 
     def _now(self) -> tuple[float, HookError | None]:
-        """The clock's reading; a clock that raises or answers a non-finite or
-        non-numeric value is a hook error (the table's last time stands in)."""
-        try:
-            value = self.clock()
-            if type(value) is float and math.isfinite(value):  # the common case
-                return value, None
-            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-                value, (bool, np.bool_)
-            )
-            if not ok or not np.isfinite(value):
-                raise HookError("clock", self.rank, f"answered {value!r}, not a finite time")
-            return float(value), None
-        except Exception as e:
-            last = self.table.now
-            return (0.0 if np.isnan(last) else float(last)), contained("clock", self.rank, e)
+        return read_clock(self.clock, self.rank, self.table.now)
 
     def _pack(self) -> NDArray[np.uint8]:
-        f = self._frame
+        f, cap = self._frame, self.capacity
         assert f is not None
-        size = HEADER + self.capacity
-        if self._buf.size != size:
-            self._buf = np.full(size, PAD, dtype=np.uint8)
-            self._packed = 0
-        buf = self._buf
-        key = (f.key, f.fp, self._tag, self._want)
-        hdr = self._hdr
-        if key != self._hdr_key:
-            write_field(hdr, Field.FINGERPRINT, f.fp)
-            write_field(hdr, Field.LENGTH, f.n_all)
-            write_field(hdr, Field.CONFIG, self._config_hash)
-            write_field(hdr, Field.QUEUE, self._queue_hash)
-            write_field(hdr, Field.TAG, self._tag)
-            write_field(hdr, Field.NEED, f.n)
-            write_field(hdr, Field.FLOOR, self._want)
-            self._hdr_key = key
-        # always copied in: a caller reduces ``buf`` in place, and a merged
-        # header left there after a mismatch would never agree again
-        buf[:HEADER] = hdr
-        k = min(f.n, self.capacity)
-        self.local.pack(buf[HEADER : HEADER + k])
-        if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
-            buf[HEADER + k : HEADER + self._packed] = PAD
-        self._packed = k
-        return buf
+        return self._buffer.pack(f, self.local, cap, self._tag, self._want, self._failer(cap))
+
+    def _failer(self, k: int) -> bool:
+        """Does this rank fail one of its first ``k`` active rows (those it packs)?"""
+        return _FAILED_BYTE in self.local.values[:k].tobytes()
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.
@@ -298,6 +193,27 @@ class Stepper:
         self.capacity = bucket(hdr.need, self._floor)
         return True
 
+    def unchanged(self, reduced: NDArray[np.uint8]) -> bool:
+        """True when the reduce returned this rank's own header and every
+        active row at its agreed status: every rank sent the same list,
+        configuration, queue, tag and sizes, and nothing moves. Then nothing
+        can raise, no origin is fetched, and :meth:`commit_unchanged` applies
+        the step (the common step, in a few byte comparisons)."""
+        f = self._frame
+        if not self._prepared or f is None or f.n > self.capacity:
+            return False
+        return self._buffer.unchanged(reduced, f)
+
+    def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
+        """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);
+        ``result``: its :func:`~lifecycle.settle.unchanged_result`, if built."""
+        f = self._frame
+        assert f is not None and self._prepared
+        self._floor = max(self._floor, self._want_floor)
+        self._prepared = False
+        self._settled = None
+        return commit_unchanged(self, f, result or unchanged_result(self, f))
+
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
         if not self._prepared or self._frame is None:
@@ -306,7 +222,8 @@ class Stepper:
 
     def origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
         """After the last reduce: the int32 buffer to MIN-reduce for the origin
-        ranks of new failures, or None when this step has none (the same
+        ranks of new failures, or None when this step needs none: no new
+        failure, or a single rank failed rows (the header says so; the same
         answer on every rank). Raises :class:`CollectiveMismatch` on every
         rank when the ranks' lists, configurations, queues or tags differ."""
         if not self._prepared or self._frame is None:
@@ -319,6 +236,8 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
+        if origins is None and self.unchanged(reduced):
+            return self.commit_unchanged()
         return self.commit(self.settle(reduced, origins))
 
     def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:

@@ -27,6 +27,10 @@ MASK_SOURCES: dict[str, FailureReason] = {
     s: v.reason for v in VERDICTS for s in v.sources if s != "backend"
 }
 GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
+#: where every gate's demotion edge leads (one edge for all gates: see graph)
+_HOLD_TO = int(batch.DEST[batch.TRIGGER_ID[GATES[0].trigger], batch.DEMOTE_SOURCE])
+#: per "closed" (0/1) the largest status a row may keep
+_CAP = np.array([batch.DEMOTE_SOURCE, _HOLD_TO], dtype=np.int8)
 
 
 def bool_answer(answer: Any, n: int, hook: str, rank: int) -> NDArray[np.bool_]:
@@ -61,11 +65,15 @@ def combine(
 
 
 def hold(local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]) -> None:
-    """Apply each gate's demotion edge, in :data:`GATES` order, where it is closed."""
-    at = local == batch.DEMOTE_SOURCE
-    if not at.any():
-        return
+    """Demote, in place, the local Successes where a gate of :data:`GATES` is
+    closed. Every gate takes the same edge (Success -> Transferring, checked
+    where the graph is declared), so one pass over the union of their masks
+    applies them all: ``min(value, Transferring)`` where closed moves exactly
+    the Successes (values are statuses 0..4 here)."""
+    union: NDArray[np.bool_] | None = None
     for rule in GATES:
         mask = closed.get(rule.source)
         if mask is not None:
-            batch.demote(local, rule.trigger, mask, at)
+            union = mask if union is None else union | mask
+    if union is not None:
+        np.minimum(local, _CAP[union.view(np.uint8)], out=local)

@@ -15,9 +15,11 @@ times, back to back and in the same order on both ranks:
 - ``fused3``: three tables of N/3 requests (a decode scheduler's handshake,
   prealloc and transfer queues) stepped as one :class:`StepGroup`, one
   reduce; ``separate3``: the same three tables stepped one by one;
-- ``churn``: N requests of which 1% change status every step (half reach
-  Success, half fail on one rank, which takes the origin fetch); between
-  steps, untimed, the finished ones leave and as many new ones arrive;
+- ``churn``: N requests of which 1% (at least 4) change status every step (half reach
+  Success, half fail: some on rank 0, the others on rank 1, which takes the
+  origin fetch); between steps, untimed, the finished ones leave and as many
+  new ones arrive; ``churn_one``: the same with every failure on rank 0 (the
+  header names the origin: no second reduce);
 - ``overlap_visible``: ``start`` + ``finish`` with a 5 ms sleep between them
   standing in for the forward pass: the time the caller is blocked.
 
@@ -87,6 +89,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
     fused3, separate3 = three_queues(rank, n, layout, coll)
     churn = churn_case(rank, n, coll)
+    churn_one = churn_case(rank, n, coll, split=False)
 
     def overlap_visible() -> float:
         t0 = time.perf_counter()
@@ -104,6 +107,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "fused3": fused3,
         "separate3": separate3,
         "churn": churn,
+        "churn_one": churn_one,
         "overlap_visible": overlap_visible,
     }
     for f in variants.values():  # warm-up (also sizes the steps' capacities)
@@ -154,6 +158,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "fused3/floor": med["fused3"] / med["floor"],
         "separate3/fused3": med["separate3"] / med["fused3"],
         "churn/floor": med["churn"] / med["floor"],
+        "churn_one/floor": med["churn_one"] / med["floor"],
         "overlap_visible/floor": med["overlap_visible"] / med["floor"],
         "pattern/ours": med["pattern"] / med["ours"],
         "transitions/ours": med["transitions"] / med["ours"],
@@ -228,12 +233,22 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
     return res
 
 
-_COLUMNS = ("floor", "ours", "fused3", "separate3", "churn", "overlap_visible", "pattern")
+_COLUMNS = (
+    "floor",
+    "ours",
+    "fused3",
+    "separate3",
+    "churn",
+    "churn_one",
+    "overlap_visible",
+    "pattern",
+)
 _RATIOS = (
     "ours/floor",
     "fused3/floor",
     "separate3/fused3",
     "churn/floor",
+    "churn_one/floor",
     "overlap_visible/floor",
     "pattern/ours",
     "transitions/ours",

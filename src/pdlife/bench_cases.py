@@ -109,8 +109,11 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
     return fused3, separate3
 
 
-def churn_case(rank: int, n: int, coll: Any) -> Any:
-    """A queue where 1% of the requests change status every step."""
+def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
+    """A queue where 1% of the requests change status every step: half reach
+    Success, half fail. ``split``: rank 0 fails some of them and rank 1 the
+    others, so the step fetches their origins (a second, small reduce);
+    otherwise rank 0 fails them all and the header names it."""
     from lifecycle import KVPoll, RequestTable, Stepper
 
     backend = ChurnBackend(n)
@@ -123,7 +126,7 @@ def churn_case(rank: int, n: int, coll: Any) -> Any:
         handle_indices=np.arange(1, n + 1) % ring,
     )
     stepper = Stepper(table, rank, poller=backend)
-    k = max(2, n // 100)
+    k = max(4, n // 100)  # at least two failures, one per rank when split
     rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
 
     def churn() -> float:
@@ -131,10 +134,11 @@ def churn_case(rank: int, n: int, coll: Any) -> Any:
         pick = rooms[rng.choice(rooms.size, size=min(k, rooms.size), replace=False)]
         idx = pick.astype(np.int64) % ring
         backend.status[idx[: k // 2]] = KVPoll.Success
-        if rank == 0:
-            backend.status[idx[k // 2 :]] = KVPoll.Failed
-        else:
-            backend.status[idx[k // 2 :]] = KVPoll.Success
+        failing = idx[k // 2 :]
+        # the rows this rank fails (on the other ranks they report Success)
+        mine = failing[rank % 2 :: 2] if split else failing if rank == 0 else failing[:0]
+        backend.status[failing] = KVPoll.Success
+        backend.status[mine] = KVPoll.Failed
         t0 = time.perf_counter()
         res = stepper.step(coll)
         elapsed = time.perf_counter() - t0

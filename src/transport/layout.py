@@ -67,11 +67,13 @@ def sliced_page_writes(
     for base, far, hb in zip(local.kv_data_ptrs, dst_ptrs, local.head_bytes):
         s = base + (src[:, None] * ps + tok) * heads * hb + src_head * hb
         d = far + (dst[:, None] * ps + tok) * dst_heads * hb + dst_head * hb
-        parts.append((s.reshape(-1), d.reshape(-1), np.full(s.size, count * hb, np.int64)))
+        # coalesced per buffer: a run must stay inside one registered region, even
+        # where two buffers happen to lie back to back in memory on both sides
+        parts.append(coalesce(s.reshape(-1), d.reshape(-1), np.full(s.size, count * hb, np.int64)))
     if not parts:
         return runs(src[:0], dst[:0])
     s, d, n = (np.concatenate(c).astype(np.int64) for c in zip(*parts))
-    return coalesce(s, d, n)
+    return s, d, n
 
 
 def state_writes(
@@ -85,12 +87,14 @@ def state_writes(
     parts = []
     for comp, far_ptrs, sr, dr in zip(local.state, peer_state, src_rows, dst_rows):
         for base, far, item in zip(comp.ptrs, far_ptrs, comp.item_lens):
-            parts.append((base + sr * item, far + dr * item, np.full(sr.size, item, np.int64)))
+            parts.append(
+                coalesce(base + sr * item, far + dr * item, np.full(sr.size, item, np.int64))
+            )
     if not parts:
         e = np.empty(0, dtype=np.int64)
         return e, e, e
     s, d, n = (np.concatenate(c).astype(np.int64) for c in zip(*parts))
-    return coalesce(s, d, n)
+    return s, d, n
 
 
 def page_writes(

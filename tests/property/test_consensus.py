@@ -66,6 +66,51 @@ class DropsFaults(Distributed):
         )
 
 
+class HeaderOnlyFastPath(Distributed):
+    """A common-step shortcut that trusts the header alone: a step where some
+    row moved is taken for one where nothing did."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+        from lifecycle.packing import HEADER
+
+        class Shortcut(Stepper):
+            def unchanged(self, reduced):
+                return self._prepared and reduced[:HEADER].tobytes() == self._buffer.header
+
+        return Shortcut(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            gates=[self.gates[rank]],
+            faults=self.faults[rank],
+        )
+
+
+class HidesItsFailures(Distributed):
+    """Rank 1 never says in the header that it failed rows: when rank 0 fails
+    some too, the header names rank 0 as the only origin."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+
+        class Hiding(Stepper):
+            def _failer(self, k):
+                return False if self.rank == 1 else super()._failer(k)
+
+        return Hiding(
+            self.tables[rank],
+            rank,
+            poller=self.boards[rank],
+            staging=self.staging[rank],
+            metadata=self.metas[rank],
+            gates=[self.gates[rank]],
+            faults=self.faults[rank],
+        )
+
+
 class PromotingGate(Distributed):
     def adjust_local(self, rank, local):
         return np.where(local == 3, 4, local).astype(np.int8)
@@ -88,6 +133,8 @@ BROKEN = settings(
         (GateAfterReduce, "agreement"),
         (PromotingGate, "success|validity"),
         (DropsFaults, "validity|doomed"),
+        (HeaderOnlyFastPath, "validity|success|monotone|step|origin|doomed"),
+        (HidesItsFailures, "origin"),
     ],
 )
 def test_property_suite_catches_broken_variants(variant, caught_by):

@@ -137,3 +137,44 @@ def test_table_cannot_change_while_a_step_is_in_flight():
 def test_distinct_queue_names_are_required():
     with pytest.raises(ValueError, match="distinct"):
         _group(0, ["a", "a"], [1, 1])
+
+
+def test_a_started_step_builds_its_common_result_before_finish_and_applies_it_there():
+    """While the forward pass runs, the thread that completed the reduce builds
+    the result of a step where nothing moved; the table changes only in finish."""
+    import time
+
+    t = RequestTable()
+    t.extend([1, 2])
+    s = Stepper(t, 0, poller=StatusBoard())
+    group = StepGroup([s])
+    world = SimulatedWorld(1)
+    group.step(world.rank(0))  # sizes the capacity
+    group.start(world.rank(0))
+    deadline = time.monotonic() + 10
+    while group._ready is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert group._ready is not None and t.step_no == 1
+    (res,) = group.finish()
+    assert res is not None and res.step == 2 and t.step_no == 2
+    assert res.statuses.tolist() == [KVPoll.Bootstrapping] * 2 and res.changed.size == 0
+
+
+def test_a_pending_reduce_runs_what_follows_it_once_and_only_if_it_landed():
+    from lifecycle.collective import _Thread
+
+    ran = []
+    done = _Thread(lambda: None)
+    done.wait()
+    done.then(lambda: ran.append("late"))  # already landed: at once
+    assert ran == ["late"]
+
+    def boom():
+        raise RuntimeError("peer gone")
+
+    failed = _Thread(boom)
+    failed.then(lambda: ran.append("never"))
+    with pytest.raises(RuntimeError, match="peer gone"):
+        failed.wait()
+    failed.then(lambda: ran.append("never"))
+    assert ran == ["late"]

@@ -196,6 +196,26 @@ def test_result_positions_are_read_only():
     assert r2.active.tolist() == [0, 2]
 
 
+def test_result_columns_are_read_only_snapshots():
+    """Steps where nothing moves share their agreed columns; a later move
+    never reaches an earlier result, and nobody can write into them."""
+    s = _stepper(0)
+    coll = SingleRank()
+    r1 = s.step(coll)  # nothing moves
+    r2 = s.step(coll)
+    s.local.poller.set([1], S)
+    s.local.poller.set([3], F)
+    r3 = s.step(coll)
+    assert r1.statuses.tolist() == r2.statuses.tolist() == [B, B, B]
+    assert r3.statuses.tolist() == [S, B, F]
+    assert r1.origins.tolist() == [-1, -1, -1] and r3.origins.tolist() == [-1, -1, 0]
+    for r in (r1, r2, r3):
+        for col in (r.statuses, r.reasons, r.origins):
+            assert not col.flags.writeable
+            with pytest.raises(ValueError, match="read-only"):
+                col[0] = 0
+
+
 class _RecordingMetadata:
     size = 16
 
@@ -282,6 +302,33 @@ def test_origin_is_a_rank_whose_word_won_when_ranks_fail_a_row_for_different_rea
         assert not isinstance(r, BaseException), r
         got = {(f.room, f.reason, f.origin) for f in r.failures()}
         assert got == {(1, FailureReason.ABORTED, 1), (2, FailureReason.ABORTED, 2)}
+
+
+@pytest.mark.parametrize(
+    ("failing", "reduces"),
+    [
+        ({2: [1, 3]}, 1),  # one rank fails rows: the header names it, no fetch
+        ({0: [1], 2: [3]}, 2),  # two ranks fail rows: the origin fetch runs
+        ({0: [1], 1: [1]}, 2),  # two ranks fail the same row
+    ],
+)
+def test_the_origin_fetch_runs_only_when_several_ranks_fail_rows(failing, reduces):
+    world = SimulatedWorld(3, timeout=20)
+    steppers = [_stepper(r, (1, 2, 3)) for r in range(3)]
+    colls = [CountingCollective(world.rank(r)) for r in range(3)]
+    for r, rooms in failing.items():
+        steppers[r].local.poller.set(rooms, F)
+    out = _on_ranks([lambda r=r: steppers[r].step(colls[r]) for r in range(3)])
+    assert all(not isinstance(x, BaseException) for x in out), out
+    # the origin of each failure is the smallest rank that reported it
+    want = {
+        room: min(r for r, rooms in failing.items() if room in rooms)
+        for room in (1, 2, 3)
+        if any(room in rooms for rooms in failing.values())
+    }
+    for res in out:
+        assert {f.room: f.origin for f in res.failures()} == want
+    assert [c.reduces for c in colls] == [reduces] * 3
 
 
 def test_ranks_disagreeing_on_an_agreed_status_raise_on_every_rank():

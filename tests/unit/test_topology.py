@@ -135,3 +135,26 @@ def test_staging_scatter_places_blocks_a_bounded_amount_at_a_time():
     for j, page in enumerate([5, 1, 6]):
         assert np.array_equal(kv[page, :, 0:2].numpy(), want[j])
         assert np.array_equal(kv[page, :, 2:4].numpy(), want[j] + 100)
+
+
+def test_runs_never_span_two_buffers_even_back_to_back_in_memory():
+    # two KV buffers adjacent on both sides: a merged run would cross from one
+    # registered region into the next (Mooncake: "segment descriptor not found")
+    src = torch.zeros((2, 2, 2, 2, 4), dtype=torch.uint8)  # layer, page, token, head, byte
+    dst = torch.zeros((2, 2, 2, 2, 4), dtype=torch.uint8)
+    args = kv_args_for([src[0], src[1]], ([], [], []), 0, page_size=2, kv_head_num=2)
+    w = sliced_page_writes(
+        args, [dst[0].data_ptr(), dst[1].data_ptr()], 2, np.array([0, 1]), np.array([0, 1]), 0, 0, 2
+    )
+    assert w[0].size == 2  # one run per buffer, not one across both
+    comp = StateComponent(
+        StateType.MAMBA,
+        [src[0].data_ptr(), src[1].data_ptr()],
+        [src[0].nbytes] * 2,
+        [src[0].nbytes] * 2,
+    )
+    sa = kv_args_for([], ([], [], []), 0, state=[comp])
+    w2 = state_writes(
+        sa, [[dst[0].data_ptr(), dst[1].data_ptr()]], [np.array([0])], [np.array([0])]
+    )
+    assert w2[0].size == 2
