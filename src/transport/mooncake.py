@@ -15,7 +15,7 @@ write (transfer error).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -77,6 +77,12 @@ class MooncakeManager(Connector):
         self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
         return {"endpoint": self.endpoint}
 
+    #: engine batches this rank keeps in flight at most: the engine's TCP lanes
+    #: refuse submissions past their queue ("queue-full rejection"), which reads as
+    #: a failed or unreachable write; the rest of a write waits for room
+    WINDOW: ClassVar[int] = 64
+    _inflight = 0
+
     def _write(self, info: dict[str, Any], *w_notif: Any) -> _Batches | None:
         src, dst, lens, _ = w_notif  # the room travels in the mailbox's "done" instead
         # One entry per batch: the engine's status call reads a batch's first
@@ -84,13 +90,21 @@ class MooncakeManager(Connector):
         # other tasks are still in flight then leaks (linear RSS growth on
         # prefill, measured by `pdlife engine-memory`) and would count as
         # landed before they have. The token is the write's batches.
-        bids: list[int] = []
-        for s_, d_, n_ in zip(_ints(src), _ints(dst), _ints(lens)):
-            bid = int(self.engine.batch_transfer_async_write(info["endpoint"], [s_], [d_], [n_]))
+        token = _Batches(info["endpoint"], list(zip(_ints(src), _ints(dst), _ints(lens))))
+        return token if self._top_up(token) else None
+
+    def _top_up(self, token: _Batches) -> bool:
+        """Submit what of ``token`` the window has room for (at least one batch per
+        write, so that every write moves); False if the peer is unreachable."""
+        while token.todo and (self._inflight < self.WINDOW or not token.pending):
+            s_, d_, n_ = token.todo[-1]
+            bid = int(self.engine.batch_transfer_async_write(token.endpoint, [s_], [d_], [n_]))
             if bid == 0:  # the engine's way of saying "unreachable"
-                return None
-            bids.append(bid)
-        return _Batches(bids)
+                return False
+            token.todo.pop()
+            token.pending.append(bid)
+            self._inflight += 1
+        return True
 
     def _check(self, token: _Batches) -> int:
         # A batch's status is read once: the engine frees a finished batch and
@@ -100,24 +114,34 @@ class MooncakeManager(Connector):
         for bid in token.pending:
             s = int(self.engine.transfer_check_status(bid))
             if s < 0:
-                token.pending = still + token.pending[token.pending.index(bid) + 1 :]
+                self._inflight -= len(still) + 1
+                token.pending = token.pending[token.pending.index(bid) + 1 :]
                 return -1
             if s == 0:
                 still.append(bid)
+            else:
+                self._inflight -= 1
         token.pending = still
-        return 0 if still else 1
+        if not self._top_up(token):
+            return -1
+        return 0 if token.pending or token.todo else 1
 
     def _forget(self, token: _Batches) -> None:
+        self._inflight -= len(token.pending)
         token.pending = []
+        token.todo = []
 
 
 class _Batches:
-    """The engine batches of one write still in flight (compared by identity)."""
+    """The engine batches of one write in flight, and its entries not submitted
+    yet (last first); compared by identity."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("endpoint", "pending", "todo")
 
-    def __init__(self, bids: list[int]) -> None:
-        self.pending = bids
+    def __init__(self, endpoint: str, entries: list[tuple[int, int, int]]) -> None:
+        self.endpoint = endpoint
+        self.pending: list[int] = []
+        self.todo = entries[::-1]
 
 
 def _ints(a: NDArray[np.int64]) -> list[int]:

@@ -80,3 +80,31 @@ def test_a_reused_batch_id_is_not_taken_for_an_old_result():
 def test_an_unreachable_peer_is_reported_once():
     m = manager(Engine(unreachable_after=1))
     assert m._write({"endpoint": "e"}, *arrays([1, 2], [3, 4], [5, 6]), 0) is None
+
+
+def test_a_write_past_the_window_waits_for_room_instead_of_flooding_the_engine():
+    # the engine's TCP lanes refuse submissions past their queue: a write of many
+    # runs (head slices, one per token) is fed as earlier batches land
+    m = manager(Engine())
+    m.WINDOW = 4
+    token = m._write({"endpoint": "e"}, *arrays(range(10), range(10), [1] * 10), 0)
+    assert len(m.engine.submitted) == 4 and token.pending == [1, 2, 3, 4]
+    other = m._write({"endpoint": "e"}, *arrays([50, 51], [60, 61], [1, 1]), 0)
+    assert other.pending == [5]  # a full window still lets every write move
+    m.engine.status.update({1: 1, 2: 1})
+    assert m._check(token) == 0
+    assert token.pending == [3, 4, 6]  # two landed: one more fits beside the other write
+    for bid in range(1, 12):
+        m.engine.status[bid] = 1
+    while (got := m._check(token)) == 0:
+        for bid in m.engine.status:
+            m.engine.status[bid] = 1
+    assert got == 1 and len(m.engine.submitted) == 11
+    assert [s[0][0] for s in m.engine.submitted if s[0][0] < 50] == list(range(10))  # in order
+    m._forget(token)
+    assert m._check(other) == 0  # its second run goes out now
+    for bid in m.engine.status:
+        m.engine.status[bid] = 1
+    assert m._check(other) == 1
+    m._forget(other)
+    assert m._inflight == 0

@@ -56,7 +56,8 @@ def test_a_finished_batch_is_read_once_and_remembered():
     m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
     from transport.mooncake import _Batches
 
-    token = _Batches([5])
+    token = _Batches("e", [])
+    token.pending = [5]
     assert m._check(token) == 0
     assert m._check(token) == 1
     assert m._check(token) == 1  # not read again: a second read would look "in progress"
@@ -81,7 +82,9 @@ def test_failed_batch_is_a_transfer_error_and_latches():
     req = writing_request(m)
     from transport.mooncake import _Batches
 
-    req.tokens = [_Batches([3])]  # a write's token: its batches
+    token = _Batches("e", [])
+    token.pending = [3]
+    req.tokens = [token]  # a write's token: its batches
     m._reap(req, store=None)
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
