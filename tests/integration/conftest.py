@@ -1,3 +1,5 @@
+import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,3 +38,30 @@ def run_sim(tmp_path):
         return proc, summary, out
 
     return run
+
+
+_MODULE = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
+
+
+def unusable(backend):
+    """Why a byte-moving backend cannot run here, or None. A missing system library
+    (libibverbs.so.1 for Mooncake) raises ImportError or OSError on import."""
+    if importlib.util.find_spec(_MODULE[backend]) is None:
+        return f"pd-lifecycle[{backend}] not installed"
+    try:
+        importlib.import_module("mooncake.engine" if backend == "mooncake" else "nixl_cu12")
+    except (ImportError, OSError) as e:
+        return (
+            f"{backend} engine not usable here ({e}); install Debian's libibverbs1 "
+            "(`apt-get install libibverbs1`, or `make install` as root)"
+        )
+    return None
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def backend(request):
+    """Each byte-moving backend in turn (skipped where it cannot run)."""
+    why = unusable(request.param)
+    if why is not None:
+        pytest.skip(why)
+    return request.param

@@ -10,7 +10,6 @@ a difference is an invariant violation. Every decode rank must end every
 request the same way, nothing may leak and nothing may hang.
 """
 
-import importlib.util
 import json
 from collections import Counter
 
@@ -23,30 +22,6 @@ from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
 from pdlife.sim_topology import HEAD_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network]
-
-_MODULE = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
-
-
-def _unusable(backend):
-    """Why the backend cannot run here, or None (as in test_transfer_backends)."""
-    if importlib.util.find_spec(_MODULE[backend]) is None:
-        return f"pd-lifecycle[{backend}] not installed"
-    try:
-        importlib.import_module("mooncake.engine" if backend == "mooncake" else "nixl_cu12")
-    except (ImportError, OSError) as e:
-        return (
-            f"{backend} engine not usable here ({e}); install Debian's libibverbs1 "
-            "(`apt-get install libibverbs1`, or `make install` as root)"
-        )
-    return None
-
-
-@pytest.fixture(params=["mooncake", "nixl"])
-def backend(request):
-    why = _unusable(request.param)
-    if why is not None:
-        pytest.skip(why)
-    return request.param
 
 
 REQUESTS = 48

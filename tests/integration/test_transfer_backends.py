@@ -6,37 +6,11 @@ every KV page and metadata row it commits against what prefill wrote. Both
 backends run the same tests: they share one connector.
 """
 
-import importlib.util
 import json
 
 import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(300)]
-
-_MODULE = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
-
-
-def _unusable(backend):
-    """Why the backend cannot run here, or None. A missing system library
-    (libibverbs.so.1 for Mooncake) raises ImportError or OSError on import."""
-    if importlib.util.find_spec(_MODULE[backend]) is None:
-        return f"pd-lifecycle[{backend}] not installed"
-    try:
-        importlib.import_module("mooncake.engine" if backend == "mooncake" else "nixl_cu12")
-    except (ImportError, OSError) as e:
-        return (
-            f"{backend} engine not usable here ({e}); install Debian's libibverbs1 "
-            "(`apt-get install libibverbs1`, or `make install` as root)"
-        )
-    return None
-
-
-@pytest.fixture(params=["mooncake", "nixl"])
-def backend(request):
-    why = _unusable(request.param)
-    if why is not None:
-        pytest.skip(why)
-    return request.param
 
 
 def decode_outcomes(out):

@@ -78,15 +78,7 @@ class HeaderOnlyFastPath(Distributed):
             def unchanged(self, reduced):
                 return self._prepared and reduced[:HEADER].tobytes() == self._buffer.header
 
-        return Shortcut(
-            self.tables[rank],
-            rank,
-            poller=self.boards[rank],
-            staging=self.staging[rank],
-            metadata=self.metas[rank],
-            gates=[self.gates[rank]],
-            faults=self.faults[rank],
-        )
+        return self.stepper_of(Shortcut, rank)
 
 
 class HidesItsFailures(Distributed):
@@ -100,15 +92,7 @@ class HidesItsFailures(Distributed):
             def _failer(self, k):
                 return False if self.rank == 1 else super()._failer(k)
 
-        return Hiding(
-            self.tables[rank],
-            rank,
-            poller=self.boards[rank],
-            staging=self.staging[rank],
-            metadata=self.metas[rank],
-            gates=[self.gates[rank]],
-            faults=self.faults[rank],
-        )
+        return self.stepper_of(Hiding, rank)
 
 
 class PromotingGate(Distributed):

@@ -95,7 +95,11 @@ class ConsensusMachine(RuleBasedStateMachine):
         return StatusBoard()
 
     def make_stepper(self, rank: int) -> Stepper:
-        return Stepper(
+        return self.stepper_of(Stepper, rank)
+
+    def stepper_of(self, cls: type[Stepper], rank: int) -> Stepper:
+        """A stepper of class ``cls`` on rank ``rank``'s table, hooks and gates."""
+        return cls(
             self.tables[rank],
             rank,
             poller=self.boards[rank],
