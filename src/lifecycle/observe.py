@@ -192,16 +192,7 @@ def _batch(
     obs = Observation(arr8)
     if pos is None:
         obs.given = arr
-    if errors:
-        mask = np.zeros(m, dtype=bool)
-        mask[list(errors)] = True
-        if pos is not None:
-            full_mask = np.zeros(k, dtype=bool)
-            full_mask[pos] = mask
-            mask = full_mask
-        obs.errors = mask
-        for i, err in errors.items():
-            obs.exceptions[int(ask_rooms[i])] = err
+    _raised(obs, errors, ask_rooms, k, pos)
     if no_index is not None:
         obs.hook_failed(no_index, rooms, HookError("batch poll", rank, _NO_INDEX))
     return obs
@@ -227,13 +218,27 @@ def _each(
     )
     obs = Observation(arr)
     obs.given = out
-    if errors:
-        mask = np.zeros(k, dtype=bool)
-        mask[list(errors)] = True
-        obs.errors = mask
-        for i, err in errors.items():
-            obs.exceptions[int(rooms[i])] = err
+    _raised(obs, errors, rooms, k, None)
     return obs
+
+
+def _raised(
+    obs: Observation,
+    errors: dict[int, BaseException],
+    asked: NDArray[np.uint64],
+    k: int,
+    pos: NDArray[np.int64] | None,
+) -> None:
+    """Record the polls that raised: ``errors`` by position among the ``asked``
+    rooms, which are the frame's rows ``pos`` (all ``k`` of them if None)."""
+    if not errors:
+        return
+    at = np.fromiter(errors, dtype=np.int64, count=len(errors))
+    mask = np.zeros(k, dtype=bool)
+    mask[at if pos is None else pos[at]] = True
+    obs.errors = mask
+    for i, err in errors.items():
+        obs.exceptions[int(asked[i])] = err
 
 
 def _backend_reasons(

@@ -87,12 +87,10 @@ class Connector(StatusArrays):
         self.kv_args = kv_args
         #: every global head this model has, and this rank's (refused if they do not fit)
         self.kv_heads = c.kv_heads or kv_args.kv_head_num * c.tp_size
-        if not c.mla and len(head_range(c.tp_size, c.tp_rank, self.kv_heads)) != (
-            kv_args.kv_head_num
-        ):
+        held = 1 if c.mla else len(head_range(c.tp_size, c.tp_rank, self.kv_heads))
+        if held != kv_args.kv_head_num and not c.mla:
             raise TopologyError(
-                f"{c.role} rank {c.tp_rank} of TP {c.tp_size} holds "
-                f"{len(head_range(c.tp_size, c.tp_rank, self.kv_heads))} of {self.kv_heads} "
+                f"{c.role} rank {c.tp_rank} of TP {c.tp_size} holds {held} of {self.kv_heads} "
                 f"KV heads, but its KVArgs say {kv_args.kv_head_num}; set kv_heads or kv_head_num"
             )
         self.rank = c.dp_rank * c.tp_size + c.tp_rank  # the global id peers know this rank by
@@ -236,8 +234,9 @@ class Connector(StatusArrays):
                 del self._reqs[req.room]
                 self.scatter_left[req.index] = 0
                 self.release(req.index)
-                failed = int(self.status[req.index]) == F
-                self._cleared[req.room] = int(self.reason[req.index] if failed else 0)
+                failed = int(self.status[req.index]) == F  # (a Success is never asked about)
+                reason = self.reason[req.index] if failed else FailureReason.ABORTED
+                self._cleared[req.room] = int(reason)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
 

@@ -96,16 +96,6 @@ class ConnectorReceiver(_Handle):
         """Whether this request lands in staging and is scattered (known once registered)."""
         return self._req.staged
 
-    @property
-    def scatter_done(self) -> bool:
-        return int(self.manager.scatter_left[self.index]) == 0 or self.detached
-
-    def advance_scatter(self) -> None:
-        """Place the next pages of this request (see ``ConnectorConfig.scatter_pages``)."""
-        if not self.detached:
-            rooms = np.array([self.bootstrap_room], dtype=np.uint64)
-            self.manager.advance(rooms, np.array([self.index], dtype=np.int64))
-
     def send_metadata(
         self,
         page_indices: ArrayLike,

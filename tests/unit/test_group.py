@@ -1,7 +1,5 @@
 """StepGroup: several queues in one reduce; misaligned groups are caught."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from lifecycle import (
@@ -16,6 +14,7 @@ from lifecycle import (
     TableBusy,
 )
 from lifecycle.testing import StatusBoard
+from lifecycle.testing.spawn import on_threads
 
 S, F = KVPoll.Success, KVPoll.Failed
 
@@ -31,25 +30,13 @@ def _group(rank, names, sizes, config=None):
     return StepGroup(steppers)
 
 
-def _on_ranks(fns):
-    with ThreadPoolExecutor(len(fns)) as pool:
-        futs = [pool.submit(f) for f in fns]
-        out = []
-        for f in futs:
-            try:
-                out.append(f.result(timeout=30))
-            except Exception as e:
-                out.append(e)
-        return out
-
-
 def test_one_reduce_per_step_for_several_queues():
     world = SimulatedWorld(2)
     colls = [CountingCollective(world.rank(r)) for r in range(2)]
     groups = [_group(r, ["a", "b", "c"], [3, 5, 7]) for r in range(2)]
-    _on_ranks([lambda r=r: groups[r].step(colls[r]) for r in range(2)])  # hello + step
+    on_threads([lambda r=r: groups[r].step(colls[r]) for r in range(2)])  # hello + step
     before = [c.reduces for c in colls]
-    res = _on_ranks([lambda r=r: groups[r].step(colls[r]) for r in range(2)])
+    res = on_threads([lambda r=r: groups[r].step(colls[r]) for r in range(2)])
     assert [c.reduces - b for c, b in zip(colls, before)] == [1, 1]
     assert [r.queue for r in res[0]] == ["a", "b", "c"]
     assert [r.rooms.size for r in res[0]] == [3, 5, 7]
@@ -61,7 +48,7 @@ def test_each_queue_gets_its_own_failures_with_origin():
     groups[2].steppers[1].local.poller.set([3], F)
     for g in groups:
         g.steppers[0].local.poller.set([1, 2, 3, 4], S)
-    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(3)])
+    res = on_threads([lambda r=r: groups[r].step(world.rank(r)) for r in range(3)])
     for r in res:
         assert r[0].succeeded.tolist() == [1, 2, 3, 4]
         assert [(f.room, f.origin) for f in r[1].failures()] == [(3, 2)]
@@ -71,7 +58,7 @@ def test_misaligned_segments_are_caught_by_the_hello():
     """Negative control: one rank orders its queues differently."""
     world = SimulatedWorld(2)
     groups = [_group(0, ["a", "b"], [3, 3]), _group(1, ["b", "a"], [3, 3])]
-    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
     assert all(e.differs == ("queue",) for e in res)
     assert "in this order" in str(res[0])
@@ -83,7 +70,7 @@ def test_misaligned_segments_are_caught_without_the_hello():
     groups = [_group(0, ["a", "b"], [3, 3]), _group(1, ["b", "a"], [3, 3])]
     for g in groups:
         g._hello_done = True  # a broken variant that skips the structure check
-    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
     assert all("queue" in e.differs for e in res)
 
@@ -94,7 +81,7 @@ def test_differing_configurations_raise_instead_of_aborting():
         Stepper(RequestTable(), 0, config=StepConfig(stuck_after=3, initial_capacity=8)),
         Stepper(RequestTable(), 1, config=StepConfig(initial_capacity=4096)),
     ]
-    res = _on_ranks([lambda r=r: s[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: s[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
     assert all(e.differs == ("step configuration",) for e in res)
 
@@ -106,14 +93,14 @@ def test_differing_initial_capacities_are_agreed():
         Stepper(RequestTable(), 1, config=StepConfig(initial_capacity=4096)),
     ]
     for _ in range(2):
-        _on_ranks([lambda r=r: s[r].step(world.rank(r)) for r in range(2)])
+        on_threads([lambda r=r: s[r].step(world.rank(r)) for r in range(2)])
     assert s[0].capacity == s[1].capacity >= 4096
 
 
 def test_iteration_tags_catch_a_rank_one_step_behind():
     world = SimulatedWorld(2)
     s = [Stepper(RequestTable(), r) for r in range(2)]
-    res = _on_ranks([lambda r=r: s[r].step(world.rank(r), tag=5 + r) for r in range(2)])
+    res = on_threads([lambda r=r: s[r].step(world.rank(r), tag=5 + r) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res)
     assert all(e.differs == ("tag",) for e in res)
 

@@ -1,8 +1,6 @@
 """Guards of the step's public surface: bad input, half-applied groups,
 rank-local errors that would leave peers waiting, read-only views."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 
@@ -22,6 +20,7 @@ from lifecycle import (
 )
 from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.testing import StatusBoard
+from lifecycle.testing.spawn import on_threads
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,
@@ -30,18 +29,6 @@ B, W, T, S, F = (
     KVPoll.Success,
     KVPoll.Failed,
 )
-
-
-def _on_ranks(fns):
-    with ThreadPoolExecutor(len(fns)) as pool:
-        futs = [pool.submit(f) for f in fns]
-        out = []
-        for f in futs:
-            try:
-                out.append(f.result(timeout=30))
-            except Exception as e:
-                out.append(e)
-        return out
 
 
 def _stepper(rank, rooms=(1, 2, 3), queue="", **kw):
@@ -123,7 +110,7 @@ def test_a_group_against_a_single_queue_raises_instead_of_mixing_sizes():
     world = SimulatedWorld(2, timeout=5)
     g0 = StepGroup([_stepper(0, queue="a"), _stepper(0, queue="b")])
     s1 = _stepper(1, queue="a")
-    res = _on_ranks([lambda: g0.step(world.rank(0)), lambda: s1.step(world.rank(1))])
+    res = on_threads([lambda: g0.step(world.rank(0)), lambda: s1.step(world.rank(1))])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
 
 
@@ -139,7 +126,7 @@ def test_a_raising_queue_leaves_the_other_queues_of_its_group_unapplied():
         a.local.poller.set([1, 2, 3], S)
         b.local.poller.set([8], 9 if r == 1 else S)  # not a KVPoll value
         groups.append(StepGroup([a, b]))
-    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, InvalidStatus) for e in res), res
     for g in groups:
         for s in g.steppers:
@@ -148,7 +135,7 @@ def test_a_raising_queue_leaves_the_other_queues_of_its_group_unapplied():
     # the group still steps once the poller answers sensibly
     for g in groups:
         g.steppers[1].local.poller.set([7, 8], S)
-    res = _on_ranks([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: groups[r].step(world.rank(r)) for r in range(2)])
     for r in res:
         assert r[0].succeeded.tolist() == [1, 2, 3]
         assert r[1].succeeded.tolist() == [7, 8]
@@ -171,7 +158,7 @@ def test_a_failing_clock_fails_its_requests_on_every_rank(bad):
 
     world = SimulatedWorld(2, timeout=5)
     steppers = [_stepper(0), _stepper(1, clock=clock)]
-    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
     assert all(not isinstance(r, BaseException) for r in res), res
     for r in res:
         assert r.failed.tolist() == [1, 2, 3]
@@ -264,10 +251,10 @@ def test_a_rank_that_catches_up_after_a_mismatch_steps_again():
     mismatch must not be sent again by the rank whose list did not change."""
     world = SimulatedWorld(2, timeout=5)
     steppers = [_stepper(0, (1, 2)), _stepper(1, (1,))]
-    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
     steppers[1].table.add(2)  # rank 1 catches up; rank 0's list is unchanged
-    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
+    res = on_threads([lambda r=r: steppers[r].step(world.rank(r)) for r in range(2)])
     assert all(not isinstance(r, BaseException) for r in res), res
     assert [r.rooms.tolist() for r in res] == [[1, 2], [1, 2]]
 
@@ -275,10 +262,10 @@ def test_a_rank_that_catches_up_after_a_mismatch_steps_again():
 def test_a_rank_that_catches_up_after_a_tag_mismatch_steps_again():
     world = SimulatedWorld(2, timeout=5)
     steppers = [_stepper(r) for r in range(2)]
-    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=3 + r) for r in range(2)])
+    res = on_threads([lambda r=r: steppers[r].step(world.rank(r), tag=3 + r) for r in range(2)])
     assert all(isinstance(e, CollectiveMismatch) for e in res), res
     # rank 0 retries iteration 3 while rank 1 moves on... then both agree on 4
-    res = _on_ranks([lambda r=r: steppers[r].step(world.rank(r), tag=4) for r in range(2)])
+    res = on_threads([lambda r=r: steppers[r].step(world.rank(r), tag=4) for r in range(2)])
     assert all(not isinstance(r, BaseException) for r in res), res
 
 
@@ -318,7 +305,7 @@ def test_the_origin_fetch_runs_only_when_several_ranks_fail_rows(failing, reduce
     colls = [CountingCollective(world.rank(r)) for r in range(3)]
     for r, rooms in failing.items():
         steppers[r].local.poller.set(rooms, F)
-    out = _on_ranks([lambda r=r: steppers[r].step(colls[r]) for r in range(3)])
+    out = on_threads([lambda r=r: steppers[r].step(colls[r]) for r in range(3)])
     assert all(not isinstance(x, BaseException) for x in out), out
     # the origin of each failure is the smallest rank that reported it
     want = {

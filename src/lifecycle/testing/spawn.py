@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["run_ranks", "RanksTimedOut", "RankError", "free_port"]
+__all__ = ["run_ranks", "on_threads", "RanksTimedOut", "RankError", "free_port"]
 
 
 class RanksTimedOut(RuntimeError):
@@ -131,3 +131,18 @@ def run_ranks(
             if isinstance(res, RankError):
                 raise res
     return ordered
+
+
+def on_threads(fns: list[Callable[[], Any]], timeout: float = 30.0) -> list[Any]:
+    """Call each of ``fns`` on a thread of its own (ranks of a simulated world);
+    each one's result, or the exception it raised, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: list[Any] = []
+    with ThreadPoolExecutor(len(fns)) as pool:
+        for fut in [pool.submit(f) for f in fns]:
+            try:
+                out.append(fut.result(timeout=timeout))
+            except Exception as e:
+                out.append(e)
+    return out

@@ -80,7 +80,7 @@ class MooncakeKVManager:
         config = ConnectorConfig(
             role=_role(disaggregation_mode, self.BACKEND),
             tp_rank=int(args.engine_rank),
-            tp_size=int(getattr(server_args, "tp_size", 0) or int(args.engine_rank) + 1),
+            tp_size=_tp_size(server_args, int(args.engine_rank), self.BACKEND),
             mla=bool(is_mla_backend),
             store_host=host,
             store_port=int(port),
@@ -95,6 +95,18 @@ class MooncakeKVManager:
         """Stop the backend's threads (the field's managers live as long as the process)."""
         with contextlib.suppress(Exception):
             self.core.close()
+
+
+def _tp_size(server_args: Any, rank: int, backend: str) -> int:
+    """This side's TP size from the field's server args (1 for a lone rank 0):
+    every rank of a group must publish the same size."""
+    tp = getattr(server_args, "tp_size", None)
+    if tp is None and rank > 0:
+        raise ValueError(
+            f"server_args.tp_size is not set: the {backend} manager of engine rank {rank} "
+            "needs its TP group's size to pair with the other side's ranks"
+        )
+    return 1 if tp is None else int(tp)
 
 
 class MooncakeKVSender(FieldSender):

@@ -243,3 +243,13 @@ def test_handles_give_their_slot_back():
     free_before = len(m.core._free)
     s.clear()
     assert len(m.core._free) == free_before + 1
+
+
+def test_a_field_manager_takes_its_tp_size_from_the_server_args():
+    from transport.field.mooncake import _tp_size
+
+    assert _tp_size(types.SimpleNamespace(tp_size=4), 3, "mooncake") == 4
+    assert _tp_size(types.SimpleNamespace(), 0, "mooncake") == 1  # a lone rank
+    # a guess per rank would publish different group sizes from one group
+    with pytest.raises(ValueError, match=r"tp_size is not set.*engine rank 2"):
+        _tp_size(types.SimpleNamespace(), 2, "nixl")
