@@ -2,6 +2,13 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# Each TCPStore client connect reverse-resolves its loopback address, which it
+# holds as ::ffff:127.0.0.1: /etc/hosts lists only 127.0.0.1, so the query goes
+# to DNS, and a resolver that drops one stalls the connect for glibc's default
+# 5 s (a test waiting 10 s for a handshake then fails). The answer is only a
+# name in a log line: the tests, and the ranks they spawn, wait 1 s for it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 settings.register_profile(
     "ci",
     max_examples=150,

@@ -45,8 +45,12 @@ def _opt_ints(v: Sequence[int] | None) -> tuple[int, ...] | None:
 @attrs.frozen
 class StateComponent:
     """One kind of per-request state: parallel lists of tensors' pointers,
-    total bytes and bytes per row, plus optional per-tensor split dims (for
-    TP resharding)."""
+    total bytes and bytes per row, plus optional per-tensor split dims for TP
+    resharding: ``split_dims[i]`` is how many units of its rows' outermost
+    dimension tensor ``i`` holds on this rank (a mamba state's ``heads / tp``,
+    say), the rank's share ``[r * units, (r + 1) * units)`` of the whole; 0
+    marks a tensor every rank holds whole. Without split dims every tensor is
+    held whole."""
 
     type: StateType
     ptrs: tuple[int, ...] = attrs.field(converter=_ints)
@@ -71,6 +75,13 @@ class StateComponent:
                 raise LayoutError(
                     f"state component {self.type.value}: total {ln} bytes is not a whole "
                     f"number of {item}-byte rows"
+                )
+        for i, (dim, item) in enumerate(zip(self.split_dims or (), self.item_lens)):
+            if dim < 0 or (dim and item % dim):
+                raise LayoutError(
+                    f"state component {self.type.value}: tensor {i} splits its {item}-byte "
+                    f"rows into {dim} units; give a unit count that divides the row "
+                    "(0: the tensor is held whole)"
                 )
 
     @property

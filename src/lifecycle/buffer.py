@@ -14,12 +14,22 @@ from numpy.typing import NDArray
 
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
-from lifecycle.packing import HEADER, NO_FAILER, PAD, Field, field_slice, write_field
+from lifecycle.packing import (
+    HEADER,
+    PAD,
+    STATUS_SHIFT,
+    buffer_size,
+    encode_header,
+    write_slots,
+)
+from lifecycle.status import I8
 
 __all__ = ["StepBuffer"]
 
-_FAILER = field_slice(Field.FAILER)
-_NO_FAILER = np.frombuffer(NO_FAILER, dtype=np.uint8)
+
+_F = I8.F
+_NONE = np.empty(0, dtype=np.int64)
+_REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
 
 
 class StepBuffer:
@@ -32,6 +42,9 @@ class StepBuffer:
         self.buf = np.empty(0, dtype=np.uint8)
         self._hdr = np.zeros(HEADER, dtype=np.uint8)  # this rank's header, never reduced
         self._packed = 0
+        self._capacity = -1
+        #: the failure slots hold PAD only (no rank can have written them since)
+        self._clean = False
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
@@ -40,36 +53,45 @@ class StepBuffer:
         self, f: Frame, local: LocalStage, capacity: int, tag: int, want: int, failer: bool
     ) -> NDArray[np.uint8]:
         """Header plus this rank's words for the first ``capacity`` active rows
-        (``failer``: this rank fails one of them)."""
-        size = HEADER + capacity
-        if self.buf.size != size:
-            self.buf = np.full(size, PAD, dtype=np.uint8)
-            self._packed = 0
+        (``failer``: this rank fails one of them) and its failure slots."""
+        if capacity != self._capacity:
+            self.buf = np.full(buffer_size(capacity), PAD, dtype=np.uint8)
+            self._capacity, self._packed, self._clean = capacity, 0, True
         buf = self.buf
         key = (f.key, f.fp, tag, want, failer)
-        hdr = self._hdr
         if key != self._key:
-            write_field(hdr, Field.FINGERPRINT, f.fp)
-            write_field(hdr, Field.LENGTH, f.n_all)
-            write_field(hdr, Field.CONFIG, self._config_hash)
-            write_field(hdr, Field.QUEUE, self._queue_hash)
-            write_field(hdr, Field.TAG, tag)
-            write_field(hdr, Field.NEED, f.n)
-            write_field(hdr, Field.FLOOR, want)
-            if failer:
-                write_field(hdr, Field.FAILER, self.rank)
-            else:
-                hdr[_FAILER] = _NO_FAILER
+            self.header = encode_header(
+                f.fp,
+                f.n_all,
+                self._config_hash,
+                self._queue_hash,
+                tag,
+                f.n,
+                want,
+                self.rank if failer else None,
+            )
+            self._hdr = np.frombuffer(self.header, dtype=np.uint8)
             self._key = key
-            self.header = hdr.tobytes()
         # always copied in: a caller reduces ``buf`` in place, and a merged
         # header left there after a mismatch would never agree again
-        buf[:HEADER] = hdr
+        buf[:HEADER] = self._hdr
         k = min(f.n, capacity)
-        local.pack(buf[HEADER : HEADER + k])
+        rows = buf[HEADER : HEADER + k]
+        values = local.values[:k]
+        np.left_shift(values, STATUS_SHIFT, out=rows, dtype=np.uint8, casting="unsafe")
+        pos = np.flatnonzero(values == _F) if failer else _NONE
+        if pos.size and local.codes is not None:  # a Failed row's word carries its reason
+            rows[pos] |= local.codes[pos].astype(np.uint8) & _REASON_MASK
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
             buf[HEADER + k : HEADER + self._packed] = PAD
         self._packed = k
+        slots = buf[HEADER + capacity :]
+        if not self._clean:  # this rank's list, or every rank's from a reduce made in place
+            slots[:] = PAD
+        # until a reduce is seen to have left them alone (see unchanged)
+        self._clean = False
+        if failer:
+            write_slots(slots, self.rank, pos, rows[pos])
         return buf
 
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:
@@ -79,8 +101,11 @@ class StepBuffer:
         Byte-wise MIN gives back a rank's own header only when every rank sent
         the same list, configuration, queue, tag and sizes; with every word
         equal to its row's agreed status (a failure would read Failed) no row
-        moves, nothing can raise and no origin is fetched."""
-        return (
+        moves, nothing can raise and no origin is fetched (and no rank
+        failed a row, so no rank wrote a failure slot)."""
+        same = (
             reduced[:HEADER].tobytes() == self.header
             and reduced[HEADER : HEADER + f.n].tobytes() == f.unchanged_words()
         )
+        self._clean = same
+        return same

@@ -320,8 +320,9 @@ class _TorchWork:
             self._work.wait()
         except RuntimeError as exc:
             raise self._coll._failure(exc) from exc
-        if self._after is not None:
-            self._after.wait()
+        after = self._after
+        if after is not None and not after.done():  # done: no wait to pay for
+            after.wait()
 
 
 class Hierarchical:

@@ -54,6 +54,7 @@ class Frame:
         "rows",
         "rows_all",
         "same",
+        "same_arr",
         "snap",
         "state_all",
         "zeros",
@@ -80,6 +81,7 @@ class Frame:
         self._sum = status_sum(self.state_all)
         self.fp = with_statuses(self._rooms_fp, self._sum)
         self.same: bytes | None = None  # see unchanged_words()
+        self.same_arr: NDArray[np.uint8] | None = None
         self.snap: tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]] | None = None
         if self.all_active:
             self.pos = np.arange(self.n_all, dtype=np.int64)
@@ -134,16 +136,23 @@ class Frame:
             self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
             self.fp = with_statuses(self._rooms_fp, self._sum)
         self.state_all[pos] = new
-        self.same = self.snap = None
+        self.same = self.same_arr = self.snap = None
 
     def unchanged_words(self) -> bytes:
         """The reduced words of the active rows on a step where nothing moves
         (each row's agreed status, no reason), as bytes to compare against."""
         if self.same is None:
+            self.same = self.unchanged_array().tobytes()
+        return self.same
+
+    def unchanged_array(self) -> NDArray[np.uint8]:
+        """:meth:`unchanged_words` as an array (read-only)."""
+        if self.same_arr is None:
             out = np.empty(self.n, dtype=np.uint8)
             np.left_shift(self.state_all[self.pos], STATUS_SHIFT, out=out, casting="unsafe")
-            self.same = out.tobytes()
-        return self.same
+            out.setflags(write=False)
+            self.same_arr = out
+        return self.same_arr
 
     def snapshot(self) -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]]:
         """Read-only copies of the agreed columns of the whole list, shared by

@@ -20,24 +20,33 @@ changes.
 and applies. In between the scheduler may run its forward pass, read the
 tables and poll its own engine, but not add, remove or abort requests in a
 stepped table: those raise :class:`~lifecycle.errors.TableBusy` until
-``finish`` has run.
+``finish`` has run. With ``start(..., worker=True)`` the local work itself
+(the hooks, verdicts, gates and packing) and the launch run on the group's
+own thread, so the caller is blocked only to hand the step over and to
+apply it; the hooks then run while the forward pass does, and must be safe
+to call from another thread.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from functools import partial
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
 from lifecycle.errors import CollectiveMismatch, InvalidArgument, TableBusy
-from lifecycle.packing import HEADER, Field, Header, stable_hash, write_field
+from lifecycle.packing import Field, Header, buffer_size, stable_hash, write_field
 from lifecycle.result import StepResult
 from lifecycle.settle import unchanged_result
 from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
+from lifecycle.worker import Job, Turn, Worker, take_turn, wait_launches
 
-__all__ = ["StepGroup"]
+__all__ = ["StepGroup", "wait_launches"]
+
+logger = logging.getLogger(__name__)
 
 
 class StepGroup:
@@ -80,20 +89,32 @@ class StepGroup:
             )
         self.steppers = items
         self._hello_done = len(items) == 1
-        self._work: Pending | None = None
+        self._work: Pending | Job | None = None
+        self._worker: Worker | None = None
         self._coll: Collective | None = None
         self._buf: NDArray[np.uint8] | None = None
         #: the results of the step in flight, when _ahead found nothing moved
-        self._ready: list[StepResult] | None = None
+        self._ready: tuple[object, list[StepResult]] | None = None
+        #: names the step in flight (a callback of an earlier one may run late)
+        self._step: object = None
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
         self.start(collective, tag, ahead=False)  # nothing to overlap: finish does it all
         return self.finish()
 
-    def start(self, collective: Collective, tag: int | None = None, *, ahead: bool = True) -> None:
+    def start(
+        self,
+        collective: Collective,
+        tag: int | None = None,
+        *,
+        ahead: bool = True,
+        worker: bool = False,
+    ) -> None:
         """Prepare every queue and launch the reduce (``ahead``: build the
-        results of a step where nothing moved as soon as the reduce lands)."""
+        results of a step where nothing moved as soon as the reduce lands;
+        ``worker``: prepare and launch on the group's own thread, returning at
+        once; what that raises, ``finish`` raises)."""
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
         # everything that can refuse the call does so before the first collective
@@ -102,50 +123,95 @@ class StepGroup:
             if s.table.busy:
                 raise TableBusy(s.rank)
         if not self._hello_done:
+            wait_launches()
             self._hello(collective)
-        bufs = [s.prepare(tag) for s in self.steppers]
+        self._coll, self._buf, self._ready = collective, None, None
+        self._step = object()
+        if not worker:
+            self._work = self._launch(collective, tag, ahead)
+            return
+        if self._worker is None:
+            self._worker = Worker(self)
+        for s in self.steppers:
+            s.table.order()  # the worker only reads the tables
+            s.table.busy = True
+        prev, mine = take_turn()
+
+        def job() -> Pending:
+            try:
+                return self._launch(collective, tag, ahead, prev)
+            finally:
+                mine.release()
+
+        self._work = self._worker.submit(job)
+
+    def _launch(
+        self, collective: Collective, tag: int | None, ahead: bool, after: Turn | None = None
+    ) -> Pending:
+        """Prepare and launch (``after``: the launch this one must follow; on
+        the caller's thread, every launch of its earlier worker starts)."""
+        try:
+            bufs = [s.prepare(tag) for s in self.steppers]
+        except BaseException:
+            self._release()
+            raise
         buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
         for s in self.steppers:
             s.table.busy = True
-        self._coll, self._buf, self._ready = collective, buf, None
+        self._buf = buf
         try:
-            work = self._work = start_min(collective, buf)
+            if after is not None:
+                after.wait()
+            else:  # on the caller's thread (a worker's own thread never has a tail)
+                wait_launches()
+            work = start_min(collective, buf)
         except BaseException:
             self._release()
             raise
         then = getattr(work, "then", None) if ahead else None
         if then is not None:
-            then(self._ahead)
+            try:
+                then(partial(self._ahead, self._step, buf))
+            except Exception:  # launched all the same: finish does it all
+                logger.debug("a pending reduce refused then(); finish applies the step")
+        return work
 
-    def _ahead(self) -> None:
-        """Run where the reduce completes, while the caller runs its forward
-        pass: for the common step (nothing moved), build the results. Reads
-        only (the tables are busy until ``finish``, which applies them)."""
+    def _ahead(self, step: object, buf: NDArray[np.uint8]) -> None:
+        """Run where the reduce of ``step`` completes, while the caller runs
+        its forward pass: for the common step (nothing moved), build the
+        results. Reads only (the tables are busy until ``finish``, which
+        applies them). A torch future calls back even when its reduce
+        failed, maybe once the next step has begun: such a late call does
+        nothing, and ``finish`` takes only results tagged with its own step."""
+        if step is not self._step:
+            return
         try:
-            buf = self._buf
-            assert buf is not None
             segs = self._split(buf)
             if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
                 ready = []
                 for s in self.steppers:
                     assert s._frame is not None
                     ready.append(unchanged_result(s, s._frame))
-                self._ready = ready
+                self._ready = (step, ready)
         except Exception:  # finish does it all again, and raises what it must
-            self._ready = None
+            pass
 
     def finish(self) -> tuple[StepResult, ...]:
-        work, coll, buf = self._work, self._coll, self._buf
-        if work is None or coll is None or buf is None:
+        work, coll = self._work, self._coll
+        if work is None or coll is None:
             raise RuntimeError("finish() without start()")
         self._work = None
         try:
+            if isinstance(work, Job):
+                work = work.wait()  # raises what the worker's start raised
+            buf = self._buf
+            assert buf is not None
             work.wait()
             ready, self._ready = self._ready, None
-            if ready is not None:
+            if ready is not None and ready[0] is self._step:
                 return tuple(
                     self._stuck(coll, s, s.commit_unchanged(r))
-                    for s, r in zip(self.steppers, ready)
+                    for s, r in zip(self.steppers, ready[1])
                 )
             segs = self._split(buf)
             if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
@@ -153,6 +219,7 @@ class StepGroup:
             if any([s.resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s.repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+                wait_launches()
                 coll.all_reduce_min(buf)
                 segs = self._split(buf)
             fetches = [s.origins(seg) for s, seg in zip(self.steppers, segs)]
@@ -172,7 +239,7 @@ class StepGroup:
     def _split(self, buf: NDArray[np.uint8]) -> list[NDArray[np.uint8]]:
         out, at = [], 0
         for s in self.steppers:
-            size = HEADER + s.capacity
+            size = buffer_size(s.capacity)
             out.append(buf[at : at + size])
             at += size
         return out
@@ -186,6 +253,7 @@ class StepGroup:
         if not need:
             return fetches
         joined = need[0].copy() if len(need) == 1 else np.concatenate(need)
+        wait_launches()
         coll.all_reduce_min(joined)
         out: list[NDArray[np.int32] | None] = []
         at = 0
@@ -202,7 +270,7 @@ class StepGroup:
         value = stable_hash(f"{len(self.steppers)}|{shape}")
         # as long as a lone stepper's first buffer, so a rank that steps these
         # queues one by one meets the hello at the same size and both raise
-        buf = np.zeros(HEADER + FIRST_CAPACITY, dtype=np.uint8)
+        buf = np.zeros(buffer_size(FIRST_CAPACITY), dtype=np.uint8)
         write_field(buf, Field.CONFIG, value)
         collective.all_reduce_min(buf)
         hdr = Header(buf)
@@ -232,4 +300,7 @@ class StepGroup:
         from lifecycle.diagnose import stuck_rows, with_stuck
 
         rows = stuck_rows(s, result, k)
-        return result if rows is None else with_stuck(s, coll, result, rows)
+        if rows is None:
+            return result
+        wait_launches()
+        return with_stuck(s, coll, result, rows)

@@ -169,8 +169,9 @@ class LocalStage:
         codes = combine(n, masks, obs.backend)
         local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
         gated = staging is not None or self.metadata is not None or self.gates
-        if gated and _S_BYTE in local.tobytes():  # gates decide only local Successes
-            closed, corrupt = self._gates(f, local)
+        at_success = local.tobytes().count(_S_BYTE) if gated else 0
+        if at_success:  # gates decide only local Successes
+            closed, corrupt = self._gates(f, local, at_success)
             if corrupt is not None or obs.hooked is not hooked:
                 masks["metadata_row"] = corrupt
                 masks["hook_error"] = obs.hooked
@@ -224,7 +225,7 @@ class LocalStage:
             obs.hooked = _or(obs.hooked, f.meta_bad)
 
     def _gates(
-        self, f: Frame, local: NDArray[np.int8]
+        self, f: Frame, local: NDArray[np.int8], at_success: int
     ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
         """Every gate's closed mask over the active rows, and the corrupt metadata
         rows. A gate decides only rows at Success, so its errors fail those."""
@@ -242,7 +243,7 @@ class LocalStage:
                 self.obs.hook_failed(success(), f.rooms, contained("staging pending", rank, e))
         if self.metadata is not None:
             try:
-                landed, bad = self._metadata(f)
+                landed, bad = self._metadata(f, success, at_success)
             except Exception as e:
                 asked = success() if f.meta_pos is None else success() & _mask(n, f.meta_pos)
                 self.obs.hook_failed(asked, f.rooms, contained("metadata source", rank, e))
@@ -261,43 +262,43 @@ class LocalStage:
             closed["gate_closed"] = user
         return closed, corrupt
 
-    def _metadata(self, f: Frame) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-        """(landed, corrupt) per active row; fake-path requests count as landed,
-        a real request without a metadata row never does. The caller only
-        reads them."""
+    def _metadata(
+        self, f: Frame, success: _Lazy, at_success: int
+    ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        """(landed, corrupt) per active row; fake-path requests count as
+        landed, a real request without a metadata row never does. The gate
+        decides only rows at local Success, and a read costs a cache line per
+        row: when at most a quarter of the rows are at Success (a queue
+        mostly still transferring), only those are read; otherwise every row
+        is, in one pass (the subset's own gathers would cost more). The
+        caller only reads them."""
         assert self.metadata is not None
         m = f.meta_slots.size
-        ok, bad = self.metadata.landed(f.meta_slots, f.meta_rooms)
+        ask: NDArray[np.int64] | None = None
+        slots, rooms = f.meta_slots, f.meta_rooms  # read-only: the source checks them once
+        if at_success * 4 <= m:
+            mask = success()
+            ask = np.flatnonzero(mask if f.meta_pos is None else mask[f.meta_pos])
+            slots, rooms, m = slots[ask], rooms[ask], ask.size
+        ok, bad = self.metadata.landed(slots, rooms)
         ok = bool_answer(ok, m, "metadata source (landed)", self.rank)
         bad = bool_answer(bad, m, "metadata source (corrupt)", self.rank)
-        if f.meta_pos is None:
+        if f.meta_pos is None and ask is None:
             return ok, bad
+        at = f.meta_pos if ask is None else ask if f.meta_pos is None else f.meta_pos[ask]
         landed = f.fake.copy()
-        landed[f.meta_pos] = ok
+        landed[at] = ok
         corrupt = f.zeros.copy()
-        corrupt[f.meta_pos] = bad
+        corrupt[at] = bad
         return landed, corrupt
 
-    def pack(self, out: NDArray[np.uint8]) -> None:
-        """This rank's words for the first ``len(out)`` active rows."""
-        k = out.size
-        if self.codes is None:
-            np.left_shift(self.values[:k], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
-        else:
-            pack(self.values[:k], self.codes[:k], out)
-
     def words(self, rows: NDArray[np.int64] | None = None) -> NDArray[np.uint8]:
-        """This rank's words for all active rows, or for the positions ``rows``."""
-        if rows is None:
-            out = np.empty(self.values.size, dtype=np.uint8)
-            self.pack(out)
-            return out
-        out = np.empty(rows.size, dtype=np.uint8)
-        codes = None if self.codes is None else self.codes[rows]
-        if codes is None:
-            np.left_shift(
-                self.values[rows], STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe"
-            )
+        """This rank's words for all active rows, or for the positions ``rows``
+        (the step's buffer packs its own, sharing the scan for the slots)."""
+        values = self.values if rows is None else self.values[rows]
+        out = np.empty(values.size, dtype=np.uint8)
+        if self.codes is None:
+            np.left_shift(values, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
         else:
-            pack(self.values[rows], codes, out)
+            pack(values, self.codes if rows is None else self.codes[rows], out)
         return out

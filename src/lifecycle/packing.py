@@ -11,8 +11,9 @@ which is the documented priority (:mod:`lifecycle.reasons`). Every rank
 decodes the same status and, for Failed, the same reason. The rank a failure
 came from is not in the word: it is fetched by a second, small collective
 only on steps where some request newly failed and more than one rank failed
-rows (the header's FAILER field says when a single rank did: every new
-failure then came from it).
+rows and their lists did not fit the buffer's *failure slots* (the
+header's FAILER field says when a single rank did: every new failure then
+came from it).
 
 A buffer is :data:`HEADER` bytes followed by ``capacity`` request bytes
 (padded with :data:`PAD`, which MIN ignores). The header is a list of 64-bit
@@ -23,6 +24,17 @@ known everywhere in the very call that would otherwise have mixed requests
 up. For the capacity fields only the complement is sent: the byte-wise
 maximum it yields is an upper bound of every rank's value, the same on every
 rank, which is all a capacity decision needs.
+
+After the request bytes come :data:`REGIONS` failure-slot regions
+(:func:`slots_size` bytes; the buffer is :func:`buffer_size`). A rank that
+fails rows writes region ``rank % REGIONS``: its rank (value and
+complement), how many rows it failed, and up to :func:`slots_per_region`
+entries ``position << 8 | word`` in ascending position. Every other byte is
+0xFF, which MIN ignores, so a region read back holds exactly its writer's
+list; two writers in one region show as a rank whose value and complement
+disagree. When every failing rank's list came back whole, the origin of each
+new failure (the lowest rank whose word won) is read from the buffer and no
+second reduce is needed (:func:`slot_origins`).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import threading
 
 import numpy as np
 from numpy.typing import NDArray
@@ -50,9 +63,15 @@ __all__ = [
     "with_statuses",
     "stable_hash",
     "write_field",
+    "encode_header",
     "field_slice",
-    "NO_FAILER",
     "Header",
+    "REGIONS",
+    "slots_per_region",
+    "slots_size",
+    "buffer_size",
+    "write_slots",
+    "slot_origins",
 ]
 
 STATUS_SHIFT = REASON_BITS
@@ -121,41 +140,74 @@ def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
 def fingerprint(rooms: NDArray[np.uint64]) -> int:
     """A 64-bit hash of the ordered list of rooms (order and length sensitive)."""
     n = rooms.size
-    with np.errstate(over="ignore"):
-        h = np.bitwise_xor.reduce(_mix(rooms ^ _position_keys(n)), initial=np.uint64(0))
-        h = _mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0]
-    return int(h)
+    x, tmp = _scratch(n)
+    np.bitwise_xor(rooms, _position_keys(n), out=x)
+    with np.errstate(over="ignore"):  # _mix, in place: no temporaries to allocate
+        np.right_shift(x, _S30, out=tmp)
+        x ^= tmp
+        x *= _M1
+        np.right_shift(x, _S27, out=tmp)
+        x ^= tmp
+        x *= _M2
+        np.right_shift(x, _S31, out=tmp)
+        x ^= tmp
+    h = int(np.bitwise_xor.reduce(x, initial=np.uint64(0)))
+    return _mix_int(h ^ n)
 
 
-_WEIGHTS = np.empty(0, dtype=np.uint64)
-_KEYS = np.empty(0, dtype=np.uint64)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_TLS = threading.local()
+
+
+def _scratch(n: int) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """Two uint64 work arrays of ``n`` values, kept per thread (large
+    temporaries are fresh pages to fault in on every call)."""
+    pair: tuple[NDArray[np.uint64], NDArray[np.uint64]] | None = getattr(_TLS, "pair", None)
+    if pair is None or pair[0].size < n:
+        size = max(n, 1024)
+        pair = (np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64))
+        _TLS.pair = pair
+    return pair[0][:n], pair[1][:n]
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix` of one value, in Python integers (a numpy call on a
+    one-element array costs more than the arithmetic)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64_INT
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64_INT
+    return x ^ (x >> 31)
+
+
+_TABLES: dict[str, NDArray[np.uint64]] = {}
+
+
+def _cached(name: str, n: int, multiplier: np.uint64, odd: bool) -> NDArray[np.uint64]:
+    """The first ``n`` of ``_mix((i + 1) * multiplier)`` (``| 1`` if ``odd``),
+    from a read-only table that only grows. Each caller slices the table it
+    read or built: another thread may replace the cached one meanwhile."""
+    table = _TABLES.get(name)
+    if table is None or table.size < n:
+        size = max(n, 2 * (0 if table is None else table.size), 1024)
+        with np.errstate(over="ignore"):
+            table = _mix(np.arange(1, size + 1, dtype=np.uint64) * multiplier)
+        if odd:
+            table |= np.uint64(1)
+        table.setflags(write=False)
+        if table.size > _TABLES.get(name, table[:0]).size:
+            _TABLES[name] = table
+    return table[:n]
 
 
 def _position_keys(n: int) -> NDArray[np.uint64]:
-    """``_mix((i + 1) * GOLD)`` for positions 0..n-1 (cached: a frame is
-    rebuilt on every change of membership, and this half of the hash depends
-    on the length alone)."""
-    global _KEYS
-    if _KEYS.size < n:
-        size = max(n, 2 * _KEYS.size, 1024)
-        with np.errstate(over="ignore"):
-            k = _mix(np.arange(1, size + 1, dtype=np.uint64) * _GOLD)
-        k.setflags(write=False)
-        _KEYS = k
-    return _KEYS[:n]
+    """Keys for positions 0..n-1 (cached: a frame is rebuilt on every change
+    of membership, and this half of the hash depends on the length alone)."""
+    return _cached("keys", n, _GOLD, odd=False)
 
 
 def position_weights(n: int) -> NDArray[np.uint64]:
     """Fixed pseudo-random 64-bit weights for list positions 0..n-1 (cached,
     read-only): :func:`status_sum` weighs each row's status by them."""
-    global _WEIGHTS
-    if _WEIGHTS.size < n:
-        size = max(n, 2 * _WEIGHTS.size, 1024)
-        with np.errstate(over="ignore"):
-            w = _mix(np.arange(1, size + 1, dtype=np.uint64) * _M2) | np.uint64(1)
-        w.setflags(write=False)
-        _WEIGHTS = w
-    return _WEIGHTS[:n]
+    return _cached("weights", n, _M2, odd=True)
 
 
 def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None) -> int:
@@ -168,10 +220,7 @@ def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None
 
 def with_statuses(fp: int, total: int) -> int:
     """A list fingerprint combined with its :func:`status_sum`."""
-    x = total & _MASK64_INT
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64_INT
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64_INT
-    return fp ^ x ^ (x >> 31)
+    return fp ^ _mix_int(total & _MASK64_INT)
 
 
 _MASK64_INT = 2**64 - 1
@@ -202,10 +251,30 @@ def write_field(buf: NDArray[np.uint8], field: Field, value: int) -> None:
 _MASK64 = 2**64 - 1
 _STRUCT = struct.Struct(f">{HEADER // 8}Q")
 _FAILER_AT = _OFFSET[Field.FAILER] // 8
-#: the FAILER field of a rank that fails no row: neutral for both its halves
-NO_FAILER = b"\xff" * 16
 _NEED_AT = _OFFSET[Field.NEED] // 8
 _FLOOR_AT = _OFFSET[Field.FLOOR] // 8
+
+
+def encode_header(
+    fp: int,
+    length: int,
+    config: int,
+    queue: int,
+    tag: int,
+    need: int,
+    floor: int,
+    failer: int | None,
+) -> bytes:
+    """A whole header in one call (what :func:`write_field` would write for
+    every field; ``failer``: this rank, if it fails some row)."""
+    m = _MASK64
+    words: list[int] = []
+    for v in (fp, length, config, queue, tag):
+        v &= m
+        words += (v, v ^ m)
+    words += (m, m) if failer is None else (failer, failer ^ m)
+    words += ((need & m) ^ m, (floor & m) ^ m)
+    return _STRUCT.pack(*words)
 
 
 class Header:
@@ -239,3 +308,71 @@ class Header:
     def differing(self) -> tuple[Field, ...]:
         """The matched fields whose value is not the same on every rank."""
         return tuple(f for f in MATCHED if len(set(self.bounds(f))) > 1)
+
+
+#: failure-slot regions after the request bytes (a failing rank writes region rank % REGIONS)
+REGIONS = 8
+_EMPTY_U32 = 0xFFFFFFFF
+_REGION_HEAD = 3  # owner, its complement, count (big-endian uint32 each)
+
+
+def slots_per_region(capacity: int) -> int:
+    """Entries per region for a buffer of ``capacity`` rows (agreed: a
+    function of the agreed capacity alone)."""
+    return max(2, min(64, capacity // 128))
+
+
+def slots_size(capacity: int) -> int:
+    """Bytes of the failure-slot regions of a buffer of ``capacity`` rows."""
+    return REGIONS * 4 * (_REGION_HEAD + slots_per_region(capacity))
+
+
+def buffer_size(capacity: int) -> int:
+    """Header, ``capacity`` request bytes and the failure-slot regions."""
+    return HEADER + capacity + slots_size(capacity)
+
+
+def write_slots(
+    area: NDArray[np.uint8], rank: int, positions: NDArray[np.int64], words: NDArray[np.uint8]
+) -> None:
+    """Fill ``area`` (:func:`slots_size` bytes, all 0xFF) with this rank's
+    failed rows: ``positions`` ascending and their ``words``. Past the
+    region's size only the count is written (the step then fetches)."""
+    regions = area.view(">u4").reshape(REGIONS, -1)
+    k = regions.shape[1] - _REGION_HEAD
+    region = regions[rank % REGIONS]
+    region[0] = rank
+    region[1] = rank ^ _EMPTY_U32
+    region[2] = positions.size
+    if positions.size <= k:
+        region[_REGION_HEAD : _REGION_HEAD + positions.size] = (
+            positions.astype(np.uint32) << np.uint32(8)
+        ) | words
+
+
+def slot_origins(
+    area: NDArray[np.uint8], failed: NDArray[np.int64], agreed: NDArray[np.uint8]
+) -> NDArray[np.int32] | None:
+    """From reduced failure slots: the origin rank of each failed row
+    (``failed``: ascending positions, ``agreed``: their agreed words), or
+    None when some list did not come back whole (two writers in a region, a
+    list longer than its region, an entry naming a row that did not fail):
+    the step then fetches. Reads reduced data only: every rank answers alike."""
+    regions = area.view(">u4").reshape(REGIONS, -1)
+    k = regions.shape[1] - _REGION_HEAD
+    origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
+    for region in regions.tolist() if failed.size else ():
+        owner, comp, count = region[0], region[1] ^ _EMPTY_U32, region[2]
+        if owner == _EMPTY_U32 and comp == 0:
+            continue  # no rank wrote here
+        if owner != comp or count > k or owner >= NO_ORIGIN:
+            return None
+        entries = np.asarray(region[_REGION_HEAD : _REGION_HEAD + count], dtype=np.int64)
+        at = np.searchsorted(failed, entries >> 8)
+        if count and (int(at.max()) >= failed.size or (failed[at] != entries >> 8).any()):
+            return None
+        won = at[agreed[at] == (entries & 0xFF)]
+        origin[won] = np.minimum(origin[won], owner)
+    if (origin == NO_ORIGIN).any():
+        return None
+    return origin

@@ -15,7 +15,15 @@ from numpy.typing import NDArray
 from lifecycle import batch
 from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
 from lifecycle.frame import Frame
-from lifecycle.packing import HEADER, NO_ORIGIN, STATUS_SHIFT, Field, Header
+from lifecycle.packing import (
+    HEADER,
+    NO_ORIGIN,
+    STATUS_SHIFT,
+    Field,
+    Header,
+    slot_origins,
+    slots_size,
+)
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
 from lifecycle.status import I8, TERMINAL
@@ -44,17 +52,19 @@ class Settled:
     """The agreed outcome of one step, before it is applied to the table."""
 
     __slots__ = (
-        "agreed",
         "failed",
         "fetch",
         "frame",
         "hdr",
+        "known",
         "moved",
         "new",
         "origin",
+        "planned",
         "reason",
-        "state",
+        "to",
         "triggers",
+        "was",
         "words",
     )
 
@@ -62,30 +72,35 @@ class Settled:
         self.frame = frame
         self.hdr = hdr
         self.words = words
-        self.agreed = (words >> STATUS_SHIFT).astype(np.int8)
-        self.failed: NDArray[np.int64] = _EMPTY_I64
+        # the rows whose agreed word is not their agreed status of before: the
+        # only rows worked on (a few per step, however long the list)
+        self.moved = np.flatnonzero(words != frame.unchanged_array())
+        self.to = (words[self.moved] >> STATUS_SHIFT).astype(np.int8)
+        # active rows were not Failed before, so every failed row moved
+        self.failed: NDArray[np.int64] = self.moved[self.to == _F]
         self.fetch: NDArray[np.int32] | None = None
-        self.state: NDArray[np.int8] | None = None
+        #: the failed rows' origins, read from the failure slots
+        self.known: NDArray[np.int32] | None = None
+        self.planned = False
         self.new: NDArray[np.int8] | None = None
-        self.moved: NDArray[np.int64] = _EMPTY_I64
 
     def plan(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> None:
         """Work out every moving row's move, raising (on every rank alike: from
-        agreed data only) before anything changes. Only the rows whose agreed
-        status differs are worked on (a few per step, however long the list)."""
+        agreed data only) before anything changes."""
         f = self.frame
-        state = self.state = stepper.table.state[f.rows]
-        agreed = self.agreed
         self.new = None
-        if agreed.tobytes() == state.tobytes():  # the common case: nothing moved
+        self.planned = True
+        if not self.moved.size:  # the common case: nothing moved
             return
-        moved = self.moved = np.flatnonzero(agreed != state)
-        to, was = agreed[moved], state[moved]
-        failed = to == _F  # active rows were not Failed before, so every one moved
+        moved, to = self.moved, self.to
+        was = self.was = f.state_all[f.pos[moved]]
+        failed = to == _F
         reason = np.where(failed, self.words[moved] & _REASON, FailureReason.NONE).astype(np.int8)
         origin = np.full(moved.size, -1, dtype=np.int32)
         if self.failed.size and self.hdr.sole is not None:
             origin[failed] = self.hdr.sole  # one rank failed rows: all came from it
+        elif self.known is not None:
+            origin[failed] = self.known  # every failing rank's list came back whole
         elif self.failed.size:
             assert origins is not None
             # both ascending, and every failed row moved: the same order
@@ -108,8 +123,7 @@ class Settled:
         f, t = self.frame, stepper.table
         now = stepper.local.now
         step = t.step_no + 1
-        state = self.state
-        assert state is not None, "commit() before plan()"
+        assert self.planned, "commit() before plan()"
         cap, floor = stepper.capacity, stepper._floor
         if cap < floor:  # the agreed floor takes effect from the next step
             stepper.capacity = floor
@@ -118,9 +132,8 @@ class Settled:
         new = self.new
         if new is None:
             t.step_no, t.now = step, now
-            return _result(stepper, f, step, _EMPTY_I64, state[:0], _EMPTY_I16, _EMPTY_F64)
-        moved, reason, origin = self.moved, self.reason, self.origin
-        was = state[moved]
+            return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+        moved, reason, origin, was = self.moved, self.reason, self.origin, self.was
         slots = f.rows[moved]
         dwell = now - t.entered_time[slots]
         ended = int(TERMINAL[new].sum())
@@ -172,10 +185,13 @@ def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
     if hdr.need > stepper.capacity:
         raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
     s = Settled(f, hdr, reduced[HEADER : HEADER + f.n].copy())
-    failed = np.flatnonzero(s.agreed == _F)  # active rows were not Failed before
+    failed = s.failed
     if failed.size:
-        s.failed = failed
-        if hdr.sole is None:  # several ranks failed rows: ask which word won
+        if hdr.sole is None:  # several ranks failed rows: which word won where?
+            area = reduced[HEADER + stepper.capacity :]
+            if area.size == slots_size(stepper.capacity):
+                s.known = slot_origins(area, failed, s.words[failed])
+        if hdr.sole is None and s.known is None:  # some list did not fit: ask
             mine = stepper.local.words(failed) == s.words[failed]
             s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
     return s

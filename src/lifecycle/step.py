@@ -14,11 +14,12 @@ Per rank, for the ordered list of live requests of one queue, a step is:
    the smallest reason code wins and turns the value into Failed; then the
    :data:`GATES` may demote a local Success to Transferring.
 4. **reduce** -- the caller's collective MIN-reduces the buffer
-   (:mod:`lifecycle.packing`): a byte per active row plus a header that
-   catches diverging lists, configurations, queues and iterations. On a step
-   where some request newly fails and more than one rank failed rows, a
-   second small reduce fetches the rank each failure came from (when a single
-   rank did, the header names it).
+   (:mod:`lifecycle.packing`): a byte per active row, a header that
+   catches diverging lists, configurations, queues and iterations, and the
+   failure slots in which each failing rank lists its failed rows, so the
+   rank each new failure came from is read from this reduce. A second small
+   reduce fetches it only when several ranks failed rows and the slots
+   cannot say (a list longer than its region, two ranks in one region).
 5. **apply** -- every row moves to its agreed status along a declared edge
    (:mod:`lifecycle.batch`); a move the graph lacks raises before anything
    changes.
@@ -223,8 +224,8 @@ class Stepper:
     def origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
         """After the last reduce: the int32 buffer to MIN-reduce for the origin
         ranks of new failures, or None when this step needs none: no new
-        failure, or a single rank failed rows (the header says so; the same
-        answer on every rank). Raises :class:`CollectiveMismatch` on every
+        failure, a single rank failed rows (the header says so), or the
+        failure slots name every origin (the same answer on every rank). Raises :class:`CollectiveMismatch` on every
         rank when the ranks' lists, configurations, queues or tags differ."""
         if not self._prepared or self._frame is None:
             raise RuntimeError("origins() before prepare(): a step is prepare, reduce, apply")
@@ -282,10 +283,14 @@ class Stepper:
         result: StepResult = self._as_group().step(collective, tag)[0]
         return result
 
-    def start(self, collective: Collective, tag: int | None = None) -> None:
+    def start(
+        self, collective: Collective, tag: int | None = None, *, worker: bool = False
+    ) -> None:
         """Prepare and launch the reduce; the scheduler may run its forward pass
-        until :meth:`finish` (see docs/scheduler-integration.md)."""
-        self._as_group().start(collective, tag)
+        until :meth:`finish` (see docs/scheduler-integration.md). ``worker``:
+        prepare and launch on the stepper's own thread (the hooks then run
+        during the forward pass)."""
+        self._as_group().start(collective, tag, worker=worker)
 
     def finish(self) -> StepResult:
         result: StepResult = self._as_group().finish()[0]
@@ -295,5 +300,7 @@ class Stepper:
         """On demand (collectively: every rank must call it): who holds each
         non-terminal request of the last step back."""
         from lifecycle.diagnose import diagnose
+        from lifecycle.group import wait_launches
 
+        wait_launches()  # after the reduces of this thread's earlier worker starts
         return diagnose(self, collective, None)

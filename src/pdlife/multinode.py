@@ -19,13 +19,26 @@ Three things differ from one host:
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["JOIN_TIMEOUT_S", "Placement", "add_errors", "collect", "place", "publish", "store_lost"]
+__all__ = [
+    "JOIN_TIMEOUT_S",
+    "Placement",
+    "StoreWatch",
+    "add_errors",
+    "collect",
+    "place",
+    "publish",
+    "store_lost",
+]
 
 # how long the world group waits for every node's ranks to join: nodes start
 # at different times (image pulls, imports on a loaded host)
@@ -51,8 +64,8 @@ def place(rank: int, world: int, prefill: int, role: str | None, host: str, dist
     d = tuple(g for g, (r, _) in enumerate(said) if r == "decode")
     if len(p) != prefill:
         raise ValueError(
-            f"{len(p)} ranks said --role prefill but --prefill is {prefill}; "
-            "start as many prefill processes as --prefill names"
+            f"{len(p)} ranks said --role prefill but the prefill side has {prefill} "
+            "(--prefill x --prefill-dp); start that many prefill processes"
         )
     order = p + d
     return Placement(order.index(rank), p, d, tuple(said[g][1] for g in order))
@@ -137,3 +150,54 @@ def store_lost(where: Placement, store: tuple[str, int], err: BaseException) -> 
         f"stopped answering ({cause}); the node hosting it died with rank(s) "
         f"{gone or 'unknown'}; exiting"
     )
+
+
+class StoreWatch:
+    """Say at once, in one line, that the job's store (and so node 0) is gone.
+
+    A thread waits on the store for a key nobody sets: the wait fails the moment
+    the store's connection drops, before torchrun's agent (which polls it every
+    ``--monitor-interval``) stops this rank. :meth:`lost` is also what the main
+    thread calls when its own store call fails; the line is said once either
+    way. :meth:`done` before the job's normal end, when node 0 may leave first.
+    """
+
+    def __init__(self, where: Placement, store: tuple[str, int]) -> None:
+        self._where, self._store = where, store
+        self._done = threading.Event()
+        self._said = threading.Lock()
+        self.watching = threading.Event()  # set once its wait is with the store
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="pdlife-store-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        from torch.distributed import (  # type: ignore[attr-defined]
+            DistNetworkError,
+            DistStoreError,
+            TCPStore,
+        )
+
+        try:
+            client = TCPStore(
+                self._store[0], self._store[1], is_master=False, timeout=timedelta(hours=1)
+            )
+            self.watching.set()
+            while not self._done.is_set():
+                try:
+                    client.wait(["pdlife/store-watch/never"])
+                except DistNetworkError:
+                    raise
+                except DistStoreError:  # the wait's own timeout: watch on
+                    continue
+        except Exception as e:
+            if not self._done.is_set():
+                self.lost(e)
+                os._exit(4)
+
+    def done(self) -> None:
+        self._done.set()
+
+    def lost(self, err: BaseException) -> None:
+        if self._said.acquire(blocking=False):
+            print(store_lost(self._where, self._store, err), file=sys.stderr, flush=True)

@@ -39,12 +39,23 @@ different requests; use it for soak-style noise::
     prob = 0.01             # per rank, per request, per step
     [[faults]]
     kind = "delay"          # fail | delay | hold_gate | drop_metadata |
-                            # corrupt_metadata | raise_in_poll | kill_rank
+                            # corrupt_metadata | raise_in_poll | kill_rank |
+                            # pause_rank
     request = 12
     rank = 3
     step = 5                # scheduler iteration on that rank (default: first
                             # step the request is live there, or ``at``)
     steps = 4               # for delay and hold_gate: how long
+
+A rank's whole process can be killed (``kill_rank``) or stopped for a while
+(``pause_rank``, every thread including the engine's, as a long GC pause or
+a starved host would: its heartbeats stop too), at a step::
+
+    [[faults]]
+    kind = "pause_rank"
+    rank = 1
+    step = 20
+    seconds = 3.0
 
 Every field is validated; an error names the entry and the field, e.g.
 ``faults[2].kind``. The same plan and seed give the same faults.
@@ -65,6 +76,7 @@ from pdlife.phase_draws import PHASES, Decision, phase_decisions
 from pdlife.plan_doc import (
     _PHASE_VALUE,
     KINDS,
+    MAX_PAUSE_S,
     MODES,
     FaultKind,
     FaultPlan,
@@ -90,7 +102,7 @@ __all__ = [
 
 class RankFaults:
     """A plan bound to one rank of a run: the step's fault hook, plus the
-    queries the simulated scheduler asks (delay, hold, metadata, raise, kill).
+    queries the simulated scheduler asks (delay, hold, metadata, raise, kill, pause).
 
     ``room_of`` maps a request index to its room (a sequence or any object
     with ``__getitem__``). In phase mode the simulator calls :meth:`admit`
@@ -132,7 +144,7 @@ class RankFaults:
         self.decisions: list[Decision] = []
 
     def room(self, f: TargetedFault) -> int | None:
-        if f.kind == "kill_rank":
+        if f.kind in ("kill_rank", "pause_rank"):
             return None
         return f.room if f.room is not None else int(self._room_of_request[f.request or 0])
 
@@ -274,6 +286,15 @@ class RankFaults:
     def kill_at(self, step: int) -> bool:
         return any(f.kind == "kill_rank" and f.step == step for f in self.mine)
 
+    def pause_at(self, step: int) -> float:
+        """Seconds this rank's process stops at ``step`` (0: none); recorded as fired."""
+        total = 0.0
+        for i, f in enumerate(self.mine):
+            if f.kind == "pause_rank" and f.step == step:
+                self._fired(i, step, None)
+                total += f.seconds
+        return min(total, MAX_PAUSE_S)  # two pauses at one step are one, as long
+
     def unfired(self, kinds: Sequence[str] | None = None) -> list[str]:
         """The targeted faults of this rank that never fired (kill_rank aside:
         a rank that fired it is dead), as plan-file descriptions."""
@@ -283,7 +304,10 @@ class RankFaults:
                 continue
             if kinds is not None and f.kind not in kinds:
                 continue
-            who = f"request {f.request}" if f.request is not None else f"room {f.room}"
             when = f"at {f.at}" if f.at else (f"step {f.step}" if f.step else "its first step")
+            if f.kind == "pause_rank":
+                out.append(f"pause_rank on rank {f.rank} at step {f.step} ({f.seconds:g} s)")
+                continue
+            who = f"request {f.request}" if f.request is not None else f"room {f.room}"
             out.append(f"{f.kind} on rank {f.rank}, {who}, {when}")
         return out

@@ -38,12 +38,17 @@ KINDS = (
     "corrupt_metadata",
     "raise_in_poll",
     "kill_rank",
+    "pause_rank",
 )
 FaultKind = str
-_NEEDS_REQUEST = set(KINDS) - {"kill_rank"}
+#: a whole rank's faults: they take a rank and a step, not a request
+_RANK_WIDE = {"kill_rank", "pause_rank"}
+_NEEDS_REQUEST = set(KINDS) - _RANK_WIDE
 _NEEDS_STEPS = {"delay", "hold_gate"}
 _TIMED = {"fail", "delay", "hold_gate", "raise_in_poll"}
-_FIELDS = {"kind", "request", "room", "rank", "step", "steps", "at"}
+_FIELDS = {"kind", "request", "room", "rank", "step", "steps", "at", "seconds"}
+#: the longest pause_rank: a stall of an hour is a dead rank
+MAX_PAUSE_S = 3600.0
 MODES = ("phase", "step")
 #: the phases a fault or an abort can be keyed to, in lifecycle order
 _PHASE_VALUE = {
@@ -62,6 +67,7 @@ class TargetedFault:
     step: int | None = None
     steps: int = 1
     at: str | None = None  # a phase: fire when the request reaches it on this rank
+    seconds: float = 0.0  # pause_rank: how long the whole process stops
 
 
 @attrs.frozen
@@ -99,6 +105,22 @@ def _int(entry: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> in
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise FaultPlanError(f"{where}.{key}", f"must be an integer >= {minimum}, got {v!r}")
     return v
+
+
+def _seconds(entry: Mapping[str, Any], kind: str, where: str) -> float:
+    """A pause_rank's length: required there, refused elsewhere."""
+    v = entry.get("seconds")
+    if kind != "pause_rank":
+        if v is not None:
+            raise FaultPlanError(f"{where}.seconds", f"only pause_rank takes seconds, not {kind}")
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_PAUSE_S:
+        raise FaultPlanError(
+            f"{where}.seconds",
+            f"pause_rank needs how long the rank stops: a number of seconds in "
+            f"(0, {MAX_PAUSE_S:g}], got {v!r}",
+        )
+    return float(v)
 
 
 def parse_plan(doc: Mapping[str, Any]) -> FaultPlan:
@@ -152,11 +174,12 @@ def parse_plan(doc: Mapping[str, Any]) -> FaultPlan:
         request, room = _int(e, "request", where), _int(e, "room", where, minimum=1)
         if kind in _NEEDS_REQUEST and (request is None) == (room is None):
             raise FaultPlanError(where, f"a {kind} fault names exactly one of 'request' or 'room'")
-        if kind == "kill_rank" and (request is not None or room is not None):
-            raise FaultPlanError(where, "kill_rank takes a rank and a step, not a request")
+        if kind in _RANK_WIDE and (request is not None or room is not None):
+            raise FaultPlanError(where, f"{kind} takes a rank and a step, not a request")
         step = _int(e, "step", where, minimum=1)
-        if kind == "kill_rank" and step is None:
-            raise FaultPlanError(f"{where}.step", "kill_rank needs the step to kill at")
+        if kind in _RANK_WIDE and step is None:
+            raise FaultPlanError(f"{where}.step", f"{kind} needs the step it happens at")
+        seconds = _seconds(e, kind, where)
         steps = _int(e, "steps", where, minimum=1)
         if steps is not None and kind not in _NEEDS_STEPS:
             raise FaultPlanError(
@@ -172,7 +195,7 @@ def parse_plan(doc: Mapping[str, Any]) -> FaultPlan:
                 raise FaultPlanError(f"{where}.at", f"a {kind} fault takes no phase")
             if step is not None:
                 raise FaultPlanError(where, "give either 'step' or 'at', not both")
-        faults.append(TargetedFault(kind, rank, request, room, step, steps or 1, at))
+        faults.append(TargetedFault(kind, rank, request, room, step, steps or 1, at, seconds))
     return FaultPlan(seed=seed, prob=prob, prob_ranks=prob_ranks, faults=tuple(faults), mode=mode)
 
 

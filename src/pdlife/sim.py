@@ -25,10 +25,11 @@ from buffers import MetadataBuffers, SlotAllocator
 from lifecycle.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.packing import fingerprint
-from lifecycle.reasons import FailureReason
-from lifecycle.status import KVPoll, Role, S, T
+from lifecycle.status import T as T  # the tests' pollers answer with sim.T
 from lifecycle.step import StepResult
+from pdlife.pause import pause_process
 from pdlife.plan import RankFaults
+from pdlife.sim_backend import connector_config, kv_args
 from pdlife.sim_bytes import STATE_ROW_BYTES
 from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
 from pdlife.sim_hooks import (
@@ -38,32 +39,16 @@ from pdlife.sim_hooks import (
 )
 from pdlife.sim_loops import decode_iteration, prefill_iteration
 from pdlife.sim_report import report
-from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_allowed, soak_words, who_died
-from pdlife.sim_topology import HEAD_BYTES, Place, heads_of, place
+from pdlife.sim_requests import arrive, client_aborts, drain
+from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_words, who_died
+from pdlife.sim_topology import HEAD_BYTES, dp_faults, heads_of, place, primary_of
 from pdlife.trace import TraceWriter
 
 __all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
 
-
-def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) -> Any:
-    """The connector's configuration for one simulated rank."""
-    from transport.connector import ConnectorConfig
-
-    return ConnectorConfig(
-        role=where.side,
-        tp_rank=where.tp_rank,
-        tp_size=where.tp_size,
-        dp_rank=where.dp_rank,
-        mla=cfg.mla,
-        kv_heads=cfg.total_heads,
-        staging=cfg.staging and where.side == "decode",
-        staging_pages=cfg.staging_pages or cfg.max_pages,
-        store_host=store_addr[0],
-        store_port=store_addr[1],
-        namespace=f"sim{cfg.seed}",
-        bootstrap_timeout=float(cfg.pg_timeout) * 4,
-        waiting_timeout=float(cfg.pg_timeout) * 4,
-    )
+#: a step's pause while a decode rank only waits for quarantined buffers: the
+#: default step budget (3000) then lasts well past the drain timeout (3 s)
+DRAIN_IDLE_S = 0.005
 
 
 class RankRun:
@@ -92,14 +77,14 @@ class RankRun:
         self.faults = RankFaults(
             cfg.plan, rank, self.work, mode, cfg.world, cfg.abort_prob, cfg.seed
         )
-        # the decode rank whose metadata-row faults this prefill rank carries out
-        # (its TP peer; none when the decode group is smaller)
-        paired = rank
-        if self.side == "prefill":
-            paired = (
-                cfg.prefill_ranks + self.side_rank if self.side_rank < cfg.decode else cfg.world
-            )
-        self.faults_for_decode = RankFaults(cfg.plan, paired, self.work)
+        # the decode ranks whose metadata-row faults this prefill rank carries out:
+        # those it is the primary sender of, as it writes their metadata row (one
+        # row, so a bad one reaches every decode rank it is the primary of), for
+        # the requests its DP group serves (another group's it never writes)
+        served = dp_faults(cfg, self.place)
+        self.faults_for_decode = [
+            RankFaults(served, r, self.work) for r in primary_of(cfg, self.place)
+        ]
         backend = get_backend(cfg.backend)
         self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
         #: the global KV heads this rank holds (MLA: the one latent head, everywhere)
@@ -113,9 +98,14 @@ class RankRun:
             )
             for _ in range(KV_LAYERS)
         ]
-        # a mamba-like state component: one row per request, replicated on every rank
+        # a mamba-like state component: one row per request, held whole on every
+        # rank, or (--state-split) this rank's share of each row
+        self.state_share = (self.side_rank, self.place.tp_size) if cfg.state_split else (0, 1)
         self.state_tensors = (
-            [torch.zeros((cfg.metadata_slots, n), dtype=torch.uint8) for n in STATE_ROW_BYTES]
+            [
+                torch.zeros((cfg.metadata_slots, n // self.state_share[1]), dtype=torch.uint8)
+                for n in STATE_ROW_BYTES
+            ]
             if cfg.state
             else []
         )
@@ -123,7 +113,7 @@ class RankRun:
         self.moves_bytes = cfg.backend != "fake"
         if self.moves_bytes:  # every byte-moving backend is a connector over one config
             self.manager = backend.manager(
-                self._kv_args(), connector_config(cfg, self.place, store_addr)
+                kv_args(self), connector_config(cfg, self.place, store_addr)
             )
         else:
             self.manager = backend.manager()
@@ -183,30 +173,6 @@ class RankRun:
             self.metrics = LifecycleMetrics()
             serve(cfg.metrics_port + rank)
 
-    def _kv_args(self) -> Any:
-        from buffers.kv_args import StateComponent, StateType
-        from transport.layout import kv_args_for
-
-        state: tuple[StateComponent, ...] = ()
-        if self.state_tensors:
-            ts = self.state_tensors
-            state = (
-                StateComponent(
-                    type=StateType.MAMBA,
-                    ptrs=[t.data_ptr() for t in ts],
-                    lens=[t.nbytes for t in ts],
-                    item_lens=[t[0].nbytes for t in ts],
-                ),
-            )
-        return kv_args_for(
-            self.kv,
-            self.meta.buf_infos(),
-            self.rank,
-            page_size=self.cfg.page_size,
-            kv_head_num=len(self.heads),
-            state=state,
-        )
-
     def state_row(self, slot: int) -> int:
         """The state row a request holding metadata ``slot`` uses: the slot on
         prefill, mirrored on decode, so that a transfer that confused state rows
@@ -227,50 +193,6 @@ class RankRun:
         return time.monotonic() if self.moves_bytes else float(self.step_no)
 
     # -- request lifecycle -------------------------------------------------------
-    def _arrive(self) -> None:
-        upto = self.soak_limit if self.cfg.soak else None
-        if self.cfg.soak and upto is None:
-            upto = soak_allowed(self)
-        # handles are what the side holds live; every rank of a side agrees on them
-        new = self.work.arriving(
-            self.step_no, self.admitted, self.cfg.max_live - len(self.handles), upto
-        )
-        if not new:
-            return
-        role = Role.SENDER if self.side == "prefill" else Role.RECEIVER
-        rooms, groups = [], []
-        dp = self.cfg.prefill_dp
-        for i in new:
-            if self.side == "prefill" and i % dp != self.place.dp_rank:
-                continue  # another prefill DP group serves it
-            room, pages, abort_at = self.work.request(i)
-            if self.side == "prefill":
-                h = self.manager.sender(room)
-            else:
-                h = self.manager.receiver(room)
-                h.init(prefill_dp_rank=i % dp)
-            self.handles[room] = h
-            self.need[room] = pages
-            if abort_at:
-                self.abort_due.setdefault(abort_at, []).append(room)
-            self.q1.table.add(room, role=role, handle=h, handle_index=h.index)
-            rooms.append(room)
-            groups.append(i % dp)
-        self.admitted = new.stop
-        # the client's aborts reach the decode side (and through the backend, prefill)
-        self.faults.admit(
-            rooms,
-            aborts_here=self.side == "decode",
-            groups=groups if dp > 1 else None,
-            rank_group=self._dp_group_of,
-        )
-
-    def _dp_group_of(self, rank: int) -> int | None:
-        """The prefill DP group a rank serves; None for a decode rank (it sees all)."""
-        if rank >= self.cfg.prefill_ranks:
-            return None
-        return rank // self.cfg.prefill
-
     def client_abort(self, room: int) -> None:
         h = self.handles.get(room)
         if h is None:
@@ -279,74 +201,6 @@ class RankRun:
         for q in (self.q1, self.q2):
             if room in q.table:
                 q.table.request_abort(room)
-
-    def _client_aborts(self) -> None:
-        for room in self.abort_due.pop(self.step_no, ()):
-            self.client_abort(room)
-
-    def _finish(self, room: int, status: int, reason: int, origin: int) -> None:
-        self._outcomes.write(f'[{room},"{KVPoll(status).name}",{reason},{origin}]\n')
-        self.finished += 1
-        self.faults.forget(room)
-        self.need.pop(room, None)
-        h = self.handles.pop(room)
-        slot = self._slot.pop(room, None)
-        pages = self.pages_of.pop(room, None)
-        self.state_row_of.pop(room, None)  # the row goes with the metadata slot
-        self.due_of.pop(room, None)
-        if status == S or self.side == "prefill":
-            # success: every write has landed. prefill: its buffers are only read from
-            if status != S:
-                getattr(h, "fail", lambda _r: None)(FailureReason(reason))
-            self._release(room, h, slot, pages, quarantined=False)
-            return
-        # decode failure: the peer may still be writing into our pages and row.
-        # Tell it to stop and keep both out of reuse until it has drained.
-        getattr(h, "fail", lambda _r: None)(FailureReason(reason))
-        if slot is not None:
-            self.alloc.free(slot, room, quarantine=True)
-        self.draining[room] = (h, slot, pages)
-        # when to reuse them is decided together: a rank-local release would let
-        # the ranks' allocators, and so their queues, diverge
-        self.q3.table.add(room, role=Role.RECEIVER, state=T)
-
-    def _release(
-        self,
-        room: int,
-        h: Any,
-        slot: int | None,
-        pages: NDArray[np.int64] | None,
-        quarantined: bool,
-    ) -> None:
-        if slot is not None:
-            if quarantined:
-                self.alloc.release(slot)
-            else:
-                self.alloc.free(slot, room)  # zeroes the room row
-        if pages is not None:
-            self.pages_free.extend(pages.tolist())
-        h.clear()
-
-    def _drain(self) -> StepResult:
-        """Release quarantined buffers once every rank's peer has stopped writing.
-
-        An entry the ranks agreed Failed (its drain poll raised, or it sat past
-        a deadline) is released as well: the backend's own drain deadline has
-        bounded the peer's writes by then, and keeping it would pin its slot
-        and pages for the rest of the run.
-        """
-        res = self._step_queue(self.q3)
-        for room in res.succeeded.tolist():
-            h, slot, pages = self.draining.pop(room)
-            self.q3.table.remove(room)
-            self._release(room, h, slot, pages, quarantined=True)
-        for room in res.failed.tolist():
-            h, slot, pages = self.draining.pop(room)
-            self.q3.table.remove(room)
-            self.drain_failed += 1
-            self.trace.event(kind="drain_failed", step=self.step_no, room=room)
-            self._release(room, h, slot, pages, quarantined=True)
-        return res
 
     def _step_queue(self, q: _Queue) -> StepResult:
         q.poller.step = self.step_no
@@ -401,14 +255,18 @@ class RankRun:
                     self.trace.event(kind="killed", step=self.step_no)
                     self.trace.close()
                     os._exit(17)
+                paused = self.faults.pause_at(self.step_no)
+                if paused:
+                    self.trace.event(kind="paused", step=self.step_no, seconds=paused)
+                    pause_process(paused)
                 self.store.set(f"hb/{self.rank}", str(self.step_no))
-                self._arrive()
-                self._client_aborts()
+                arrive(self)
+                client_aborts(self)
                 results = (
                     prefill_iteration(self) if self.side == "prefill" else decode_iteration(self)
                 )
                 if self.side == "decode":
-                    results.append(self._drain())
+                    results.append(drain(self))
                 total = self.work.limit if not self.cfg.soak else self.soak_limit
                 done = (
                     total is not None
@@ -417,6 +275,11 @@ class RankRun:
                     and not self.draining
                 )
                 all_done = self._agree_digest(results, done)
+                if not all_done and self.moves_bytes and self.draining and not self.handles:
+                    # only quarantined buffers left, released on the transport's
+                    # wall-clock drain deadline: idle, as a scheduler with nothing
+                    # to run does, instead of spending the step budget
+                    time.sleep(DRAIN_IDLE_S)
                 states = np.concatenate([self.q1.table.states(), self.q2.table.states()])
                 self.counts.add([*np.bincount(states, minlength=5).tolist(), self.finished])
                 check_slots(self)

@@ -100,11 +100,15 @@ def kv_difference(
     )
 
 
-def state_pattern(room: int, tensor: int, row_bytes: int) -> NDArray[np.uint8]:
-    """The state row of ``room`` in state tensor ``tensor`` (the same on every rank)."""
+def state_pattern(room: int, tensor: int, share: tuple[int, int] = (0, 1)) -> NDArray[np.uint8]:
+    """The state row of ``room`` in state tensor ``tensor``: whole, or the share
+    ``(rank, tp)`` of it a rank of a TP group of size ``tp`` holds."""
     with np.errstate(over="ignore"):
         key = _mix(np.array([room], np.uint64) * _K_ROOM + _U(tensor + 1) * _K_HEAD)
-    out: NDArray[np.uint8] = _bytes(key, row_bytes)[0]
+    row = _bytes(key, STATE_ROW_BYTES[tensor])[0]
+    rank, tp = share
+    n = row.size // tp
+    out: NDArray[np.uint8] = row[rank * n : (rank + 1) * n]
     return out
 
 
@@ -158,12 +162,14 @@ def fill_prefix(run: RankRun, room: int, pages: NDArray[np.int64]) -> None:
 
 def fill_state(run: RankRun, room: int, row: int) -> None:
     for i, t in enumerate(run.state_tensors):
-        t.numpy()[row] = state_pattern(room, i, t.shape[1])
+        t.numpy()[row] = state_pattern(room, i, run.state_share)
 
 
 def write_first_token(run: RankRun, room: int, slot: int) -> None:
     """The prefill's metadata row (sent to decode): the plan may drop or corrupt it."""
-    fault = run.faults_for_decode.metadata_fault(room)
+    # every decode rank's plan is asked, so that each of its faults fires
+    kinds = [f.metadata_fault(room) for f in run.faults_for_decode]
+    fault = next((k for k in kinds if k is not None), None)
     if fault == "drop_metadata":
         run.meta.clear_room(slot)
         run.meta.tensors["output_ids"][slot, 0] = room % 50000
@@ -188,7 +194,7 @@ def verify_pages(run: RankRun, room: int) -> None:
         row = run.state_row_of[room]
         for i, t in enumerate(run.state_tensors):
             got = t.numpy()[row]
-            want = state_pattern(room, i, t.shape[1])
+            want = state_pattern(room, i, run.state_share)
             if not np.array_equal(got, want):
                 b = int(np.flatnonzero(got != want)[0])
                 problem = f"state tensor {i} row {row} byte {b}: holds {got[b]}, expected {want[b]}"

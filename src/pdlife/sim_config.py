@@ -17,6 +17,12 @@ KV_LAYERS = 2
 PAGE_BYTES = 256
 
 
+#: --state-split: each state row is cut into this many units of its outermost
+#: dimension (a mamba state's heads), of which a rank of a TP group of size tp
+#: holds 16 / tp
+STATE_SPLIT_UNITS = 16
+
+
 @attrs.frozen
 class SimConfig:
     prefill: int = 2  # prefill TP size (ranks per prefill DP group)
@@ -26,6 +32,7 @@ class SimConfig:
     kv_heads: int | None = None  # the model's KV heads; None: 2 x the larger TP size
     page_size: int = 1  # tokens per KV page
     state: bool = False  # a mamba-like state component, one row per request
+    state_split: bool = False  # TP splits that state (each rank holds its share of a row)
     staging: bool = False  # decode lands head-sliced data in a staging buffer first
     staging_pages: int = 0  # pages per staging region; 0: max_pages
     prefix_pages: int = 0  # decode already holds this many pages of a longer request
@@ -108,6 +115,20 @@ class Workload:
             x = x ^ (x >> np.uint64(32))
         out: NDArray[np.uint64] = x + np.uint64(1)
         return out
+
+    @staticmethod
+    def index_of(seed: int, room: int) -> int | None:
+        """The request index whose room is ``room`` (:meth:`rooms_of` undone, so a
+        soak's rooms need no table); None for a room no index maps to."""
+        if not 1 <= room <= _M62 + 1:
+            return None
+        m = _M62
+        x = room - 1
+        x ^= x >> 32
+        for mul in (0xBF58476D1CE4E5B9, 0x9E3779B97F4A7C15):
+            x = (x * pow(mul | 1, -1, m + 1)) & m
+            x ^= (x >> 29) ^ (x >> 58)
+        return (x - (seed * 0x632BE59BD9B4E019 & m)) & m
 
     def _block(self, b: int) -> tuple[NDArray[np.uint64], NDArray[np.int64], NDArray[np.int64]]:
         got = self._blocks.get(b)

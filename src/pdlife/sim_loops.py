@@ -17,6 +17,7 @@ from pdlife.sim_bytes import (
     verify_pages,
     write_first_token,
 )
+from pdlife.sim_requests import finish
 
 if TYPE_CHECKING:
     from pdlife.sim import RankRun
@@ -55,7 +56,7 @@ def prefill_iteration(run: RankRun) -> list[StepResult]:
             run.q2.table.add(room, state=W, handle=h, handle_index=h.index)
         elif st == F:
             run.q1.table.remove(room)
-            run._finish(room, st, reason, origin)
+            finish(run, room, st, reason, origin)
         elif st in (T, S):
             run.violations.append(
                 f"step {run.step_no}: room {room} {KVPoll(st).name} in bootstrap queue"
@@ -78,7 +79,7 @@ def prefill_iteration(run: RankRun) -> list[StepResult]:
         if st in (S, F):
             run.q2.table.remove(room)
             run.sent.pop(room, None)
-            run._finish(room, st, reason, origin)
+            finish(run, room, st, reason, origin)
         elif st == B:
             run.violations.append(f"step {run.step_no}: room {room} Bootstrapping in flight")
     return [r1, r2]
@@ -93,7 +94,7 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
             run.q1.table.remove(room)
             if room in run.ready:
                 run.ready.remove(room)
-            run._finish(room, st, reason, origin)
+            finish(run, room, st, reason, origin)
         elif st == W and room not in run.ready:
             run.ready.append(room)
         elif st in (T, S):
@@ -161,8 +162,8 @@ def decode_iteration(run: RankRun) -> list[StepResult]:
                 verify_pages(run, room)
             run.bytes_due += run.due_of.get(room, 0)
             run.q2.table.remove(room)
-            run._finish(room, st, reason, origin)
+            finish(run, room, st, reason, origin)
         elif st == F:
             run.q2.table.remove(room)
-            run._finish(room, st, reason, origin)
+            finish(run, room, st, reason, origin)
     return [r1, r2]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,11 +18,28 @@ if TYPE_CHECKING:
 __all__ = ["report"]
 
 
+logger = logging.getLogger(__name__)
+
+
 def _numbers(stats: Any) -> dict[str, float | int]:
     return {
         str(k): int(v) if isinstance(v, (int, np.integer)) else float(v)
         for k, v in dict(stats).items()
     }
+
+
+def linger(run: RankRun) -> None:
+    """A prefill server keeps serving after its own requests end: a decode rank
+    may still need its word (a failure told once its writes drained, a "stopped"
+    after a pause). Its connector stays up until every decode rank has said it
+    finished, or --pg-timeout passed (a decode rank that died never says so)."""
+    decode = [f"decode_done/{r}" for r in range(run.cfg.world - run.cfg.decode, run.cfg.world)]
+    deadline = time.monotonic() + run.cfg.pg_timeout
+    try:
+        while time.monotonic() < deadline and not run.store.check(decode):
+            time.sleep(0.02)
+    except Exception:  # the store is gone: so is the job
+        return
 
 
 def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
@@ -34,11 +53,22 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
             room, *rest = json.loads(line)
             outcome[str(room)] = rest
     backend_error = getattr(run.manager, "last_error", None)
+    if run.moves_bytes and run.side == "prefill":
+        linger(run)
     close = getattr(run.manager, "close", None)
     if close is not None:
         close()
+    if run.moves_bytes and run.side == "decode":
+        try:  # finished, however it ended: no prefill rank need wait for it
+            run.store.set(f"decode_done/{run.rank}", "1")
+        except Exception:
+            logger.debug("decode_done not written: the store is gone", exc_info=True)
     requests = run.serves()
-    unfinished = (requests if requests is not None else run.admitted) - run.finished
+    seen = requests
+    if seen is None:  # a soak that never agreed on its end: what it admitted so far
+        share = range(run.place.dp_rank, run.admitted, run.cfg.prefill_dp)
+        seen = run.admitted if run.side == "decode" else len(share)
+    unfinished = seen - run.finished
     problems: list[str] = []
     if error is None and not all_done and not run.violations:
         problems.append(
@@ -57,7 +87,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         others = tuple(k for k in KINDS if k not in meta)
         unfired = run.faults.unfired(others if run.side == "decode" else None)
         if run.side == "prefill":
-            unfired += run.faults_for_decode.unfired(meta)
+            unfired += [u for f in run.faults_for_decode for u in f.unfired(meta)]
     else:
         unfired = run.faults.unfired()
     return {
@@ -86,7 +116,9 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "counts_stride": run.counts.stride,
         "failure_steps": run.failure_steps.items,
         "stuck_reports": run.stuck_reports,
-        "faults_fired": sum(1 for _, kind, _ in run.faults.fired if kind != "abort"),
+        # a byte-moving backend's metadata faults fire on the prefill rank writing the row
+        "faults_fired": sum(1 for _, kind, _ in run.faults.fired if kind != "abort")
+        + sum(len(f.fired) for f in run.faults_for_decode if run.side == "prefill"),
         "fault_mode": run.mode,
         "decisions": [[d.room, d.rank, d.phase, d.kind, d.wins] for d in run.faults.decisions],
         "fired": [[st, kind, room] for st, kind, room in run.faults.fired],

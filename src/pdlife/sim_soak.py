@@ -15,17 +15,25 @@ if TYPE_CHECKING:
     from pdlife.sim import RankRun
 
 
+def _paces(run: RankRun) -> bool:
+    """This rank's group sets the soak's pace: prefill (DP group 0). Decode and
+    the other prefill DP groups follow it, through the store."""
+    return run.side == "prefill" and run.place.dp_rank == 0
+
+
 def soak_allowed(run: RankRun) -> int:
-    """How many requests this side may have admitted by now in a soak: prefill
-    admits on schedule; decode only what prefill has (agreed in the digest)."""
-    if run.side == "prefill":
+    """How many requests this group may have admitted by now in a soak: prefill
+    (group 0) admits on schedule; the others only what it has (agreed in the
+    digest), so that every group stops at the same request."""
+    if _paces(run):
         return run.step_no * run.work.arrival_rate
     return run._decode_allowed
 
 
 def soak_words(run: RankRun) -> tuple[int, int]:
-    leader = run.rank in (0, run.cfg.prefill_ranks)
-    if run.side == "prefill":
+    """What the group's first rank says for it in the digest."""
+    leader = run.place.tp_rank == 0
+    if _paces(run):
         up = time.monotonic() - run._start >= (run.cfg.soak or 0.0)
         return int(up and leader), 0
     if not leader:
@@ -41,7 +49,7 @@ def soak_words(run: RankRun) -> tuple[int, int]:
 
 
 def soak_agreed(run: RankRun, a: int, b: int) -> None:
-    if run.side == "prefill":
+    if _paces(run):
         if run.soak_limit is None and a:
             run.soak_limit = run.admitted
             if run.rank == 0:

@@ -28,13 +28,14 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport import connector_decode as dec
 from transport import connector_prefill as pre
+from transport import liveness as live
 from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
-from transport.layout import Writes
-from transport.legs import Leg
+from transport.layout import Writes, splits_state, state_geometry
+from transport.legs import Request
 from transport.mailbox import Mailbox
-from transport.staging import Scatter, Staging
+from transport.staging import Staging
 from transport.status_arrays import StatusArrays
 from transport.topology import TopologyError, head_range
 
@@ -46,27 +47,6 @@ __all__ = ["ConnectorConfig", "Connector"]
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
 logger = logging.getLogger(__name__)
-
-
-class _Req:
-    """One request's bookkeeping; its phase and clocks live in the manager's columns."""
-
-    def __init__(self, room: int, index: int) -> None:
-        self.room, self.index = room, index
-        self.legs: dict[int, Leg] = {}  # peer rank -> leg, once known
-        self.dp = 0  # decode: the prefill DP group it pairs with
-        self.num_pages = self.local_slot = -1
-        self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
-        self.src_state: list[NDArray[np.int64]] | None = None
-        self.tokens: list[Any] = []  # the engine's handles of writes in flight
-        self.want_register = self.cleared = self.released = False
-        self.staged = False  # decode: lands in staging, then scatters
-        self.scatter: Scatter | None = None
-        self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
-        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
-
-    def senders(self) -> list[Leg]:
-        return [leg for leg in self.legs.values() if leg.sends]
 
 
 class Connector(StatusArrays):
@@ -118,20 +98,26 @@ class Connector(StatusArrays):
         info.update(kv_ptrs=list(a.kv_data_ptrs), kv_item_lens=list(a.kv_item_lens))
         info.update(aux_ptrs=list(a.aux_data_ptrs), aux_item_lens=list(a.aux_item_lens))
         info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
-        self._reqs: dict[int, _Req] = {}  # room -> request
+        #: this rank's state rows, for the peers' fit check and split-state writes
+        self.state_geom = state_geometry(a.state)
+        self.split_state = splits_state(a.state)
+        info.update(state_geom=self.state_geom)
+        self._reqs: dict[int, Request] = {}  # room -> request
         self._early: dict[int, list[dict[str, Any]]] = {}
         #: rooms released here -> their failure reason (told to a late register)
         self._cleared: dict[int, int] = {}
+        #: cleared rooms released with writes the engine never finished (prefill)
+        self._abandoned: set[int] = set()
         #: prefill: the decode ranks the last registered request paired with; a request
         #: not registered yet is expected from them (a dead one fails it: peer dead)
         self.expected: frozenset[int] = frozenset()
         self._peer_dead: set[int] = set()
         self.last_error: Exception | None = None
         if c.role == "prefill":
-            self.mail.publish_group(
-                c.dp_rank, {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
-            )
+            group = {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
+            self.mail.publish_group(c.dp_rank, {**group, "state": self.state_geom})
         self.mail.publish(info)
+        self.mail.start_beating(c.heartbeat_interval)
         self._thread = threading.Thread(target=self._loop, name=f"pd-{c.role}", daemon=True)
         self._thread.start()
 
@@ -168,11 +154,11 @@ class Connector(StatusArrays):
     def _stop_engine(self) -> None: ...
 
     # -- requests and the protocol ---------------------------------------------------------
-    def _take(self, room: int) -> _Req:
+    def _take(self, room: int) -> Request:
         with self._lock:
             if room in self._reqs:
                 raise ValueError(f"room={room} already has a live request on this manager")
-            req = _Req(room, self.take(int(KVPoll.Bootstrapping)))
+            req = Request(room, self.take(int(KVPoll.Bootstrapping)))
             self.phase[req.index] = Phase.Bootstrap
             self.born[req.index] = NOW()
             self._reqs[room] = req
@@ -183,7 +169,7 @@ class Connector(StatusArrays):
         return req
 
     def _fire_many(
-        self, reqs: Sequence[_Req], trigger: str, reason: FailureReason = FailureReason.NONE
+        self, reqs: Sequence[Request], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> NDArray[np.bool_]:
         """Move ``reqs`` along ``trigger`` where it is declared; the mask of those moved.
         A released request's slot may be another's already: it never moves."""
@@ -205,14 +191,14 @@ class Connector(StatusArrays):
             out[np.flatnonzero(keep)[~illegal]] = True
             return out
 
-    def _fire(self, req: _Req, trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
+    def _fire(self, req: Request, trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
         return bool(self._fire_many([req], trigger, reason)[0])
 
-    def _phase(self, req: _Req) -> int:
+    def _phase(self, req: Request) -> int:
         with self._lock:
             return int(Phase.Drained) if req.released else int(self.phase[req.index])
 
-    def _fail(self, req: _Req, reason: FailureReason, store: Any) -> None:
+    def _fail(self, req: Request, reason: FailureReason, store: Any) -> None:
         """Fail locally and make the peers stop writing."""
         if self.config.role == "prefill":
             pre.fail(self, req, reason)
@@ -226,7 +212,7 @@ class Connector(StatusArrays):
         except Exception:
             logger.debug("message %s to rank %d not sent", msg.get("kind"), peer, exc_info=True)
 
-    def _clear(self, req: _Req) -> None:
+    def _clear(self, req: Request) -> None:
         with self._lock:
             req.cleared = True
             if IS_TERMINAL[self._phase(req)] and not req.tokens and not req.released:
@@ -237,8 +223,11 @@ class Connector(StatusArrays):
                 failed = int(self.status[req.index]) == F  # (a Success is never asked about)
                 reason = self.reason[req.index] if failed else FailureReason.ABORTED
                 self._cleared[req.room] = int(reason)
+                if req.abandoned:
+                    self._abandoned.add(req.room)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
+                    self._abandoned.clear()
 
     def sender(self, room: int) -> ConnectorSender:
         from transport.connector_handles import ConnectorSender
@@ -270,11 +259,17 @@ class Connector(StatusArrays):
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
         room, kind = msg["room"], msg["kind"]
+        if "from" in msg:
+            live.heard(self, int(msg["from"]))
         with self._lock:
             req = self._reqs.get(room)
             if req is None:
                 if room not in self._cleared:  # the peer is ahead of our scheduler
+                    if len(self._early) > 100_000:  # rooms that never came (a restart)
+                        self._early.clear()
                     self._early.setdefault(room, []).append(msg)
+                elif kind == "abort" and room in self._abandoned:
+                    self._send(int(msg["from"]), pre.gave_up(room, self._cleared[room]), store)
                 elif kind == "abort":  # finished and drained here: nothing more is written
                     self._send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
                 elif kind == "register":  # it failed and was cleared before this rank knew
@@ -291,14 +286,13 @@ class Connector(StatusArrays):
     # -- the background loop --------------------------------------------------------------------
     def _loop(self) -> None:
         store = self.mail.client()
-        cfg, last_beat, interval = self.config, 0.0, self.config.idle_interval
+        cfg, last_look, interval = self.config, 0.0, self.config.idle_interval
         while not self._stop.is_set():
             now = NOW()
             try:
-                if now - last_beat >= cfg.heartbeat_interval:
-                    self.mail.beat(store)
+                if now - last_look >= cfg.heartbeat_interval:
                     self._check_peers(store)
-                    last_beat = now
+                    last_look = now
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, peer in self._notified():
@@ -320,42 +314,19 @@ class Connector(StatusArrays):
             self._wake.wait(interval)
             self._wake.clear()
 
-    def _live(self) -> tuple[list[_Req], NDArray[np.int8], NDArray[np.int64]]:
+    def _live(self) -> tuple[list[Request], NDArray[np.int8], NDArray[np.int64]]:
         with self._lock:
             reqs = list(self._reqs.values())
             idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))
             return reqs, self.phase[idx], idx
 
     def _check_peers(self, store: Any) -> None:
-        limit = self.config.heartbeat_interval * self.config.heartbeat_misses
-        reqs, _, _ = self._live()
-        peers = {p for r in reqs for p in r.legs or self.expected} - self._peer_dead
-        self._peer_dead |= self.mail.silent(peers, limit, store)
-        hit = [r for r in reqs if self._peer_dead.intersection(r.legs or self.expected)]
-        if not hit:
-            return
-        if self.config.role == "prefill":  # its pages are only read from: done at once
-            self._fire_many(hit, "peer_dead", FailureReason.PEER_DEAD)
-        else:
-            dec.peers_dead(self, hit, store)
+        live.check_peers(self, store)
 
     def _timeouts(self, now: float, store: Any) -> None:
-        cfg = self.config
-        reqs, ph, idx = self._live()
-        late = np.zeros(idx.size, dtype=bool)
-        if cfg.bootstrap_timeout is not None:
-            late = (ph == Phase.Bootstrap) & (now - self.born[idx] > cfg.bootstrap_timeout)
-        for i in np.flatnonzero(late):
-            self._fail(reqs[i], FailureReason.BOOTSTRAP_TIMEOUT, store)
-        if cfg.waiting_timeout is not None and cfg.role == "decode":
-            late = (ph == Phase.Metadata) & (now - self.waited[idx] > cfg.waiting_timeout)
-            for i in np.flatnonzero(late):
-                self._fail(reqs[i], FailureReason.WAITING_TIMEOUT, store)
-        # last resort, so that a lost peer cannot pin memory forever
-        stale = (ph == Phase.Aborted) & (now - self.failed_at[idx] > cfg.drain_timeout)
-        self._fire_many([reqs[i] for i in np.flatnonzero(stale)], "drain")
+        live.timeouts(self, now, store)
 
-    def _reap(self, req: _Req, store: Any) -> None:
+    def _reap(self, req: Request, store: Any) -> None:
         for tok in list(req.tokens):
             s = self._check(tok)
             if s != 0:
@@ -364,7 +335,7 @@ class Connector(StatusArrays):
             if s < 0:
                 self._fail(req, FailureReason.TRANSFER_ERROR, store)
 
-    def _advance(self, req: _Req, store: Any) -> bool:
+    def _advance(self, req: Request, store: Any) -> bool:
         """Move one request on; True while it wants close polling (writes in flight)."""
         if req.released:
             return False
@@ -377,7 +348,7 @@ class Connector(StatusArrays):
             self._clear(req)
         return watch or bool(req.tokens)
 
-    def _submit(self, req: _Req, info: dict[str, Any], w: Writes, notif: bytes, st: Any) -> None:
+    def _submit(self, req: Request, info: dict[str, Any], w: Writes, notif: bytes, st: Any) -> None:
         if w[0].size == 0 or self._phase(req) not in (Phase.Metadata, Phase.Writing):
             return
         token = self._write(info, *w, notif)
@@ -388,7 +359,22 @@ class Connector(StatusArrays):
             self.stats["bytes_written"] += int(w[2].sum())
             self.stats["writes"] += int(w[2].size)
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
+        """Shut down: fail every request still live (reason aborted), let the
+        loop finish their protocol for up to ``wait`` seconds (default: the
+        drain timeout) -- each tells its peers once none of its writes is in
+        flight, so they need not wait for this rank's heartbeat to stop --
+        then stop the loop and the engine. A request whose unfinished legs are
+        all silent peers is not waited for; ``wait=0`` stops at once."""
+        deadline = NOW() + (self.config.drain_timeout if wait is None else wait)
+        with self._lock:
+            held = [r for r in self._reqs.values() if not r.released]
+        for r in held:  # (a store that stopped answering must not hold this up)
+            if not IS_TERMINAL[self._phase(r)] and NOW() < deadline:
+                self._fail(r, FailureReason.ABORTED, self.store)
+        self._wake.set()
+        while self._thread.is_alive() and live.owing(self) and NOW() < deadline:
+            time.sleep(0.005)
         self._stop.set()
         self._wake.set()
         self.mail.close()

@@ -45,3 +45,11 @@ class ConnectorConfig:
             )
         if self.staging_pages < 1 or self.scatter_pages < 1:
             raise ValueError("config: staging_pages and scatter_pages must be >= 1")
+        if not (self.heartbeat_interval > 0 and self.heartbeat_misses >= 2):
+            raise ValueError(
+                f"config: heartbeat_interval must be > 0 (got {self.heartbeat_interval}) and "
+                f"heartbeat_misses >= 2 (got {self.heartbeat_misses}): one late beat must "
+                "not make a peer dead"
+            )
+        if not self.drain_timeout > 0:
+            raise ValueError(f"config: drain_timeout must be > 0 seconds, got {self.drain_timeout}")

@@ -8,7 +8,8 @@ its own KV pages, or a block of the staging region when head slices are
 staged. It is Done when every sender said "done"; a staged request is then
 scattered a bounded amount per scheduler step (the staging gate holds its
 Success meanwhile). A failed request tells every leg to stop and stays
-Aborted until every sender stopped or died (Drained / PeerDead).
+Aborted until every sender stopped (Drained), or the drain timeout passed
+(Drained; PeerDead when it failed for a peer that stopped beating).
 """
 
 from __future__ import annotations
@@ -22,30 +23,34 @@ from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from transport.connector_graph import Phase
-from transport.legs import leg_of
+from transport.layout import state_misfit
+from transport.legs import Leg, Request, leg_of
 from transport.staging import Scatter
 from transport.topology import Topology, TopologyError
 
 if TYPE_CHECKING:
-    from transport.connector import Connector, _Req
+    from transport.connector import Connector
 
-__all__ = ["fail", "on_message", "steps", "tell_pages", "advance", "peers_dead"]
+__all__ = ["fail", "on_message", "steps", "tell_pages", "advance"]
 
 logger = logging.getLogger(__name__)
 
 
-def _stop_all(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
+def _stop_all(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
+    msg: dict[str, Any] = {"kind": "abort", "room": req.room, "reason": int(reason)}
+    if req.why is not None:
+        msg["why"] = req.why
     for leg in req.legs.values():
         if not leg.stopped:
-            m._send(leg.peer, {"kind": "abort", "room": req.room, "reason": int(reason)}, store)
+            m._send(leg.peer, msg, store)
 
 
-def _drain_if_stopped(m: Connector, req: _Req) -> None:
+def _drain_if_stopped(m: Connector, req: Request) -> None:
     if m._phase(req) == Phase.Aborted and all(leg.stopped for leg in req.senders()):
         m._fire(req, "drain")
 
 
-def fail(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
+def fail(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
     """Fail here and make every leg stop writing; Drained once every sender stopped."""
     before = m._phase(req)
     if not m._fire(req, "abort", reason):
@@ -61,7 +66,7 @@ def fail(m: Connector, req: _Req, reason: FailureReason, store: Any) -> None:
     _drain_if_stopped(m, req)
 
 
-def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None:
+def on_message(m: Connector, req: Request, msg: dict[str, Any], store: Any) -> None:
     kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
     if leg is None:
         return  # not a rank this request is paired with (or not planned yet)
@@ -70,10 +75,12 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
         if all(x.done for x in req.senders()):
             m._fire(req, "complete")
         _drain_if_stopped(m, req)
-    elif kind == "failed":  # the sender failed it; its writes have drained
-        leg.stopped = True
+    elif kind in ("failed", "gave_up"):
+        # the sender failed it: "failed" once its writes drained; "gave_up" when a
+        # write of it may still land (the pages wait for this rank's drain timeout)
+        leg.stopped = leg.stopped or kind == "failed"
         reason = FailureReason(int(msg.get("reason", FailureReason.UNKNOWN)))
-        if all(x.stopped for x in req.senders()):
+        if leg.stopped and all(x.stopped for x in req.senders()):
             _ = m._fire(req, "peer_failed", reason) or m._fire(req, "drain")
         elif m._fire(req, "abort", reason):
             _stop_all(m, req, reason, store)
@@ -82,21 +89,7 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
         _drain_if_stopped(m, req)
 
 
-def peers_dead(m: Connector, reqs: list[_Req], store: Any) -> None:
-    """Some legs' ranks stopped beating: they write no more. A request all of whose
-    senders are gone is PeerDead; the others fail and wait for the rest."""
-    gone = []
-    for req in reqs:
-        for peer in m._peer_dead.intersection(req.legs):
-            req.legs[peer].stopped = True
-        if all(leg.stopped for leg in req.senders()):
-            gone.append(req)
-        else:
-            fail(m, req, FailureReason.PEER_DEAD, store)
-    m._fire_many(gone, "peer_dead", FailureReason.PEER_DEAD)
-
-
-def _plan(m: Connector, req: _Req, store: Any, failing: bool = False) -> bool:
+def _plan(m: Connector, req: Request, store: Any, failing: bool = False) -> bool:
     """The legs of ``req`` once its prefill DP group is known; False until then."""
     if req.legs:
         return True
@@ -107,29 +100,42 @@ def _plan(m: Connector, req: _Req, store: Any, failing: bool = False) -> bool:
     if group is None:
         return False
     c = m.config
-    same = (int(group["kv_heads"]), bool(group["mla"])) == (m.kv_heads, c.mla)
-    if not same and failing:
-        return False
-    if not same:
+    ptp = int(group["tp_size"])
+    if (int(group["kv_heads"]), bool(group["mla"])) != (m.kv_heads, c.mla):
+        why: str | None = (
+            f"{group['kv_heads']} KV heads (mla={group['mla']}), decode {m.kv_heads} (mla={c.mla})"
+        )
+    else:
+        why = state_misfit(group.get("state", []), ptp, m.state_geom, c.tp_size)
+    if why is not None and failing:
+        # refused for a misfit: every rank of the group is told why, at once,
+        # instead of waiting for a register that never comes (bootstrap timeout)
+        base = req.dp * ptp
+        req.legs = {base + p: Leg(base + p, sends=False) for p in range(ptp)}
+        req.why = f"decode rank {m.rank} refused it: {why}"
+        return True
+    if why is not None:
         err = TopologyError(
-            f"room={req.room} on decode rank {m.rank}: prefill DP group {req.dp} has "
-            f"{group['kv_heads']} KV heads (mla={group['mla']}), decode {m.kv_heads} "
-            f"(mla={c.mla}); both sides must serve the same model"
+            f"room={req.room} on decode rank {m.rank}: prefill DP group {req.dp} does not "
+            f"fit: {why}; both sides must serve the same model"
         )
         m.last_error = err
         logger.error("%s", err)
         fail(m, req, FailureReason.TRANSFER_ERROR, store)
         return False
-    topo = Topology(int(group["tp_size"]), c.tp_size, m.kv_heads, c.mla)
+    topo = Topology(ptp, c.tp_size, m.kv_heads, c.mla, m.split_state)
     base = req.dp * topo.prefill_tp
     send = {s.prefill: s for s in topo.senders(c.tp_rank)}
-    req.legs = {base + p: leg_of(base + p, send.get(p)) for p in topo.contacts(c.tp_rank)}
+    share = set(topo.state_sources(c.tp_rank))  # the primary alone unless state is split
+    req.legs = {
+        base + p: leg_of(base + p, send.get(p), p in share) for p in topo.contacts(c.tp_rank)
+    }
     # TP sizes that differ cut pages into head slices: those land in staging if asked
     req.staged = m.staging is not None and not c.mla and topo.prefill_tp != topo.decode_tp
     return True
 
 
-def steps(m: Connector, req: _Req, store: Any) -> bool:
+def steps(m: Connector, req: Request, store: Any) -> bool:
     """Register once the legs and their endpoints are known; True while data is due
     from an engine that notifies completion."""
     ph = m._phase(req)
@@ -139,6 +145,7 @@ def steps(m: Connector, req: _Req, store: Any) -> bool:
             for leg in req.legs.values():
                 msg = {"kind": "register", "room": req.room, "decode_tp": c.tp_size}
                 msg.update(dp=c.dp_rank, kv_heads=m.kv_heads, mla=c.mla, slice=leg.slice)
+                msg.update(state=m.state_geom, state_leg=leg.state)
                 m._send(leg.peer, msg, store)
             m._fire(req, "handshake")
         return False
@@ -147,7 +154,7 @@ def steps(m: Connector, req: _Req, store: Any) -> bool:
 
 def tell_pages(
     m: Connector,
-    req: _Req,
+    req: Request,
     pages: NDArray[np.int64],
     slot: int,
     state: list[NDArray[np.int64]] | None,
@@ -166,10 +173,9 @@ def tell_pages(
             blocks.append((leg.dst_head, leg.count))
         else:
             msg.update(pages=pages.tolist(), dst_heads=m.kv_args.kv_head_num)
-        if leg.sends and leg.primary:
-            msg.update(slot=slot, state=None if state is None else [r.tolist() for r in state])
-        else:
-            msg.setdefault("slot", -1)
+        msg.setdefault("slot", slot if leg.sends and leg.primary else -1)
+        if leg.state:  # whole rows (primary) or this leg's share of split ones
+            msg.update(state=None if state is None else [r.tolist() for r in state])
         messages.append((leg.peer, msg))
     with m._lock:  # growth replaces the columns: write them under the lock
         m.waited[req.index] = time.monotonic()

@@ -13,9 +13,12 @@ prefill where to write) -> Done (prefill said every byte landed).
 
 Failure is two phases, because a request that failed may still have writes
 in flight towards its pages: Aborted quarantines it until nothing more can
-land, then Drained releases it. A peer whose heartbeat stopped writes
-nothing more: PeerDead is terminal at once. Done, Drained and PeerDead are
-terminal, and exactly the phases whose memory may be reused.
+land, then Drained releases it. A peer whose heartbeat stopped fails its
+requests the same way (reason peer dead): it may only be paused and write
+again when it resumes, so they stay Aborted until it says it stopped, or
+until the drain timeout, when they are released on its silence (PeerDead).
+Done, Drained and PeerDead are terminal, and exactly the phases whose memory
+may be reused.
 
 Each edge names the :class:`KVPoll` it implies (``poll``): the scheduler's
 status is raised to it (never lowered), and a Failed latches with the
@@ -117,10 +120,11 @@ EDGES: tuple[ProtocolEdge, ...] = (
     ),
     ProtocolEdge(
         "peer_dead",
-        (*_LIVE, P.Aborted),
+        (P.Aborted,),
         P.PeerDead,
-        KVPoll.Failed,
-        "the peer's heartbeat stopped",
+        None,
+        "failed for a peer whose heartbeat stopped, which never said it stopped "
+        "writing: released on its silence at the drain timeout",
     ),
 )
 

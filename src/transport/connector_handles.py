@@ -74,7 +74,8 @@ class ConnectorSender(_Handle):
             req.src_state = rows
         if pages.size:
             req.src = np.concatenate((req.src, pages))  # one swap: the loop reads either
-        if pages.size or rows is not None:
+        if pages.size or rows is not None or not req.sent:
+            req.sent = True
             m._wake.set()
 
 

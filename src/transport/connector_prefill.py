@@ -19,25 +19,25 @@ import numpy as np
 
 from lifecycle.reasons import FailureReason
 from transport.connector_graph import IS_TERMINAL, Phase
-from transport.layout import row_writes, state_writes
-from transport.legs import Leg, kv_writes, leg_of
+from transport.layout import StateShare, row_writes, state_misfit, state_writes
+from transport.legs import Leg, Request, kv_writes, leg_of
 from transport.topology import Topology, TopologyError
 
 if TYPE_CHECKING:
-    from transport.connector import Connector, _Req
+    from transport.connector import Connector
 
-__all__ = ["fail", "on_message", "steps"]
+__all__ = ["fail", "gave_up", "on_message", "steps", "tell_legs"]
 
 logger = logging.getLogger(__name__)
 
 
-def fail(m: Connector, req: _Req, reason: FailureReason) -> None:
+def fail(m: Connector, req: Request, reason: FailureReason) -> None:
     """Fail here; every leg is told once no write is in flight (see :func:`steps`)."""
     if m._fire(req, "abort", reason):
         req.reason = reason
 
 
-def _refuse(m: Connector, req: _Req, why: str) -> None:
+def _refuse(m: Connector, req: Request, why: str) -> None:
     """A peer's message does not fit this rank's topology: fail the request, loudly."""
     err = TopologyError(f"room={req.room} on prefill rank {m.rank}: {why}")
     m.last_error = err
@@ -45,30 +45,44 @@ def _refuse(m: Connector, req: _Req, why: str) -> None:
     fail(m, req, FailureReason.TRANSFER_ERROR)
 
 
-def _plan(m: Connector, req: _Req, msg: dict[str, Any]) -> bool:
+def _plan(m: Connector, req: Request, msg: dict[str, Any]) -> bool:
     """The legs of ``req`` from the first register message: every decode rank of
     the registering DP group that the topology pairs with this rank."""
     c = m.config
+    dtp = int(msg["decode_tp"])
     if (int(msg["kv_heads"]), bool(msg["mla"])) != (m.kv_heads, c.mla):
-        _refuse(
-            m,
-            req,
+        why: str | None = (
             f"decode has {msg['kv_heads']} KV heads (mla={msg['mla']}), "
-            f"prefill {m.kv_heads} (mla={c.mla}); both sides must serve the same model",
+            f"prefill {m.kv_heads} (mla={c.mla})"
         )
+    else:
+        why = state_misfit(m.state_geom, c.tp_size, msg.get("state", []), dtp)
+    if why is not None:
+        _refuse(m, req, f"{why}; both sides must serve the same model")
         return False
-    topo = Topology(c.tp_size, int(msg["decode_tp"]), m.kv_heads, c.mla)
+    topo = Topology(c.tp_size, dtp, m.kv_heads, c.mla, m.split_state)
     base = int(msg["dp"]) * topo.decode_tp
     by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
-    req.legs = {base + d: leg_of(base + d, by_decode.get(d)) for d in topo.peers(c.tp_rank)}
+    req.legs = {
+        base + d: leg_of(
+            base + d,
+            by_decode.get(d),
+            c.tp_rank in topo.state_sources(d),  # the primary alone unless state is split
+        )
+        for d in topo.peers(c.tp_rank)
+    }
+    req.decode_tp = dtp
     m.expected = frozenset(req.legs)
     return True
 
 
-def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None:
+def on_message(m: Connector, req: Request, msg: dict[str, Any], store: Any) -> None:
     kind, peer = msg["kind"], int(msg["from"])
     if kind == "abort":  # a decode rank gave up: stop writing, say so once drained
         reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
+        if msg.get("why") and m._phase(req) < Phase.Done:  # a live request: this is why
+            m.last_error = TopologyError(f"room={req.room} on prefill rank {m.rank}: {msg['why']}")
+            logger.error("%s", m.last_error)
         leg = req.legs.get(peer)
         if leg is None and not req.legs:  # before any register: it is told once drained
             leg = req.legs[peer] = Leg(peer, sends=False)
@@ -76,6 +90,8 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
             leg.asked_stop = True
         if m._fire(req, "abort", reason):
             req.reason = reason
+        elif req.abandoned:  # released with writes the engine never finished
+            m._send(peer, gave_up(req.room, req.reason), store)
         elif IS_TERMINAL[m._phase(req)] or leg is None:
             m._send(peer, {"kind": "stopped", "room": req.room}, store)
         return
@@ -87,12 +103,13 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
         if not req.legs and not _plan(m, req, msg):
             return
         leg = req.legs.get(peer)
-        if leg is None or leg.slice != msg.get("slice"):
+        if leg is None or (leg.slice, leg.state) != (msg.get("slice"), msg.get("state_leg")):
             _refuse(
                 m,
                 req,
-                f"decode rank {peer} registered slice {msg.get('slice')}, expected "
-                f"{None if leg is None else leg.slice}",
+                f"decode rank {peer} registered slice {msg.get('slice')} (state "
+                f"{msg.get('state_leg')}), expected "
+                f"{None if leg is None else (leg.slice, leg.state)}",
             )
             return
         leg.registered = True
@@ -118,7 +135,7 @@ def on_message(m: Connector, req: _Req, msg: dict[str, Any], store: Any) -> None
             m._fire(req, "metadata")
 
 
-def steps(m: Connector, req: _Req, store: Any) -> None:
+def steps(m: Connector, req: Request, store: Any) -> None:
     before = -1  # a write that landed at once lets the next step go in the same pass
     while m._phase(req) != before:
         m._reap(req, store)
@@ -126,25 +143,49 @@ def steps(m: Connector, req: _Req, store: Any) -> None:
         if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
             _issue(m, req, store)
         elif ph == Phase.RoomWritten and not req.tokens:
-            for peer in req.legs:
-                m._send(peer, {"kind": "done", "room": req.room}, store)
-            m._fire(req, "complete")
+            if m._fire(req, "complete"):  # (close() may have failed it meanwhile)
+                for peer in req.legs:
+                    m._send(peer, {"kind": "done", "room": req.room}, store)
         elif ph == Phase.Aborted and not req.tokens:
-            for leg in req.legs.values():
-                if leg.peer in m._peer_dead:
-                    continue
-                told = {"kind": "stopped"} if leg.asked_stop else {"kind": "failed"}
-                m._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
+            tell_legs(m, req, store)
             m._fire(req, "drain")
 
 
-def _issue_leg(m: Connector, req: _Req, leg: Leg, store: Any) -> bool:
+def gave_up(room: int, reason: int) -> dict[str, Any]:
+    """The word for a leg when this rank released a request whose writes the
+    engine never finished: it failed, yet a write of it may still land."""
+    return {"kind": "gave_up", "room": room, "reason": int(reason)}
+
+
+def tell_legs(m: Connector, req: Request, store: Any) -> None:
+    """Tell every leg why the request failed ("stopped" to one that asked), a
+    silent one too: it may only be paused."""
+    for leg in req.legs.values():
+        told = {"kind": "stopped"} if leg.asked_stop else {"kind": "failed"}
+        m._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
+
+
+def _issue_leg(m: Connector, req: Request, leg: Leg, store: Any) -> bool:
     """Write what ``leg`` has not had yet; False if the request failed."""
     info = m._peer_info(leg.peer, store)
     if info is None or leg.dst_pages is None:
         return True
+    why = _rows_misfit(req, leg)
+    if why is not None:
+        _refuse(m, req, why)
+        return False
+    if req.num_pages == 0 and not req.sent and leg.state and leg.dst_state is not None:
+        # no page to wait for, yet the state rows come with the send() after init(0):
+        # the loop may run between the two calls
+        return True
     src = req.src  # the scheduler may swap in a longer one meanwhile
     n = src.size
+    if not leg.sends:  # no KV: a share of split state only, once the pages are all in
+        if n >= req.num_pages and not leg.fields_out:
+            if not _state_out(m, req, leg, info, store):
+                return False
+            leg.fields_out = True
+        return True
     if leg.issued < n:
         at = np.arange(leg.issued, n)
         keep = at >= leg.skip
@@ -179,16 +220,58 @@ def _issue_leg(m: Connector, req: _Req, leg: Leg, store: Any) -> bool:
                 b"",
                 store,
             )
-        if leg.primary and req.src_state is not None and leg.dst_state is not None:
-            w = state_writes(m.kv_args, info["state_ptrs"], req.src_state, leg.dst_state)
-            m._submit(req, info, w, b"", store)
+        if not _state_out(m, req, leg, info, store):
+            return False
         leg.fields_out = True
     return True
 
 
-def _issue(m: Connector, req: _Req, store: Any) -> None:
+def _rows_misfit(req: Request, leg: Leg) -> str | None:
+    """Why the state rows handed to send() do not pair one to one with those the
+    leg's decode rank gave, or None (more rows would run past decode's own)."""
+    if not leg.state or req.src_state is None or leg.dst_state is None:
+        return None
+    for c, (src, dst) in enumerate(zip(req.src_state, leg.dst_state)):
+        if src.size != dst.size:
+            return (
+                f"{src.size} state rows of component {c} were handed to send(), but decode "
+                f"rank {leg.peer} gave {dst.size}; give both sides one row per state row"
+            )
+    return None
+
+
+def _state_out(m: Connector, req: Request, leg: Leg, info: dict[str, Any], store: Any) -> bool:
+    """The state rows this leg owes, once every page is handed over: whole rows
+    on the primary leg, and with split state this rank's share of the decode
+    rank's. False if only one side named rows (the request is refused: decode
+    would commit it holding another request's state)."""
+    if not leg.state or (req.src_state is None and leg.dst_state is None):
+        return True
+    if req.src_state is None or leg.dst_state is None:
+        _refuse(
+            m,
+            req,
+            f"decode rank {leg.peer} gave state rows but send() was handed none with the "
+            "request's pages; pass state_indices to send() (with the last pages at the latest)"
+            if req.src_state is None
+            else f"send() was handed state rows but decode rank {leg.peer} gave none; "
+            "pass state_indices to send_metadata()",
+        )
+        return False
+    share = None
+    if m.split_state:
+        c, dtp = m.config, req.decode_tp
+        d = leg.peer % dtp
+        share = StateShare(c.tp_rank, c.tp_size, d, dtp, leg.primary, info["state_geom"])
+    w = state_writes(m.kv_args, info["state_ptrs"], req.src_state, leg.dst_state, share)
+    if w[0].size:
+        m._submit(req, info, w, b"", store)
+    return True
+
+
+def _issue(m: Connector, req: Request, store: Any) -> None:
     for leg in req.legs.values():
-        if not leg.sends:
+        if not leg.sends and not leg.state:
             leg.fields_out = True
         elif not _issue_leg(m, req, leg, store):
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 from numpy.typing import NDArray
 
@@ -20,6 +21,10 @@ __all__ = [
     "page_writes",
     "sliced_page_writes",
     "state_writes",
+    "state_geometry",
+    "splits_state",
+    "state_misfit",
+    "StateShare",
     "row_writes",
     "kv_args_for",
 ]
@@ -76,20 +81,107 @@ def sliced_page_writes(
     return s, d, n
 
 
+def state_geometry(state: Sequence[StateComponent]) -> list[list[Any]]:
+    """What a peer needs to know of this rank's state rows to write into them:
+    per component, its row bytes and split dims (JSON-friendly)."""
+    return [
+        [list(c.item_lens), None if c.split_dims is None else list(c.split_dims)] for c in state
+    ]
+
+
+def splits_state(state: Sequence[StateComponent]) -> bool:
+    """Some tensor of the state is split by TP (a non-zero split dim)."""
+    return any(c.split_dims is not None and any(c.split_dims) for c in state)
+
+
+def _split(dims: Sequence[int] | None, i: int) -> int:
+    """Tensor ``i``'s units of its split (outermost row) dimension; 0: held whole."""
+    return 0 if dims is None else int(dims[i])
+
+
+def state_misfit(
+    prefill: Sequence[Sequence[Any]],
+    prefill_tp: int,
+    decode: Sequence[Sequence[Any]],
+    decode_tp: int,
+) -> str | None:
+    """Why the two sides' state rows cannot be moved into each other, or None.
+
+    A tensor held whole must have rows of the same bytes on both sides. A split
+    tensor must cut the same global rows into units of the same bytes:
+    ``units * tp`` and ``row bytes / units`` equal on both sides."""
+    if len(prefill) != len(decode):
+        return f"prefill has {len(prefill)} state components, decode {len(decode)}"
+    for c, ((pi, pd), (di, dd)) in enumerate(zip(prefill, decode)):
+        if len(pi) != len(di):
+            return f"state component {c}: prefill has {len(pi)} tensors, decode {len(di)}"
+        for i, (p_item, d_item) in enumerate(zip(pi, di)):
+            pu, du = _split(pd, i), _split(dd, i)
+            where = f"state component {c} tensor {i}"
+            if (pu == 0) != (du == 0):
+                return f"{where}: split on one side only (prefill split dims {pd}, decode {dd})"
+            if pu == 0 and p_item != d_item:
+                return f"{where}: rows of {p_item} bytes on prefill, {d_item} on decode"
+            if pu and (p_item % pu or d_item % du or p_item // pu != d_item // du):
+                return (
+                    f"{where}: prefill cuts {p_item}-byte rows into {pu} units, decode "
+                    f"{d_item}-byte rows into {du}; a unit must have the same bytes on both"
+                )
+            if pu and pu * prefill_tp != du * decode_tp:
+                return (
+                    f"{where}: prefill TP {prefill_tp} x {pu} units is not decode TP "
+                    f"{decode_tp} x {du}: the two sides split different rows"
+                )
+    return None
+
+
+@attrs.frozen
+class StateShare:
+    """What of each state row prefill TP rank ``prefill`` writes to decode TP rank
+    ``decode``: the overlap of their shares of every split tensor, and, if
+    ``whole`` (the primary leg), the tensors every rank holds whole."""
+
+    prefill: int
+    prefill_tp: int
+    decode: int
+    decode_tp: int
+    whole: bool
+    peer: Sequence[Sequence[Any]]  # the decode rank's state_geometry
+
+
 def state_writes(
     local: KVArgs,
     peer_state: Sequence[Sequence[int]],
     src_rows: Sequence[NDArray[np.int64]],
     dst_rows: Sequence[NDArray[np.int64]],
+    share: StateShare | None = None,
 ) -> Writes:
     """Rows ``src_rows[c]`` of every tensor of state component ``c`` to the peer's
-    rows ``dst_rows[c]`` (``peer_state[c]``: the peer's pointers of component c)."""
+    rows ``dst_rows[c]`` (``peer_state[c]``: the peer's pointers of component c):
+    whole rows, or with ``share`` what of each row this rank owes that peer
+    (the sides' fit is checked by :func:`state_misfit` first)."""
     parts = []
-    for comp, far_ptrs, sr, dr in zip(local.state, peer_state, src_rows, dst_rows):
-        for base, far, item in zip(comp.ptrs, far_ptrs, comp.item_lens):
-            parts.append(
-                coalesce(base + sr * item, far + dr * item, np.full(sr.size, item, np.int64))
-            )
+    for c, (comp, far_ptrs, sr, dr) in enumerate(zip(local.state, peer_state, src_rows, dst_rows)):
+        for i, (base, far, item) in enumerate(zip(comp.ptrs, far_ptrs, comp.item_lens)):
+            units = 0 if share is None else _split(comp.split_dims, i)
+            if units == 0:
+                if share is None or share.whole:
+                    parts.append(
+                        coalesce(
+                            base + sr * item, far + dr * item, np.full(sr.size, item, np.int64)
+                        )
+                    )
+                continue
+            assert share is not None
+            far_item, far_units = int(share.peer[c][0][i]), _split(share.peer[c][1], i)
+            mine, theirs = share.prefill * units, share.decode * far_units
+            lo, hi = max(mine, theirs), min(mine + units, theirs + far_units)
+            if hi <= lo:
+                continue
+            unit = item // units
+            s = base + sr * item + (lo - mine) * unit
+            d = far + dr * far_item + (lo - theirs) * unit
+            parts.append((s, d, np.full(sr.size, (hi - lo) * unit, np.int64)))
     if not parts:
         e = np.empty(0, dtype=np.int64)
         return e, e, e

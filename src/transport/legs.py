@@ -3,30 +3,36 @@
 On decode, a leg per prefill rank the request was registered with (its
 senders, and the idle prefill ranks it informs; see :mod:`transport.topology`).
 On prefill, a leg per decode rank that registers the request: where that rank
-said to write, and how far this rank has written there.
+said to write, and how far this rank has written there. A :class:`Request`
+holds a request's legs and the rest of its bookkeeping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs
+from lifecycle.reasons import FailureReason
 from transport.layout import Writes, page_writes, sliced_page_writes
 from transport.topology import Slice
 
-__all__ = ["Leg", "leg_of", "kv_writes", "rows_of"]
+if TYPE_CHECKING:
+    from transport.staging import Scatter
+
+__all__ = ["Leg", "Request", "leg_of", "kv_writes", "rows_of"]
 
 
 @attrs.define(eq=False)
 class Leg:
     peer: int  # the peer rank's global id (DP group x TP size + TP rank)
     sends: bool  # data moves on this leg (an idle prefill rank's leg moves none)
-    primary: bool = False  # the metadata row and state rows move on this leg
+    primary: bool = False  # the metadata row (and whole state rows) move on this leg
+    state: bool = False  # state rows (whole, or a share of split ones) move on this leg
     src_head: int = 0
     dst_head: int = 0
     count: int = 0
@@ -51,10 +57,39 @@ class Leg:
         return [self.src_head, self.dst_head, self.count] if self.sends else None
 
 
-def leg_of(peer: int, s: Slice | None) -> Leg:
+class Request:
+    """One request's bookkeeping; its phase and clocks live in the manager's columns."""
+
+    def __init__(self, room: int, index: int) -> None:
+        self.room, self.index = room, index
+        self.legs: dict[int, Leg] = {}  # peer rank -> leg, once known
+        self.dp = 0  # decode: the prefill DP group it pairs with
+        self.num_pages = self.local_slot = -1
+        self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
+        self.src_state: list[NDArray[np.int64]] | None = None
+        self.sent = False  # prefill: send() was called (init(0)'s state rows come with it)
+        self.decode_tp = 0  # prefill: the registering decode group's TP size
+        self.tokens: list[Any] = []  # the engine's handles of writes in flight
+        self.want_register = self.cleared = self.released = False
+        self.staged = False  # decode: lands in staging, then scatters
+        self.scatter: Scatter | None = None
+        self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
+        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
+        self.why: str | None = None  # decode: a misfit it was refused for, told to prefill
+        #: prefill: released at the drain timeout with writes the engine never finished
+        self.abandoned = False
+
+    def senders(self) -> list[Leg]:
+        """The legs data comes from: KV, or a share of split state."""
+        return [leg for leg in self.legs.values() if leg.sends or leg.state]
+
+
+def leg_of(peer: int, s: Slice | None, state: bool = False) -> Leg:
+    """A leg to ``peer``: the KV slice it carries (None: no KV), and whether state
+    rows move on it (the primary leg's always do)."""
     if s is None:
-        return Leg(peer, sends=False)
-    return Leg(peer, True, s.primary, s.src_head, s.dst_head, s.count)
+        return Leg(peer, sends=False, state=state)
+    return Leg(peer, True, s.primary, state or s.primary, s.src_head, s.dst_head, s.count)
 
 
 def kv_writes(

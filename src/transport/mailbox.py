@@ -3,16 +3,19 @@ endpoint records (rendezvous), one message queue per rank, and heartbeats.
 No server of our own: the store the process group already has serves it.
 
 Keys, under the configured namespace: ``{role}/{rank}/endpoint`` (JSON record
-of what a peer needs to write here), ``{role}/{rank}/hb`` (wall-clock time of
-the last heartbeat), the queue ``q/{role}/{rank}``, and ``prefill/group{dp}``
-(a prefill DP group's TP size and head count, which decode reads before it
-knows whom to register a request with). A rank is its global id: DP group x TP
+of what a peer needs to write here), ``{role}/{rank}/hb`` (a value that
+changes with every heartbeat: an observer counts how long it has watched it
+unchanged, on its own clock, so hosts' clocks need not agree), the queue
+``q/{role}/{rank}``, and ``prefill/group{dp}`` (a prefill DP group's TP size
+and head count, which decode reads before it knows whom to register a request
+with). A rank is its global id: DP group x TP
 size + TP rank.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -21,6 +24,8 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["Mailbox"]
+
+logger = logging.getLogger(__name__)
 
 
 def _store(host: str, port: int, timeout: timedelta) -> Any:
@@ -45,6 +50,11 @@ class Mailbox:
         self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._peers: dict[int, dict[str, Any]] = {}
         self._groups: dict[int, dict[str, Any]] = {}
+        #: peer -> (its heartbeat value, seconds this rank has watched it unchanged)
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._looked: float | None = None  # when silent() last looked (monotonic)
+        self._beats = 0
+        self._beater: threading.Thread | None = None
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="pd-mailbox", daemon=True)
 
@@ -105,20 +115,67 @@ class Mailbox:
         return got
 
     def beat(self, store: Any) -> None:
-        store.set(f"{self._me}/hb", repr(time.time()))
+        self._beats += 1
+        store.set(f"{self._me}/hb", f"{self._beats} {time.time()!r}")
+
+    def start_beating(self, interval: float) -> None:
+        """Beat every ``interval`` seconds on a thread of its own, so that an engine
+        call that blocks the connector's loop (a slow or paused peer) does not
+        make this rank look dead to every other peer. A stopped process (killed,
+        or paused as a whole) stops beating; a failed beat is tried again."""
+
+        def run() -> None:
+            store = None
+            while not self._stop.is_set():
+                try:
+                    store = store or self.client()
+                    self.beat(store)
+                except Exception:  # a store hiccup: a new connection next time
+                    store = None
+                    logger.debug("heartbeat of %s not written", self._me, exc_info=True)
+                self._stop.wait(interval)
+
+        self._beater = threading.Thread(target=run, name="pd-heartbeat", daemon=True)
+        self._beater.start()
 
     def silent(self, peers: Iterable[int], limit: float, store: Any) -> set[int]:
-        """The peers whose last heartbeat is older than ``limit`` seconds (a peer not
-        up yet is not silent: the bootstrap timeout covers one that never comes)."""
+        """The peers whose heartbeat this rank has watched unchanged for more than
+        ``limit`` seconds (a peer not up yet is not silent: the bootstrap timeout
+        covers one that never comes).
+
+        Time is counted on this rank's monotonic clock, between its own looks,
+        and a gap between two looks counts at most ``limit / 2``: a pause of this
+        rank's own (a long GC, a starved host) is not taken for the peer's
+        silence, and no two hosts' clocks are compared."""
         out = set()
+        now = time.monotonic()
+        step = 0.0 if self._looked is None else min(now - self._looked, limit / 2)
+        self._looked = now
         for p in peers:
             key = f"{self._ns}/{self._peer_role}/{p}/hb"
-            if store.check([key]) and time.time() - float(store.get(key).decode()) > limit:
+            if not store.check([key]):
+                continue
+            value = bytes(store.get(key))
+            seen = self._seen.get(p)
+            if seen is None or seen[0] != value:
+                self._seen[p] = (value, 0.0)
+                continue
+            watched = seen[1] + step
+            self._seen[p] = (value, watched)
+            if watched > limit:
                 out.add(p)
         return out
 
+    def heard(self, peer: int) -> None:
+        """A message from ``peer`` arrived: it lives, whatever its heartbeat says."""
+        seen = self._seen.get(peer)
+        if seen is not None:
+            self._seen[peer] = (seen[0], 0.0)
+
     def close(self) -> None:
         self._stop.set()
+        if self._beater is not None:
+            self._beater.join(timeout=2)
         try:
             self.store.queue_push(self._key, json.dumps({"kind": "_stop"}).encode())
         except Exception:

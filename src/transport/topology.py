@@ -9,21 +9,28 @@ consecutive ranks. A decode rank hears from every prefill rank that holds
 some of its heads (one holder per head, spread over the replicas), each
 sending the overlap: a :class:`Slice`. The first slice of a decode rank is
 its *primary*: that prefill rank also writes the metadata row and the
-per-request state (which every rank holds whole).
+per-request state rows that every rank holds whole. State that TP splits
+(``split_state``: a mamba state's heads, say) is cut like the heads: a TP
+group of size ``tp`` gives rank *r* the share ``[r/tp, (r+1)/tp)`` of each
+row's outermost dimension, and every prefill rank whose share overlaps a
+decode rank's writes that overlap to it (:meth:`Topology.state_sources`).
 
 With MLA every rank holds the same latent KV: decode rank *d* hears from
 prefill rank ``d % prefill_tp`` alone and gets whole pages.
 
-A prefill rank that is no decode rank's sender (more prefill than decode
-ranks under MLA, or replicated heads) still takes part: decode rank
-``p % decode_tp`` registers the request with it (its *informer*), so that it
-leaves Bootstrapping and reports Success with the others; it writes nothing.
+A prefill rank that writes nothing to any decode rank (more prefill than
+decode ranks under MLA, or replicated heads, and no share of split state)
+still takes part: decode rank ``p % decode_tp`` registers the request with
+it (its *informer*), so that it leaves Bootstrapping and reports Success
+with the others.
 
 Everything here is pure and deterministic: both sides compute the same
-answer from the same four numbers.
+answer from the same five values.
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 
@@ -77,6 +84,10 @@ class Topology:
     decode_tp: int
     kv_heads: int = 1
     mla: bool = False
+    #: the model has per-request state that TP splits (a state component with
+    #: ``split_dims``): each decode rank then takes its share of it from every
+    #: prefill rank holding a part, not whole rows from its primary sender
+    split_state: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_tp < 1 or self.decode_tp < 1:
@@ -96,21 +107,7 @@ class Topology:
 
     def senders(self, decode_rank: int) -> tuple[Slice, ...]:
         """The slices decode rank ``decode_rank`` receives, primary first."""
-        if self.mla:
-            if not 0 <= decode_rank < self.decode_tp:
-                raise TopologyError(f"decode rank {decode_rank} is outside TP {self.decode_tp}")
-            return (Slice(decode_rank % self.prefill_tp, decode_rank, 0, 0, 1, True),)
-        mine = self.heads("decode", decode_rank)
-        out: list[Slice] = []
-        h = mine.start
-        while h < mine.stop:
-            holders = [p for p in range(self.prefill_tp) if h in self.heads("prefill", p)]
-            p = holders[decode_rank % len(holders)]
-            theirs = self.heads("prefill", p)
-            stop = min(mine.stop, theirs.stop)
-            out.append(Slice(p, decode_rank, h - theirs.start, h - mine.start, stop - h, not out))
-            h = stop
-        return tuple(out)
+        return _senders(self, decode_rank)
 
     def targets(self, prefill_rank: int) -> tuple[Slice, ...]:
         """The slices prefill rank ``prefill_rank`` sends, by decode rank."""
@@ -120,18 +117,67 @@ class Topology:
             s for d in range(self.decode_tp) for s in self.senders(d) if s.prefill == prefill_rank
         )
 
+    def state_sources(self, decode_rank: int) -> tuple[int, ...]:
+        """The prefill ranks that write decode rank ``decode_rank``'s state rows:
+        its primary sender (whole rows), or, with ``split_state``, every prefill
+        rank whose share of the split state overlaps this rank's."""
+        if not self.split_state:
+            return (self.senders(decode_rank)[0].prefill,)
+        pt, dt, d = self.prefill_tp, self.decode_tp, decode_rank
+        return tuple(p for p in range(pt) if p * dt < (d + 1) * pt and (p + 1) * dt > d * pt)
+
+    def _writes(self, prefill_rank: int) -> bool:
+        """Prefill rank ``prefill_rank`` writes something: KV heads or state."""
+        return bool(self.targets(prefill_rank)) or (
+            self.split_state
+            and any(prefill_rank in self.state_sources(d) for d in range(self.decode_tp))
+        )
+
     def contacts(self, decode_rank: int) -> tuple[int, ...]:
         """Every prefill rank decode rank ``decode_rank`` registers a request with:
-        its senders, then the idle prefill ranks it informs."""
-        send = [s.prefill for s in self.senders(decode_rank)]
-        idle = [
-            p
-            for p in range(self.prefill_tp)
-            if p % self.decode_tp == decode_rank and not self.targets(p)
-        ]
-        return tuple(dict.fromkeys(send + idle))
+        its senders, the other ranks holding part of its split state, then the
+        idle prefill ranks it informs."""
+        return _contacts(self, decode_rank)
 
     def peers(self, prefill_rank: int) -> tuple[int, ...]:
         """The decode ranks that register a request with prefill rank ``prefill_rank``."""
-        t = self.targets(prefill_rank)
-        return tuple(dict.fromkeys(s.decode for s in t)) if t else (prefill_rank % self.decode_tp,)
+        if not 0 <= prefill_rank < self.prefill_tp:
+            raise TopologyError(f"prefill rank {prefill_rank} is outside TP {self.prefill_tp}")
+        return _peers(self, prefill_rank)
+
+
+# every request plans its legs from these: computed once per topology and rank
+@functools.lru_cache(maxsize=1024)
+def _contacts(topo: Topology, decode_rank: int) -> tuple[int, ...]:
+    send = [s.prefill for s in topo.senders(decode_rank)]
+    state = list(topo.state_sources(decode_rank)) if topo.split_state else []
+    idle = [
+        p
+        for p in range(topo.prefill_tp)
+        if p % topo.decode_tp == decode_rank and not topo._writes(p)
+    ]
+    return tuple(dict.fromkeys(send + state + idle))
+
+
+@functools.lru_cache(maxsize=1024)
+def _peers(topo: Topology, prefill_rank: int) -> tuple[int, ...]:
+    return tuple(d for d in range(topo.decode_tp) if prefill_rank in topo.contacts(d))
+
+
+@functools.lru_cache(maxsize=1024)
+def _senders(topo: Topology, decode_rank: int) -> tuple[Slice, ...]:
+    if topo.mla:
+        if not 0 <= decode_rank < topo.decode_tp:
+            raise TopologyError(f"decode rank {decode_rank} is outside TP {topo.decode_tp}")
+        return (Slice(decode_rank % topo.prefill_tp, decode_rank, 0, 0, 1, True),)
+    mine = topo.heads("decode", decode_rank)
+    out: list[Slice] = []
+    h = mine.start
+    while h < mine.stop:
+        holders = [p for p in range(topo.prefill_tp) if h in topo.heads("prefill", p)]
+        p = holders[decode_rank % len(holders)]
+        theirs = topo.heads("prefill", p)
+        stop = min(mine.stop, theirs.stop)
+        out.append(Slice(p, decode_rank, h - theirs.start, h - mine.start, stop - h, not out))
+        h = stop
+    return tuple(out)

@@ -41,6 +41,7 @@ def _random_run(rank, world, seed, steps):
         raw[rng.random(rooms.size) < 0.03] = F
         board.status = dict(zip(rooms.tolist(), raw.tolist()))
         board.reasons = {r: FailureReason(int(rng.integers(0, 9))) for r in rooms.tolist()}
+        cap, before = stepper.capacity, coll.reduces
         res = stepper.step(coll)
         _, local, _ = stepper.last_local
         out.append(
@@ -52,6 +53,8 @@ def _random_run(rank, world, seed, steps):
                 local.tolist(),
                 res.active.tolist(),
                 int(res.failed.size > 0),
+                coll.reduces - before,
+                cap,
             )
         )
         done = res.rooms[(res.statuses == S) | (res.statuses == F)]
@@ -65,20 +68,30 @@ def test_agreement_every_step_and_agreed_is_min(world):
     per_rank = [r[0] for r in results]
     for step in range(25):
         views = [pr[step] for pr in per_rank]
-        rooms, statuses, reasons, origins, _, active, _ = views[0]
+        rooms, statuses, reasons, origins, _, active, _, _, _ = views[0]
         for v in views[1:]:
             assert v[:4] == (rooms, statuses, reasons, origins), f"ranks disagree at step {step}"
         locals_ = np.array([v[4] for v in views]).reshape(world, -1)
         if locals_.size:
             agreed = [statuses[i] for i in active]
             assert agreed == np.minimum.reduce(locals_, axis=0).tolist()
-    # one all-reduce per step, plus one small origin fetch on steps with a new
-    # failure that more than one rank failed rows in (when a single rank did,
-    # the header names it)
+    # one all-reduce per step, plus one small origin fetch on a step where
+    # several ranks failed rows and one of them failed more than its failure
+    # slots hold (a single failing rank is named by the header; lists that
+    # fit name their ranks in the slots)
+    from lifecycle.packing import slots_per_region
+
     failure_steps = sum(v[6] for v in per_rank[0])
     assert 0 < failure_steps < 25
-    failers = [sum(F in pr[step][4] for pr in per_rank) for step in range(25)]
-    fetches = sum(v[6] and n > 1 for v, n in zip(per_rank[0], failers))
+    fetches = slot_steps = 0
+    for step in range(25):
+        counts = [pr[step][4].count(F) for pr in per_rank]
+        cap = per_rank[0][step][8]
+        fetch = sum(c > 0 for c in counts) > 1 and max(counts) > slots_per_region(cap)
+        assert [pr[step][7] for pr in per_rank] == [1 + fetch] * world, f"step {step}"
+        fetches += fetch
+        slot_steps += sum(c > 0 for c in counts) > 1 and not fetch
+    assert slot_steps > 0  # the seed gives steps whose origins come from the slots
     assert [r[1] for r in results] == [25 + fetches] * world
 
 

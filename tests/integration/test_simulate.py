@@ -203,3 +203,23 @@ def test_same_command_runs_under_torchrun(tmp_path, run_sim):
     assert s["ok"]
     assert s["succeeded"] + s["aborted"] == 64
     assert proc.stdout.count("pdlife simulate:") == 1
+
+
+def test_prefill_dp_groups_run_under_torchrun(tmp_path):
+    """Two prefill DP groups of one rank and a decode rank as one torchrun job:
+    every rank builds every group, each prefill rank serves its group's share."""
+    from lifecycle.testing.spawn import free_port
+
+    out = tmp_path / "dp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    cmd += ["--master-port", str(free_port()), "-m", "pdlife", "simulate", "--backend", "fake"]
+    cmd += ["--quiet", "--requests", "40", "--prefill", "1", "--prefill-dp", "2"]
+    cmd += ["--decode", "1", "--abort-prob", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["ok"] and s["succeeded"] == 40
+    assert s["topology"]["prefill_dp"] == 2
+    ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [len(r["outcome"]) for r in ranks] == [20, 20, 40]  # each group half, decode all
+    assert set(ranks[0]["outcome"]).isdisjoint(ranks[1]["outcome"])

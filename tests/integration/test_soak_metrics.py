@@ -122,3 +122,17 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
         assert [x[0] for x in samples] == sorted(x[0] for x in samples)
         assert samples[-1][1] == s["requests"]
         assert rank in s["rss_growth_after_warmup"]
+
+
+@pytest.mark.timeout(120)
+def test_a_soak_with_prefill_dp_groups_stops_every_group_at_one_request(run_sim):
+    """Prefill DP group 0 sets the soak's pace; group 1 and decode follow it, so
+    all stop at the same request and each group finishes exactly its share."""
+    args = ["--soak", "3", "--prefill", "1", "--prefill-dp", "2", "--decode", "1"]
+    proc, s, out = run_sim("fake", "soakdp", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["ok"] and (s["leaked_slots"], s["stuck"], s["disagreements"]) == (0, 0, 0)
+    n = s["requests"]
+    assert n > 100 and s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == n
+    ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [len(r["outcome"]) for r in ranks] == [len(range(0, n, 2)), len(range(1, n, 2)), n]

@@ -1,6 +1,7 @@
 """Real topologies on the byte-moving backends (Mooncake over TCP, NIXL over
 UCX) on 127.0.0.1: prefill and decode TP sizes that differ (direct head-sliced
-writes and a staging buffer), MLA, a hybrid model's state rows, a cached
+writes and a staging buffer), MLA, a hybrid model's state rows (held whole,
+or split by TP and resharded), a cached
 prefix on decode, and two prefill DP groups -- each under injected failures
 and client aborts.
 
@@ -37,6 +38,10 @@ CASES = {
     "mla-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --mla",
     "state-tp2-to-tp2": "--prefill-tp 2 --decode-tp 2 --state",
     "mla-state-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --mla --state",
+    # state split by TP: each decode rank assembles its share from every prefill
+    # rank holding part of it, KV senders or not (one replicated KV head; MLA)
+    "split-state-tp2-to-tp4": "--prefill-tp 2 --decode-tp 4 --kv-heads 1 --state --state-split",
+    "mla-split-state-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --mla --state --state-split",
     "prefix-tp2-to-tp1": "--prefill-tp 2 --decode-tp 1 --prefix-pages 4 --page-size 2",
     "dp2-tp1-to-tp2": "--prefill-tp 1 --prefill-dp 2 --decode-tp 2",
 }
@@ -154,3 +159,72 @@ def test_prefill_dp_groups_fail_exactly_the_requests_drawn_for_them(run_sim):
     for g in (0, 1):  # each group saw its own requests only
         rooms = Workload(SimConfig(requests=300, seed=4)).all_rooms(300)[g::2]
         assert sorted(ranks[g]["outcome"]) == sorted(map(str, rooms))
+
+
+@pytest.mark.timeout(120)
+def test_a_metadata_fault_is_carried_by_the_decode_ranks_primary(run_sim, backend, tmp_path):
+    """Prefill TP 1, decode TP 2: decode rank 1 (global rank 2) has prefill rank 0
+    as its primary, not a TP peer of its own number. A corrupted metadata row
+    targeted at it is written by prefill rank 0, fires, and fails the request
+    on every rank as metadata corrupt (prefill's one row reaches both decode
+    ranks it is the primary of)."""
+    plan = {"faults": [{"kind": "corrupt_metadata", "rank": 2, "request": 7}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    args = ["--prefill-tp", "1", "--decode-tp", "2", "--requests", "24", "--abort-prob", "0"]
+    proc, s, _ = run_sim(backend, "meta", *args, "--plan", str(tmp_path / "plan.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["unfired_faults"] == [] and s["faults_fired"] == 1
+    room = str(Workload(SimConfig(seed=0)).all_rooms(24)[7])
+    assert s["outcomes"][room] == ["Failed", "metadata corrupt"]
+    assert s["failed"] == {"metadata corrupt": 1} and s["succeeded"] == 23
+    assert s["invariant_violations"] == [] and s["disagreements"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_under_prefill_dp_a_metadata_fault_is_reported_by_the_group_serving_it(
+    run_sim, backend, tmp_path
+):
+    """Two prefill DP groups: request 7 is group 1's, so group 0's rank, primary
+    of the same decode rank, never writes its row and must not call the fault
+    unfired."""
+    plan = {"faults": [{"kind": "corrupt_metadata", "rank": 3, "request": 7}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    args = ["--prefill-tp", "1", "--prefill-dp", "2", "--decode-tp", "2", "--requests", "24"]
+    args += ["--abort-prob", "0", "--plan", str(tmp_path / "plan.json")]
+    proc, s, _ = run_sim(backend, "meta-dp", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["unfired_faults"] == [] and s["faults_fired"] == 1 and s["problems"] == []
+    room = str(Workload(SimConfig(seed=0)).all_rooms(24)[7])
+    assert s["outcomes"][room] == ["Failed", "metadata corrupt"]
+    assert s["failed"] == {"metadata corrupt": 1} and s["succeeded"] == 23
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+def test_a_paused_rank_costs_only_requests_in_flight(run_sim, backend, who):
+    # the whole process of one rank stops for 3 s (its heartbeat too: longer than
+    # the 2 s its peers allow), as a long GC pause or a starved host would: the
+    # requests in flight then may fail (peer dead), on every rank alike; nothing
+    # hangs, nothing leaks, and no page is reused while a write may still land
+    rank, step = (1, 5) if who == "prefill" else (2, 20)
+    n = 150  # enough that many are in flight when the pause comes
+    proc, s, out = run_sim(
+        backend,
+        f"pause-{who}",
+        *("--requests", str(n), "--seed", "7", *FAULTS),
+        *CASES["mla-state-tp2-to-tp1"].split(),
+        *("--pause-rank", str(rank), "--pause-step", str(step), "--pause-seconds", "3"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["unfired_faults"] == []  # the pause happened
+    assert s["invariant_violations"] == [] and s["problems"] == [] and s["rank_errors"] == []
+    assert (s["hung_ranks"], s["crashed_ranks"], s["stuck"]) == ([], [], 0)
+    assert (s["leaked_slots"], s["leaked_kv_pages"], s["disagreements"]) == (0, 0, 0)
+    allowed = (FailureReason.ABORTED, FailureReason.INJECTED_FAULT, FailureReason.PEER_DEAD)
+    ranks = _ranks(out, s)
+    for r in ranks:
+        bad = {o[1] for o in r["outcome"].values() if o[0] == "Failed" and o[1] not in allowed}
+        assert not bad, f"{r['side']} rank {r['rank']}: {bad}"
+    decode = [r for r in ranks if r["side"] == "decode"]
+    assert len(decode[0]["outcome"]) == n
+    assert s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == n

@@ -95,6 +95,30 @@ class HidesItsFailures(Distributed):
         return self.stepper_of(Hiding, rank)
 
 
+class MislabelsItsSlots(Distributed):
+    """Rank 1 writes its failure slots under rank 0's name: on a step where
+    both fail rows, the origins read from the slots blame rank 0."""
+
+    def make_stepper(self, rank):
+        from lifecycle import Stepper
+        from lifecycle.buffer import StepBuffer
+        from lifecycle.packing import HEADER, REGIONS
+
+        class Mislabelling(StepBuffer):
+            def pack(self, f, local, capacity, tag, want, failer):
+                buf = super().pack(f, local, capacity, tag, want, failer)
+                if failer:
+                    region = buf[HEADER + capacity :].view(">u4").reshape(REGIONS, -1)[1]
+                    region[0], region[1] = 0, 0xFFFFFFFF
+                return buf
+
+        stepper = self.stepper_of(Stepper, rank)
+        if rank == 1:
+            old = stepper._buffer
+            stepper._buffer = Mislabelling(old.rank, old._config_hash, old._queue_hash)
+        return stepper
+
+
 class PromotingGate(Distributed):
     def adjust_local(self, rank, local):
         return np.where(local == 3, 4, local).astype(np.int8)
@@ -119,6 +143,7 @@ BROKEN = settings(
         (DropsFaults, "validity|doomed"),
         (HeaderOnlyFastPath, "validity|success|monotone|step|origin|doomed"),
         (HidesItsFailures, "origin"),
+        (MislabelsItsSlots, "origin"),
     ],
 )
 def test_property_suite_catches_broken_variants(variant, caught_by):

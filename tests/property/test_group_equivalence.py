@@ -4,8 +4,11 @@ W ranks (threads over a simulated world) each step three queues. The same
 random history is run twice: every queue stepped alone with ``Stepper.step``,
 and all three as one :class:`StepGroup` through ``start``/``finish``. Every
 queue's agreed statuses, reasons and origins must match step for step, on
-every rank, including steps that fail requests (origin fetch) and steps
-where a queue outgrows its capacity.
+every rank, including steps that fail requests (origins from the failure
+slots, or fetched when a list overflows them) and steps where a queue
+outgrows its capacity. In the overlapped run the even ranks may prepare on
+the group's worker thread (``start(worker=True)``) while the odd ones
+prepare inline.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +33,7 @@ def _world(w):
     return tables, boards, steppers
 
 
-def _run(history, w, fused):
+def _run(history, w, fused, worker=False):
     tables, boards, steppers = _world(w)
     world = SimulatedWorld(w, timeout=20)
     groups = [StepGroup(steppers[r]) for r in range(w)]
@@ -39,7 +42,7 @@ def _run(history, w, fused):
 
     def rank_step(r):
         if fused:
-            groups[r].start(world.rank(r))
+            groups[r].start(world.rank(r), worker=worker and r % 2 == 0)
             return groups[r].finish()
         return tuple(s.step(world.rank(r)) for s in steppers[r])
 
@@ -89,10 +92,10 @@ history = st.lists(
 
 
 @settings(max_examples=25)
-@given(w=st.integers(2, 3), history=history)
-def test_fused_and_overlapped_steps_equal_separate_steps(w, history):
+@given(w=st.integers(2, 3), history=history, worker=st.booleans())
+def test_fused_and_overlapped_steps_equal_separate_steps(w, history, worker):
     separate = _run(history, w, fused=False)
-    fused = _run(history, w, fused=True)
+    fused = _run(history, w, fused=True, worker=worker)
     assert fused == separate
     for step in fused:
         assert all(rank == step[0] for rank in step)  # every rank agrees

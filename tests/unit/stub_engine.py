@@ -27,7 +27,7 @@ class CopyConnector(Connector):
         return token
 
 
-def wait_for(cond, what, timeout=10.0):
+def wait_for(cond, what, timeout=30.0):
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:

@@ -67,7 +67,8 @@ BAD = [
     (["simulate", "--decode-tp", "4", "--staging", "--staging-pages", "31"], "--staging-pages 31"),
     (["simulate", "--prefix-pages", "32"], "--prefix-pages 32"),
     (["simulate", "--prefix-pages", "4", "--max-pages-per-request", "4"], "--prefix-pages 4"),
-    (["simulate", "--prefill-dp", "2", "--soak", "5"], "--prefill-dp"),
+    (["simulate", "--state-split"], "--state-split"),
+    (["simulate", "--prefill-tp", "3", "--state", "--state-split"], "TP sizes 3 and 2"),
     (["simulate", "--requests", "0"], "--requests"),
     (["simulate", "--requests", "-5"], "--requests"),
     (["simulate", "--max-steps", "0"], "--max-steps"),
@@ -77,6 +78,13 @@ BAD = [
     (["simulate", "--soak", "5", "--requests", "10"], "--soak"),
     (["simulate", "--kill-rank", "9"], "--kill-rank 9"),
     (["simulate", "--kill-rank", "1", "--kill-step", "0"], "--kill-step"),
+    (["simulate", "--pause-rank", "9"], "--pause-rank 9"),
+    (["simulate", "--pause-rank", "1", "--pause-seconds", "0"], "--pause-seconds"),
+    (["simulate", "--pause-rank", "1", "--pause-seconds", "7200"], "--pause-seconds"),
+    (["simulate", "--pause-rank", "1", "--pause-step", "0"], "--pause-step"),
+    (["simulate", "--pause-seconds", "2"], "--pause-rank R"),
+    (["simulate", "--pause-rank", "1", "--pause-seconds", "15"], "--pg-timeout 15"),
+    (["simulate", "--pause-rank", "1", "--pause-seconds", "9", "--timeout", "5"], "--timeout 5"),
     (["simulate", "--metrics-port", "99999"], "--metrics-port"),
     (["simulate", "--metrics-port", "65535"], "--metrics-port"),
     (["simulate", "--fault-mode", "sometimes"], "--fault-mode"),
@@ -231,10 +239,13 @@ def test_staging_without_head_slicing_is_allowed_and_said_to_do_nothing(tmp_path
     assert staging_note(sliced) is None
 
 
-def test_prefill_dp_under_torchrun_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "6"), ("LOCAL_RANK", "0")):
+def test_a_torchrun_world_that_does_not_fit_the_prefill_dp_groups_is_refused(
+    tmp_path, monkeypatch, capsys
+):
+    # 2 DP groups of 2 prefill ranks and 2 decode ranks need 6 processes, not 4
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(k, v)
     rc = run(["simulate", "--backend", "fake", "--out", str(tmp_path), "--prefill-dp", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "--prefill-dp" in err[0] and "torchrun" in err[0]
+    assert "torchrun started 4 ranks but they add up to 6" in err[0]

@@ -90,7 +90,7 @@ def test_fire_many_moves_a_batch_and_skips_released(pair):
     hs = [d.receiver(100 + i) for i in range(3)]
     reqs = [h._req for h in hs]
     reqs[2].released = True
-    moved = d._fire_many(reqs, "peer_dead", FailureReason.PEER_DEAD)
+    moved = d._fire_many(reqs, "abort", FailureReason.PEER_DEAD)
     assert moved.tolist() == [True, True, False]
     assert np.all(d.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
     assert d.phase[hs[2].index] == Phase.Bootstrap

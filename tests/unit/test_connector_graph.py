@@ -66,9 +66,20 @@ def test_edges_name_the_status_they_imply():
 
     assert POLL[TRIGGER_ID["handshake"]] == KVPoll.WaitingForInput
     assert POLL[TRIGGER_ID["complete"]] == KVPoll.Success
-    for t in ("abort", "peer_failed", "peer_dead"):
+    for t in ("abort", "peer_failed"):
         assert POLL[TRIGGER_ID[t]] == KVPoll.Failed
-    assert POLL[TRIGGER_ID["drain"]] == -1
+    # releases: the status is Failed already, with its reason
+    assert POLL[TRIGGER_ID["drain"]] == POLL[TRIGGER_ID["peer_dead"]] == -1
+
+
+def test_a_dead_peer_quarantines_before_it_releases():
+    # a silent peer may only be paused: its requests are not reusable until the
+    # drain timeout, reached only through Aborted
+    live = [Phase.Bootstrap, Phase.Handshaken, Phase.Metadata, Phase.Writing, Phase.RoomWritten]
+    _, illegal = fire(np.array(live, dtype=np.int8), "peer_dead")
+    assert illegal.all()
+    new, illegal = fire(np.array([Phase.Aborted], dtype=np.int8), "peer_dead")
+    assert (new.tolist(), illegal.tolist()) == ([Phase.PeerDead], [False])
 
 
 def test_protocol_error_names_request_phase_and_what_is_allowed():

@@ -4,6 +4,8 @@ head-sliced writes and staging), MLA, state components, a cached prefix and
 prefill DP groups. Every page decode holds is compared, head by head, with
 what the prefill rank holding that head wrote."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,19 @@ from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
 
 PAGES, PS, HB, SLOTS = 32, 2, 8, 4
+SPLIT_UNITS, UNIT, WHOLE = 8, 3, 5  # split state: 8 global units of 3 bytes; a 5-byte whole row
 LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+
+
+def split_row(room, tp, rank):
+    """Rank ``rank`` of a TP group of ``tp``'s share of ``room``'s split state row."""
+    full = (room * 17 + np.arange(SPLIT_UNITS * UNIT) * 3 + 1) % 251
+    n = SPLIT_UNITS // tp * UNIT
+    return full[rank * n : (rank + 1) * n].astype(np.uint8)
+
+
+def whole_row(room):
+    return ((room * 5 + np.arange(WHOLE) * 7 + 2) % 251).astype(np.uint8)
 
 
 def pattern(room, layer, tokens, heads):
@@ -39,12 +53,27 @@ class Rank:
             torch.zeros((PAGES, PS, len(self.heads), HB), dtype=torch.uint8) for _ in range(2)
         ]
         self.meta = MetadataBuffers(SLOTS, LAYOUT)
-        self.state = torch.zeros((8, 24), dtype=torch.uint8) if state else None
+        self.state = torch.zeros((8, 24), dtype=torch.uint8) if state is True else None
         comps = (
             [StateComponent(StateType.MAMBA, [self.state.data_ptr()], [self.state.nbytes], [24])]
-            if state
+            if state is True
             else []
         )
+        if state == "split":  # a mamba-like state: one tensor split by TP, one held whole
+            units = SPLIT_UNITS // tp
+            self.split = [
+                torch.zeros((8, units * UNIT), dtype=torch.uint8),
+                torch.zeros((8, WHOLE), dtype=torch.uint8),
+            ]
+            comps = [
+                StateComponent(
+                    StateType.MAMBA,
+                    [t.data_ptr() for t in self.split],
+                    [t.nbytes for t in self.split],
+                    [t[0].nbytes for t in self.split],
+                    split_dims=[units, 0],
+                )
+            ]
         args = kv_args_for(
             self.kv,
             self.meta.buf_infos(),
@@ -253,11 +282,18 @@ def test_decode_refuses_a_prefill_group_serving_another_model(store):
     p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), namespace="mismatch")
     d = Rank("decode", 1, 0, store, Topology(1, 1, 4), namespace="mismatch")
     try:
+        s = p.m.sender(3)
         r = d.m.receiver(3)
         r.init()
         wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
         assert isinstance(d.m.last_error, TopologyError)
         assert "2 KV heads" in str(d.m.last_error) and "room=3" in str(d.m.last_error)
+        # prefill hears why at once (not at its bootstrap timeout, 300 s)
+        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
+        assert s.failure_reason() == FailureReason.TRANSFER_ERROR
+        assert "room=3 on prefill rank 0: decode rank 0 refused it: 2 KV heads" in str(
+            p.m.last_error
+        )
     finally:
         p.m.close()
         d.m.close()
@@ -292,7 +328,7 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     pages = {"kind": "pages", "room": 21, "from": 0, "pages": [4], "slot": 1, "skip": 0}
     pages.update(dst_heads=2, dst_ptrs=None, state=None)
     register = {"kind": "register", "room": 21, "from": 0, "decode_tp": 1, "dp": 0}
-    register.update(kv_heads=2, mla=False, slice=[0, 0, 2])
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
     m._on_message(pages, m.store)
     assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
     m._on_message(register, m.store)
@@ -332,3 +368,163 @@ def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
     wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears")
     assert r.failure_reason() == FailureReason.INJECTED_FAULT
     wait_for(lambda: r.drained, "decode drained")
+
+
+def _hello(pre, dec, room):
+    """One request's senders and receivers, past the handshake."""
+    senders = [p.m.sender(room) for p in pre]
+    receivers = [d.m.receiver(room) for d in dec]
+    for r in receivers:
+        r.init()
+    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders + receivers), "hello")
+    return senders, receivers
+
+
+def _run_split_state(pre, dec, room):
+    """One request whose state is split by TP: prefill row 2, decode row 5."""
+    group = pre
+    senders, receivers = _hello(pre, dec, room)
+    src = np.arange(3, 5)
+    for p, s in zip(group, senders):
+        p.fill(room, src)
+        p.split[0][2] = torch.tensor(split_row(room, len(pre), p.tp_rank))
+        p.split[1][2] = torch.tensor(whole_row(room))
+        s.init(2, 1)
+    dst = np.array([11, 10])
+    for r in receivers:
+        r.send_metadata(dst, 2, state_indices=[np.array([5])])
+    for s in senders:
+        s.send(src, state_indices=[np.array([2])])
+    return senders, receivers, dst
+
+
+@pytest.mark.parametrize(
+    ("pt", "dt", "heads", "mla"),
+    [
+        *[(2, 1, 4, False), (1, 2, 4, False), (2, 4, 4, False), (4, 2, 4, False)],
+        *[(2, 2, 4, False), (2, 1, 1, False), (1, 4, 1, False), (4, 2, 1, True), (2, 4, 1, True)],
+    ],
+)
+def test_split_state_is_resharded_whatever_the_kv_layout(cluster, pt, dt, heads, mla):
+    # every decode rank holds its own share of the split tensor, assembled from
+    # every prefill rank whose share overlaps it, and the whole tensor from its
+    # primary sender, also where those are not its KV senders (MLA, replicated heads)
+    pre, dec = cluster(pt, dt, heads=heads, mla=mla, state="split")
+    senders, receivers, dst = _run_split_state(pre, dec, room=57)
+    finish(senders, receivers, dec)
+    for d in dec:
+        d.check(57, dst)
+        assert np.array_equal(d.split[0][5].numpy(), split_row(57, dt, d.tp_rank)), d.tp_rank
+        assert np.array_equal(d.split[1][5].numpy(), whole_row(57)), d.tp_rank
+        assert d.split[0][:5].sum() == 0 and d.split[1][6:].sum() == 0
+    due = sum(d.split[0][0].nbytes + WHOLE for d in dec)
+    sent = sum(p.m.stats["bytes_written"] for p in pre)
+    kv = sum(d.kv[0][0].nbytes * 2 * 2 for d in dec)  # 2 layers x 2 pages per decode rank
+    meta = sum(pre[0].m.kv_args.aux_item_lens) * dt
+    assert sent == kv + meta + due  # each state byte written once, no more
+
+
+def test_split_state_that_does_not_fit_is_refused_on_either_side(cluster):
+    # one side cuts its rows into units of another size: refused and named, nothing written
+    pre, dec = cluster(2, 1, heads=2, state="split")
+    wrong = [[[SPLIT_UNITS * UNIT * 2, WHOLE], [SPLIT_UNITS, 0]]]  # 6-byte units on decode
+    bad = dec[0].m
+    bad.state_geom = wrong
+    told = [p.m.sender(61) for p in pre]
+    r = bad.receiver(61)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode refuses")
+    assert isinstance(bad.last_error, TopologyError)
+    assert "room=61" in str(bad.last_error)
+    assert "a unit must have the same bytes on both" in str(bad.last_error)
+    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in told), "every prefill rank told")
+    assert all("a unit must have the same bytes" in str(p.m.last_error) for p in pre)
+    # prefill checks the geometry a register carries as well
+    m = pre[0].m
+    s = m.sender(62)
+    register = {"kind": "register", "room": 62, "from": 0, "decode_tp": 1, "dp": 0}
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 1], state=wrong, state_leg=True)
+    m._on_message(register, m.store)
+    assert s.poll() == KVPoll.Failed
+    assert isinstance(m.last_error, TopologyError)
+    assert "room=62 on prefill rank 0" in str(m.last_error)
+    assert "prefill cuts 12-byte rows into 4 units, decode 48-byte rows into 8" in str(m.last_error)
+    assert all(p.m.stats["bytes_written"] == 0 for p in pre)
+
+
+@pytest.mark.parametrize("state", [True, "split"])
+def test_state_rows_of_another_count_than_decode_gave_are_refused(cluster, state):
+    # prefill hands over 2 state rows, decode gave 1: written as they were, the
+    # second whole row ran into decode's next row (another request's), and the
+    # split writes paired sources and destinations out of step. Refused, named
+    pre, dec = cluster(2, 1, heads=2, state=state)
+    room = 71
+    senders, receivers = _hello(pre, dec, room)
+    for p, s in zip(pre, senders):
+        for t in [p.state] if state is True else p.split:
+            t[2:4] = 7
+        s.init(1, 1)
+    for r in receivers:
+        r.send_metadata(np.array([10]), 2, state_indices=[np.array([5])])
+    for s in senders:
+        s.send(np.array([3]), state_indices=[np.array([2, 3])])
+    # a rank writing state rows refuses (the primary; with split state each writes a
+    # share, and the first to refuse may abort the other through decode first)
+    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
+    wait_for(lambda: senders[0].poll() == KVPoll.Failed, "prefill fails")
+    errors = [p for p in pre if p.m.last_error is not None]
+    assert errors
+    for p in errors:
+        assert isinstance(p.m.last_error, TopologyError)
+        why = str(p.m.last_error)
+        assert f"room={room} on prefill rank {p.tp_rank}" in why
+        assert "2 state rows of component 0" in why and "decode rank 0 gave 1" in why
+    got = [dec[0].state] if state is True else dec[0].split
+    assert all(t.sum() == 0 for t in got), "no state row may be written"
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("state", [True, "split"])
+def test_state_rows_named_on_one_side_only_are_refused(cluster, state, side):
+    # decode gave rows but prefill's send() never did (or the other way round):
+    # committed, decode would hold whatever its rows held before. Refused, named
+    pre, dec = cluster(2, 1, heads=2, state=state)
+    room = 73
+    senders, receivers = _hello(pre, dec, room)
+    for s in senders:
+        s.init(1, 1)
+    rows = [np.array([5])] if side == "decode" else None
+    for r in receivers:
+        r.send_metadata(np.array([10]), 2, state_indices=rows)
+    for s in senders:
+        s.send(np.array([3]), state_indices=None if side == "decode" else [np.array([2])])
+    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
+    errors = [str(p.m.last_error) for p in pre if p.m.last_error is not None]
+    assert errors
+    want = (
+        "decode rank 0 gave state rows but send() was handed none"
+        if side == "decode"
+        else "send() was handed state rows but decode rank 0 gave none"
+    )
+    assert all(f"room={room}" in e and want in e for e in errors), errors
+
+
+def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(cluster):
+    # init(0) then send([], state_indices): the loop may run between the two
+    # calls; "every page handed over" is not yet "every row handed over"
+    pre, dec = cluster(1, 1, heads=2, state=True)
+    room = 74
+    s, r = pre[0].m.sender(room), dec[0].m.receiver(room)
+    r.init()
+    wait_for(lambda: s.poll() == r.poll() == KVPoll.WaitingForInput, "handshake")
+    pre[0].meta.write(1, room, {"output_ids": [room % 1000]})
+    pre[0].state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
+    r.send_metadata(np.array([], dtype=np.int64), 2, state_indices=[np.array([5])])
+    wait_for(lambda: pre[0].m._reqs[room].legs[0].told, "pages told")
+    s.init(0, 1)
+    time.sleep(0.2)  # the loop's turn between the scheduler's two calls
+    s.send(np.array([], dtype=np.int64), state_indices=[np.array([2])])
+    wait_for(lambda: r.poll() in (KVPoll.Success, KVPoll.Failed), "decode concludes")
+    assert pre[0].m.last_error is None, pre[0].m.last_error
+    finish([s], [r], dec)
+    assert np.array_equal(dec[0].state[5].numpy(), pattern(room, 9, [0], range(3)).reshape(-1))

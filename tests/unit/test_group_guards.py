@@ -292,16 +292,21 @@ def test_origin_is_a_rank_whose_word_won_when_ranks_fail_a_row_for_different_rea
 
 
 @pytest.mark.parametrize(
-    ("failing", "reduces"),
+    ("failing", "reduces", "ranks"),
     [
-        ({2: [1, 3]}, 1),  # one rank fails rows: the header names it, no fetch
-        ({0: [1], 2: [3]}, 2),  # two ranks fail rows: the origin fetch runs
-        ({0: [1], 1: [1]}, 2),  # two ranks fail the same row
+        ({2: [1, 3]}, 1, (0, 1, 2)),  # one rank fails rows: the header names it
+        ({0: [1], 2: [3]}, 1, (0, 1, 2)),  # two ranks: their failure slots name them
+        ({0: [1], 1: [1]}, 1, (0, 1, 2)),  # two ranks fail the same row: the lower one
+        # rank 0's three failures overflow its region (two entries at capacity 64)
+        ({0: [1, 2, 3], 2: [3]}, 2, (0, 1, 2)),
+        # ranks 1 and 9 write the same region (rank % 8): the step fetches
+        ({0: [1], 1: [2]}, 2, (1, 9, 2)),
+        ({0: [1], 1: [2]}, 1, (1, 10, 2)),
     ],
 )
-def test_the_origin_fetch_runs_only_when_several_ranks_fail_rows(failing, reduces):
+def test_the_origin_fetch_runs_only_when_the_failure_slots_cannot_say(failing, reduces, ranks):
     world = SimulatedWorld(3, timeout=20)
-    steppers = [_stepper(r, (1, 2, 3)) for r in range(3)]
+    steppers = [_stepper(ranks[r], (1, 2, 3)) for r in range(3)]
     colls = [CountingCollective(world.rank(r)) for r in range(3)]
     for r, rooms in failing.items():
         steppers[r].local.poller.set(rooms, F)
@@ -309,7 +314,7 @@ def test_the_origin_fetch_runs_only_when_several_ranks_fail_rows(failing, reduce
     assert all(not isinstance(x, BaseException) for x in out), out
     # the origin of each failure is the smallest rank that reported it
     want = {
-        room: min(r for r, rooms in failing.items() if room in rooms)
+        room: min(ranks[r] for r, rooms in failing.items() if room in rooms)
         for room in (1, 2, 3)
         if any(room in rooms for rooms in failing.values())
     }

@@ -13,9 +13,9 @@ except (ImportError, OSError) as e:
     )
 
 from lifecycle import FailureReason, KVPoll
-from transport.connector import _Req
 from transport.connector_graph import Phase
 from transport.layout import runs
+from transport.legs import Request
 from transport.mooncake import MooncakeConfig, MooncakeManager
 from transport.status_arrays import StatusArrays
 
@@ -46,7 +46,7 @@ def bare_manager(engine, role="prefill"):
 
 
 def writing_request(m, room=9):
-    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)))
+    req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = Phase.Writing
     m._reqs[room] = req
     return req

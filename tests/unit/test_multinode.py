@@ -46,7 +46,10 @@ def test_without_roles_prefill_is_the_first_ranks():
 
 def test_a_wrong_count_of_roles_is_named():
     said = [("prefill", "a")] * 3 + [("decode", "b")]
-    with pytest.raises(ValueError, match="3 ranks said --role prefill but --prefill is 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"3 ranks said --role prefill but the prefill side has 2 \(--prefill x --prefill-dp\)",
+    ):
         multinode.place(0, 4, 2, "prefill", "a", FakeDist(said))
 
 
@@ -75,3 +78,63 @@ def test_a_lost_store_names_the_ranks_on_its_host():
         "rank 2 (decode, on 192.0.2.2): the job's store at 192.0.2.1:4242 stopped answering "
         "(Connection reset); the node hosting it died with rank(s) [0, 1]; exiting"
     )
+
+
+WATCHER = r"""
+import sys, time
+from pdlife import multinode
+where = multinode.Placement(1, (0,), (1,), ("10.0.0.1", "10.0.0.2"))
+watch = multinode.StoreWatch(where, ("127.0.0.1", int(sys.argv[1])))
+watch.start()
+if sys.argv[2] == "done":
+    watch.done()
+assert watch.watching.wait(30)
+time.sleep(0.2)  # its wait is with the store
+print("watching", flush=True)
+time.sleep(30)
+"""
+
+NODE0 = r"""
+import sys, time
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), 1, is_master=True, wait_for_workers=False)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_lost_store_is_said_at_once_unless_the_job_ended(finished):
+    import subprocess
+    import sys
+    import time
+
+    from lifecycle.testing.spawn import free_port
+
+    port = free_port()
+    run = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    node0 = subprocess.Popen([sys.executable, "-c", NODE0, str(port)], **run)
+    try:
+        assert node0.stdout.readline().strip() == "up"
+        child = subprocess.Popen(
+            [sys.executable, "-c", WATCHER, str(port), "done" if finished else "run"], **run
+        )
+        assert child.stdout.readline().strip() == "watching"
+    finally:
+        node0.kill()  # node 0 dies, and its store with it
+        node0.wait()
+    t0 = time.monotonic()
+    if finished:  # the job's normal end: nothing to say, it runs on
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=3)
+        child.kill()
+        assert "stopped answering" not in child.communicate()[1]
+        return
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == 4, err
+    assert time.monotonic() - t0 < 5
+    lines = [x for x in err.splitlines() if "stopped answering" in x]
+    assert len(lines) == 1 and lines[0].startswith(
+        "rank 1 (decode, on 10.0.0.2): the job's store at 127.0.0.1:"
+    ), err

@@ -6,8 +6,8 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
-from transport.connector import _Req
 from transport.connector_graph import Phase
+from transport.legs import Request
 from transport.nixl import NixlConfig, NixlManager
 from transport.status_arrays import StatusArrays
 
@@ -53,7 +53,7 @@ def bare_manager(agent, role="prefill", **cfg):
 
 
 def request(m, phase, room=9):
-    req = _Req(room=room, index=m.take(int(KVPoll.Transferring)))
+    req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = phase
     m._reqs[room] = req
     return req

@@ -58,3 +58,131 @@ def test_capacity_fields_give_an_upper_bound_on_every_rank():
     h = Header(np.minimum.reduce([_header(NEED=v, FLOOR=v) for v in values]))
     assert h.agreed  # bounds are not matched fields
     assert h.need >= max(values) and h.floor >= max(values)
+
+
+def test_a_header_encoded_in_one_call_equals_one_written_field_by_field():
+    from lifecycle.packing import encode_header, field_slice
+
+    values = {
+        Field.FINGERPRINT: 0xDEADBEEF12345678,
+        Field.LENGTH: 4097,
+        Field.CONFIG: 2**64 - 3,
+        Field.QUEUE: 17,
+        Field.TAG: 0,
+        Field.NEED: 300,
+        Field.FLOOR: 2**40,
+    }
+    for failer in (None, 0, 5, 2**24 - 1):
+        b = np.zeros(HEADER, dtype=np.uint8)
+        for f, v in values.items():
+            write_field(b, f, v)
+        if failer is None:
+            b[field_slice(Field.FAILER)] = 255
+        else:
+            write_field(b, Field.FAILER, failer)
+        got = encode_header(*values.values(), failer)
+        assert got == b.tobytes()
+        assert Header(np.frombuffer(got, dtype=np.uint8)).sole == failer
+
+
+def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
+    from lifecycle.packing import REGIONS, slot_origins, slots_size, write_slots
+
+    cap = 256  # two entries per region
+    blank = np.full(slots_size(cap), PAD, dtype=np.uint8)
+
+    def reduced(*writers):
+        out = blank.copy()
+        for rank, pos, words in writers:
+            area = blank.copy()
+            write_slots(area, rank, np.array(pos, dtype=np.int64), np.array(words, np.uint8))
+            np.minimum(out, area, out=out)
+        return out
+
+    failed = np.array([3, 7, 9])
+    agreed = np.array([2, 5, 2], dtype=np.uint8)  # the winning words (reasons)
+    # rank 4 failed 3 and 9 with the winning word, rank 1 failed 7; rank 2 failed 3
+    # with another reason (its word lost): the origin is the lowest winner
+    area = reduced((4, [3, 9], [2, 2]), (1, [7], [5]), (2, [3], [6]))
+    assert slot_origins(area, failed, agreed).tolist() == [4, 1, 4]
+    area = reduced((4, [3, 9], [2, 2]), (1, [3, 7], [2, 5]))
+    assert slot_origins(area, failed, agreed).tolist() == [1, 1, 4]
+    # a list longer than its region: only the count is there
+    assert slot_origins(reduced((4, [3, 7, 9], [2, 5, 2])), failed, agreed) is None
+    # two writers in one region (ranks REGIONS apart)
+    both = reduced((1, [7], [5]), (1 + REGIONS, [3, 9], [2, 2]))
+    assert slot_origins(both, failed, agreed) is None
+    # an entry naming a row that did not fail, or a failed row nobody listed
+    assert slot_origins(reduced((4, [4], [2])), failed, agreed) is None
+    assert slot_origins(reduced((4, [3, 9], [2, 2])), failed, agreed) is None
+    # a region whose owner cannot be a rank
+    bad = reduced((4, [3, 9], [2, 2]), (1, [7], [5]))
+    bad.view(">u4").reshape(REGIONS, -1)[4, :2] = [0x80000000, 0x7FFFFFFF]
+    assert slot_origins(bad, failed, agreed) is None
+    assert slot_origins(blank, failed[:0], agreed[:0]).tolist() == []
+
+
+@pytest.mark.parametrize("name", ["_position_keys", "position_weights"])
+def test_a_cached_table_grown_by_two_threads_at_once_answers_both_in_full(monkeypatch, name):
+    """Steps prepare on several threads (simulated ranks, group workers): a
+    thread that grows the cache must not hand back another thread's smaller
+    table. Forced interleaving: B sizes a table from the empty cache and
+    pauses; A grows a larger one and pauses at its return; B stores its own
+    (smaller) table; A returns."""
+    import inspect
+    import sys
+    import threading
+
+    from lifecycle import packing
+
+    fn = getattr(packing, name)
+    grow = packing._cached  # the cache both answer from
+    lines, first = inspect.getsourcelines(grow)
+    ret = first + max(i for i, line in enumerate(lines) if "return" in line)
+    monkeypatch.setattr(packing, "_TABLES", {})
+    b_in_mix, a_at_return, b_done = threading.Event(), threading.Event(), threading.Event()
+    mix = packing._mix
+    b_thread: list[threading.Thread] = []
+
+    def paused_mix(x):
+        if threading.current_thread() in b_thread:
+            b_in_mix.set()
+            a_at_return.wait(5)
+        return mix(x)
+
+    monkeypatch.setattr(packing, "_mix", paused_mix)
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not grow.__code__:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == ret:
+                a_at_return.set()
+                b_done.wait(5)
+            return local
+
+        return local
+
+    got = {}
+
+    def b():
+        got["b"] = fn(2000).size
+        b_done.set()
+
+    def a():
+        b_in_mix.wait(5)
+        sys.settrace(tracer)
+        try:
+            got["a"] = fn(5000).size
+        finally:
+            sys.settrace(None)
+
+    b_thread.append(threading.Thread(target=b))
+    ta = threading.Thread(target=a)
+    for t in (*b_thread, ta):
+        t.start()
+    for t in (*b_thread, ta):
+        t.join(10)
+    assert got == {"a": 5000, "b": 2000}
+    assert fn(5000).size == 5000

@@ -29,6 +29,28 @@ def ctx(rooms, step=1):
             r"faults\[0\]\.steps",
         ),
         ({"faults": [{"kind": "kill_rank", "rank": 0}]}, r"faults\[0\]\.step"),
+        ({"faults": [{"kind": "pause_rank", "rank": 0, "seconds": 2}]}, r"faults\[0\]\.step"),
+        ({"faults": [{"kind": "pause_rank", "rank": 0, "step": 3}]}, r"faults\[0\]\.seconds"),
+        (
+            {"faults": [{"kind": "pause_rank", "rank": 0, "step": 3, "seconds": 0}]},
+            r"faults\[0\]\.seconds",
+        ),
+        (
+            {"faults": [{"kind": "pause_rank", "rank": 0, "step": 3, "seconds": 1e9}]},
+            r"faults\[0\]\.seconds",
+        ),
+        (
+            {"faults": [{"kind": "pause_rank", "rank": 0, "step": 3, "seconds": True}]},
+            r"faults\[0\]\.seconds",
+        ),
+        (
+            {"faults": [{"kind": "pause_rank", "rank": 0, "request": 1, "step": 3, "seconds": 1}]},
+            r"faults\[0\]",
+        ),
+        (
+            {"faults": [{"kind": "fail", "rank": 0, "request": 1, "seconds": 1}]},
+            r"faults\[0\]\.seconds",
+        ),
         (
             {"faults": [{"kind": "fail", "rank": 0, "request": 1, "colour": 1}]},
             r"faults\[0\]\.colour",
@@ -247,3 +269,14 @@ def test_phase_winners_are_carried_out_by_their_rank_and_aborts_on_decode():
     assert fired == want
     assert sorted(aborted) == sorted(d.room for d in ds if d.wins and d.kind == "abort")
     assert fired[0] and fired[1] and aborted
+
+
+def test_a_pause_fires_at_its_step_and_is_reported_if_it_never_came():
+    plan = parse_plan({"faults": [{"kind": "pause_rank", "rank": 1, "step": 4, "seconds": 2.5}]})
+    assert plan.faults[0].seconds == 2.5
+    rf = RankFaults(plan, 1, [11])
+    assert rf.pause_at(3) == 0.0
+    assert rf.unfired() == ["pause_rank on rank 1 at step 4 (2.5 s)"]
+    assert rf.pause_at(4) == 2.5
+    assert rf.unfired() == []
+    assert RankFaults(plan, 0, [11]).pause_at(4) == 0.0  # another rank's

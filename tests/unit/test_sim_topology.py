@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lifecycle import SingleRank
+from pdlife.plan import FaultPlan, TargetedFault
 from pdlife.sim import RankRun, SimConfig
 from pdlife.sim_bytes import (
     fill_pages,
@@ -18,7 +19,15 @@ from pdlife.sim_bytes import (
     verify_pages,
     write_first_token,
 )
-from pdlife.sim_topology import HEAD_BYTES, heads_of, place, topology_problem
+from pdlife.sim_config import Workload
+from pdlife.sim_topology import (
+    HEAD_BYTES,
+    dp_faults,
+    heads_of,
+    place,
+    primary_of,
+    topology_problem,
+)
 
 
 @pytest.mark.parametrize(
@@ -108,11 +117,15 @@ def test_a_wrong_head_range_or_a_flipped_byte_is_reported():
     assert "expected" in kv_difference(got[:, :, :1], 11, 1, 0, range(2, 4))
 
 
-def test_state_rows_differ_by_room_and_tensor():
-    a = state_pattern(5, 0, 64)
-    assert a.shape == (64,) and np.array_equal(a, state_pattern(5, 0, 64))
-    assert not np.array_equal(a, state_pattern(6, 0, 64))
-    assert not np.array_equal(a, state_pattern(5, 1, 64))
+def test_state_rows_differ_by_room_and_tensor_and_shares_tile_the_row():
+    a = state_pattern(5, 0)
+    assert a.shape == (64,) and np.array_equal(a, state_pattern(5, 0))
+    assert not np.array_equal(a, state_pattern(6, 0))
+    assert state_pattern(5, 1).shape == (192,)
+    assert not np.array_equal(a, state_pattern(5, 1)[:64])
+    for tp in (1, 2, 4):
+        shares = [state_pattern(5, 1, (r, tp)) for r in range(tp)]
+        assert np.array_equal(np.concatenate(shares), state_pattern(5, 1))
 
 
 class _Store:
@@ -200,3 +213,55 @@ def test_a_prefill_rank_draws_no_fault_for_another_dp_groups_request():
     }
     assert {(d.room, d.rank, d.phase) for d in masked} == kept
     assert len(masked) < len(full)
+
+
+def test_a_prefill_rank_carries_the_metadata_faults_of_the_decode_ranks_it_is_primary_of():
+    def who(p, d, **kw):
+        cfg = SimConfig(prefill=p, decode=d, **kw)
+        return [primary_of(cfg, place(r, p, cfg.prefill_dp, d)) for r in range(cfg.world)]
+
+    assert who(2, 2) == [[2], [3], [2], [3]]  # TP peers
+    assert who(1, 2) == [[1, 2], [1], [2]]  # one prefill rank writes both rows
+    assert who(2, 1) == [[2], [], [2]]  # prefill 1 is no decode rank's primary
+    assert who(2, 4, kv_heads=8) == [[2, 3], [4, 5], [2], [3], [4], [5]]
+    assert who(2, 2, prefill_dp=2) == [[4], [5], [4], [5], [4], [5]]  # each group alike
+
+
+def test_under_prefill_dp_a_group_carries_only_the_metadata_faults_of_its_own_requests():
+    # request i is served by group i % 2: the other group never writes its row, so
+    # holding the fault there reported it unfired and failed a run where it fired
+    rooms = Workload(SimConfig(requests=24)).all_rooms(24)
+    faults = (
+        TargetedFault("corrupt_metadata", 2, request=7),
+        TargetedFault("drop_metadata", 3, room=rooms[4]),
+        TargetedFault("drop_metadata", 3, room=12345),  # no request's: reported once, by group 0
+    )
+    cfg = SimConfig(prefill=1, decode=2, prefill_dp=2, requests=24, plan=FaultPlan(faults=faults))
+    mine = [dp_faults(cfg, place(r, 1, 2, 2)).faults for r in range(cfg.world)]
+    assert mine[0] == faults[1:] and mine[1] == faults[:1]
+    assert mine[2] == mine[3] == faults  # decode ranks see every request
+    assert dp_faults(SimConfig(plan=cfg.plan), place(0, 2, 1, 2)) == cfg.plan
+
+
+def test_a_soak_under_prefill_dp_places_a_fault_named_by_room_without_listing_every_room(
+    monkeypatch,
+):
+    # a soak's workload has 2**31-1 requests: listing their rooms to find a
+    # fault's group asked for tens of GB before the first step
+    def bounded(self, n):
+        assert n <= 10**6, f"listed the rooms of {n} requests"
+        return Workload.rooms_of(self.seed, np.arange(n, dtype=np.int64)).tolist()
+
+    monkeypatch.setattr(Workload, "all_rooms", bounded)
+    rooms = Workload.rooms_of(3, np.arange(8, dtype=np.int64)).tolist()
+    faults = (
+        TargetedFault("drop_metadata", 2, room=rooms[5]),
+        TargetedFault("corrupt_metadata", 2, room=rooms[6]),
+    )
+    cfg = SimConfig(
+        prefill=1, decode=1, prefill_dp=2, soak=5.0, requests=2**31 - 1, seed=3,
+        plan=FaultPlan(faults=faults),
+    )  # fmt: skip
+    assert dp_faults(cfg, place(0, 1, 2, 1)).faults == faults[1:]
+    assert dp_faults(cfg, place(1, 1, 2, 1)).faults == faults[:1]
+    assert [Workload.index_of(3, r) for r in rooms] == list(range(8))

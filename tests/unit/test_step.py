@@ -11,6 +11,7 @@ from lifecycle import (
     InvalidStatus,
     KVPoll,
     RequestTable,
+    SingleRank,
     StepConfig,
     Stepper,
     lockstep,
@@ -332,3 +333,43 @@ def test_partial_batch_poll_error_fails_only_those_requests():
     assert res.statuses.tolist() == [S, F, S]
     assert res.failures()[0].reason == R.LOCAL_EXCEPTION
     assert isinstance(res.exceptions[2], KeyError)
+
+
+def test_the_metadata_gate_reads_only_the_rows_at_local_success_when_they_are_few():
+    """A read is a cache line per row: in a queue mostly still transferring,
+    only the rows at Success are read, and the answer is the same."""
+
+    class Recording:
+        size = 64
+
+        def __init__(self):
+            self.asked = []
+            self.rows = {}  # slot -> room written
+
+        def landed(self, slots, rooms):
+            self.asked.append(np.asarray(slots).tolist())
+            got = np.array([self.rows.get(int(s), 0) for s in slots], dtype=np.uint64)
+            ok = got == np.asarray(rooms)
+            return ok, ~ok & (got != 0)
+
+    rooms = list(range(11, 51))  # 40 rows in slots 0..39
+    t = RequestTable()
+    t.extend(rooms, state=KVPoll.Transferring, metadata_slots=list(range(40)))
+    board = StatusBoard()
+    board.set(rooms, KVPoll.Transferring)
+    meta = Recording()
+    s = Stepper(t, 0, poller=board, metadata=meta)
+    s.step(SingleRank())
+    assert meta.asked == []  # nobody at Success: nothing read
+    board.set([12, 14], KVPoll.Success)
+    meta.rows = {1: 12, 3: 99}  # 12 landed; 14's row holds another room
+    res = s.step(SingleRank())
+    assert meta.asked[-1] == [1, 3]
+    assert res.succeeded.tolist() == [12]
+    assert [(f.room, f.reason) for f in res.failures()] == [(14, FailureReason.METADATA_CORRUPT)]
+    # most rows at Success: every row is read in one pass, with the same answers
+    board.set(rooms[2:], KVPoll.Success)
+    meta.rows = {i: room for i, room in enumerate(rooms) if i % 2}
+    res = s.step(SingleRank())
+    assert len(meta.asked[-1]) == 38  # the 38 rows still live
+    assert sorted(res.succeeded.tolist()) == [r for i, r in enumerate(rooms) if i % 2 and i > 3]

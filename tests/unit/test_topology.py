@@ -8,7 +8,15 @@ import torch
 
 from buffers.errors import LayoutError
 from buffers.kv_args import KVArgs, StateComponent, StateType
-from transport.layout import coalesce, kv_args_for, sliced_page_writes, state_writes
+from transport.layout import (
+    StateShare,
+    coalesce,
+    kv_args_for,
+    sliced_page_writes,
+    state_geometry,
+    state_misfit,
+    state_writes,
+)
 from transport.staging import Scatter, Staging
 from transport.topology import Slice, Topology, TopologyError, head_range
 
@@ -110,6 +118,108 @@ def test_state_rows_move_by_component():
     args = kv_args_for([], ([], [], []), 0, state=[comp])
     _apply(state_writes(args, [[b.data_ptr()]], [np.array([2, 3])], [np.array([7, 8])]))
     assert torch.equal(b[7:9], a[2:4]) and b[:7].sum() == 0
+
+
+@pytest.mark.parametrize(("pt", "dt"), [(1, 1), (2, 1), (1, 2), (2, 4), (4, 2), (2, 8)])
+def test_split_state_shares_tile_every_decode_row_exactly_once(pt, dt):
+    # 8 units of 3 bytes split by TP, plus a 5-byte tensor held whole: every
+    # prefill rank writes its overlap with every decode rank it is a source of
+    units, unit, rows = 8, 3, 4
+    full = np.arange(rows * units * unit, dtype=np.uint8).reshape(rows, units * unit)
+    whole = (np.arange(rows * 5, dtype=np.uint8) + 100).reshape(rows, 5)
+
+    def comps(tp, r, split, wh):
+        n = units // tp
+        split[:] = torch.from_numpy(full[:, r * n * unit : (r + 1) * n * unit].copy())
+        wh[:] = torch.from_numpy(whole)
+        return [
+            StateComponent(
+                StateType.MAMBA,
+                [split.data_ptr(), wh.data_ptr()],
+                [split.nbytes, wh.nbytes],
+                [split[0].nbytes, 5],
+                split_dims=[n, 0],
+            )
+        ]
+
+    src = [
+        (
+            torch.zeros(rows, units // pt * unit, dtype=torch.uint8),
+            torch.zeros(rows, 5, dtype=torch.uint8),
+        )
+        for _ in range(pt)
+    ]
+    dst = [
+        (
+            torch.zeros(rows, units // dt * unit, dtype=torch.uint8),
+            torch.zeros(rows, 5, dtype=torch.uint8),
+        )
+        for _ in range(dt)
+    ]
+    pargs = [kv_args_for([], ([], [], []), p, state=comps(pt, p, *src[p])) for p in range(pt)]
+    dgeom = state_geometry(
+        kv_args_for(
+            [], ([], [], []), 0, state=comps(dt, 0, *[torch.zeros_like(x) for x in dst[0]])
+        ).state
+    )
+    assert state_misfit(state_geometry(pargs[0].state), pt, dgeom, dt) is None
+    topo = Topology(pt, dt, 8, split_state=True)
+    written = np.zeros((dt, rows, units * unit // dt), dtype=np.int64)
+    for d in range(dt):
+        primary = topo.senders(d)[0].prefill
+        for p in topo.state_sources(d) + (
+            (primary,) if primary not in topo.state_sources(d) else ()
+        ):
+            share = StateShare(p, pt, d, dt, p == primary, dgeom)
+            w = state_writes(
+                pargs[p],
+                [[dst[d][0].data_ptr(), dst[d][1].data_ptr()]],
+                [np.array([1, 3])],
+                [np.array([2, 0])],
+                share,
+            )
+            _apply(w)
+            for _, d0, n in zip(*w):
+                off = d0 - dst[d][0].data_ptr()
+                if 0 <= off < dst[d][0].nbytes:
+                    r, c = divmod(int(off), dst[d][0].shape[1])
+                    written[d, r, c : c + int(n)] += 1
+        n = units // dt * unit
+        assert np.array_equal(dst[d][0][2].numpy(), full[1, d * n : (d + 1) * n])
+        assert np.array_equal(dst[d][0][0].numpy(), full[3, d * n : (d + 1) * n])
+        assert np.array_equal(dst[d][1][2].numpy(), whole[1])
+        assert dst[d][0][1].sum() == 0 and dst[d][0][3].sum() == 0
+    assert set(np.unique(written[:, [0, 2]])) == {1}  # each byte of each share once
+
+
+def test_state_misfits_are_named():
+    g = lambda items, dims: [[items, dims]]  # noqa: E731
+    assert state_misfit(g([24], [8]), 2, g([48], [16]), 1) is None
+    assert "2 state components" in state_misfit(g([24], [8]) * 2, 1, g([24], [8]), 1)
+    assert "1 tensors, decode 2" in state_misfit(g([24], None), 1, g([24, 8], None), 1)
+    assert "split on one side only" in state_misfit(g([24], [8]), 1, g([24], None), 1)
+    # which side splits is named, whichever it is
+    why = state_misfit(g([24], None), 1, g([24], [8]), 1)
+    assert "split on one side only (prefill split dims None, decode [8])" in why
+    assert "rows of 24 bytes on prefill, 12" in state_misfit(g([24], None), 2, g([12], None), 1)
+    assert "a unit must have the same bytes" in state_misfit(g([24], [8]), 2, g([96], [16]), 1)
+    assert "the two sides split different rows" in state_misfit(g([24], [8]), 2, g([24], [8]), 1)
+    with pytest.raises(LayoutError, match="tensor 0 splits its 24-byte rows into 5 units"):
+        StateComponent(StateType.MAMBA, [1], [48], [24], split_dims=[5])
+
+
+def test_split_state_sources_and_legs_agree_on_both_sides():
+    for pt, dt, h, mla in [(2, 4, 1, False), (4, 2, 4, False), (2, 1, 1, True), (4, 2, 1, True)]:
+        topo = Topology(pt, dt, h, mla, split_state=True)
+        for d in range(dt):
+            assert set(topo.state_sources(d)) <= set(topo.contacts(d))
+        for p in range(pt):
+            assert set(topo.peers(p)) == {d for d in range(dt) if p in topo.contacts(d)}
+    # MLA 4 -> 2: prefill 1 sends decode 1 its KV, and decode 0 half its state
+    topo = Topology(4, 2, mla=True, split_state=True)
+    assert topo.state_sources(0) == (0, 1) and topo.contacts(0) == (0, 1)
+    assert topo.peers(1) == (0, 1)
+    assert Topology(4, 2, mla=True).contacts(0) == (0, 2)  # without split state: as before
 
 
 def test_kv_args_refuse_pages_that_are_not_tokens_by_heads():

@@ -12,7 +12,8 @@ overriding :meth:`~ConsensusMachine.make_board` (anything with the
 
     TestMyBackend = MyBackendMachine.TestCase
 
-Invariants (checked after every step):
+Invariants (checked after every step; the checks are in
+:mod:`lifecycle.testing.invariants`):
 
 1. agreement -- every rank holds the same agreed status, reason and origin;
 2. validity -- agreed status == MIN over ranks of each rank's local value,
@@ -34,7 +35,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -47,13 +47,19 @@ from numpy.typing import NDArray
 
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.errors import LifecycleError
-from lifecycle.graph import TRIGGERS
 from lifecycle.lockstep import lockstep, reduce_min
 from lifecycle.reference import RequestMachine
-from lifecycle.status import B, F, KVPoll, Role, S, T
+from lifecycle.status import B, F, Role, S
 from lifecycle.step import Stepper, StepResult
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
+from lifecycle.testing.invariants import (
+    InvariantViolation,
+    check,
+    check_step,
+    expected_local,
+    gates_open,
+)
 
 __all__ = ["ConsensusMachine", "InvariantViolation"]
 
@@ -61,19 +67,6 @@ SLOTS = 12
 _LAYOUT = MetadataLayout(
     hidden_size=16, hidden_dtype=__import__("torch").float32, max_top_logprobs=16
 )
-
-
-class InvariantViolation(AssertionError):
-    """An invariant of the consensus failed; the message names which."""
-
-    def __init__(self, name: str, detail: str) -> None:
-        self.name = name
-        super().__init__(f"invariant '{name}' violated: {detail}")
-
-
-def _check(cond: bool, name: str, detail: str) -> None:
-    if not cond:
-        raise InvariantViolation(name, detail)
 
 
 class ConsensusMachine(RuleBasedStateMachine):
@@ -147,9 +140,9 @@ class ConsensusMachine(RuleBasedStateMachine):
             room = self.next_room
             slots = [a.alloc(room) for a in self.allocs]
             if slots[0] is None:
-                _check(all(s is None for s in slots), "slots", "allocators diverged")
+                check(all(s is None for s in slots), "slots", "allocators diverged")
                 return
-            _check(len(set(slots)) == 1, "slots", f"ranks got different slots {slots}")
+            check(len(set(slots)) == 1, "slots", f"ranks got different slots {slots}")
             self.next_room += 1
             for t in self.tables:
                 t.add(room, role=Role.RECEIVER, metadata_slot=slots[0], fake=fake)
@@ -210,34 +203,13 @@ class ConsensusMachine(RuleBasedStateMachine):
         rank = data.draw(st.integers(0, self.world - 1), label="rank")
         self.boards[rank].raising = RuntimeError(f"injected poll error on rank {rank}")
 
-    def _expected_local(self, rank: int, room: int) -> int:
-        """What rank ``rank`` should contribute for a live, non-terminal ``room``,
-        derived from the raw inputs alone."""
-        board, t = self.boards[rank], self.tables[rank]
-        if board.raising is not None or room in self.faults[rank].rooms:
-            return F
-        if t.abort_requested[t.slot_of(room)]:
-            return F
-        raw = int(board.status.get(room, board.default))
-        if raw != S:
-            return raw
-        if not self.fake[room]:
-            row = self.metas[rank].room_of(self.slot_of[room])
-            if row not in (0, room):
-                return F  # metadata corrupt
-            if row != room:
-                return T
-        if room in self.gates[rank].closed_rooms or room in self.staging[rank].pending_rooms:
-            return T
-        return S
-
     @rule()
     def step(self) -> None:
         rows = self.tables[0].rooms().tolist()
         before = {room: self.agreed[room] for room in rows}
-        gates_open = self._gates_open(rows)
+        opened = gates_open(self, rows)
         expected = {
-            room: min(self._expected_local(r, room) for r in range(self.world))
+            room: min(expected_local(self, r, room) for r in range(self.world))
             for room in rows
             if before[room] not in (S, F)
         }
@@ -259,7 +231,7 @@ class ConsensusMachine(RuleBasedStateMachine):
                 raise InvariantViolation("step", f"rank {r} raised {res!r}") from res
             results.append(self.after_apply(r, res))
         self.last = results
-        self._check_step(rows, before, gates_open, results, expected, doomed)
+        check_step(self, rows, before, opened, results, expected, doomed)
 
     @precondition(lambda self: self.agreed)
     @rule()
@@ -270,135 +242,27 @@ class ConsensusMachine(RuleBasedStateMachine):
                 t.remove(room)
             for rank, alloc in enumerate(self.allocs):
                 owner = alloc.owner_of(self.slot_of[room])
-                _check(owner == room, "slots", f"slot of room {room} owned by {owner} on {rank}")
+                check(owner == room, "slots", f"slot of room {room} owned by {owner} on {rank}")
                 alloc.free(self.slot_of[room], room)
                 self.freed.append((rank, room))
             del self.agreed[room]
             self.reference.pop(room).close()
-
-    # -- invariants --------------------------------------------------------------
-    def _gates_open(self, rows: list[int]) -> dict[int, bool]:
-        """Per room: was every rank's raw poll Success with all its gates open?"""
-        out = {}
-        for room in rows:
-            ok = True
-            for r in range(self.world):
-                board = self.boards[r]
-                t = self.tables[r]
-                slot = self.slot_of[room]
-                ok &= board.raising is None
-                ok &= board.status.get(room, board.default) == S
-                ok &= room not in self.gates[r].closed_rooms
-                ok &= room not in self.staging[r].pending_rooms
-                ok &= room not in self.faults[r].rooms
-                ok &= not bool(t.abort_requested[t.slot_of(room)])
-                ok &= self.fake[room] or self.metas[r].room_of(slot) == room
-            out[room] = bool(ok)
-        return out
-
-    def _check_step(
-        self,
-        rows: list[int],
-        before: dict[int, int],
-        gates_open: dict[int, bool],
-        results: list[StepResult],
-        expected: dict[int, int],
-        doomed: dict[int, bool],
-    ) -> None:
-        first = results[0]
-        for r, res in enumerate(results[1:], start=1):
-            same = (
-                res.rooms.tolist() == first.rooms.tolist()
-                and res.statuses.tolist() == first.statuses.tolist()
-                and res.reasons.tolist() == first.reasons.tolist()
-                and res.origins.tolist() == first.origins.tolist()
-            )
-            _check(same, "agreement", f"rank {r} disagrees with rank 0 at step {res.step}")
-        _check(first.rooms.tolist() == rows, "agreement", "result rows are not the table rows")
-        agreed_now = dict(zip(rows, first.statuses.tolist()))
-        for room, want in expected.items():
-            _check(
-                agreed_now[room] == want,
-                "validity",
-                f"room {room}: agreed {agreed_now[room]} != MIN over ranks of the raw "
-                f"inputs {want}",
-            )
-        for room, aborted in doomed.items():
-            i = rows.index(room)
-            for r, res in enumerate(results):
-                _check(
-                    int(res.statuses[i]) == F,
-                    "doomed",
-                    f"room {room}: aborted or fault-injected, but rank {r} agreed "
-                    f"{int(res.statuses[i])}",
-                )
-                if aborted:
-                    _check(
-                        int(res.reasons[i]) == 0,
-                        "doomed",
-                        f"room {room}: aborted but rank {r} agreed reason {int(res.reasons[i])}",
-                    )
-        triggers = dict(zip(first.rooms[first.changed].tolist(), first.triggers.tolist()))
-        for i, room in enumerate(rows):
-            old, new = before[room], int(first.statuses[i])
-            if old in (S, F):
-                _check(new == old, "latch", f"room {room} left terminal {old} for {new}")
-            else:
-                _check(new >= old or new == F, "monotone", f"room {room} went {old} -> {new}")
-            if new != old:
-                event(f"transition {KVPoll(old).name} -> {KVPoll(new).name}")
-            if new == S and old != S:
-                _check(
-                    gates_open[room],
-                    "success",
-                    f"room {room} succeeded though some rank's poll or gate said otherwise",
-                )
-            if new == F and old != F:
-                origin, reason = int(first.origins[i]), int(first.reasons[i])
-                _check(0 <= origin < self.world, "origin", f"room {room} origin {origin}")
-                # the steppers' values cover the rows not agreed terminal before the step
-                j = int(np.searchsorted(first.active, i))
-                loc = self.steppers[origin].local
-                _check(
-                    int(loc.values[j]) == F and int(loc.reasons()[j]) == reason,
-                    "origin",
-                    f"room {room}: origin rank {origin} did not fail it for reason {reason}",
-                )
-            self.agreed[room] = new
-            ref = self.reference[room]
-            try:
-                fired = ref.advance(
-                    KVPoll(new), reason=first.reasons[i], origin=int(first.origins[i])
-                )
-            except LifecycleError as e:
-                raise InvariantViolation("reference", str(e)) from e
-            batch_fired = TRIGGERS[triggers[room]] if room in triggers else None
-            _check(
-                fired == batch_fired,
-                "reference",
-                f"room {room}: reference fired {fired!r}, batch executor {batch_fired!r}",
-            )
-            _check(
-                int(ref.state) == int(self.tables[0].state[self.tables[0].slot_of(room)]),
-                "reference",
-                f"room {room}: reference executor {ref.state!r} != batch executor",
-            )
 
     @invariant()
     def slots_consistent(self) -> None:
         if not self.world:
             return
         for rank, alloc in enumerate(self.allocs):
-            _check(
+            check(
                 alloc.in_use + alloc.available + alloc.quarantined == alloc.size,
                 "slots",
                 f"rank {rank}: in use {alloc.in_use} + free {alloc.available} != {alloc.size}",
             )
             live = alloc.live()
-            _check(len(set(live.values())) == len(live), "slots", "a room owns two slots")
-            _check(
+            check(len(set(live.values())) == len(live), "slots", "a room owns two slots")
+            check(
                 sorted(live.values()) == sorted(self.agreed),
                 "slots",
                 f"rank {rank}: slot owners {sorted(live.values())} != live {sorted(self.agreed)}",
             )
-        _check(len(self.freed) == len(set(self.freed)), "slots", "a slot was freed twice")
+        check(len(self.freed) == len(set(self.freed)), "slots", "a slot was freed twice")

@@ -1,0 +1,71 @@
+"""What a byte-moving backend is told about one simulated rank: the connector's
+configuration and the KV, state and metadata buffers it registers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdlife.sim_config import STATE_SPLIT_UNITS, SimConfig
+from pdlife.sim_topology import Place
+
+if TYPE_CHECKING:
+    from pdlife.sim import RankRun
+
+__all__ = ["DRAIN_TIMEOUT_S", "connector_config", "kv_args"]
+
+DRAIN_TIMEOUT_S = 3.0
+
+
+def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) -> Any:
+    """The connector's configuration for one simulated rank."""
+    from transport.connector import ConnectorConfig
+
+    return ConnectorConfig(
+        role=where.side,
+        tp_rank=where.tp_rank,
+        tp_size=where.tp_size,
+        dp_rank=where.dp_rank,
+        mla=cfg.mla,
+        kv_heads=cfg.total_heads,
+        staging=cfg.staging and where.side == "decode",
+        staging_pages=cfg.staging_pages or cfg.max_pages,
+        store_host=store_addr[0],
+        store_port=store_addr[1],
+        namespace=f"sim{cfg.seed}",
+        bootstrap_timeout=float(cfg.pg_timeout) * 4,
+        waiting_timeout=float(cfg.pg_timeout) * 4,
+        # a failed request whose peer never confirmed it stopped writing (dead,
+        # or an engine write that never finished) is released after this: within
+        # a run's step budget, and well past a loopback write's time in flight
+        drain_timeout=DRAIN_TIMEOUT_S,
+    )
+
+
+def kv_args(run: RankRun) -> Any:
+    from buffers.kv_args import StateComponent, StateType
+    from transport.layout import kv_args_for
+
+    state: tuple[StateComponent, ...] = ()
+    if run.state_tensors:
+        ts = run.state_tensors
+        state = (
+            StateComponent(
+                type=StateType.MAMBA,
+                ptrs=[t.data_ptr() for t in ts],
+                lens=[t.nbytes for t in ts],
+                item_lens=[t[0].nbytes for t in ts],
+                split_dims=(
+                    [STATE_SPLIT_UNITS // run.place.tp_size] * len(ts)
+                    if run.cfg.state_split
+                    else None
+                ),
+            ),
+        )
+    return kv_args_for(
+        run.kv,
+        run.meta.buf_infos(),
+        run.rank,
+        page_size=run.cfg.page_size,
+        kv_head_num=len(run.heads),
+        state=state,
+    )

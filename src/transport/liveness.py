@@ -1,0 +1,94 @@
+"""The connector's clocks: peers whose heartbeat stopped, the bootstrap,
+waiting and drain timeouts, and what a closing connector still owes.
+
+A silent peer may only be paused (a long GC, a starved host) and write again
+once it resumes, so its requests fail on the usual path: every leg is told,
+the silent one too, and their memory stays quarantined until each sender
+said it stopped, or the drain timeout passed. A peer that beats again is live
+again for new requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lifecycle.reasons import FailureReason
+from transport import connector_prefill as pre
+from transport.connector_graph import IS_TERMINAL, Phase
+
+if TYPE_CHECKING:
+    from transport.connector import Connector
+
+__all__ = ["check_peers", "heard", "timeouts", "owing"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_peers(m: Connector, store: Any) -> None:
+    """Fail the live requests paired with a peer whose heartbeat stopped."""
+    limit = m.config.heartbeat_interval * m.config.heartbeat_misses
+    reqs, _, _ = m._live()
+    peers = {p for r in reqs for p in r.legs or m.expected} | m._peer_dead
+    silent = m.mail.silent(peers, limit, store)
+    for p in sorted(silent - m._peer_dead):
+        logger.warning("rank %d: peer rank %d has not beaten for %.1f s", m.rank, p, limit)
+    for p in sorted(m._peer_dead - silent):
+        logger.warning("rank %d: peer rank %d beats again", m.rank, p)
+    m._peer_dead = silent
+    for r in reqs:
+        if silent.intersection(r.legs or m.expected):
+            m._fail(r, FailureReason.PEER_DEAD, store)
+
+
+def heard(m: Connector, peer: int) -> None:
+    """A message from ``peer`` arrived (on the loop's thread): it is alive, even
+    before its next heartbeat is seen, and serves new requests again."""
+    m.mail.heard(peer)
+    if peer in m._peer_dead:
+        m._peer_dead = m._peer_dead - {peer}
+        logger.warning("rank %d: peer rank %d speaks again", m.rank, peer)
+
+
+def timeouts(m: Connector, now: float, store: Any) -> None:
+    cfg = m.config
+    reqs, ph, idx = m._live()
+    late = np.zeros(idx.size, dtype=bool)
+    if cfg.bootstrap_timeout is not None:
+        late = (ph == Phase.Bootstrap) & (now - m.born[idx] > cfg.bootstrap_timeout)
+    for i in np.flatnonzero(late):
+        m._fail(reqs[i], FailureReason.BOOTSTRAP_TIMEOUT, store)
+    if cfg.waiting_timeout is not None and cfg.role == "decode":
+        late = (ph == Phase.Metadata) & (now - m.waited[idx] > cfg.waiting_timeout)
+        for i in np.flatnonzero(late):
+            m._fail(reqs[i], FailureReason.WAITING_TIMEOUT, store)
+    # last resort, so that a lost peer cannot pin memory forever: writes the
+    # engine never finished are given up and a prefill rank's legs hear so (they
+    # may still land: a decode rank keeps its pages until its own drain timeout),
+    # and a request failed for a dead peer is released on that peer's silence
+    stale = (ph == Phase.Aborted) & (now - m.failed_at[idx] > cfg.drain_timeout)
+    for i in np.flatnonzero(stale):
+        req = reqs[i]
+        for tok in req.tokens:
+            m._forget(tok)
+        req.tokens.clear()
+        if cfg.role == "prefill":
+            req.abandoned = True
+            for leg in req.legs.values():
+                m._send(leg.peer, pre.gave_up(req.room, req.reason), store)
+    dead = stale & (m.reason[idx] == FailureReason.PEER_DEAD)
+    m._fire_many([reqs[i] for i in np.flatnonzero(dead)], "peer_dead")
+    m._fire_many([reqs[i] for i in np.flatnonzero(stale & ~dead)], "drain")
+
+
+def owing(m: Connector) -> bool:
+    """Whether a request still owes a live peer a word (or has writes in flight)."""
+    with m._lock:
+        reqs = [r for r in m._reqs.values() if not r.released]
+    dead = m._peer_dead
+    return any(
+        (r.tokens or not IS_TERMINAL[m._phase(r)]) and not (r.legs and dead.issuperset(r.legs))
+        for r in reqs
+    )

@@ -1,0 +1,28 @@
+"""``pdlife bench`` runs end to end on 2 gloo ranks and keeps its JSON keys
+(a smoke test: the numbers themselves are read from a real run, never here)."""
+
+import pytest
+
+from pdlife.bench import format_table, run_bench
+
+# the keys #14 asked for (more may be added beside them, never taken away)
+VARIANTS = ("floor", "ours", "pattern", "transitions", "fused3", "separate3", "churn")
+VARIANTS += ("overlap_visible",)
+RATIOS = ("ours/floor", "fused3/floor", "separate3/fused3", "churn/floor")
+RATIOS += ("overlap_visible/floor", "pattern/ours", "transitions/ours")
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_reports_every_variant_and_ratio():
+    res = run_bench((64, 300), reps=4, t_reps=2)
+    assert set(res["sizes"]) == {"64", "300"}
+    for row in res["sizes"].values():
+        assert set(VARIANTS) < set(row)
+        for name in set(row) - {"ratios", "ratios_p25"}:
+            assert row[name]["median_us"] > 0
+            assert row[name]["rank0_median_us"] >= row[name]["median_us"] * 0.999
+        assert set(RATIOS) < set(row["ratios"]) and set(RATIOS) < set(row["ratios_p25"])
+        assert all(v > 0 for v in row["ratios"].values())
+    assert res["table"]["bytes_per_live_request"] > 0
+    text = format_table(res)
+    assert "ours/floor" in text and "overlap_visible" in text

@@ -1,0 +1,221 @@
+"""Heartbeats and a peer that only pauses: a rank judges a peer by when it
+last saw its heartbeat change, on its own clock; a silent peer's requests fail
+on both sides with reason peer dead and stay quarantined until it says it
+stopped (or the drain timeout); a peer that beats again serves new requests."""
+
+import contextlib
+import time
+
+import pytest
+import torch
+from stub_engine import CopyConnector, wait_for
+from torch.distributed import TCPStore
+
+from buffers import MetadataBuffers, MetadataLayout
+from lifecycle import FailureReason, KVPoll
+from lifecycle.testing.spawn import free_port
+from transport.connector import ConnectorConfig
+from transport.connector_graph import Phase
+from transport.layout import kv_args_for
+from transport.mailbox import Mailbox
+
+# heartbeat_interval x heartbeat_misses: short, yet long enough that a loaded
+# machine's scheduling delays are not taken for silence
+LIMIT = 0.6
+
+
+class FakeStore:
+    def __init__(self):
+        self.kv = {}
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def get(self, key):
+        return self.kv[key]
+
+
+def _mailbox():
+    box = object.__new__(Mailbox)  # no store connection: silent() only reads its argument
+    box._ns, box._peer_role, box._seen, box._looked = "ns", "decode", {}, None
+    return box
+
+
+def test_silence_is_timed_on_the_observers_clock(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    box, store = _mailbox(), FakeStore()
+
+    def look(after=0.4):  # the loop looks every heartbeat interval
+        clock[0] += after
+        return box.silent([0], 1.0, store)
+
+    assert look() == set()  # not up yet: the bootstrap timeout's
+    # a wall-clock value far in the past (another host's clock) is not silence
+    store.kv["ns/decode/0/hb"] = b"1 12.5"
+    assert look() == set()
+    assert look() == look() == set()  # unchanged for 0.8 s
+    assert look() == {0}  # unchanged for 1.2 s of this rank's clock
+    store.kv["ns/decode/0/hb"] = b"2 12.9"  # it beats again
+    assert look() == set()
+    # this rank paused for 5 s meanwhile: the peer beat, so it is not silent
+    store.kv["ns/decode/0/hb"] = b"9 17.9"
+    assert look(5.0) == set()
+    # paused again, and the peer did not beat (this rank may have held it up):
+    # the gap counts half the window at most
+    assert look(5.0) == look() == set()  # 0.5 s, then 0.9 s
+    assert look() == {0}  # 1.3 s
+    box.heard(0)  # a message from it: it lives, whatever its heartbeat says
+    assert look() == look() == set()
+    assert look() == {0}
+
+
+def test_looks_further_apart_than_half_the_window_still_find_a_dead_peer(monkeypatch):
+    # heartbeat_misses 2: the loop looks once per interval, half the window apart
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    box, store = _mailbox(), FakeStore()
+    store.kv["ns/decode/0/hb"] = b"1 0.0"
+    found = []
+    for _ in range(6):
+        clock[0] += 0.55
+        found.append(box.silent([0], 1.0, store))
+    assert found[:3] == [set()] * 3 and found[3] == {0}
+
+
+class HangConnector(CopyConnector):
+    """Its writes never finish (an engine that lost them)."""
+
+    def _write(self, info, src, dst, lens, notif):
+        self.writes.append(lens.tolist())
+        return 0
+
+    def _check(self, token):
+        return 0
+
+
+def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0)):
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    sides = {"store": store}
+    for role, cls, drain_s in (
+        ("prefill", prefill_cls, drain[0]),
+        ("decode", CopyConnector, drain[1]),
+    ):
+        kv = [torch.zeros((8, 64), dtype=torch.uint8)]
+        meta = MetadataBuffers(4, layout)
+        cfg = ConnectorConfig(
+            role=role,
+            tp_rank=0,
+            store_port=port,
+            idle_interval=0.005,
+            heartbeat_interval=LIMIT / 4,
+            heartbeat_misses=4,
+            drain_timeout=drain_s,
+        )
+        sides[role] = cls(kv_args_for(kv, meta.buf_infos(), 0), cfg)
+        sides[f"{role} buffers"] = (kv, meta)  # the engine writes into them: keep them alive
+    return sides
+
+
+@pytest.fixture
+def pair(request):
+    sides = _make_pair(drain=getattr(request, "param", (30.0, 30.0)))
+    yield sides
+    for role in ("prefill", "decode"):
+        sides[role].close(wait=0)
+
+
+@contextlib.contextmanager
+def paused(m):
+    """The connector stops as a paused process would: no beat, no step."""
+    with m._lock:
+        m.mail.beat = lambda store: None
+        try:
+            yield
+        finally:
+            del m.mail.beat
+
+
+def _paired(p, d, room):
+    s, r = p.sender(room), d.receiver(room)
+    r.init()
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    s.init(1, None)
+    r.send_metadata([1], 0)  # decode's pages are promised: writes may land from now
+    wait_for(lambda: p.phase[s.index] == Phase.Metadata, "prefill has the page list")
+    return s, r
+
+
+def _succeeds(p, d, room):
+    s, r = _paired(p, d, room)
+    s.send([0])
+    wait_for(lambda: r.poll() == KVPoll.Success == s.poll(), f"room {room} succeeds")
+
+
+def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
+    p, d = pair["prefill"], pair["decode"]
+    s, r = _paired(p, d, 7)
+    with paused(p):  # no beat, no answer
+        wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
+        assert r.failure_reason() == FailureReason.PEER_DEAD
+        time.sleep(0.3)
+        assert not r.drained  # prefill may write once it resumes: quarantined
+    # it resumes: it hears decode's abort, stops, says so; decode then releases
+    wait_for(lambda: r.drained, "decode drained on prefill's word")
+    assert d.phase[r.index] == Phase.Drained
+    assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.PEER_DEAD)
+    for h in (s, r):
+        h.clear()
+    _succeeds(p, d, 8)  # it beats again: live for new requests
+
+
+@pytest.mark.parametrize("pair", [(30.0, 1.0)], indirect=True)
+def test_a_prefill_that_never_resumes_is_released_at_the_drain_timeout(pair):
+    p, d = pair["prefill"], pair["decode"]
+    s, r = _paired(p, d, 7)
+    with paused(p):
+        wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
+        t0 = time.monotonic()
+        wait_for(lambda: r.drained, "released on prefill's silence")
+        assert time.monotonic() - t0 > 0.5  # the drain timeout (1 s), not at once
+        assert d.phase[r.index] == Phase.PeerDead
+
+
+def test_a_paused_decode_hears_why_once_it_resumes(pair):
+    p, d = pair["prefill"], pair["decode"]
+    s, r = _paired(p, d, 7)
+    with paused(d):
+        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill finds decode silent")
+        assert s.failure_reason() == FailureReason.PEER_DEAD
+    # prefill told it "failed" once no write was in flight: decode ends the same way
+    wait_for(lambda: r.poll() == KVPoll.Failed and r.drained, "decode hears of it")
+    assert r.failure_reason() == FailureReason.PEER_DEAD
+    for h in (s, r):
+        h.clear()
+    _succeeds(p, d, 8)
+
+
+def test_writes_given_up_keep_decode_quarantined_until_its_own_drain_timeout():
+    # prefill fails the request (decode went silent) while its write is in flight;
+    # the engine never finishes it, so at prefill's drain timeout it is given up.
+    # It may still land: decode, told so, keeps its pages until its own timeout
+    sides = _make_pair(HangConnector, drain=(0.5, 2.0))
+    p, d = sides["prefill"], sides["decode"]
+    try:
+        s, r = _paired(p, d, 7)
+        s.send([0])
+        wait_for(lambda: p.writes, "prefill's write issued")
+        with paused(d):
+            wait_for(lambda: s.poll() == KVPoll.Failed, "prefill finds decode silent")
+            wait_for(lambda: p._phase(s._req) == Phase.PeerDead, "prefill gives the write up")
+        wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of it")
+        assert r.failure_reason() == FailureReason.PEER_DEAD
+        t0 = time.monotonic()
+        assert not r.drained  # the given-up write may still land
+        wait_for(lambda: r.drained, "released at decode's own drain timeout")
+        assert time.monotonic() - t0 > 0.8
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)
