@@ -13,6 +13,7 @@ __all__ = [
     "InvalidStatus",
     "CollectiveMismatch",
     "TableBusy",
+    "StepInFlight",
     "DuplicateRequest",
     "UnknownRequest",
     "ReservedRoom",
@@ -125,6 +126,22 @@ class TableBusy(LifecycleError):
             f"rank {rank}: this table is being stepped (start() was called, finish() not yet); "
             "adding, removing or aborting requests now would change what the step applies to. "
             "Make the change after finish()."
+        )
+
+
+class StepInFlight(TableBusy, RuntimeError):
+    """A stepper's step was read or driven by hand while a started step was in
+    flight (a :class:`TableBusy`, and a ``RuntimeError`` as misuse of a protocol)."""
+
+    def __init__(self, rank: int, queue: str, method: str) -> None:
+        self.rank, self.queue, self.method = rank, queue, method
+        name = f"queue {queue!r}" if queue else "this queue"
+        LifecycleError.__init__(
+            self,
+            f"rank {rank}, {name}: {method}() was called between start() and finish(); "
+            "the step in flight owns the stepper until then, and a hand-driven prepare, "
+            "resize, origins or apply now would make this rank apply a different step "
+            "than its peers. Call finish() first.",
         )
 
 

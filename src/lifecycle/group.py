@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
-from lifecycle.errors import CollectiveMismatch, InvalidArgument, TableBusy
+from lifecycle.errors import CollectiveMismatch, InvalidArgument, StepInFlight, TableBusy
 from lifecycle.packing import Field, Header, buffer_size, stable_hash, write_field
 from lifecycle.result import StepResult
 from lifecycle.settle import unchanged_result
@@ -120,6 +120,8 @@ class StepGroup:
         # everything that can refuse the call does so before the first collective
         tag_word(tag, self.steppers[0].rank)
         for s in self.steppers:
+            if s.in_flight:
+                raise StepInFlight(s.rank, s.queue, "start")
             if s.table.busy:
                 raise TableBusy(s.rank)
         if not self._hello_done:
@@ -127,11 +129,21 @@ class StepGroup:
             self._hello(collective)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
+        for s in self.steppers:
+            s.in_flight = True
         if not worker:
-            self._work = self._launch(collective, tag, ahead)
+            try:
+                self._work = self._launch(collective, tag, ahead)
+            except BaseException:
+                self._landed()
+                raise
             return
-        if self._worker is None:
-            self._worker = Worker(self)
+        try:
+            if self._worker is None:
+                self._worker = Worker(self)
+        except BaseException:
+            self._landed()
+            raise
         for s in self.steppers:
             s.table.order()  # the worker only reads the tables
             s.table.busy = True
@@ -151,7 +163,7 @@ class StepGroup:
         """Prepare and launch (``after``: the launch this one must follow; on
         the caller's thread, every launch of its earlier worker starts)."""
         try:
-            bufs = [s.prepare(tag) for s in self.steppers]
+            bufs = [s._prepare(tag) for s in self.steppers]
         except BaseException:
             self._release()
             raise
@@ -187,7 +199,7 @@ class StepGroup:
             return
         try:
             segs = self._split(buf)
-            if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
                 ready = []
                 for s in self.steppers:
                     assert s._frame is not None
@@ -202,6 +214,17 @@ class StepGroup:
             raise RuntimeError("finish() without start()")
         self._work = None
         try:
+            return self._finish(work, coll)
+        finally:
+            self._landed()
+
+    def _landed(self) -> None:
+        """The step in flight is over (applied, or refused): the steppers are the caller's."""
+        for s in self.steppers:
+            s.in_flight = False
+
+    def _finish(self, work: Pending | Job, coll: Collective) -> tuple[StepResult, ...]:
+        try:
             if isinstance(work, Job):
                 work = work.wait()  # raises what the worker's start raised
             buf = self._buf
@@ -210,26 +233,26 @@ class StepGroup:
             ready, self._ready = self._ready, None
             if ready is not None and ready[0] is self._step:
                 return tuple(
-                    self._stuck(coll, s, s.commit_unchanged(r))
+                    self._stuck(coll, s, s._commit_unchanged(r))
                     for s, r in zip(self.steppers, ready[1])
                 )
             segs = self._split(buf)
-            if all([s.unchanged(seg) for s, seg in zip(self.steppers, segs)]):
-                return tuple(self._stuck(coll, s, s.commit_unchanged()) for s in self.steppers)
-            if any([s.resize(seg) for s, seg in zip(self.steppers, segs)]):
-                bufs = [s.repack() for s in self.steppers]
+            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+                return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
+            if any([s._resize(seg) for s, seg in zip(self.steppers, segs)]):
+                bufs = [s._repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
                 wait_launches()
                 coll.all_reduce_min(buf)
                 segs = self._split(buf)
-            fetches = [s.origins(seg) for s, seg in zip(self.steppers, segs)]
+            fetches = [s._origins(seg) for s, seg in zip(self.steppers, segs)]
             origins = self._fetch(coll, fetches)
             # every queue's checks pass before any queue changes: a queue that
             # raises (on every rank alike) leaves the whole group unapplied
-            settled = [s.settle(seg, o) for s, seg, o in zip(self.steppers, segs, origins)]
+            settled = [s._settle(seg, o) for s, seg, o in zip(self.steppers, segs, origins)]
         finally:
             self._release()
-        results = [s.commit(x) for s, x in zip(self.steppers, settled)]
+        results = [s._commit(x) for s, x in zip(self.steppers, settled)]
         return tuple(self._stuck(coll, s, r) for s, r in zip(self.steppers, results))
 
     def _release(self) -> None:

@@ -43,12 +43,6 @@ def _ask_gate(gate: Gate, f: Frame, name: str, rank: int) -> NDArray[np.bool_]:
     return bool_answer(gate.closed(f.rooms, f.hidx), f.n, name, rank)
 
 
-def _mask(n: int, pos: NDArray[np.int64]) -> NDArray[np.bool_]:
-    out = np.zeros(n, dtype=bool)
-    out[pos] = True
-    return out
-
-
 _S_BYTE = bytes([int(I8.S)])
 
 
@@ -176,8 +170,8 @@ class LocalStage:
                 masks["metadata_row"] = corrupt
                 masks["hook_error"] = obs.hooked
                 codes = combine(n, masks, obs.backend)
-                assert codes is not None
-                local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+                if codes is not None:
+                    local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
             hold(local, closed)
         self.values, self.codes = local, codes
 
@@ -245,8 +239,11 @@ class LocalStage:
             try:
                 landed, bad = self._metadata(f, success, at_success)
             except Exception as e:
-                asked = success() if f.meta_pos is None else success() & _mask(n, f.meta_pos)
-                self.obs.hook_failed(asked, f.rooms, contained("metadata source", rank, e))
+                # every row the gate decides fails, with a row or not: a row
+                # without one is held by a source that answers, never released
+                self.obs.hook_failed(
+                    success() & ~f.fake, f.rooms, contained("metadata source", rank, e)
+                )
             else:
                 closed["metadata_pending"] = ~landed
                 if _any(bad):  # never written to: the arrays may be the source's own

@@ -58,7 +58,7 @@ from lifecycle.config import (
     require_method,
     tag_word,
 )
-from lifecycle.errors import HookError, InvalidArgument
+from lifecycle.errors import HookError, InvalidArgument, StepInFlight
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
 from lifecycle.packing import Header, stable_hash
@@ -152,10 +152,21 @@ class Stepper:
         self._prepared = False
         self._settled: Settled | None = None
         self._group: Any = None
+        #: set by a group between its start() and finish(): the step in flight
+        #: owns the stepper, and the hand-driven protocol below refuses
+        self.in_flight = False
+
+    def _idle(self, method: str) -> None:
+        if self.in_flight:
+            raise StepInFlight(self.rank, self.queue, method)
 
     # -- the sans-IO protocol ------------------------------------------------
     def prepare(self, tag: int | None = None) -> NDArray[np.uint8]:
         """Local work of a step; returns the uint8 buffer to MIN-reduce."""
+        self._idle("prepare")
+        return self._prepare(tag)
+
+    def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
         word = tag_word(tag, self.rank)
         t = self.table
         f = self._frame = Frame.of(
@@ -185,6 +196,10 @@ class Stepper:
 
         Capacity then grows and :meth:`repack` gives the buffer to reduce again.
         """
+        self._idle("resize")
+        return self._resize(reduced)
+
+    def _resize(self, reduced: NDArray[np.uint8]) -> bool:
         hdr = Header(reduced)
         if not hdr.agreed:
             return False  # every rank raises in origins()/apply() instead
@@ -200,6 +215,10 @@ class Stepper:
         configuration, queue, tag and sizes, and nothing moves. Then nothing
         can raise, no origin is fetched, and :meth:`commit_unchanged` applies
         the step (the common step, in a few byte comparisons)."""
+        self._idle("unchanged")
+        return self._unchanged(reduced)
+
+    def _unchanged(self, reduced: NDArray[np.uint8]) -> bool:
         f = self._frame
         if not self._prepared or f is None or f.n > self.capacity:
             return False
@@ -208,6 +227,10 @@ class Stepper:
     def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);
         ``result``: its :func:`~lifecycle.settle.unchanged_result`, if built."""
+        self._idle("commit_unchanged")
+        return self._commit_unchanged(result)
+
+    def _commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         f = self._frame
         assert f is not None and self._prepared
         self._floor = max(self._floor, self._want_floor)
@@ -217,6 +240,10 @@ class Stepper:
 
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
+        self._idle("repack")
+        return self._repack()
+
+    def _repack(self) -> NDArray[np.uint8]:
         if not self._prepared or self._frame is None:
             raise RuntimeError("repack() before prepare()")
         return self._pack()
@@ -227,6 +254,10 @@ class Stepper:
         failure, a single rank failed rows (the header says so), or the
         failure slots name every origin (the same answer on every rank). Raises :class:`CollectiveMismatch` on every
         rank when the ranks' lists, configurations, queues or tags differ."""
+        self._idle("origins")
+        return self._origins(reduced)
+
+    def _origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
         if not self._prepared or self._frame is None:
             raise RuntimeError("origins() before prepare(): a step is prepare, reduce, apply")
         if self._settled is None:
@@ -237,14 +268,19 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
-        if origins is None and self.unchanged(reduced):
-            return self.commit_unchanged()
-        return self.commit(self.settle(reduced, origins))
+        self._idle("apply")
+        if origins is None and self._unchanged(reduced):
+            return self._commit_unchanged()
+        return self._commit(self._settle(reduced, origins))
 
     def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
         """The checks of :meth:`apply`, changing nothing: raises what apply
         would raise, else returns what :meth:`commit` applies."""
-        fetch = self.origins(reduced)
+        self._idle("settle")
+        return self._settle(reduced, origins)
+
+    def _settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
+        fetch = self._origins(reduced)
         if fetch is not None and origins is None:
             raise RuntimeError(
                 "apply(): this step has new failures; MIN-reduce origins(reduced) over the "
@@ -257,6 +293,10 @@ class Stepper:
 
     def commit(self, settled: Settled) -> StepResult:
         """Apply a settled step (from :meth:`settle`) to the table."""
+        self._idle("commit")
+        return self._commit(settled)
+
+    def _commit(self, settled: Settled) -> StepResult:
         if settled is not self._settled:
             raise RuntimeError("commit(): pass the outcome settle() returned for this step")
         self._prepared = False
@@ -299,6 +339,7 @@ class Stepper:
     def diagnose(self, collective: Collective) -> tuple[StuckReport, ...]:
         """On demand (collectively: every rank must call it): who holds each
         non-terminal request of the last step back."""
+        self._idle("diagnose")
         from lifecycle.diagnose import diagnose
         from lifecycle.group import wait_launches
 

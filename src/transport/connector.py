@@ -112,6 +112,9 @@ class Connector(StatusArrays):
         #: not registered yet is expected from them (a dead one fails it: peer dead)
         self.expected: frozenset[int] = frozenset()
         self._peer_dead: set[int] = set()
+        #: decode: requests failed before their prefill group's record was up,
+        #: whose prefill ranks are told once it is (see connector_decode.tell_owed)
+        self.owed: list[Request] = []
         self.last_error: Exception | None = None
         if c.role == "prefill":
             group = {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
@@ -297,6 +300,8 @@ class Connector(StatusArrays):
                     self._on_message(msg, store)
                 for room, peer in self._notified():
                     self._on_message({"kind": "done", "room": room, "from": peer}, store)
+                if self.owed:
+                    dec.tell_owed(self, store)
                 self._timeouts(now, store)
                 with self._lock:
                     reqs = list(self._reqs.values())

@@ -31,7 +31,7 @@ from transport.topology import Topology, TopologyError
 if TYPE_CHECKING:
     from transport.connector import Connector
 
-__all__ = ["fail", "on_message", "steps", "tell_pages", "advance"]
+__all__ = ["fail", "on_message", "steps", "tell_owed", "tell_pages", "advance"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,39 @@ def _drain_if_stopped(m: Connector, req: Request) -> None:
 
 def fail(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
     """Fail here and make every leg stop writing; Drained once every sender stopped."""
-    before = m._phase(req)
-    if not m._fire(req, "abort", reason):
-        return
-    # not registered yet: plan the legs anyway (if the group is known), so that
-    # prefill hears of it instead of waiting for a register that never comes
-    if req.want_register:
-        _plan(m, req, store, failing=True)
+    with m._lock:  # the phase it leaves, read with the move (tell_pages races it)
+        before = m._phase(req)
+        if not m._fire(req, "abort", reason):
+            return
+        req.reason = reason
+    # not registered yet: plan the legs anyway, so that prefill hears of it
+    # instead of waiting for a register that never comes; if the group's record
+    # is not up yet (its ranks still starting), the loop tells them once it is
+    if req.want_register and not _plan(m, req, store, failing=True):
+        with m._lock:
+            m.owed.append(req)
     _stop_all(m, req, reason, store)
     if before < Phase.Metadata:  # no page list was sent: nothing can land
         for leg in req.legs.values():
             leg.stopped = True
     _drain_if_stopped(m, req)
+
+
+def tell_owed(m: Connector, store: Any) -> None:
+    """Tell the prefill ranks of every request failed before its group's record
+    was up, once it is (the request itself is long released: nothing of it
+    could land, as no page list was sent)."""
+    with m._lock:
+        owed, m.owed = m.owed, []
+    later = []
+    for req in owed:
+        if _plan(m, req, store, failing=True):
+            _stop_all(m, req, req.reason, store)
+        else:
+            later.append(req)
+    if later:
+        with m._lock:
+            m.owed = later + m.owed
 
 
 def on_message(m: Connector, req: Request, msg: dict[str, Any], store: Any) -> None:
@@ -178,11 +199,14 @@ def tell_pages(
             msg.update(state=None if state is None else [r.tolist() for r in state])
         messages.append((leg.peer, msg))
     with m._lock:  # growth replaces the columns: write them under the lock
+        if not m._fire(req, "metadata"):
+            # failed meanwhile (the loop, a dead peer): its legs may be stopped and
+            # its pages released already, so no page list may go out
+            return
         m.waited[req.index] = time.monotonic()
         if blocks:
             req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
             m.scatter_left[req.index] = pages.size
-    m._fire(req, "metadata")
     for peer, msg in messages:
         m._send(peer, msg, m.store)
 

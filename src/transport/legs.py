@@ -73,7 +73,7 @@ class Request:
         self.want_register = self.cleared = self.released = False
         self.staged = False  # decode: lands in staging, then scatters
         self.scatter: Scatter | None = None
-        self.reason = FailureReason.NONE  # prefill: why it failed, told to every leg
+        self.reason = FailureReason.NONE  # why it failed here, told to every leg
         self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
         self.why: str | None = None  # decode: a misfit it was refused for, told to prefill
         #: prefill: released at the drain timeout with writes the engine never finished

@@ -75,7 +75,7 @@ class HeaderOnlyFastPath(Distributed):
         from lifecycle.packing import HEADER
 
         class Shortcut(Stepper):
-            def unchanged(self, reduced):
+            def _unchanged(self, reduced):
                 return self._prepared and reduced[:HEADER].tobytes() == self._buffer.header
 
         return self.stepper_of(Shortcut, rank)

@@ -354,6 +354,35 @@ def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster,
     wait_for(lambda: all(s.drained for s in senders), "prefill drained")
 
 
+@pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 2)])
+def test_a_decode_failure_before_prefill_is_up_reaches_it_once_it_is(store, request, pt, dt):
+    """Decode fails a request before its prefill group's record is up (its
+    ranks still starting): nothing could land, so decode releases it at once,
+    and its prefill ranks hear why once they are up -- instead of holding the
+    request in Bootstrapping for a register that never comes."""
+    ns = f"t{abs(hash(request.node.name))}"
+    topo = Topology(pt, dt, 4, False)
+    made = [Rank("decode", dt, r, store, topo, namespace=ns) for r in range(dt)]
+    try:
+        receivers = [d.m.receiver(51) for d in made]
+        for r in receivers:
+            r.init()
+            r.fail(FailureReason.INJECTED_FAULT)
+        assert all(r.drained for r in receivers)  # no page list was sent
+        for r in receivers:
+            r.clear()
+        pre = [Rank("prefill", pt, r, store, topo, namespace=ns) for r in range(pt)]
+        made += pre
+        senders = [p.m.sender(51) for p in pre]
+        wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "prefill hears")
+        assert {s.failure_reason() for s in senders} == {FailureReason.INJECTED_FAULT}
+        wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+        assert not any(d.m.owed for d in made[:dt])
+    finally:
+        for r in made:
+            r.m.close(wait=0)
+
+
 def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
     pre, dec = cluster(2, 1, heads=2)
     senders = [p.m.sender(41) for p in pre]

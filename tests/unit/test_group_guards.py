@@ -381,3 +381,52 @@ def test_start_twice_and_finish_without_start_change_nothing():
     assert coll.reduces == 1
     assert s.finish().succeeded.tolist() == [1]
     assert not s.table.busy
+
+
+_IN_FLIGHT_CALLS = {
+    "prepare": lambda s, coll, buf: s.prepare(),
+    "resize": lambda s, coll, buf: s.resize(buf),
+    "origins": lambda s, coll, buf: s.origins(buf),
+    "apply": lambda s, coll, buf: s.apply(buf),
+    "settle": lambda s, coll, buf: s.settle(buf, None),
+    "repack": lambda s, coll, buf: s.repack(),
+    "step": lambda s, coll, buf: s.step(coll),
+    "diagnose": lambda s, coll, buf: s.diagnose(coll),
+}
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["inline", "worker"])
+@pytest.mark.parametrize("call", list(_IN_FLIGHT_CALLS))
+def test_the_hand_driven_step_refuses_between_start_and_finish(call, worker):
+    """Between start() and finish() every method that could read or change the
+    step in flight refuses before any collective or hook, on the rank that
+    called it; the step then lands alike on every rank."""
+    world = SimulatedWorld(2, timeout=5)
+    steppers = []
+    for r in range(2):
+        s = _stepper(r, rooms=(1, 2))
+        s.local.poller.set([1], S)
+        s.local.poller.set([2], T if r == 0 else W)
+        steppers.append(s)
+    errors: list[BaseException] = []
+
+    def rank(r):
+        s = steppers[r]
+        s.start(world.rank(r), worker=worker)
+        if r == 1:
+            buf = np.zeros(64, dtype=np.uint8)
+            if not worker:  # (a worker may not have polled yet)
+                s.local.poller.set([2], F)  # what a second prepare would see
+            try:
+                _IN_FLIGHT_CALLS[call](s, world.rank(r), buf)
+            except (TableBusy, RuntimeError) as e:
+                errors.append(e)
+        return s.finish()
+
+    res = on_threads([lambda r=r: rank(r) for r in range(2)])
+    assert not any(isinstance(x, BaseException) for x in res), res
+    assert len(errors) == 1 and "finish()" in str(errors[0])
+    assert [x.statuses.tolist() for x in res] == [[S, W]] * 2
+    assert not steppers[1].in_flight and not steppers[1].table.busy
+    # and the stepper is the caller's again
+    assert steppers[1].table.step_no == steppers[0].table.step_no == 1

@@ -230,6 +230,54 @@ def test_metadata_source_raising_fails_only_the_rows_it_was_asked_about():
     assert list(res[1].exceptions) == [1]
 
 
+class _NoRow:
+    """A metadata source for rows that may have no slot yet."""
+
+    size = 4
+
+    def __init__(self, how):
+        self.how = how
+
+    def landed(self, slots, rooms):
+        if self.how == "raise":
+            raise RuntimeError("row read failed")
+        if self.how == "garbage":
+            return "yes", None
+        return np.zeros(len(slots), dtype=bool), np.zeros(len(slots), dtype=bool)
+
+
+@pytest.mark.parametrize("how", ["raise", "garbage"])
+@pytest.mark.parametrize("slots", [(-1, -1), (0, -1)], ids=["no-row-has-a-slot", "one-has"])
+def test_a_broken_metadata_source_fails_every_row_it_decides_with_or_without_a_slot(how, slots):
+    """Whatever rows have a slot, a source that raises or answers garbage fails
+    every row at Success it decides (HOOK_ERROR) on every rank, and the step
+    returns: it neither escapes the step on one rank nor releases a row the
+    same source, answering, would hold."""
+    steppers = []
+    for r in range(2):
+        t = RequestTable()
+        for room, slot in zip((1, 2), slots):
+            t.add(room, metadata_slot=slot)
+        t.add(3, fake=True)  # no metadata row to wait for: never the gate's
+        b = StatusBoard()
+        b.set([1, 2, 3], S)
+        steppers.append(Stepper(t, r, poller=b, metadata=_NoRow(how if r == 1 else "hold")))
+    res = ok(lockstep(steppers))
+    for r in res:
+        assert r.statuses.tolist() == [F, F, S]
+        assert {f.reason for f in r.failures()} == {HOOK}
+    assert sorted(res[1].exceptions) == [1, 2]
+
+
+def test_a_metadata_source_that_answers_holds_rows_without_a_slot():
+    t = RequestTable()
+    t.extend([1, 2])
+    b = StatusBoard()
+    b.set([1, 2], S)
+    (res,) = ok(lockstep([Stepper(t, 0, poller=b, metadata=_NoRow("hold"))]))
+    assert F not in res.statuses.tolist() and S not in res.statuses.tolist()
+
+
 def test_metadata_slot_outside_the_pool_fails_that_row_only():
     layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
     meta = MetadataBuffers(4, layout)
