@@ -25,12 +25,23 @@ from typing import Any
 
 import numpy as np
 
+from pdlife.engine_output import choose, divert
+
 __all__ = ["add_parser", "run_transfer_bench"]
 
 
 def _side(
-    backend: str, role: str, port: int, total_mib: int, page_kib: int, reps: int, q: Any
+    backend: str,
+    role: str,
+    port: int,
+    total_mib: int,
+    page_kib: int,
+    reps: int,
+    q: Any,
+    quiet: bool = True,
 ) -> None:
+    if quiet:
+        divert(None)  # the engine's own lines; --verbose keeps them
     import torch
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -138,18 +149,23 @@ def _side(
 
 
 def run_transfer_bench(
-    total_mib: int = 64, page_kib: int = 256, reps: int = 6, backend: str = "mooncake"
+    total_mib: int = 64,
+    page_kib: int = 256,
+    reps: int = 6,
+    backend: str = "mooncake",
+    verbose: bool = False,
 ) -> dict[str, Any]:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from lifecycle.testing.spawn import free_port
 
+    quiet = choose(verbose)
     port = free_port()
     store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_side, args=(backend, r, port, total_mib, page_kib, reps, q))
+        ctx.Process(target=_side, args=(backend, r, port, total_mib, page_kib, reps, q, quiet))
         for r in ("prefill", "decode")
     ]
     for p in procs:
@@ -182,7 +198,7 @@ def run_transfer_bench(
 
 
 def _run(args: argparse.Namespace) -> int:
-    res = run_transfer_bench(args.mib, args.page_kib, args.reps, args.backend)
+    res = run_transfer_bench(args.mib, args.page_kib, args.reps, args.backend, args.verbose)
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
     print(
         f"{res['bytes'] >> 20} MiB over {over} on 127.0.0.1: raw engine {res['raw_gbps']:.2f} GB/s, "
@@ -207,4 +223,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--page-kib", type=positive_int, default=256)
     p.add_argument("--reps", type=positive_int, default=6)
     p.add_argument("--json")
+    p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")
     p.set_defaults(func=_run)

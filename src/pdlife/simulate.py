@@ -20,6 +20,7 @@ from typing import Any
 
 from pdlife.args import UsageError
 from pdlife.compare import compare
+from pdlife.engine_output import choose, divert
 from pdlife.sim import SimConfig, run_rank
 from pdlife.simulate_config import pick_backend, staging_note
 from pdlife.simulate_config import shape as _shape
@@ -38,10 +39,12 @@ __all__ = [
 ]
 
 
-def _worker(cfg: SimConfig, rank: int, out: str, port: int) -> None:
+def _worker(cfg: SimConfig, rank: int, out: str, port: int, quiet: bool = True) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+    if quiet:
+        divert(_engine_log(Path(out), rank))
     store = TCPStore(
         "127.0.0.1", port, cfg.world + 1, is_master=False, timeout=timedelta(seconds=60)
     )
@@ -89,7 +92,14 @@ def _progress(store: Any, total: int | None, start: float) -> None:
     sys.stderr.flush()
 
 
-def simulate(cfg: SimConfig, out: Path, timeout: float, progress: bool = True) -> int:
+def _engine_log(out: Path, rank: int) -> Path:
+    """Where rank ``rank``'s engine writes its own lines (see pdlife.engine_output)."""
+    return out / "ranks" / f"rank{rank}.engine.log"
+
+
+def simulate(
+    cfg: SimConfig, out: Path, timeout: float, progress: bool = True, quiet: bool = True
+) -> int:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from lifecycle.testing.spawn import free_port
@@ -100,6 +110,7 @@ def simulate(cfg: SimConfig, out: Path, timeout: float, progress: bool = True) -
         *(out / "trace").glob("*.jsonl"),
         *(out / "ranks").glob("*.json"),
         *(out / "ranks").glob("*.jsonl"),
+        *(out / "ranks").glob("*.engine.log"),
     ]
     for old in stale:
         old.unlink(missing_ok=True)
@@ -113,7 +124,9 @@ def simulate(cfg: SimConfig, out: Path, timeout: float, progress: bool = True) -
         wait_for_workers=False,
     )
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(cfg, r, str(out), port)) for r in range(cfg.world)]
+    procs = [
+        ctx.Process(target=_worker, args=(cfg, r, str(out), port, quiet)) for r in range(cfg.world)
+    ]
     start = time.monotonic()
     for p in procs:
         p.start()
@@ -142,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         return compare(Path(args.compare[0]), Path(args.compare[1]))
     if args.soak is not None and args.max_steps == MAX_STEPS:
         args.max_steps = 2**31 - 1  # a soak ends by time
+    quiet = choose(args.verbose)  # before any engine loads (a backend probe), here or in a rank
     cfg, why = _config(args)
     torchrun = _torchrun()
     if not torchrun or os.environ["RANK"] == "0":
@@ -154,17 +168,19 @@ def _run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     if torchrun:
-        return _under_torchrun(cfg, Path(args.out), args.role)
-    return simulate(cfg, Path(args.out), timeout=args.timeout, progress=not args.quiet)
+        return _under_torchrun(cfg, Path(args.out), args.role, quiet)
+    return simulate(cfg, Path(args.out), args.timeout, progress=not args.quiet, quiet=quiet)
 
 
-def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None) -> int:
+def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None, quiet: bool = True) -> int:
     import torch.distributed as dist
 
     from pdlife import multinode
     from transport.addressing import advertised_host, store_address
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if quiet:
+        divert(_engine_log(out, rank))
     if world != cfg.world:
         raise UsageError(
             "--prefill/--decode", f"torchrun started {world} ranks but they add up to {cfg.world}"

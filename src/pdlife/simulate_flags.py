@@ -141,6 +141,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="the transfer engines' own log lines on the terminal (else in OUT/ranks/*.engine.log)",
+    )
+    p.add_argument(
         "--role",
         choices=["prefill", "decode"],
         help="under torchrun: the side this node's ranks serve (default: by rank)",

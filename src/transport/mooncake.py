@@ -14,7 +14,6 @@ write (transfer error).
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,6 +21,7 @@ from numpy.typing import NDArray
 
 from transport.connector import Connector, ConnectorConfig
 from transport.connector_handles import ConnectorReceiver, ConnectorSender
+from transport.engine_logs import engine_logs
 from transport.errors import BackendUnavailable
 from transport.layout import kv_args_for
 
@@ -41,9 +41,8 @@ MooncakeReceiver = ConnectorReceiver
 
 def probe() -> None:
     """Raise BackendUnavailable unless the Mooncake engine imports here."""
-    # the engine logs every connection at INFO through glog; keep warnings and up
-    # unless the user asked otherwise
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    # the engine logs every connection at INFO: errors only, unless the user chose
+    engine_logs()
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ImportError as e:

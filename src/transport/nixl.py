@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 from transport.connector import Connector, ConnectorConfig
 from transport.connector_handles import ConnectorReceiver, ConnectorSender
+from transport.engine_logs import engine_logs
 from transport.errors import BackendUnavailable
 from transport.layout import kv_args_for
 
@@ -55,6 +56,7 @@ def probe() -> None:
     # the wheel's UCX InfiniBand modules pull a libnl whose unload crashes every
     # process at exit (SIGSEGV after Python finished); loopback never uses them
     os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+    engine_logs()  # NIXL's and UCX's own INFO and WARNING lines: only if the user chose
     try:
         from nixl_cu12._api import nixl_agent  # noqa: F401
     except ImportError as e:
