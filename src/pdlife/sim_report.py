@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lifecycle.status import KVPoll
 from pdlife.plan import KINDS
 from pdlife.sim_soak import sample_rss
 
@@ -42,6 +43,21 @@ def linger(run: RankRun) -> None:
         return
 
 
+def _where(run: RankRun, most: int = 3) -> str:
+    """Where the first unfinished requests stand: queue, agreed status, and
+    the transport's view of each peer (read before the backend closes)."""
+    out = []
+    for room in list(run.handles)[:most]:
+        q = next((q for q in (run.q1, run.q2) if room in q.table), None)
+        status = "-" if q is None else KVPoll(int(q.table.state[q.table.slot_of(room)])).name
+        wire = getattr(run.manager, "describe", None)
+        out.append(
+            f"room {room} in {q.name if q else 'no queue'} at {status}"
+            + (f" [{wire(room)}]" if wire is not None else "")
+        )
+    return ("; " + "; ".join(out)) if out else ""
+
+
 def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
     """Close the rank's files and backend; its outcomes, problems and samples."""
     sample_rss(run, force=True)
@@ -53,6 +69,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
             room, *rest = json.loads(line)
             outcome[str(room)] = rest
     backend_error = getattr(run.manager, "last_error", None)
+    where = _where(run) if error is None and not all_done else ""  # before the backend closes
     if run.moves_bytes and run.side == "prefill":
         linger(run)
     close = getattr(run.manager, "close", None)
@@ -74,7 +91,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         problems.append(
             f"rank {run.rank} ({run.side}) stopped at --max-steps {run.cfg.max_steps} "
             f"with {unfinished} request(s) unfinished: raise --max-steps, or look at the "
-            "stuck reports in the trace"
+            "stuck reports in the trace" + where
         )
     if run.draining:
         problems.append(

@@ -33,7 +33,7 @@ from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig
 from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, splits_state, state_geometry
-from transport.legs import Request
+from transport.legs import Request, describe
 from transport.mailbox import Mailbox
 from transport.staging import Staging
 from transport.status_arrays import StatusArrays
@@ -231,6 +231,17 @@ class Connector(StatusArrays):
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
                     self._abandoned.clear()
+
+    def describe(self, room: int) -> str:
+        """Where a live request stands on the wire, with each peer (one line)."""
+        with self._lock:
+            req = self._reqs.get(room)
+            if req is None:
+                return f"room={room}: not live here" + (
+                    " (released)" if room in self._cleared else ""
+                )
+            ph, st = Phase(self._phase(req)).name, KVPoll(int(self.status[req.index])).name
+        return describe(req, ph, st)
 
     def sender(self, room: int) -> ConnectorSender:
         from transport.connector_handles import ConnectorSender

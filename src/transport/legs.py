@@ -24,7 +24,7 @@ from transport.topology import Slice
 if TYPE_CHECKING:
     from transport.staging import Scatter
 
-__all__ = ["Leg", "Request", "leg_of", "kv_writes", "rows_of"]
+__all__ = ["Leg", "Request", "describe", "leg_of", "kv_writes", "rows_of"]
 
 
 @attrs.define(eq=False)
@@ -126,3 +126,19 @@ def rows_of(
     if any((r < 0).any() for r in rows):
         raise ValueError(f"room={room}: {what} holds a negative row")
     return rows
+
+
+_FLAGS = ("registered", "told", "done", "stopped", "asked_stop")
+
+
+def describe(req: Request, phase: str, status: str) -> str:
+    """One line on where a request stands with each peer (for a stuck report)."""
+    legs = []
+    for leg in req.legs.values():
+        flags = ",".join(f for f in _FLAGS if getattr(leg, f)) or "-"
+        kind = "primary" if leg.primary else "sends" if leg.sends else "informed"
+        legs.append(f"{leg.peer}({kind}: {flags})")
+    return (
+        f"room={req.room} phase {phase}, status {status}, {len(req.tokens)} write(s) in "
+        f"flight, legs {' '.join(legs) or 'none planned'}"
+    )

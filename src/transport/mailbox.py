@@ -78,7 +78,16 @@ class Mailbox:
             try:
                 msg = json.loads(store.queue_pop(self._key, block=True))
             except Exception:
-                return  # the store is gone: so is the group
+                # a connection that dropped loses no message (a pop is one request):
+                # take a new one, as long as the store answers; gone, so is the group
+                if self._stop.is_set():
+                    return
+                logger.warning("rank %s: message queue connection lost; reconnecting", self._me)
+                try:
+                    store = self.client(timedelta(days=1))
+                except Exception:
+                    return
+                continue
             if msg.get("kind") == "_stop":
                 return
             self.inbox.put(msg)
