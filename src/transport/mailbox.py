@@ -78,8 +78,9 @@ class Mailbox:
             try:
                 msg = json.loads(store.queue_pop(self._key, block=True))
             except Exception:
-                # a connection that dropped loses no message (a pop is one request):
-                # take a new one, as long as the store answers; gone, so is the group
+                # a connection that dropped: take a new one while the store answers
+                # (a message popped as it dropped is lost; its request ends by its
+                # deadlines); a store that is gone is a group that is gone
                 if self._stop.is_set():
                     return
                 logger.warning("rank %s: message queue connection lost; reconnecting", self._me)
