@@ -38,6 +38,7 @@ from pdlife.sim_hooks import (
     _Reservoir,
 )
 from pdlife.sim_loops import decode_iteration, prefill_iteration
+from pdlife.sim_peer import hear
 from pdlife.sim_report import report
 from pdlife.sim_requests import arrive, client_aborts, drain
 from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_words, who_died
@@ -46,9 +47,13 @@ from pdlife.trace import TraceWriter
 
 __all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
 
-#: a step's pause while a decode rank only waits for quarantined buffers: the
-#: default step budget (3000) then lasts well past the drain timeout (3 s)
-DRAIN_IDLE_S = 0.005
+#: a step's pause when, on a real transport, no request moved on this rank (a
+#: scheduler with nothing to run waits too): --max-steps is then worth at least
+#: max_steps x IDLE_S of waiting on a peer (30 s at the default 3000), past
+#: every wall-clock deadline of a run (bootstrap 20 s, waiting 10 s, drain 3 s),
+#: so a request a peer never answers fails by its deadline instead of the run
+#: ending at --max-steps
+IDLE_S = 0.01
 
 
 class RankRun:
@@ -129,6 +134,10 @@ class RankRun:
             # draining is bookkeeping, not a transfer: no faults there
             self.q3 = _Queue("drain", self, DrainPoller(self), None)
         self.handles: dict[int, Any] = {}
+        # the fake backend's word between the sides (pdlife.sim_peer)
+        self.peer_told: dict[int, int] = {}  # room -> reason the other side gave
+        self.peer_early: dict[int, int] = {}  # the same, for rooms not admitted yet
+        self.peer_group: dict[int, int] = {}  # decode: room -> its prefill DP group
         self.need: dict[int, int] = {}  # room -> pages, while live
         self.abort_due: dict[int, list[int]] = {}  # step -> rooms (step mode)
         self.admitted = 0
@@ -262,6 +271,7 @@ class RankRun:
                 self.store.set(f"hb/{self.rank}", str(self.step_no))
                 arrive(self)
                 client_aborts(self)
+                hear(self)
                 results = (
                     prefill_iteration(self) if self.side == "prefill" else decode_iteration(self)
                 )
@@ -275,11 +285,8 @@ class RankRun:
                     and not self.draining
                 )
                 all_done = self._agree_digest(results, done)
-                if not all_done and self.moves_bytes and self.draining and not self.handles:
-                    # only quarantined buffers left, released on the transport's
-                    # wall-clock drain deadline: idle, as a scheduler with nothing
-                    # to run does, instead of spending the step budget
-                    time.sleep(DRAIN_IDLE_S)
+                if not all_done and self.moves_bytes and not any(r.changed.size for r in results):
+                    time.sleep(IDLE_S)  # (the side's ranks agree on it: they sleep alike)
                 states = np.concatenate([self.q1.table.states(), self.q2.table.states()])
                 self.counts.add([*np.bincount(states, minlength=5).tolist(), self.finished])
                 check_slots(self)

@@ -14,6 +14,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll, Role, S, T
 from lifecycle.step import StepResult
 from pdlife.sim_config import SimConfig
+from pdlife.sim_peer import on_admit, tell
 from pdlife.sim_soak import soak_allowed
 
 if TYPE_CHECKING:
@@ -43,7 +44,10 @@ def arrive(run: RankRun) -> None:
         else:
             h = run.manager.receiver(room)
             h.init(prefill_dp_rank=i % dp)
+            run.peer_group[room] = i % dp
         run.handles[room] = h
+        if run.peer_early:
+            on_admit(run, room, h)
         run.need[room] = pages
         if abort_at:
             run.abort_due.setdefault(abort_at, []).append(room)
@@ -84,6 +88,9 @@ def finish(run: RankRun, room: int, status: int, reason: int, origin: int) -> No
     pages = run.pages_of.pop(room, None)
     run.state_row_of.pop(room, None)  # the row goes with the metadata slot
     run.due_of.pop(room, None)
+    if status != S:
+        tell(run, room, reason)
+    run.peer_group.pop(room, None)
     if status == S or run.side == "prefill":
         # success: every write has landed. prefill: its buffers are only read from
         if status != S:

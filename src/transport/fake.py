@@ -50,6 +50,10 @@ class _FakeRequest(StatusHandle):
     def abort(self) -> None:
         self._move(KVPoll.Failed, FailureReason.ABORTED)
 
+    def fail(self, reason: FailureReason) -> None:
+        """The scheduler gave up on it (or the other side said it failed)."""
+        self._move(KVPoll.Failed, reason)
+
     def clear(self) -> None:
         if self._detach():
             self.manager.pages_left.pop(self.index, None)
