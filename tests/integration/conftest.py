@@ -65,3 +65,12 @@ def backend(request):
     if why is not None:
         pytest.skip(why)
     return request.param
+
+
+@pytest.fixture(params=["fake", "mooncake", "nixl"])
+def any_backend(request):
+    """The fake backend, then each byte-moving one (skipped where it cannot run)."""
+    why = None if request.param == "fake" else unusable(request.param)
+    if why is not None:
+        pytest.skip(why)
+    return request.param

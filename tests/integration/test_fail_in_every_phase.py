@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from conftest import unusable
 from lifecycle.reasons import FailureReason
 from pdlife.sim_config import SimConfig, Workload
 
@@ -45,10 +44,8 @@ def check(ranks, rooms, backend):
             assert got[:2] in want, (r["side"], r["rank"], room, got)
 
 
-@pytest.mark.parametrize("backend", ["fake", "mooncake", "nixl"])
-def test_a_failure_in_any_phase_on_either_side_reaches_the_other(tmp_path, run_sim, backend):
-    if backend != "fake" and unusable(backend):
-        pytest.skip(unusable(backend))
+def test_a_failure_in_any_phase_on_either_side_reaches_the_other(run_sim, any_backend, tmp_path):
+    backend = any_backend
     faults = [{"kind": "fail", "rank": k, "request": i, "at": p} for i, k, p in TARGETS]
     (tmp_path / "plan.json").write_text(json.dumps({"faults": faults}))
     args = ["--requests", str(REQUESTS), "--abort-prob", "0", "--plan", str(tmp_path / "plan.json")]
