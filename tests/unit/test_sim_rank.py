@@ -23,6 +23,16 @@ class Store:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
+    # the queues the fake backend's word to the other side travels on
+    def queue_push(self, k, v):
+        self.d.setdefault(k, []).append(v)
+
+    def queue_len(self, k):
+        return len(self.d.get(k, []))
+
+    def queue_pop(self, k, block=True):
+        return self.d[k].pop(0)
+
 
 def decode_rank(tmp_path, plan=None, **kw):
     kw.setdefault("requests", 20)
@@ -48,6 +58,27 @@ def test_a_clean_run_finishes_everything(tmp_path):
     assert res["problems"] == [] and res["violations"] == []
     assert res["unfinished"] == 0 and len(res["outcome"]) == 20
     assert (res["leaked_slots"], res["leaked_kv_pages"]) == (0, 0)
+
+
+def test_the_fake_backend_hears_the_other_sides_failures_and_tells_its_own(tmp_path):
+    """A failure the other side reports fails the request here with its reason,
+    whether it was live here already or not yet admitted; what fails here is
+    told to every rank of the other side, but not what the other side told."""
+    from lifecycle.reasons import FailureReason
+    from pdlife.sim_config import Workload
+
+    run = decode_rank(tmp_path, FAIL_FIRST)
+    rooms = Workload(run.cfg).all_rooms(20)
+    late = rooms[15]  # not admitted yet when the word comes
+    for room in (rooms[3], late):
+        run.store.queue_push("fakepeer/1", f"{room} {int(FailureReason.TRANSFER_ERROR)}".encode())
+    res = run.run()
+    assert res["unfinished"] == 0 and res["problems"] == []
+    for room in (rooms[3], late):
+        assert res["outcome"][str(room)][:2] == ["Failed", int(FailureReason.TRANSFER_ERROR)]
+    # its own failure (request 0, injected here) went to prefill rank 0, once
+    told = [bytes(w).split() for w in run.store.d.get("fakepeer/0", [])]
+    assert told == [[str(rooms[0]).encode(), str(int(FailureReason.INJECTED_FAULT)).encode()]]
 
 
 def test_a_drain_entry_agreed_failed_gives_its_buffers_back(tmp_path, monkeypatch):
