@@ -155,13 +155,11 @@ def run_transfer_bench(
     backend: str = "mooncake",
     verbose: bool = False,
 ) -> dict[str, Any]:
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    from lifecycle.testing.spawn import free_port
+    from lifecycle.testing.spawn import store_server
 
     quiet = choose(verbose)
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    store = store_server(3)  # on a port the OS picks as it binds
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [

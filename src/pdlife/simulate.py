@@ -100,9 +100,7 @@ def _engine_log(out: Path, rank: int) -> Path:
 def simulate(
     cfg: SimConfig, out: Path, timeout: float, progress: bool = True, quiet: bool = True
 ) -> int:
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    from lifecycle.testing.spawn import free_port
+    from lifecycle.testing.spawn import store_server
 
     out.mkdir(parents=True, exist_ok=True)
     stale = [
@@ -114,15 +112,8 @@ def simulate(
     ]
     for old in stale:
         old.unlink(missing_ok=True)
-    port = free_port()
-    store = TCPStore(
-        "127.0.0.1",
-        port,
-        cfg.world + 1,
-        is_master=True,
-        timeout=timedelta(seconds=60),
-        wait_for_workers=False,
-    )
+    store = store_server(cfg.world + 1)  # on a port the OS picks as it binds
+    port = store.port
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_worker, args=(cfg, r, str(out), port, quiet)) for r in range(cfg.world)

@@ -171,8 +171,6 @@ def test_replay_finds_a_hand_edit(tmp_path, run_sim):
 
 
 def test_same_command_runs_under_torchrun(tmp_path, run_sim):
-    from lifecycle.testing.spawn import free_port
-
     out = tmp_path / "tr"
     proc = subprocess.run(
         [
@@ -181,8 +179,7 @@ def test_same_command_runs_under_torchrun(tmp_path, run_sim):
             "torch.distributed.run",
             "--nproc-per-node",
             "4",
-            "--master-port",
-            str(free_port()),
+            "--standalone",  # the rendezvous binds a port the OS picks
             "-m",
             "pdlife",
             "simulate",
@@ -208,11 +205,9 @@ def test_same_command_runs_under_torchrun(tmp_path, run_sim):
 def test_prefill_dp_groups_run_under_torchrun(tmp_path):
     """Two prefill DP groups of one rank and a decode rank as one torchrun job:
     every rank builds every group, each prefill rank serves its group's share."""
-    from lifecycle.testing.spawn import free_port
-
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
-    cmd += ["--master-port", str(free_port()), "-m", "pdlife", "simulate", "--backend", "fake"]
+    cmd += ["--standalone", "-m", "pdlife", "simulate", "--backend", "fake"]
     cmd += ["--quiet", "--requests", "40", "--prefill", "1", "--prefill-dp", "2"]
     cmd += ["--decode", "1", "--abort-prob", "0", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)

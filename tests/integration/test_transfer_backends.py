@@ -113,12 +113,10 @@ def _abort_pair(backend, role, port, q):
 def _pair(target, backend, timeout=60):
     import multiprocessing as mp
 
-    from torch.distributed import TCPStore
+    from lifecycle.testing.spawn import store_server
 
-    from lifecycle.testing.spawn import free_port
-
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    store = store_server(3)
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(backend, r, port, q)) for r in ("prefill", "decode")]

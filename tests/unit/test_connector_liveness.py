@@ -9,11 +9,10 @@ import time
 import pytest
 import torch
 from stub_engine import CopyConnector, wait_for
-from torch.distributed import TCPStore
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
-from lifecycle.testing.spawn import free_port
+from lifecycle.testing.spawn import store_server
 from transport.connector import ConnectorConfig
 from transport.connector_graph import Phase
 from transport.layout import kv_args_for
@@ -95,8 +94,8 @@ class HangConnector(CopyConnector):
 
 
 def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0)):
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    store = store_server()
+    port = store.port
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     sides = {"store": store}
     for role, cls, drain_s in (

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 from stub_engine import CopyConnector, wait_for
-from torch.distributed import TCPStore
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
-from lifecycle.testing.spawn import free_port
+from lifecycle.testing.spawn import store_server
 from transport.connector import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
@@ -114,8 +113,8 @@ class Rank:
 
 @pytest.fixture(scope="module")
 def store():
-    port = free_port()  # one store for the module: each test has a namespace of its own
-    server = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    server = store_server()  # one store for the module: each test has a namespace of its own
+    port = server.port
     yield port
     _ = server
 

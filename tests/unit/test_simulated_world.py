@@ -107,17 +107,22 @@ def test_a_collective_one_rank_gave_up_on_fails_for_the_late_rank_and_is_forgott
 
 
 def test_a_rank_waiting_beside_one_that_gave_up_names_the_rank_still_missing():
-    world = SimulatedWorld(3, timeout=0.3)
+    # rank 1 joins once rank 0 waits, so rank 0 gives up first: 2 s after it
+    # posted, a margin of 2 s for rank 1 to post (milliseconds, even loaded)
+    world = SimulatedWorld(3, timeout=2.0)
     errors = {}
 
-    def wait(r, delay):
-        time.sleep(delay)  # rank 1 starts waiting later: rank 0 gives up first
+    def wait(r):
+        if r == 1:
+            deadline = time.monotonic() + 2.0
+            while not world._posted.get(0) and time.monotonic() < deadline:
+                time.sleep(0.001)
         try:
             world.rank(r).all_reduce_min(np.zeros(1, dtype=np.int64))
         except RankFailure as e:
             errors[r] = e
 
-    threads = [threading.Thread(target=wait, args=(r, 0.1 * r)) for r in (0, 1)]
+    threads = [threading.Thread(target=wait, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:

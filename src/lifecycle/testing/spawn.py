@@ -22,7 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["run_ranks", "on_threads", "RanksTimedOut", "RankError", "free_port"]
+__all__ = ["run_ranks", "on_threads", "RanksTimedOut", "RankError", "free_port", "store_server"]
 
 
 class RanksTimedOut(RuntimeError):
@@ -39,10 +39,28 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Another process may take it before
+    it is bound again: for a store, use :func:`store_server`, which lets the
+    OS choose the port as it binds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def store_server(workers: int = 1, timeout: float = 60.0) -> Any:
+    """A ``TCPStore`` server on 127.0.0.1, on a port the OS chose as it bound
+    it (``.port``): no window in which another process can take the port."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        workers,
+        is_master=True,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
 
 
 def _entry(
@@ -55,12 +73,14 @@ def _entry(
     out: Any,
 ) -> None:
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=pg_timeout),
@@ -94,7 +114,8 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    server = store_server(world_size)  # the ranks' rendezvous, held until they end
+    port = server.port
     procs = [
         ctx.Process(
             target=_entry, args=(fn, r, world_size, port, pg_timeout, args, out), daemon=True

@@ -9,12 +9,12 @@ def world_of_one():
     """A one-rank gloo group in this process (the compat helpers take process groups)."""
     import torch.distributed as dist
 
-    from lifecycle.testing.spawn import free_port
+    from lifecycle.testing.spawn import store_server
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        store=store_server(),
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=20),
