@@ -223,6 +223,7 @@ class RankRun:
             self.metrics.observe(f"{self.side}/{q.name}", res)
         if res.stuck:
             self.stuck_reports += len(res.stuck)
+            wire = getattr(self.manager, "describe", None)  # the transport's view
             for s in res.stuck:
                 self.trace.event(
                     kind="stuck",
@@ -230,6 +231,7 @@ class RankRun:
                     room=s.room,
                     status=s.status.name,
                     holders=list(s.holders),
+                    **({"wire": wire(s.room)} if wire is not None else {}),
                 )
         if res.failed.size:
             self.failure_steps.add(self.step_no)

@@ -92,6 +92,7 @@ class Connector(StatusArrays):
         self.stats = {"bytes_written": 0, "writes": 0}
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
+        self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
         self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, self.rank, self._wake)
         self.store = self.mail.store
         a = kv_args
@@ -158,17 +159,18 @@ class Connector(StatusArrays):
 
     # -- requests and the protocol ---------------------------------------------------------
     def _take(self, room: int) -> Request:
-        with self._lock:
-            if room in self._reqs:
-                raise ValueError(f"room={room} already has a live request on this manager")
-            req = Request(room, self.take(int(KVPoll.Bootstrapping)))
-            self.phase[req.index] = Phase.Bootstrap
-            self.born[req.index] = NOW()
-            self._reqs[room] = req
-            self._cleared.pop(room, None)
-            early = self._early.pop(room, [])
-        for msg in early:
-            self._on_message(msg, self.store)
+        with self._msg_lock:  # its early messages go before any later one
+            with self._lock:
+                if room in self._reqs:
+                    raise ValueError(f"room={room} already has a live request on this manager")
+                req = Request(room, self.take(int(KVPoll.Bootstrapping)))
+                self.phase[req.index] = Phase.Bootstrap
+                self.born[req.index] = NOW()
+                self._reqs[room] = req
+                self._cleared.pop(room, None)
+                early = self._early.pop(room, [])
+            for msg in early:
+                self._on_message(msg, self.store)
         return req
 
     def _fire_many(
@@ -236,12 +238,7 @@ class Connector(StatusArrays):
         """Where a live request stands on the wire, with each peer (one line)."""
         with self._lock:
             req = self._reqs.get(room)
-            if req is None:
-                return f"room={room}: not live here" + (
-                    " (released)" if room in self._cleared else ""
-                )
-            ph, st = Phase(self._phase(req)).name, KVPoll(int(self.status[req.index])).name
-        return describe(req, ph, st)
+            return f"room={room}: not live here" if req is None else describe(self, req)
 
     def sender(self, room: int) -> ConnectorSender:
         from transport.connector_handles import ConnectorSender
@@ -272,6 +269,10 @@ class Connector(StatusArrays):
         return info
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
+        with self._msg_lock:  # one message at a time, whichever thread (see _take)
+            self._handle(msg, store)
+
+    def _handle(self, msg: dict[str, Any], store: Any) -> None:
         room, kind = msg["room"], msg["kind"]
         if "from" in msg:
             live.heard(self, int(msg["from"]))

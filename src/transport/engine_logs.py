@@ -43,6 +43,8 @@ def engine_logs(verbose: bool = False, env: MutableMapping[str, str] | None = No
 
 
 def user_set(env: MutableMapping[str, str] | None = None) -> bool:
-    """Whether the user chose an engine's loudness (then nothing is hidden)."""
+    """Whether the user chose an engine's loudness (then nothing is hidden):
+    a variable set to anything but the quiet level a backend sets itself."""
     target = os.environ if env is None else env
-    return any(v in target for v in VARIABLES)
+    quiet = {var: levels[0] for var, levels in ENGINE_LOG_LEVELS.items()}
+    return any(v in target and target[v] != quiet.get(v) for v in VARIABLES)

@@ -335,6 +335,49 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     assert m._reqs[21].legs[0].dst_pages.tolist() == [4]
 
 
+def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatch):
+    """A register that came before prefill's scheduler took the room is handled
+    as it takes it (its thread); a page list the loop receives meanwhile waits
+    for it. Handled side by side, the page list could be held after the
+    register had looked for held ones: lost, the request waiting for ever."""
+    import threading
+
+    from transport import connector_prefill
+    from transport.connector_graph import Phase
+
+    pre, _ = cluster(1, 1, heads=2)
+    m = pre[0].m
+    pages = {"kind": "pages", "room": 23, "from": 0, "pages": [4], "slot": 1, "skip": 0}
+    pages.update(dst_heads=2, dst_ptrs=None, state=None)
+    register = {"kind": "register", "room": 23, "from": 0, "decode_tp": 1, "dp": 0}
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
+    log, inside, go = [], threading.Event(), threading.Event()
+    real = connector_prefill.on_message
+
+    def slow(m_, req, msg, store):
+        log.append(("in", msg["kind"]))
+        if msg["kind"] == "register":
+            inside.set()
+            go.wait(5)
+        real(m_, req, msg, store)
+        log.append(("out", msg["kind"]))
+
+    monkeypatch.setattr(connector_prefill, "on_message", slow)
+    m._on_message(register, m.store)  # no request yet: kept for the scheduler
+    taker = threading.Thread(target=lambda: m.sender(23))
+    taker.start()
+    assert inside.wait(5)  # the register is being handled, as the room is taken
+    late = threading.Thread(target=m._on_message, args=(pages, m.store))
+    late.start()
+    late.join(0.3)
+    assert late.is_alive()  # the page list waits for the register
+    go.set()
+    taker.join(5)
+    late.join(5)
+    assert log == [("in", "register"), ("out", "register"), ("in", "pages"), ("out", "pages")]
+    assert m.phase[m._reqs[23].index] == Phase.Metadata
+
+
 @pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
 def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster, when):
     pre, dec = cluster(2, 1, heads=2)
