@@ -56,9 +56,10 @@ def seconds(text: str) -> float:
 
 
 def port(text: str) -> int:
+    """A TCP port, or 0: one the OS picks as it binds."""
     v = int(_number(text, int))
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {v}")
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535 (0: any free), got {v}")
     return v
 
 

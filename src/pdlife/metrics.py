@@ -71,8 +71,11 @@ class LifecycleMetrics:
             self.live.labels(queue, state.name).set(n)
 
 
-def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Expose the default registry over HTTP (``/metrics``)."""
+def serve(port: int, host: str = "127.0.0.1") -> int:
+    """Expose the default registry over HTTP (``/metrics``); the port it bound
+    (``port`` 0: one the OS picked)."""
     from prometheus_client import start_http_server
 
-    start_http_server(port, addr=host)
+    got = start_http_server(port, addr=host)
+    server = got[0] if isinstance(got, tuple) else None
+    return int(getattr(server, "server_port", port))

@@ -180,7 +180,9 @@ class RankRun:
             from pdlife.metrics import LifecycleMetrics, serve
 
             self.metrics = LifecycleMetrics()
-            serve(cfg.metrics_port + rank)
+            base = cfg.metrics_port
+            bound = serve(base + rank if base else 0)
+            (out / "ranks" / f"rank{rank}.metrics_port").write_text(f"{bound}\n")
 
     def state_row(self, slot: int) -> int:
         """The state row a request holding metadata ``slot`` uses: the slot on

@@ -204,12 +204,12 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
             f"--pause-seconds {args.pause_seconds:g}",
             f"at most {MAX_PAUSE_S:g} s; a longer stall is a dead rank (--kill-rank)",
         )
-    if args.metrics_port is not None and args.metrics_port + world - 1 > 65535:
+    if args.metrics_port and args.metrics_port + world - 1 > 65535:
         raise UsageError(
             f"--metrics-port {args.metrics_port}",
             f"rank r serves on port + r, so it must be at most {65536 - world}",
         )
-    if args.metrics_port is not None:
+    if args.metrics_port:  # (0: each rank binds a port the OS picks)
         _check_ports(args.metrics_port, world)
     if args.soak is not None and args.requests_given:
         raise UsageError("--soak", "admits requests for that long; drop --requests")

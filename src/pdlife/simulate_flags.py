@@ -131,7 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pg-timeout", type=a.seconds, default=15.0, help="collective timeout per rank")
     p.add_argument("--out", default="pdlife-out")
     p.add_argument(
-        "--metrics-port", type=a.port, help="serve Prometheus metrics: rank r on this port + r"
+        "--metrics-port",
+        type=a.port,
+        help="serve Prometheus metrics: rank r on this port + r; 0: each on a free port, "
+        "written to OUT/ranks/rankR.metrics_port",
     )
     p.add_argument(
         "--compare",

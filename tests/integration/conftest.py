@@ -1,15 +1,15 @@
-import importlib
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from engines import FOREIGN, engine_env, unusable
 
 
 def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """Run `pdlife simulate` in a fresh interpreter; returns the process and summary.json."""
+    """Run `pdlife simulate` in a fresh interpreter; returns the process and
+    summary.json. What it prints is its own: no engine's line reaches it."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -26,7 +26,10 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
         capture_output=True,
         text=True,
         timeout=240,
+        env=engine_env(),
     )
+    foreign = FOREIGN.findall(proc.stdout + proc.stderr)
+    assert not foreign, f"an engine's own lines reached the terminal: {foreign[:3]}"
     return proc, json.loads((out / "summary.json").read_text())
 
 
@@ -38,24 +41,6 @@ def run_sim(tmp_path):
         return proc, summary, out
 
     return run
-
-
-_MODULE = {"mooncake": "mooncake", "nixl": "nixl_cu12"}
-
-
-def unusable(backend):
-    """Why a byte-moving backend cannot run here, or None. A missing system library
-    (libibverbs.so.1 for Mooncake) raises ImportError or OSError on import."""
-    if importlib.util.find_spec(_MODULE[backend]) is None:
-        return f"pd-lifecycle[{backend}] not installed"
-    try:
-        importlib.import_module("mooncake.engine" if backend == "mooncake" else "nixl_cu12")
-    except (ImportError, OSError) as e:
-        return (
-            f"{backend} engine not usable here ({e}); install Debian's libibverbs1 "
-            "(`apt-get install libibverbs1`, or `make install` as root)"
-        )
-    return None
 
 
 @pytest.fixture(params=["mooncake", "nixl"])

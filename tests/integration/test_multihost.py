@@ -137,14 +137,18 @@ def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     out = tmp_path / "run"
     plan = fault_plan(tmp_path / "plan.json", 200)
     args = ("--requests", "200", "--abort-prob", "0.05", "--plan", str(plan), "--seed", "5")
+    # the sides follow the roles, not the node order: on NIXL the rendezvous
+    # host (node 0, global ranks 0 and 1) serves decode
+    roles = ("decode", "prefill") if backend == "nixl" else ("prefill", "decode")
     with netns.hosts(2) as (a, b):
         deadline = time.monotonic() + JOB_TIMEOUT
         procs = [
-            torchrun(a, "prefill", out, *args, backend=backend),
-            torchrun(b, "decode", out, *args, backend=backend),
+            torchrun(a, roles[0], out, *args, backend=backend),
+            torchrun(b, roles[1], out, *args, backend=backend),
         ]
         (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
     assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
+    assert "result: OK" in out_a  # global rank 0, whichever side it serves, summarised
     s = json.loads((out / "summary.json").read_text())
     assert s["ok"], s
     assert s["requests"] == 200
@@ -156,6 +160,7 @@ def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     assert s["kv_bytes_verified"] >= s["succeeded"] * 2 * 2 * 256
     assert (s["disagreements"], s["leaked_slots"], s["leaked_kv_pages"], s["stuck"]) == (0,) * 4
     r = results(out)
+    assert [r[i]["side"] for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
     assert r[2]["outcome"] == r[3]["outcome"]  # both decode ranks, every request and reason
     assert r[0]["outcome"] == r[1]["outcome"]
     # every injected fault failed its request (or an abort got there first), on every rank
@@ -173,23 +178,6 @@ def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     )
     assert replay.returncode == 0, replay.stdout
     assert out_a.count("pdlife simulate:") == 1
-
-
-def test_sides_follow_the_roles_not_the_node_order(tmp_path):
-    # the rendezvous host (node 0, global ranks 0 and 1) serves decode this time
-    out = tmp_path / "swap"
-    args = ("--requests", "40", "--abort-prob", "0")
-    with netns.hosts(2) as (a, b):
-        deadline = time.monotonic() + JOB_TIMEOUT
-        procs = [torchrun(a, "decode", out, *args), torchrun(b, "prefill", out, *args)]
-        (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
-    assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
-    assert "result: OK" in out_a  # global rank 0, a decode rank, summarised
-    s = json.loads((out / "summary.json").read_text())
-    assert (s["succeeded"], s["invariant_violations"]) == (40, [])
-    assert s["kv_bytes_verified"] >= 40 * 2 * 2 * 256
-    r = results(out)
-    assert [r[i]["side"] for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
 
 
 def test_a_node_that_starts_late_is_waited_for(tmp_path):

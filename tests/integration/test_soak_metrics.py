@@ -2,8 +2,6 @@
 while, Prometheus answers on every rank meanwhile, RSS is sampled per rank."""
 
 import json
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -13,22 +11,6 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
-
-
-def free_block(n):
-    # below Linux's ephemeral range, so the run's own stores cannot take them
-    for base in random.sample(range(20000, 30000, 8), 50):
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    pytest.skip("no block of free ports")
 
 
 def scrape(port):
@@ -45,7 +27,6 @@ def sample(text, name, **labels):
 
 
 def test_soak_serves_metrics_and_samples_rss(tmp_path):
-    port = free_block(4)
     out = tmp_path / "soak"
     proc = subprocess.Popen(
         [
@@ -61,7 +42,7 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
             "--fail-prob",
             "0.05",
             "--metrics-port",
-            str(port),
+            "0",  # each rank binds a port the OS picks, and writes it down
             "--out",
             str(out),
         ],
@@ -76,9 +57,10 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
             for rank in range(4):
                 if rank in scraped:
                     continue
+                written = out / "ranks" / f"rank{rank}.metrics_port"
                 try:
-                    text = scrape(port + rank)
-                except OSError:
+                    text = scrape(int(written.read_text()))
+                except (OSError, ValueError):  # not up (or not written) yet
                     continue
                 queue = "prefill/inflight" if rank < 2 else "decode/transfer"
                 done = sum(

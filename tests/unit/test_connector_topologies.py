@@ -140,7 +140,7 @@ def cluster(store, request):
 
     yield build
     for r in made:
-        r.m.close()
+        r.m.close(wait=0)
 
 
 def run_request(pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
