@@ -114,7 +114,11 @@ def simulate(
         old.unlink(missing_ok=True)
     store = store_server(cfg.world + 1)  # on a port the OS picks as it binds
     port = store.port
-    ctx = mp.get_context("spawn")
+    # ranks fork from a server that has imported the simulator once (torch and
+    # all), instead of each importing it anew: no engine or thread is running
+    # there, and each rank starts its own after the fork
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["pdlife.sim", "pdlife.simulate"])
     procs = [
         ctx.Process(target=_worker, args=(cfg, r, str(out), port, quiet)) for r in range(cfg.world)
     ]
