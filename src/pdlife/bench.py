@@ -23,6 +23,9 @@ times, back to back and in the same order on both ranks:
   origin fetch); between steps, untimed, the finished ones leave and as many
   new ones arrive; ``churn_one``: the same with every failure on rank 0 (the
   header names the origin: no second reduce);
+- ``field``: the code a step replaces, SGLang's own ``poll_and_all_reduce``
+  (``sglang.srt.disaggregation.utils``) on the same pollers, ungated, when
+  SGLang is importable here (else skipped, and said so in one line);
 - ``overlap_visible``: ``start(worker=True)`` + ``finish`` with a 5 ms sleep
   between them standing in for the forward pass: the time the caller is
   blocked (the hooks, verdicts, gates and the launch run on the step's own
@@ -60,6 +63,17 @@ from pdlife.bench_cases import ObjPoller, churn_case, gated_queue, three_queues
 __all__ = ["add_parser", "run_bench"]
 
 SIZES = (64, 1024, 4096, 16384)
+
+
+def field_function() -> tuple[Any, str]:
+    """SGLang's ``poll_and_all_reduce``, or None and why it is not here."""
+    try:
+        from sglang.srt.disaggregation.utils import (  # type: ignore[import-not-found]
+            poll_and_all_reduce,
+        )
+    except Exception as e:  # not installed, or its import set is incomplete
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return poll_and_all_reduce, ""
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -135,6 +149,12 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
         return visible
 
+    field_poll, _ = field_function()
+
+    def field() -> None:
+        assert field_poll is not None
+        field_poll(pollers, group)
+
     variants = {
         "floor": floor,
         "ours": ours,
@@ -147,6 +167,8 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "overlap_visible": overlapped(True),
         "overlap_inline": overlapped(False),
     }
+    if field_poll is not None:
+        variants["field"] = field
     for f in variants.values():  # warm-up (also sizes the steps' capacities)
         for _ in range(3):
             f()
@@ -206,7 +228,10 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _ratios(med: dict[str, float]) -> dict[str, float]:
+    field = {"field/ours": med["field"] / med["ours"]} if "field" in med else {}
     return {
+        **field,
+        "ours-hooks_floor/floor": (med["ours"] - med["hooks_floor"]) / med["floor"],
         "ours/floor": med["ours"] / med["floor"],
         "hooks_floor/floor": med["hooks_floor"] / med["floor"],
         "ours/hooks_floor": med["ours"] / med["hooks_floor"],
@@ -274,6 +299,9 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
         "sizes": {n: _summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
         "table": results[0]["table"],
     }
+    _, why = field_function()
+    if why:
+        res["field_skipped"] = why
     import os
     import platform
 
@@ -305,6 +333,7 @@ _COLUMNS = (
 )
 _RATIOS = (
     "ours/floor",
+    "ours-hooks_floor/floor",
     "hooks_floor/floor",
     "ours/hooks_floor",
     "fused3/floor",
@@ -319,7 +348,12 @@ _RATIOS = (
 
 
 def format_table(res: dict[str, Any]) -> str:
-    lines = ["median us (p90 in json)"]
+    lines = []
+    if res.get("field_skipped"):
+        lines.append(
+            f"field: SGLang's poll_and_all_reduce skipped, not importable here ({res['field_skipped']})"
+        )
+    lines.append("median us (p90 in json)")
     lines.append(f"{'N':>6} " + " ".join(f"{c:>12}" for c in (*_COLUMNS, "transitions")))
     for n, row in res["sizes"].items():
         cells = [f"{row[c]['median_us']:12.0f}" for c in (*_COLUMNS, "transitions")]
@@ -328,6 +362,10 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append(f"{'N':>6} " + " ".join(f"{r:>16}" for r in _RATIOS))
     for n, row in res["sizes"].items():
         lines.append(f"{n:>6} " + " ".join(f"{row['ratios'][r]:16.2f}" for r in _RATIOS))
+        if "field/ours" in row["ratios"]:
+            lines.append(
+                f"{'':>6} field {row['field']['median_us']:.0f} us, field/ours {row['ratios']['field/ours']:.2f}"
+            )
     lines.append("ratios of lower quartiles, same run (the collectives' fast mode)")
     for n, row in res["sizes"].items():
         lines.append(f"{n:>6} " + " ".join(f"{row['ratios_p25'][r]:16.2f}" for r in _RATIOS))

@@ -174,12 +174,12 @@ def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None, quiet: b
     from transport.addressing import advertised_host, store_address
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if quiet:
-        divert(_engine_log(out, rank))
     if world != cfg.world:
         raise UsageError(
             "--prefill/--decode", f"torchrun started {world} ranks but they add up to {cfg.world}"
         )
+    if quiet:  # every check passed: this process is a rank, its engine starts below
+        divert(_engine_log(out, rank))
     addr = store_address()
     # joining waits for the slowest node to start; a rank that dies mid-run is
     # caught by the side groups, which keep --pg-timeout

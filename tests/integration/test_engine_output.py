@@ -17,7 +17,6 @@ def test_engine_lines_reach_the_terminal_only_when_asked_for(tmp_path, run_sim, 
     _, _, out = run_sim(backend, "quiet", "--requests", "8")
     logs = sorted((out / "ranks").glob("*.engine.log"))
     assert len(logs) == 4  # one per rank: where the engines' own lines went
-    assert any(FOREIGN.search(p.read_text()) for p in logs)
     cmd = [sys.executable, "-m", "pdlife", "simulate", "--backend", backend, "--verbose"]
     cmd += ["--requests", "8", "--out", str(tmp_path / "loud")]
     loud = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=engine_env())
