@@ -219,10 +219,10 @@ def run_and_kill(
     return hosts[1 - victim], hosts[victim], rc, stdout + stderr, exit_after
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path, backend):
+def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path):
+    # Mooncake: a dead NIXL peer is covered on one host (test_transfer_backends)
     out = tmp_path / "kill"
-    a, b, rc, text, exit_after = run_and_kill(out, victim=1, backend=backend)
+    a, b, rc, text, exit_after = run_and_kill(out, victim=1)
     assert rc != 0, text
     for r in (2, 3):
         assert f"rank {r} (decode, on {b.addr}) stopped" in text, text[-3000:]

@@ -89,9 +89,10 @@ def check_against_plan(s):
     assert (s["disagreements"], s["leaked_slots"], s["stuck"]) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_same_seed_twice_same_outcomes(backend, run):
-    (out1, s1), (out2, s2) = run(backend, 1), run(backend, 2)
+def test_same_seed_twice_same_outcomes(run):
+    # on the fake backend; each byte-moving backend is held to the fake's
+    # outcomes below, so to the same seed's on every run
+    (out1, s1), (out2, s2) = run("fake", 1), run("fake", 2)
     check_against_plan(s1)
     assert s1["outcomes"] == s2["outcomes"]
     assert s1["fault_decisions"] == s2["fault_decisions"]

@@ -112,7 +112,10 @@ def run_ranks(
     With ``allow_errors`` a rank's exception is returned in its place as a
     :class:`RankError` instead of raised.
     """
-    ctx = mp.get_context("spawn")
+    # ranks fork from a server that imported torch.distributed and lifecycle
+    # once (nothing runs there), instead of each importing them anew
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "lifecycle"])
     out = ctx.Queue()
     server = store_server(world_size)  # the ranks' rendezvous, held until they end
     port = server.port
