@@ -54,6 +54,7 @@ class SimConfig:
     stuck_after: int = 100
     backend: str = "fake"
     pg_timeout: float = 30.0
+    timeline: bool = True  # draw timeline.png at the end (matplotlib)
     metrics_port: int | None = None  # rank r serves Prometheus metrics on port + r
     plan: FaultPlan = attrs.field(factory=FaultPlan)
     fault_mode: str = "phase"  # phase | step (see pdlife.plan)

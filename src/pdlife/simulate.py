@@ -92,6 +92,19 @@ def _progress(store: Any, total: int | None, start: float) -> None:
     sys.stderr.flush()
 
 
+def _rank_context() -> Any:
+    """Ranks fork from a server that imported the simulator once (torch and
+    all) instead of each importing it anew: no engine or thread runs there,
+    each rank starts its own after the fork. Started ahead (see _run), the
+    server imports while the launcher parses and checks its arguments."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["pdlife.sim", "pdlife.simulate"])
+    forkserver.ensure_running()
+    return ctx
+
+
 def _engine_log(out: Path, rank: int) -> Path:
     """Where rank ``rank``'s engine writes its own lines (see pdlife.engine_output)."""
     return out / "ranks" / f"rank{rank}.engine.log"
@@ -114,11 +127,7 @@ def simulate(
         old.unlink(missing_ok=True)
     store = store_server(cfg.world + 1)  # on a port the OS picks as it binds
     port = store.port
-    # ranks fork from a server that has imported the simulator once (torch and
-    # all), instead of each importing it anew: no engine or thread is running
-    # there, and each rank starts its own after the fork
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pdlife.sim", "pdlife.simulate"])
+    ctx = _rank_context()
     procs = [
         ctx.Process(target=_worker, args=(cfg, r, str(out), port, quiet)) for r in range(cfg.world)
     ]
@@ -151,8 +160,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.soak is not None and args.max_steps == MAX_STEPS:
         args.max_steps = 2**31 - 1  # a soak ends by time
     quiet = choose(args.verbose)  # before any engine loads (a backend probe), here or in a rank
-    cfg, why = _config(args)
     torchrun = _torchrun()
+    if not torchrun:
+        _rank_context()  # (with the engines' log levels just set)
+    cfg, why = _config(args)
     if not torchrun or os.environ["RANK"] == "0":
         where = "under torchrun (env://)" if torchrun else "on 127.0.0.1"
         print(

@@ -228,6 +228,7 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
         backend=backend,
         pg_timeout=args.pg_timeout,
         metrics_port=args.metrics_port,
+        timeline=args.timeline,
         plan=plan,
         fault_mode=args.fault_mode,
         soak=args.soak,

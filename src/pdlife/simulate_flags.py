@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--timeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw OUT/timeline.png (matplotlib, about half a second)",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="the transfer engines' own log lines on the terminal (else in OUT/ranks/*.engine.log)",

@@ -203,7 +203,8 @@ def summarize(
     (out / "lifecycle.mmd").write_text(
         mermaid(Role.SENDER) + "\n%% ---- decode ----\n" + mermaid(Role.RECEIVER)
     )
-    _timeline(out, ranks, cfg)
+    if cfg.timeline:
+        _timeline(out, ranks, cfg)
     return summary
 
 

@@ -19,6 +19,7 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
             "--backend",
             backend,
             "--quiet",
+            "--no-timeline",  # the default run of test_simulate draws one
             "--out",
             str(out),
             *args,
@@ -30,6 +31,8 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
     )
     foreign = FOREIGN.findall(proc.stdout + proc.stderr)
     assert not foreign, f"an engine's own lines reached the terminal: {foreign[:3]}"
+    if backend != "fake":  # where they went instead: each rank's engine log
+        assert list((out / "ranks").glob("*.engine.log")), "no engine log written"
     return proc, json.loads((out / "summary.json").read_text())
 
 

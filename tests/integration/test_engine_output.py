@@ -13,10 +13,7 @@ from engines import FOREIGN, engine_env
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(240)]
 
 
-def test_engine_lines_reach_the_terminal_only_when_asked_for(tmp_path, run_sim, backend):
-    _, _, out = run_sim(backend, "quiet", "--requests", "8")
-    logs = sorted((out / "ranks").glob("*.engine.log"))
-    assert len(logs) == 4  # one per rank: where the engines' own lines went
+def test_engine_lines_reach_the_terminal_only_when_asked_for(tmp_path, backend):
     cmd = [sys.executable, "-m", "pdlife", "simulate", "--backend", backend, "--verbose"]
     cmd += ["--requests", "8", "--out", str(tmp_path / "loud")]
     loud = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=engine_env())

@@ -183,10 +183,10 @@ def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
 def test_a_node_that_starts_late_is_waited_for(tmp_path):
     # joining is not a step: a node slower to start than --pg-timeout is no dead node
     out = tmp_path / "late"
-    args = ("--requests", "20", "--abort-prob", "0", "--pg-timeout", "4")
+    args = ("--requests", "20", "--abort-prob", "0", "--pg-timeout", "4")  # 4 s < the 7 s delay
     with netns.hosts(2) as (a, b):
         deadline = time.monotonic() + JOB_TIMEOUT
-        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args, delay=10)]
+        procs = [torchrun(a, "prefill", out, *args), torchrun(b, "decode", out, *args, delay=7)]
         (rc_a, out_a, err_a), (rc_b, _, err_b) = (finish(p, deadline) for p in procs)
     assert (rc_a, rc_b) == (0, 0), out_a + err_a[-3000:] + err_b[-3000:]
     assert json.loads((out / "summary.json").read_text())["succeeded"] == 20

@@ -15,8 +15,8 @@ def strip_timings(s):
 
 
 def test_default_run_is_clean_and_reproducible(tmp_path, run_sim):
-    p1, s1, out1 = run_sim("fake", "a")
-    p2, s2, out2 = run_sim("fake", "b")
+    p1, s1, out1 = run_sim("fake", "a", "--timeline")
+    p2, s2, out2 = run_sim("fake", "b", "--timeline")
     assert p1.returncode == 0, p1.stdout + p1.stderr
     assert s1["ok"]
     assert s1["disagreements"] == 0
