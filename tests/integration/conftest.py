@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engines import FOREIGN, engine_env, unusable
+from engines import FOREIGN, engine_env, require
 
 
 def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
@@ -49,16 +49,10 @@ def run_sim(tmp_path):
 @pytest.fixture(params=["mooncake", "nixl"])
 def backend(request):
     """Each byte-moving backend in turn (skipped where it cannot run)."""
-    why = unusable(request.param)
-    if why is not None:
-        pytest.skip(why)
-    return request.param
+    return require(request.param)
 
 
 @pytest.fixture(params=["fake", "mooncake", "nixl"])
 def any_backend(request):
     """The fake backend, then each byte-moving one (skipped where it cannot run)."""
-    why = None if request.param == "fake" else unusable(request.param)
-    if why is not None:
-        pytest.skip(why)
-    return request.param
+    return require(request.param)

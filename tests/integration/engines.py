@@ -6,6 +6,8 @@ import importlib.util
 import os
 import re
 
+import pytest
+
 #: a line a transfer engine wrote itself: glog (I/W/E/F, date, time) and its
 #: pre-init notice, NIXL's logger, UCX
 FOREIGN = re.compile(
@@ -37,3 +39,11 @@ def unusable(backend):
             "(`apt-get install libibverbs1`, or `make install` as root)"
         )
     return None
+
+
+def require(backend):
+    """Skip the calling test, with the reason, if ``backend`` cannot run here."""
+    why = None if backend == "fake" else unusable(backend)
+    if why is not None:
+        pytest.skip(why)
+    return backend

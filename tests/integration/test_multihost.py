@@ -198,7 +198,7 @@ def run_and_kill(
     """Start both nodes, SIGKILL every process of host ``victim`` once it is
     well under way; (survivor, victim host, survivor's exit code, output,
     seconds from the kill to the survivor's exit)."""
-    args = ("--requests", "200", "--abort-prob", "0.05", "--pg-timeout", "8")
+    args = ("--requests", "200", "--abort-prob", "0.05", "--pg-timeout", "6")
     with netns.hosts(2) as hosts:
         deadline = time.monotonic() + JOB_TIMEOUT
         procs = [
@@ -237,7 +237,7 @@ def test_a_killed_decode_host_is_named_by_the_survivors(tmp_path):
         assert r[p]["leaked_kv_pages"] == 0
         reasons = {reason for status, reason, _ in r[p]["outcome"].values() if status == "Failed"}
         assert 1 in reasons  # peer dead
-    # Mooncake's heartbeat (2 s) + the collector's patience (--pg-timeout 8) + teardown
+    # Mooncake's heartbeat (2 s) + the collector's patience (--pg-timeout 6) + teardown
     assert exit_after < 30, exit_after
 
 

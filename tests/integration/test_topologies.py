@@ -15,7 +15,7 @@ import json
 from collections import Counter
 
 import pytest
-from engines import unusable
+from engines import require
 
 from buffers import MetadataBuffers
 from lifecycle.reasons import FailureReason
@@ -101,9 +101,7 @@ PAIRS = [(("mooncake", "nixl")[i % 2], case) for i, case in enumerate(CASES)]
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("backend", "case"), PAIRS, ids=[f"{b}-{c}" for b, c in PAIRS])
 def test_topology_moves_every_byte_under_faults(run_sim, backend, case):
-    why = unusable(backend)
-    if why is not None:
-        pytest.skip(why)
+    require(backend)
     proc, s, out = run_sim(
         backend, case, "--requests", str(REQUESTS), "--seed", "7", *FAULTS, *CASES[case].split()
     )
@@ -216,9 +214,7 @@ PAUSES = [("mooncake", "prefill"), ("nixl", "decode")]
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("backend", "who"), PAUSES, ids=[f"{b}-{w}" for b, w in PAUSES])
 def test_a_paused_rank_costs_only_requests_in_flight(run_sim, backend, who):
-    why = unusable(backend)
-    if why is not None:
-        pytest.skip(why)
+    require(backend)
     # the whole process of one rank stops for 3 s (its heartbeat too: longer than
     # the 2 s its peers allow), as a long GC pause or a starved host would: the
     # requests in flight then may fail (peer dead), on every rank alike; nothing
