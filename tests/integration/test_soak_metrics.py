@@ -99,7 +99,9 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
     assert len(s["outcomes"]) == s["requests"]
     for rank in "0123":
         samples = s["rss_mb"][rank]
-        assert len(samples) >= 5
+        # one at the start and one at the end, and one a second (rss_every) in
+        # between: a 3 s soak has at least one whole second inside it
+        assert len(samples) >= 3
         assert all(mb > 50 and blocks > 1000 for _, _, mb, blocks in samples)
         assert [x[0] for x in samples] == sorted(x[0] for x in samples)
         assert samples[-1][1] == s["requests"]
