@@ -34,7 +34,7 @@ import torch
 from buffers.compat import DisaggregationMode, MetadataBuffers, ReqToMetadataIdxAllocator
 from lifecycle import KVPoll
 from lifecycle.compat import poll_and_all_reduce
-from lifecycle.testing.spawn import free_port
+from lifecycle.testing.spawn import free_port, store_server
 from transport.compat import KVClassType, TransferBackend, get_kv_class
 
 POOL_PAGES, PAGE_BYTES, LAYERS = 64, 256, 2
@@ -283,7 +283,7 @@ def side_main(side: str, backend_name: str, rooms: list[int], store_port: int, o
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        store=store_server(),  # this side's own one-rank group, on a port the OS picks
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=30),

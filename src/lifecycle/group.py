@@ -131,17 +131,13 @@ class StepGroup:
         self._step = object()
         for s in self.steppers:
             s.in_flight = True
-        if not worker:
-            try:
-                self._work = self._launch(collective, tag, ahead)
-            except BaseException:
-                self._landed()
-                raise
-            return
         try:
+            if not worker:
+                self._work = self._launch(collective, tag, ahead)
+                return
             if self._worker is None:
                 self._worker = Worker(self)
-        except BaseException:
+        except BaseException:  # nothing is in flight after all
             self._landed()
             raise
         for s in self.steppers:

@@ -13,7 +13,7 @@ different step; the step's reduce makes them agree, as with a real backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lifecycle.reasons import FailureReason
 
@@ -62,9 +62,9 @@ def hear(run: RankRun) -> None:
         h.fail(FailureReason(reason))
 
 
-def on_admit(run: RankRun, room: int, h: object) -> None:
+def on_admit(run: RankRun, room: int, h: Any) -> None:
     """A room the other side failed before this rank admitted it fails now."""
     reason = run.peer_early.pop(room, None)
     if reason is not None:
         run.peer_told[room] = reason
-        getattr(h, "fail")(FailureReason(reason))  # noqa: B009 (a fake handle)
+        h.fail(FailureReason(reason))

@@ -113,9 +113,7 @@ class Connector(StatusArrays):
         #: not registered yet is expected from them (a dead one fails it: peer dead)
         self.expected: frozenset[int] = frozenset()
         self._peer_dead: set[int] = set()
-        #: decode: requests failed before their prefill group's record was up,
-        #: whose prefill ranks are told once it is (see connector_decode.tell_owed)
-        self.owed: list[Request] = []
+        self.owed: list[Request] = []  # decode: failures to tell (connector_decode.tell_owed)
         self.last_error: Exception | None = None
         if c.role == "prefill":
             group = {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
@@ -238,7 +236,9 @@ class Connector(StatusArrays):
         """Where a live request stands on the wire, with each peer (one line)."""
         with self._lock:
             req = self._reqs.get(room)
-            return f"room={room}: not live here" if req is None else describe(self, req)
+            if req is None:
+                return f"room={room}: not live here"
+            return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
     def sender(self, room: int) -> ConnectorSender:
         from transport.connector_handles import ConnectorSender

@@ -131,14 +131,8 @@ def rows_of(
 _FLAGS = ("registered", "told", "done", "stopped", "asked_stop")
 
 
-def describe(m: Any, req: Request) -> str:
-    """One line on where a request stands with each peer (for a stuck report);
-    ``m``: its connector, whose lock the caller holds."""
-    from lifecycle.status import KVPoll
-    from transport.connector_graph import Phase
-
-    phase = Phase(m._phase(req)).name
-    status = KVPoll(int(m.status[req.index])).name
+def describe(req: Request, phase: str, status: str) -> str:
+    """One line on where a request stands with each peer (for a stuck report)."""
     legs = []
     for leg in req.legs.values():
         flags = ",".join(f for f in _FLAGS if getattr(leg, f)) or "-"

@@ -78,17 +78,7 @@ class Mailbox:
             try:
                 msg = json.loads(store.queue_pop(self._key, block=True))
             except Exception:
-                # a connection that dropped: take a new one while the store answers
-                # (a message popped as it dropped is lost; its request ends by its
-                # deadlines); a store that is gone is a group that is gone
-                if self._stop.is_set():
-                    return
-                logger.warning("rank %s: message queue connection lost; reconnecting", self._me)
-                try:
-                    store = self.client(timedelta(days=1))
-                except Exception:
-                    return
-                continue
+                return  # the store is gone: so is the group
             if msg.get("kind") == "_stop":
                 return
             self.inbox.put(msg)
