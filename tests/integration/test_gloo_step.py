@@ -474,8 +474,17 @@ def _dies_among_three(rank, world):
     try:
         stepper.step(coll)
     except RankFailure as e:
-        return e.dead, str(e)
-    return "no error"
+        got = e.dead, str(e)
+    else:
+        got = "no error"
+    # a survivor that returned would exit, and the other, still looking for
+    # the dead, would find it gone too: each stays until both have looked
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.set(f"looked/{rank}", "1")
+    store.wait(["looked/0", "looked/1"])
+    return got
 
 
 def test_a_rank_killed_among_three_is_named():
