@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from buffers.compat import DisaggregationMode, MetadataBuffers, ReqToMetadataIdxAllocator
+from field.buffers import DisaggregationMode, MetadataBuffers, ReqToMetadataIdxAllocator
+from field.conn.backends import KVClassType, TransferBackend, get_kv_class
+from field.consensus import poll_and_all_reduce
 from lifecycle import KVPoll
-from lifecycle.compat import poll_and_all_reduce
 from lifecycle.testing.spawn import free_port, store_server
-from transport.compat import KVClassType, TransferBackend, get_kv_class
 
 POOL_PAGES, PAGE_BYTES, LAYERS = 64, 256, 2
 META_ROWS, HIDDEN = 8, 32

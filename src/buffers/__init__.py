@@ -1,7 +1,6 @@
 """Metadata rows, the slot allocator, page and state helpers, KV args."""
 
 from buffers.allocator import SlotAllocator
-from buffers.engine import DisaggregationMode, FinishAbort, engine_type, record_abort
 from buffers.errors import (
     BadArgument,
     BuffersError,
@@ -37,10 +36,8 @@ __all__ = [
     "MIN_ROW_BYTES",
     "BuffersError",
     "DescribesState",
-    "DisaggregationMode",
     "DoubleFree",
     "FieldSpec",
-    "FinishAbort",
     "GeometryMismatch",
     "KVArgs",
     "LayoutError",
@@ -60,7 +57,5 @@ __all__ = [
     "cp_filter_chunk",
     "cp_filter_pages",
     "cp_split",
-    "engine_type",
-    "record_abort",
     "ring_state_page",
 ]

@@ -256,7 +256,7 @@ def _compat(rank, world):
     import torch.distributed as dist
 
     from buffers import MetadataBuffers
-    from lifecycle.compat import (
+    from field.consensus import (
         last_failures,
         poll_and_all_reduce,
         poll_and_all_reduce_attn_cp_tp_group,
@@ -500,7 +500,7 @@ def _compat_faults(rank, world):
 
     os.environ["SGLANG_TEST_DISAGG_FAILURE_PROB"] = "0.5"
     os.environ["PDLIFE_FAULT_SEED"] = "3"
-    from lifecycle.compat import poll_and_all_reduce
+    from field.consensus import poll_and_all_reduce
     from lifecycle.testing import ScriptedPoller
 
     out = []

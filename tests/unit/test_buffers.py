@@ -8,7 +8,6 @@ import torch
 
 from buffers import (
     MIN_ROW_BYTES,
-    DisaggregationMode,
     DoubleFree,
     GeometryMismatch,
     KVArgs,
@@ -27,10 +26,9 @@ from buffers import (
     cp_filter_chunk,
     cp_filter_pages,
     cp_split,
-    engine_type,
-    record_abort,
     ring_state_page,
 )
+from field.engine import DisaggregationMode, engine_type, record_abort
 
 SMALL = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
 

@@ -85,7 +85,7 @@ def test_lifecycle_import_does_not_load_transport_or_tools():
     out = run_blocked(
         set(),
         """
-        import lifecycle, lifecycle.compat
+        import lifecycle, field.consensus
         print(sorted(m for m in sys.modules if m.startswith(("transport", "pdlife"))))
         """,
     )

@@ -1,4 +1,4 @@
-"""The package layers: buffers <- lifecycle <- transport <- pdlife (tooling).
+"""The package layers: buffers <- lifecycle <- transport <- field <- pdlife (tooling).
 
 Each layer may import only the ones before it, including imports inside
 functions, so ``import lifecycle`` can never pull in a transport or the
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ORDER = ["buffers", "lifecycle", "transport", "pdlife"]
+ORDER = ["buffers", "lifecycle", "transport", "field", "pdlife"]
 
 
 def imported_packages(path: Path) -> set[str]:

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
+from field.conn.backends import KVClassType, TransferBackend, get_kv_class
 from lifecycle import FailureReason, KVPoll, RequestTable, SingleRank, Stepper
 from transport import BackendUnavailable, TransferFailed, UnknownBackend, get_backend
-from transport.compat import KVClassType, TransferBackend, get_kv_class
 from transport.fake import FakeManager
 
 
@@ -135,7 +135,7 @@ def test_status_written_by_another_thread_during_growth_is_kept(monkeypatch):
 
 def test_registry_reports_nixl_available_when_installed():
     pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
-    from transport.field.nixl import NixlKVManager, NixlKVReceiver, NixlKVSender
+    from field.conn.nixl import NixlKVManager, NixlKVReceiver, NixlKVSender
     from transport.nixl import NixlManager
 
     b = get_backend("nixl")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transport.field.kv_args import KVArgs
-from transport.field.mooncake import (
+from field.conn.kv_args import KVArgs
+from field.conn.mooncake import (
     MooncakeKVBootstrapServer,
     MooncakeKVManager,
     MooncakeKVReceiver,

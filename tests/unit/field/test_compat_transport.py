@@ -1,4 +1,4 @@
-"""transport.compat: get_kv_class and the classes it returns, built the field's way."""
+"""field.conn.backends: get_kv_class and the classes it returns, built the field's way."""
 
 import importlib.util
 import types
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-import transport.compat as compat
+import field.conn.backends as compat
 from buffers import KVArgs as CoreKVArgs
 from buffers import LayoutError, StateType
+from field.conn.backends import KVClassType, TransferBackend, get_kv_class
 from lifecycle import FailureReason, KVPoll
 from transport import BackendUnavailable, TransferFailed
-from transport.compat import KVClassType, TransferBackend, get_kv_class
 
 HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
@@ -246,7 +246,7 @@ def test_handles_give_their_slot_back():
 
 
 def test_a_field_manager_takes_its_tp_size_from_the_server_args():
-    from transport.field.mooncake import _tp_size
+    from field.conn.mooncake import _tp_size
 
     assert _tp_size(types.SimpleNamespace(tp_size=4), 3, "mooncake") == 4
     assert _tp_size(types.SimpleNamespace(), 0, "mooncake") == 1  # a lone rank

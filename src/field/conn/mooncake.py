@@ -9,7 +9,7 @@ receiver, and its config), so this stays a thin translation:
   else 127.0.0.1) and ``server_args.disaggregation_bootstrap_port``. Unlike
   the field's decode side, which finds prefill per request from its bootstrap
   address, ours joins that store once, when the manager is built;
-- sender and receiver: see :mod:`transport.field.handles`;
+- sender and receiver: see :mod:`field.conn.handles`;
 - bootstrap server ``(host, port)``: the store itself.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from transport.field.bootstrap import BootstrapServer
-from transport.field.handles import FieldReceiver, FieldSender
-from transport.field.kv_args import KVArgs
+from field.conn.bootstrap import BootstrapServer
+from field.conn.handles import FieldReceiver, FieldSender
+from field.conn.kv_args import KVArgs
 from transport.registry import get_backend
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""lifecycle.compat: the field's consensus helpers, their call shapes and gates."""
+"""field.consensus: the field's consensus helpers, their call shapes and gates."""
 
 import types
 
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-import lifecycle.compat as compat
-from buffers.compat import MetadataBuffers
-from lifecycle import FailureReason, KVPoll
-from lifecycle.compat import (
+import field.consensus as compat
+from field.buffers import MetadataBuffers
+from field.consensus import (
     FAKE_BOOTSTRAP_HOST,
     poll_and_all_reduce,
     poll_and_all_reduce_attn_cp_tp_group,
     poll_and_all_reduce_with_staging,
 )
+from lifecycle import FailureReason, KVPoll
 from lifecycle.testing import ScriptedPoller
 
 S, T, W, F = (int(KVPoll.Success), int(KVPoll.Transferring), 2, int(KVPoll.Failed))

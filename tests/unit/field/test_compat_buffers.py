@@ -1,4 +1,4 @@
-"""buffers.compat: the field's allocator, metadata rows, page filters, state and aborts."""
+"""field.buffers: the field's allocator, metadata rows, page filters, state and aborts."""
 
 import types
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import buffers.compat as compat
-from buffers import DoubleFree, FinishAbort, GeometryMismatch, SlotOutOfRange
+import field.buffers as compat
+from buffers import DoubleFree, GeometryMismatch, SlotOutOfRange
 from buffers import MetadataBuffers as CoreMetadataBuffers
-from buffers.compat import (
+from field.buffers import (
     DisaggregationMode,
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
@@ -23,6 +23,7 @@ from buffers.compat import (
     prepare_abort,
     setup_state_kv_args,
 )
+from field.engine import FinishAbort
 
 
 def test_exports_exactly_the_field_names():

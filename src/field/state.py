@@ -1,4 +1,4 @@
-"""The field's state-component helpers (``buffers.compat`` re-exports them).
+"""The field's state-component helpers (``field.buffers`` re-exports them).
 
 Pools are recognised by what they declare, never by importing an engine: a
 pool may list its kinds in ``pd_pool_kinds`` (e.g. ``{"swa"}``); otherwise the

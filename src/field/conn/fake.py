@@ -22,12 +22,12 @@ import os
 import time
 from typing import Any
 
+from field.conn.handles import FieldReceiver, FieldSender
+from field.conn.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.errors import TransferFailed
 from transport.fake import FakeManager
-from transport.field.handles import FieldReceiver, FieldSender
-from transport.field.kv_args import KVArgs
 from transport.registry import get_backend
 
 __all__ = ["FakeKVManager", "FakeKVSender", "FakeKVReceiver", "CLASSES", "WAITING_TIMEOUT_VAR"]
@@ -157,7 +157,7 @@ class FakeKVReceiver(FieldReceiver):
         raise _fake_failure("Receiver", self)
 
 
-#: what :func:`transport.compat.get_kv_class` hands out (no bootstrap server: none is needed)
+#: what :func:`field.conn.backends.get_kv_class` hands out (no bootstrap server: none is needed)
 CLASSES: dict[str, Any] = {
     "kvargs": KVArgs,
     "manager": FakeKVManager,

@@ -1,7 +1,7 @@
 """The field's backend selection, by its own names: engines switch with no other change.
 
 ``get_kv_class(TransferBackend.X, KVClassType.Y)`` returns the class an engine
-builds for that backend and role (see :mod:`transport.field`): built and
+builds for that backend and role (see :mod:`field.conn`): built and
 driven the way engines build today's connectors, doing the work through our
 backend of the same name. It returns None where the backend has no such class
 (the fake backend has no bootstrap server), raises ``ValueError("Unsupported
@@ -16,8 +16,8 @@ import enum
 import importlib
 from typing import Any
 
+from field.conn import UnsupportedTransferBackend
 from transport.errors import BackendUnavailable
-from transport.field import UnsupportedTransferBackend
 from transport.registry import get_backend
 
 __all__ = ["TransferBackend", "KVClassType", "get_kv_class"]
@@ -41,9 +41,9 @@ class KVClassType(enum.Enum):
 
 #: backends with field-shaped classes, and the module that holds them
 _FIELD_CLASSES = {
-    TransferBackend.FAKE: "transport.field.fake",
-    TransferBackend.MOONCAKE: "transport.field.mooncake",
-    TransferBackend.NIXL: "transport.field.nixl",
+    TransferBackend.FAKE: "field.conn.fake",
+    TransferBackend.MOONCAKE: "field.conn.mooncake",
+    TransferBackend.NIXL: "field.conn.nixl",
 }
 
 

@@ -4,7 +4,7 @@ Engines build these the way they build today's connectors (``KVArgs()`` then
 fields, a manager from ``(args, mode, server_args)``, a sender or receiver per
 request); each call is handed to the backend of the same name from
 :func:`transport.get_backend`, which does the work and keeps the statuses.
-Reach them through :func:`transport.compat.get_kv_class`.
+Reach them through :func:`field.conn.backends.get_kv_class`.
 """
 
 from transport.errors import TransportError

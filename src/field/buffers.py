@@ -23,13 +23,13 @@ import torch
 from numpy.typing import NDArray
 
 from buffers.allocator import SlotAllocator
-from buffers.compat_state import append_state_component, is_mla_backend, setup_state_kv_args
-from buffers.engine import DisaggregationMode, FinishAbort, record_abort
 from buffers.errors import DoubleFree, LayoutError, SlotOutOfRange
 from buffers.kv_args import StateType
 from buffers.metadata import MetadataBuffers as _CoreMetadataBuffers
 from buffers.metadata import MetadataLayout
 from buffers.pages import C128, cp_filter_chunk, cp_split, ring_state_page
+from field.engine import DisaggregationMode, FinishAbort, record_abort
+from field.state import append_state_component, is_mla_backend, setup_state_kv_args
 
 __all__ = [
     "DisaggregationMode",
