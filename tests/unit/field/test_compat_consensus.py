@@ -98,11 +98,17 @@ def test_gate_holds_success_until_the_row_is_written(world_of_one, meta):
     assert poll_and_all_reduce(pollers(4, 4), world_of_one, reqs, meta, ARGS) == [S, S]
 
 
-@pytest.mark.parametrize("missing", ["decode_reqs", "metadata_buffers", "server_args"])
-def test_gate_runs_only_with_all_three(world_of_one, meta, missing):
-    kw = {"decode_reqs": [decode_req(101, 0)], "metadata_buffers": meta, "server_args": ARGS}
-    kw[missing] = None
-    assert poll_and_all_reduce(pollers(4), world_of_one, **kw) == [S]
+def test_the_gate_runs_with_decode_reqs_and_buffers_as_in_0_5_23(world_of_one, meta):
+    # 0.5.23's decode queue passes no server_args: the gate must still hold the row
+    reqs = [decode_req(101, 0)]
+    got = poll_and_all_reduce(pollers(4), world_of_one, decode_reqs=reqs, metadata_buffers=meta)
+    assert got == [T]
+    assert poll_and_all_reduce(pollers(4), world_of_one, decode_reqs=reqs) == [S]  # no buffers
+
+
+def test_buffers_without_decode_reqs_are_refused_not_ignored(world_of_one, meta):
+    with pytest.raises(TypeError, match="metadata_buffers was given without decode_reqs"):
+        poll_and_all_reduce(pollers(4), world_of_one, metadata_buffers=meta)
 
 
 def test_gate_never_hides_a_failure(world_of_one, meta):
@@ -223,13 +229,37 @@ def test_staging_holds_success_until_the_scatter_is_done(world_of_one):
 def test_staging_then_metadata_gate(world_of_one, meta):
     h = Handler(need=1)
     reqs = [staged_req(101, 0, 4)]
-    assert poll_and_all_reduce_with_staging(reqs, h, world_of_one, meta, ARGS) == [T]
+    assert poll_and_all_reduce_with_staging(reqs, h, world_of_one, meta) == [T]
     meta.set_buf(first_token_req(101, 0, 9))
-    assert poll_and_all_reduce_with_staging(reqs, h, world_of_one, meta, ARGS) == [S]
-    # without server_args the gate does not run, as in the field
+    assert poll_and_all_reduce_with_staging(reqs, h, world_of_one, meta) == [S]
+    # 0.5.23 gates whenever metadata_buffers is given, server_args or not
     assert poll_and_all_reduce_with_staging(
         [staged_req(102, 1, 4)], Handler(0), world_of_one, meta
-    ) == [S]
+    ) == [T]
+
+
+def test_the_fifth_argument_is_pollers_in_0_5_23_and_server_args_in_the_seed(world_of_one, meta):
+    from field.release import set_release
+
+    meta.set_buf(first_token_req(101, 0, 9))
+    reqs = [staged_req(101, 0, 2)]  # the receiver says WaitingForInput
+    # 0.5.23: the fifth argument is the pollers, which are polled instead
+    assert poll_and_all_reduce_with_staging(reqs, Handler(0), world_of_one, meta, pollers(4)) == [S]
+    set_release("seed")
+    try:
+        got = poll_and_all_reduce_with_staging(reqs, Handler(0), world_of_one, meta, ARGS)
+    finally:
+        set_release(None)
+    assert got == [W]
+
+
+def test_a_failed_scatter_fails_its_request_as_in_0_5_23(world_of_one):
+    class TimedOut(Handler):
+        def is_failed(self, dr):
+            return dr.req.bootstrap_room == 101
+
+    reqs = [staged_req(101, 0, 4), staged_req(102, 1, 4), staged_req(103, 2, 4, staging=False)]
+    assert poll_and_all_reduce_with_staging(reqs, TimedOut(need=5), world_of_one) == [F, T, S]
 
 
 def test_a_staging_handler_that_raises_fails_only_its_request(world_of_one):
