@@ -1,0 +1,144 @@
+"""A kept session answers every call as a table built afresh for that call would.
+
+field.session keeps one queue's table and stepper from one consensus call to
+the next and applies only the list's changes. Whatever the engine does to its
+list between calls (new requests at the end, any requests leaving, a reorder,
+the same object twice, requests without rooms, a poller going back, a
+metadata row landing or its index going bad), the kept session's answer must
+equal the answer of a session built for that call alone: the per-call table
+every call built before.
+"""
+
+import os
+import random
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from field.buffers import MetadataBuffers
+from field.session import Session
+from lifecycle.testing import ScriptedPoller
+
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def coll():
+    import torch.distributed as dist
+
+    from lifecycle import TorchCollective
+    from lifecycle.testing.spawn import store_server
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", store=store_server(), rank=0, world_size=1, timeout=timedelta(seconds=20)
+    )
+    yield TorchCollective(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+class Req:
+    """A decode request: its receiver, room and metadata row index."""
+
+    def __init__(self, room, value, index):
+        self.kv_receiver = ScriptedPoller(value)
+        self.kv_receiver.bootstrap_room = room
+        self.req = types.SimpleNamespace(bootstrap_room=room, bootstrap_host="10.0.0.1")
+        self.metadata_buffer_index = index
+
+
+VALUES = st.sampled_from([0, 1, 2, 3, 4, 4, 3, 7])
+INDEX = st.sampled_from([0, 1, 5, 7, None, -1, 99, 2.5])
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 4), VALUES, INDEX),
+        st.tuples(st.just("drop"), st.integers(0, 1 << 16)),
+        st.tuples(st.just("set"), st.integers(0, 1 << 16), VALUES),
+        st.tuples(st.just("index"), st.integers(0, 1 << 16), INDEX),
+        st.tuples(st.just("land"), st.integers(0, ROWS - 1), st.integers(0, 3)),
+        st.tuples(st.just("shuffle"), st.integers(0, 1 << 16)),
+        st.tuples(st.just("twice"), st.integers(0, 1 << 16)),
+        st.tuples(st.just("roomless"), st.integers(0, 1 << 16)),
+        st.tuples(st.just("wrap"),),
+        st.tuples(st.just("call"),),
+    ),
+    max_size=40,
+)
+
+
+@given(ops=OPS, gated=st.booleans())
+def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated):
+    meta = MetadataBuffers(ROWS, 4, torch.float32)
+    kept = Session(coll, gated=gated, staged=False)
+    queue: list[Req] = []
+    pollers_of = None  # a fresh wrapper list per call, as a hicache-gated engine builds
+    next_room = 1000
+    calls = 0
+    for op in [*ops, ("call",)]:
+        kind = op[0]
+        if kind == "add":
+            for _ in range(op[1]):
+                next_room += 1
+                queue.append(Req(next_room, op[2], op[3]))
+        elif kind == "drop" and queue:
+            del queue[op[1] % len(queue)]
+        elif kind == "set" and queue:
+            queue[op[1] % len(queue)].kv_receiver.value = op[2]
+        elif kind == "index" and queue:
+            queue[op[1] % len(queue)].metadata_buffer_index = op[2]
+        elif kind == "land":
+            rooms = [0] + [r.req.bootstrap_room or 0 for r in queue]
+            meta.bootstrap_room[op[1], 0] = rooms[op[2] % len(rooms)]
+        elif kind == "shuffle":
+            random.Random(op[1]).shuffle(queue)
+        elif kind == "twice" and queue:
+            queue.append(queue[op[1] % len(queue)])
+        elif kind == "roomless" and queue:
+            queue[op[1] % len(queue)].req.bootstrap_room = None
+            queue[op[1] % len(queue)].kv_receiver.bootstrap_room = None
+        elif kind == "wrap":
+            pollers_of = (lambda q: [Wrapped(r.kv_receiver) for r in q]) if not pollers_of else None
+        elif kind == "call" and queue:
+            calls += 1
+            pollers = pollers_of(queue) if pollers_of else [r.kv_receiver for r in queue]
+            kw = {
+                "metadata_buffers": meta if gated else None,
+                "server_args": None,
+                "staging_handler": None,
+                "faults": None,
+            }
+            fresh = Session(coll, gated=gated, staged=False)
+            want, want_f = fresh.run(list(pollers), list(queue), **kw)
+            got, got_f = kept.run(list(pollers), list(queue), **kw)
+            assert got == want, f"call {calls}: kept {got} != fresh {want}"
+            assert [f.reason for f in got_f] == [f.reason for f in want_f]
+            if fresh.known:  # else the fresh one names requests by position
+                assert [f.room for f in got_f] == [f.room for f in want_f]
+
+
+class Wrapped:
+    def __init__(self, inner):
+        self.inner = inner
+        self.bootstrap_room = inner.bootstrap_room
+
+    def poll(self):
+        return self.inner.poll()
+
+
+def test_negative_control_a_session_that_trusts_the_list_answers_wrong(coll, monkeypatch):
+    """With the list comparison switched off, a replaced request keeps the old one's answer."""
+    import field.session
+
+    monkeypatch.setattr(field.session, "_same", lambda a, b: True)
+    queue = [Req(1, 2, 0), Req(2, 3, 1), Req(3, 1, 2)]
+    kept = Session(coll, gated=False, staged=False)
+    kw = {"metadata_buffers": None, "server_args": None, "staging_handler": None, "faults": None}
+    assert kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0] == [2, 3, 1]
+    queue[0] = Req(4, 0, 0)  # a new request in the first one's place
+    got = kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
+    fresh = Session(coll, gated=False, staged=False)
+    assert got != fresh.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
