@@ -115,15 +115,7 @@ class RoomGate:
     def landed(
         self, slots: NDArray[np.int64], rooms: NDArray[np.uint64]
     ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-        reqs = self._reqs
-        rows = np.fromiter(
-            (
-                metadata_index(getattr(reqs[p], "metadata_buffer_index", None))
-                for p in slots.tolist()
-            ),
-            dtype=np.int64,
-            count=slots.size,
-        )
+        rows = self._rows(slots)
         bad = (rows < 0) | (rows >= len(self._col))
         try:
             got = self._read(np.where(bad, 0, rows)) if len(self._col) else np.zeros(rows.size)
@@ -135,6 +127,24 @@ class RoomGate:
             return written, bad
         want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
         return written, bad | (written & (got != want))
+
+    def _rows(self, slots: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Each asked request's row (-1 where it has none that can be read)."""
+        reqs = self._reqs
+        at = slots.tolist()
+        try:
+            idx = [reqs[p].metadata_buffer_index for p in at]
+        except Exception:  # a request without the attribute: the slow path says which
+            idx = None
+        if idx is not None and set(map(type, idx)) <= {int}:
+            rows = np.fromiter(idx, dtype=np.int64, count=len(idx))
+            rows[rows < 0] = -1
+            return rows
+        return np.fromiter(
+            (metadata_index(getattr(reqs[p], "metadata_buffer_index", None)) for p in at),
+            dtype=np.int64,
+            count=len(at),
+        )
 
     def _read(self, rows: NDArray[np.int64]) -> NDArray[np.int64]:
         col = self._col

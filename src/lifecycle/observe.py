@@ -203,23 +203,51 @@ def _each(
 ) -> Observation:
     k = rooms.size
     out: list[object] = []
+    append = out.append
     errors: dict[int, BaseException] = {}
-    for i, s in enumerate(rows.tolist()):
+    it = iter(rows.tolist())
+    while True:  # one loop over every handle; a poll that raises is noted and skipped
         try:
-            out.append(handles[s].poll())
+            for s in it:
+                append(handles[s].poll())
+            break
         except Exception as e:
-            errors[i] = e
-            out.append(int(KVPoll.Failed))
-    # only integers are statuses: 2.7, True or "4" are invalid, never rounded
-    arr = np.fromiter(
+            errors[len(out)] = e
+            append(_FAILED)
+    obs = Observation(_statuses(out, k))
+    obs.given = out
+    _raised(obs, errors, rooms, k, None)
+    return obs
+
+
+def _statuses(out: list[object], k: int) -> NDArray[np.int8]:
+    """Each answer as a status, or -1 where it is not one: only integers are
+    statuses (2.7, True or "4" are invalid, never rounded). When every answer's
+    type is an integer type, the check is one pass over the types and one array."""
+    if all(t in _INT_TYPES or _int_type(t) for t in set(map(type, out))):
+        try:
+            wide = np.fromiter(out, dtype=np.int64, count=k)
+        except (OverflowError, TypeError, ValueError):
+            pass
+        else:
+            wide[(wide < 0) | (wide > 4)] = -1
+            return wide.astype(np.int8)
+    return np.fromiter(
         (int(x) if validate.is_integer(x) and 0 <= x <= 4 else -1 for x in out),  # type: ignore[call-overload, operator]
         dtype=np.int8,
         count=k,
     )
-    obs = Observation(arr)
-    obs.given = out
-    _raised(obs, errors, rooms, k, None)
-    return obs
+
+
+_FAILED = int(KVPoll.Failed)
+_INT_TYPES = {int, KVPoll}
+
+
+def _int_type(t: type) -> bool:
+    ok = issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
+    if ok and len(_INT_TYPES) < 64:
+        _INT_TYPES.add(t)
+    return ok
 
 
 def _raised(

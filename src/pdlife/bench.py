@@ -24,8 +24,13 @@ times, back to back and in the same order on both ranks:
   new ones arrive; ``churn_one``: the same with every failure on rank 0 (the
   header names the origin: no second reduce);
 - ``field``: the code a step replaces, SGLang's own ``poll_and_all_reduce``
-  (``sglang.srt.disaggregation.utils``) on the same pollers, ungated, when
-  SGLang is importable here (else skipped, and said so in one line);
+  (``sglang.srt.disaggregation.utils``) on a field-style queue of per-request
+  pollers (half waiting for input, half transferring), ungated, when SGLang is
+  importable here (else skipped, and said so in one line); ``field_gated``:
+  the same function with its metadata gate on a decode transfer queue (two
+  thirds at Success with the row not landed);
+- ``compat`` / ``compat_gated``: the drop-in, :func:`field.consensus.poll_and_all_reduce`,
+  on the same queues with the same arguments (its table kept across calls);
 - ``overlap_visible``: ``start(worker=True)`` + ``finish`` with a 5 ms sleep
   between them standing in for the forward pass: the time the caller is
   blocked (the hooks, verdicts, gates and the launch run on the step's own
@@ -58,7 +63,7 @@ import numpy as np
 import torch
 
 from pdlife.args import positive_int
-from pdlife.bench_cases import ObjPoller, churn_case, gated_queue, three_queues
+from pdlife.bench_cases import ObjPoller, churn_case, field_queue, gated_queue, three_queues
 from pdlife.bench_report import format_table
 
 __all__ = ["add_parser", "run_bench", "format_table"]
@@ -90,6 +95,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from buffers import MetadataLayout
+    from field.consensus import poll_and_all_reduce as compat_poll
     from lifecycle import KVPoll, RequestMachine, TorchCollective
 
     coll = TorchCollective()
@@ -151,10 +157,21 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         return visible
 
     field_poll, _ = field_function()
+    f_ungated, f_gated, f_reqs, f_meta = field_queue(n)
 
     def field() -> None:
         assert field_poll is not None
-        field_poll(pollers, group)
+        field_poll(f_ungated, group)
+
+    def field_gated() -> None:
+        assert field_poll is not None
+        field_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
+
+    def compat() -> None:
+        compat_poll(f_ungated, group)
+
+    def compat_gated() -> None:
+        compat_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
 
     variants = {
         "floor": floor,
@@ -167,9 +184,12 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "churn_one": churn_one,
         "overlap_visible": overlapped(True),
         "overlap_inline": overlapped(False),
+        "compat": compat,
+        "compat_gated": compat_gated,
     }
     if field_poll is not None:
         variants["field"] = field
+        variants["field_gated"] = field_gated
     for f in variants.values():  # warm-up (also sizes the steps' capacities)
         for _ in range(3):
             f()
@@ -229,7 +249,13 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _ratios(med: dict[str, float]) -> dict[str, float]:
-    field = {"field/ours": med["field"] / med["ours"]} if "field" in med else {}
+    field = {}
+    if "field" in med:
+        field = {
+            "field/ours": med["field"] / med["ours"],
+            "compat/field": med["compat"] / med["field"],
+            "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
+        }
     return {
         **field,
         "ours-hooks_floor/floor": (med["ours"] - med["hooks_floor"]) / med["floor"],

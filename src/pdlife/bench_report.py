@@ -49,10 +49,17 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append(f"{'N':>6} " + " ".join(f"{r:>16}" for r in _RATIOS))
     for n, row in res["sizes"].items():
         lines.append(f"{n:>6} " + " ".join(f"{row['ratios'][r]:16.2f}" for r in _RATIOS))
-        if "field/ours" in row["ratios"]:
+        r = row["ratios"]
+        compat = f"compat {row['compat']['median_us']:.0f} us, gated {row['compat_gated']['median_us']:.0f} us"
+        if "field/ours" in r:
             lines.append(
-                f"{'':>6} field {row['field']['median_us']:.0f} us, field/ours {row['ratios']['field/ours']:.2f}"
+                f"{'':>6} field {row['field']['median_us']:.0f} us, gated "
+                f"{row['field_gated']['median_us']:.0f} us; {compat}; field/ours "
+                f"{r['field/ours']:.2f}, compat/field {r['compat/field']:.2f}, "
+                f"compat_gated/field_gated {r['compat_gated/field_gated']:.2f}"
             )
+        else:
+            lines.append(f"{'':>6} {compat}")
     lines.append("ratios of lower quartiles, same run (the collectives' fast mode)")
     for n, row in res["sizes"].items():
         lines.append(f"{n:>6} " + " ".join(f"{row['ratios_p25'][r]:16.2f}" for r in _RATIOS))
