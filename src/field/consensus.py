@@ -115,7 +115,7 @@ def _session(
     return s
 
 
-def _run(
+def run_consensus(
     kind: str,
     groups: tuple[Any, ...],
     pollers: Sequence[Any],
@@ -189,7 +189,7 @@ def poll_and_all_reduce(
     """
     _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce")
     gated = decode_reqs is not None and metadata_buffers is not None
-    return _run(
+    return run_consensus(
         "flat",
         (gloo_group,),
         pollers,
@@ -204,7 +204,7 @@ def poll_and_all_reduce_attn_cp_tp_group(
 ) -> list[int]:
     """As :func:`poll_and_all_reduce` over the attention TP group, then MIN over
     the CP group: the MIN over TP x CP."""
-    return _run("cp_tp", (attn_tp_cpu_group, attn_cp_cpu_group), pollers)
+    return run_consensus("cp_tp", (attn_tp_cpu_group, attn_cp_cpu_group), pollers)
 
 
 def poll_and_all_reduce_with_staging(
@@ -230,7 +230,7 @@ def poll_and_all_reduce_with_staging(
     _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce_with_staging")
     if pollers is None:
         pollers = [dr.kv_receiver for dr in decode_reqs]
-    return _run(
+    return run_consensus(
         "staging",
         (gloo_group,),
         pollers,

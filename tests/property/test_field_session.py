@@ -63,8 +63,12 @@ OPS = st.lists(
         st.tuples(st.just("shuffle"), st.integers(0, 1 << 16)),
         st.tuples(st.just("twice"), st.integers(0, 1 << 16)),
         st.tuples(st.just("roomless"), st.integers(0, 1 << 16)),
-        st.tuples(st.just("wrap"),),
-        st.tuples(st.just("call"),),
+        st.tuples(
+            st.just("wrap"),
+        ),
+        st.tuples(
+            st.just("call"),
+        ),
     ),
     max_size=40,
 )
