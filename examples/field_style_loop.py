@@ -1,11 +1,14 @@
 """A prefill and a decode loop written the way PD engines write them today.
 
-Only the compat names are used: ``KVArgs()`` filled in field by field,
-``get_kv_class(TransferBackend.X, ...)`` for the manager, sender, receiver and
-bootstrap server, sender ``init/send/poll``, receiver ``init/poll``,
+Only the compat names are used, called as SGLang 0.5.23 calls them (the
+loops pin that release with ``field.release.set_release``): ``KVArgs()``
+filled in field by field, ``get_kv_class(TransferBackend.X, ...)`` for the
+manager, sender, receiver and bootstrap server, sender ``init/send/poll``,
+receiver ``init(prefill_dp_rank)/send_metadata/poll``,
 ``poll_and_all_reduce`` (with the metadata gate on decode),
-``MetadataBuffers.set_buf/get_buf`` and ``ReqToMetadataIdxAllocator``. An
-engine that has loops like these changes its imports and nothing else.
+``MetadataBuffers.set_buf/get_buf/clear_slot`` and
+``ReqToMetadataIdxAllocator``. An engine that has loops like these changes its
+imports and nothing else.
 
 Prefill and decode are two processes on 127.0.0.1, each with its own gloo
 group (a TP group of one). On Mooncake, decode checks every KV byte and every
@@ -34,6 +37,7 @@ import torch
 from field.buffers import DisaggregationMode, MetadataBuffers, ReqToMetadataIdxAllocator
 from field.conn.backends import KVClassType, TransferBackend, get_kv_class
 from field.consensus import poll_and_all_reduce
+from field.release import set_release
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import free_port, store_server
 
@@ -118,7 +122,12 @@ def prefill(backend: TransferBackend, rooms: list[int], server_args: Any) -> dic
     bootstrap_queue = []
     for room in rooms:
         req = make_req(room)
-        req.disagg_kv_sender = sender_class(kv_manager, "127.0.0.1", room, [0], 0)
+        req.disagg_kv_sender = sender_class(
+            mgr=kv_manager,
+            bootstrap_addr="127.0.0.1",
+            bootstrap_room=room,
+            req_has_disagg_prefill_dp_rank=False,
+        )
         bootstrap_queue.append(req)
     inflight: list[Any] = []
     done, failed, rows_checked = [], [], 0
@@ -198,7 +207,10 @@ def decode(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict
     prealloc_queue = []
     for room in rooms:
         decode_req = types.SimpleNamespace(req=make_req(room), metadata_buffer_index=None)
-        decode_req.kv_receiver = receiver_class(kv_manager, "127.0.0.1", room)
+        decode_req.kv_receiver = receiver_class(
+            mgr=kv_manager, bootstrap_addr="127.0.0.1", bootstrap_room=room
+        )
+        decode_req.kv_receiver.init(0)  # the prefill DP rank (one DP group here)
         prealloc_queue.append(decode_req)
     transfer_queue: list[Any] = []
     done, failed, bad = [], [], []
@@ -216,7 +228,7 @@ def decode(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict
                     continue
                 d.metadata_buffer_index = idx
                 d.pages = [free_pages.pop() for _ in range(d.req.num_pages)]
-                d.kv_receiver.init(torch.tensor(d.pages).numpy(), idx)
+                d.kv_receiver.send_metadata(torch.tensor(d.pages).numpy(), idx)
                 transfer_queue.append(d)
             elif poll == KVPoll.Failed:
                 failed.append(d.req.bootstrap_room)
@@ -241,7 +253,7 @@ def decode(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict
                     expected_rows.set_buf(d.req)
                     want = expected_rows.get_buf(0)
                     rows += 1
-                    if any(not torch.equal(a, b) for a, b in zip(row, want)):
+                    if not all(same(a, b) for a, b in zip(row, want)):
                         bad.append((room, "metadata row"))
                     for pos, page in enumerate(d.pages):
                         for layer in range(LAYERS):
@@ -254,7 +266,7 @@ def decode(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict
             else:
                 still.append(d)
                 continue
-            metadata_buffers.bootstrap_room[d.metadata_buffer_index].zero_()  # next owner
+            metadata_buffers.clear_slot(d.metadata_buffer_index)  # "not written" for the next owner
             allocator.free(d.metadata_buffer_index)
             free_pages.extend(d.pages)
         transfer_queue = still
@@ -274,6 +286,13 @@ def decode(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict
     }
 
 
+def same(a: Any, b: Any) -> bool:
+    """Two get_buf values agree (None: a row these buffers do not have)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -281,6 +300,7 @@ def side_main(side: str, backend_name: str, rooms: list[int], store_port: int, o
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    set_release("0.5.23")  # the call shapes below are 0.5.23's
     dist.init_process_group(
         "gloo",
         store=store_server(),  # this side's own one-rank group, on a port the OS picks

@@ -3,11 +3,13 @@
 from buffers.allocator import SlotAllocator
 from buffers.errors import (
     BadArgument,
+    BadArgumentType,
     BuffersError,
     DoubleFree,
     GeometryMismatch,
     LayoutError,
     NotQuarantined,
+    RowOverflow,
     SlotError,
     SlotNotOwned,
     SlotOutOfRange,
@@ -32,6 +34,7 @@ from buffers.pages import C128, cp_filter_chunk, cp_filter_pages, cp_split, ring
 
 __all__ = [
     "BadArgument",
+    "BadArgumentType",
     "C128",
     "MIN_ROW_BYTES",
     "BuffersError",
@@ -45,6 +48,7 @@ __all__ = [
     "MetadataLayout",
     "MetadataRecord",
     "NotQuarantined",
+    "RowOverflow",
     "SlotAllocator",
     "SlotError",
     "SlotNotOwned",

@@ -13,6 +13,8 @@ __all__ = [
     "LayoutError",
     "GeometryMismatch",
     "BadArgument",
+    "BadArgumentType",
+    "RowOverflow",
 ]
 
 
@@ -68,6 +70,22 @@ class LayoutError(BuffersError):
     pass
 
 
+class RowOverflow(LayoutError, RuntimeError):
+    """More values than a metadata row holds; nothing was written. Also a
+    RuntimeError, which is what callers of row-copying code usually catch."""
+
+    def __init__(self, field: str, count: int, width: int, hint: str = "") -> None:
+        self.field, self.count, self.width = field, count, width
+        super().__init__(
+            hint
+            or (
+                f"metadata field {field}: {count} values do not fit its row of {width}; "
+                f"write at most {width} values or widen the field in the layout. "
+                "Nothing was written."
+            )
+        )
+
+
 class GeometryMismatch(BuffersError):
     def __init__(self, what: str, target: object, draft: object) -> None:
         self.what, self.target, self.draft = what, target, draft
@@ -86,3 +104,7 @@ class BadArgument(BuffersError, ValueError):
             f"{what}: got {value!r} ({type(value).__name__}), expected {expected}. "
             "Nothing was changed."
         )
+
+
+class BadArgumentType(BadArgument, TypeError):
+    """An argument of the wrong type (also a TypeError); nothing changed."""

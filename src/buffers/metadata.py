@@ -6,6 +6,9 @@ order, for registering with a transfer engine: base pointer, total bytes and
 bytes per row; row ``k`` of a field is at ``ptr + k * item_len``. Both sides
 build the same layout, so the lists line up.
 
+A layout may add fields of its own (a subclass overriding
+:attr:`MetadataLayout.fields`); each field's rows start at its ``fill``.
+
 The ``bootstrap_room`` field is written last: a non-zero room equal to the
 request's means the whole row has landed; zero means not written; another
 non-zero room means the row belongs to someone else (corruption).
@@ -14,7 +17,7 @@ non-zero room means the row belongs to someone else (corruption).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -22,7 +25,7 @@ import torch
 from numpy.typing import NDArray
 
 from buffers.allocator import MAX_SLOTS, check_room
-from buffers.errors import BadArgument, LayoutError, SlotOutOfRange
+from buffers.errors import BadArgument, LayoutError, RowOverflow, SlotOutOfRange
 
 __all__ = [
     "FieldSpec",
@@ -37,9 +40,13 @@ MIN_ROW_BYTES = 64  # the smallest RDMA write; rows narrower than this get torn
 
 @attrs.frozen
 class FieldSpec:
+    """One field: ``width`` values of ``dtype`` per row; an unwritten row (and
+    the part of a row a write leaves short) holds ``fill``."""
+
     name: str
     width: int
     dtype: torch.dtype
+    fill: int = 0
 
     @property
     def row_bytes(self) -> int:
@@ -107,7 +114,20 @@ class MetadataLayout:
 
 @attrs.frozen(eq=False)
 class MetadataRecord:
-    """One row's contents (copies: the slot will be reused)."""
+    """One row's contents (copies: the slot will be reused); ``extra`` holds
+    the fields a layout adds beyond the standard ones, by name."""
+
+    STANDARD: ClassVar[tuple[str, ...]] = (
+        "output_ids",
+        "cached_tokens",
+        "output_token_logprobs_val",
+        "output_token_logprobs_idx",
+        "output_top_logprobs_val",
+        "output_top_logprobs_idx",
+        "output_topk_p",
+        "output_topk_index",
+        "output_hidden_states",
+    )
 
     output_ids: NDArray[Any]
     cached_tokens: NDArray[Any]
@@ -119,6 +139,7 @@ class MetadataRecord:
     output_topk_index: NDArray[Any]
     output_hidden_states: NDArray[Any]
     bootstrap_room: int
+    extra: Mapping[str, NDArray[Any]] = attrs.field(factory=dict)
 
     @property
     def first_token(self) -> int:
@@ -142,8 +163,11 @@ class MetadataBuffers:
         self.layout = layout or MetadataLayout()
         self.layout.validate()
         self.device = torch.device(device)
+        self._specs = {spec.name: spec for spec in self.layout.fields}
         self.tensors: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros((size, spec.width), dtype=spec.dtype, device=self.device)
+            spec.name: torch.full(
+                (size, spec.width), spec.fill, dtype=spec.dtype, device=self.device
+            )
             for spec in self.layout.fields
         }
         self._checked: NDArray[np.int64] | None = None
@@ -188,7 +212,7 @@ class MetadataBuffers:
         self._store(slot, 0, values)
 
     def _store(self, slot: int, room_word: int, values: Mapping[str, Any]) -> None:
-        unknown = set(values) - {s.name for s in self.layout.fields} - {"bootstrap_room"}
+        unknown = set(values) - set(self._specs)
         if unknown:
             raise LayoutError(f"unknown metadata fields {sorted(unknown)}")
         staged = {}
@@ -196,15 +220,13 @@ class MetadataBuffers:
             t = self.tensors[name]
             src = torch.as_tensor(v, dtype=t.dtype).reshape(-1)
             if src.numel() > t.shape[1]:
-                raise LayoutError(
-                    f"field {name}: {src.numel()} values do not fit a row of {t.shape[1]}"
-                )
+                raise RowOverflow(name, src.numel(), t.shape[1])
             staged[name] = src
         room_col = self.tensors["bootstrap_room"].view(torch.int64)
         room_col[slot, 0] = 0  # a reader must not pair the old room with new data
         for name, src in staged.items():
             row = self.tensors[name][slot]
-            row.zero_()
+            row.fill_(self._specs[name].fill)
             row[: src.numel()] = src
         room_col[slot, 0] = room_word
 
@@ -218,7 +240,8 @@ class MetadataBuffers:
         np_values = {
             k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in values.items()
         }
-        return MetadataRecord(bootstrap_room=self.room_of(slot), **np_values)
+        standard = {k: np_values.pop(k) for k in MetadataRecord.STANDARD}
+        return MetadataRecord(bootstrap_room=self.room_of(slot), extra=np_values, **standard)
 
     def room_of(self, slot: int) -> int:
         self._check(slot)

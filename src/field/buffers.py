@@ -14,8 +14,11 @@ as "swa" without this package importing that engine).
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any
+import operator
+import os
+from typing import Any, overload
 
 import attrs
 import numpy as np
@@ -23,12 +26,21 @@ import torch
 from numpy.typing import NDArray
 
 from buffers.allocator import SlotAllocator
-from buffers.errors import DoubleFree, LayoutError, SlotOutOfRange
+from buffers.errors import (
+    BadArgument,
+    BadArgumentType,
+    DoubleFree,
+    LayoutError,
+    RowOverflow,
+    SlotOutOfRange,
+)
 from buffers.kv_args import StateType
+from buffers.metadata import FieldSpec, MetadataLayout
 from buffers.metadata import MetadataBuffers as _CoreMetadataBuffers
-from buffers.metadata import MetadataLayout
 from buffers.pages import C128, cp_filter_chunk, cp_split, ring_state_page
+from field._checks import integer, uint64
 from field.engine import DisaggregationMode, FinishAbort, record_abort
+from field.release import UNSET, SignatureByRelease, bind_positional
 from field.state import append_state_component, is_mla_backend, setup_state_kv_args
 
 __all__ = [
@@ -50,6 +62,16 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------
+
+
+def _as_signed(word: int) -> int:
+    """The same 64 bits as a signed integer (uint64 tensors are written through an int64 view)."""
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+# ---------------------------------------------------------------------------
 # metadata slots and rows
 # ---------------------------------------------------------------------------
 
@@ -58,17 +80,18 @@ class ReqToMetadataIdxAllocator:
     """``size`` metadata slots handed out first in, first out; ``alloc`` returns
     None when none is free (the request waits). ``size=0`` is an always-empty pool.
 
-    Stricter than the field: freeing a slot that is already free raises
-    :class:`~buffers.errors.DoubleFree` and freeing one outside the pool raises
-    :class:`~buffers.errors.SlotOutOfRange`, and neither changes anything (the
-    field would queue the slot twice, and two live requests would share a row).
+    Stricter than the field: ``free`` takes an integer slot of this pool that
+    is in use, else it raises and changes nothing. A bool or a float
+    (``free(True)``, ``free(1.7)``) raises :class:`~buffers.errors.BadArgumentType`
+    (also a TypeError); a slot outside the pool
+    :class:`~buffers.errors.SlotOutOfRange`; a slot that is already free
+    :class:`~buffers.errors.DoubleFree`. The field would queue any of them,
+    and later hand one row to two live requests (or a non-slot to one).
     """
 
     def __init__(self, size: int) -> None:
-        if size < 0:
-            raise ValueError(f"ReqToMetadataIdxAllocator size must be >= 0, got {size}")
-        self.size = size
-        self._pool = SlotAllocator(size) if size else None
+        self.size = integer("ReqToMetadataIdxAllocator size", size, 0)
+        self._pool = SlotAllocator(self.size) if self.size else None
         self._next_owner = 1  # the core tracks an owner per slot; each alloc is its own
 
     def available_size(self) -> int:
@@ -83,10 +106,19 @@ class ReqToMetadataIdxAllocator:
         return slot
 
     def free(self, free_index: int) -> None:
-        if self._pool is None:
-            raise SlotOutOfRange(int(free_index), 0)
-        slot = int(free_index)
-        owner = self._pool.owner_of(slot)  # raises SlotOutOfRange first
+        if isinstance(free_index, (bool, np.bool_)):
+            raise BadArgumentType(
+                "free_index", free_index, f"a slot number in 0..{self.size - 1}, not a bool"
+            )
+        try:
+            slot = operator.index(free_index)
+        except TypeError:
+            raise BadArgumentType(
+                "free_index", free_index, f"an integer slot number in 0..{self.size - 1}"
+            ) from None
+        if self._pool is None or not 0 <= slot < self.size:
+            raise SlotOutOfRange(slot, self.size)
+        owner = self._pool.owner_of(slot)
         if owner is None:
             err = DoubleFree(slot, 0)
             err.args = (
@@ -98,10 +130,101 @@ class ReqToMetadataIdxAllocator:
         self._pool.free(slot, owner)
 
 
+#: the rows' fields in the field's order; the optional ones are present only when built
+_SAMPLING_MASK = (
+    "output_token_sampling_mask_len",
+    "output_token_sampling_mask_idx",
+    "output_token_sampling_logprobs",
+)
+_DSA = "output_dsa_topk_indices"
+_CHECKSUM = "kv_checksum"
+
+#: what ``get_buf`` returns, per release (absent optional fields are None)
+GET_BUF_FIELDS: dict[str, tuple[str, ...]] = {
+    "seed": (
+        "output_ids",
+        "cached_tokens",
+        "output_token_logprobs_val",
+        "output_token_logprobs_idx",
+        "output_top_logprobs_val",
+        "output_top_logprobs_idx",
+        "output_topk_p",
+        "output_topk_index",
+        "output_hidden_states",
+        "bootstrap_room",
+    ),
+    "0.5.23": (
+        "output_ids",
+        "cached_tokens",
+        "output_token_logprobs_val",
+        "output_token_logprobs_idx",
+        "output_top_logprobs_val",
+        "output_top_logprobs_idx",
+        *_SAMPLING_MASK,
+        "output_topk_p",
+        "output_topk_index",
+        "output_hidden_states",
+        _DSA,
+        "bootstrap_room",
+    ),
+}
+
+SAMPLING_MASK_VAR = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"
+
+
+def _sampling_mask_enabled() -> bool:
+    raw = os.environ.get(SAMPLING_MASK_VAR)
+    if raw is None:
+        return False
+    word = raw.strip().lower()
+    if word in ("true", "1", "yes", "y"):
+        return True
+    if word in ("false", "0", "no", "n"):
+        return False
+    raise BadArgument(SAMPLING_MASK_VAR, raw, "one of true/1/yes/y or false/0/no/n")
+
+
 @attrs.frozen
 class _FieldLayout(MetadataLayout):
-    """The field allows rows narrower than the 64-byte RDMA minimum (small
-    hidden sizes in tests); keep them, say so in the log."""
+    """The field's rows: the core's ten fields, plus, when asked for, the
+    sampling-mask rows (after the top logprobs), the DSA top-k indices (after
+    the hidden state, unwritten entries -1) and the KV checksum (after the room).
+
+    The field allows rows narrower than the 64-byte RDMA minimum (small hidden
+    sizes in tests); they are kept and logged."""
+
+    sampling_mask_tokens: int = 0  # 0: no sampling-mask rows
+    dsa_topk_dim: int = 0  # 0: no DSA top-k rows
+    kv_checksum: bool = False
+
+    @property
+    def fields(self) -> tuple[FieldSpec, ...]:
+        base = {spec.name: spec for spec in super().fields}
+        order: list[FieldSpec] = [
+            base[name]
+            for name in (
+                "output_ids",
+                "cached_tokens",
+                "output_token_logprobs_val",
+                "output_token_logprobs_idx",
+                "output_top_logprobs_val",
+                "output_top_logprobs_idx",
+            )
+        ]
+        if self.sampling_mask_tokens:
+            n = self.sampling_mask_tokens
+            order += [
+                FieldSpec(_SAMPLING_MASK[0], 16, torch.int32),
+                FieldSpec(_SAMPLING_MASK[1], n, torch.int32),
+                FieldSpec(_SAMPLING_MASK[2], n, torch.float32),
+            ]
+        order += [base["output_topk_p"], base["output_topk_index"], base["output_hidden_states"]]
+        if self.dsa_topk_dim:
+            order.append(FieldSpec(_DSA, self.dsa_topk_dim, torch.int32, fill=-1))
+        order.append(base["bootstrap_room"])
+        if self.kv_checksum:
+            order.append(FieldSpec(_CHECKSUM, 8, self.room_dtype))
+        return tuple(order)
 
     def validate(self) -> None:
         try:
@@ -112,13 +235,84 @@ class _FieldLayout(MetadataLayout):
             logger.info("metadata layout kept as the field builds it: %s", e)
 
 
+def _parameters(*spec: tuple[str, Any]) -> inspect.Signature:
+    """A signature from (name, default) pairs; a name starting with ``*`` is keyword-only."""
+    params = [
+        inspect.Parameter(
+            name.lstrip("*"),
+            inspect.Parameter.KEYWORD_ONLY
+            if name.startswith("*")
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=default,
+        )
+        for name, default in spec
+    ]
+    return inspect.Signature(params)
+
+
+_REQUIRED = inspect.Parameter.empty
+_LEADING = ("size", "hidden_size", "hidden_states_dtype")
+#: the constructor's positional parameters after the leading three, per release
+_SHAPES = {
+    "seed": ("max_top_logprobs_num", "custom_mem_pool"),
+    "0.5.23": (
+        "max_sampling_mask_tokens",
+        "max_top_logprobs_num",
+        "custom_mem_pool",
+        "output_dsa_topk_indices_dim",
+    ),
+}
+
+
 class MetadataBuffers(_CoreMetadataBuffers):
     """The field's metadata rows: one CPU tensor per field, as attributes, in
     the order of ``get_buf_infos``; also a :class:`buffers.MetadataBuffers`,
     so the core's gate, ``read`` and ``clear_room`` work on it too.
 
-    ``custom_mem_pool`` is kept as an attribute; rows stay on the CPU.
+    Built with either release's call (see :mod:`field.release`)::
+
+        MetadataBuffers(size, hidden_size, hidden_states_dtype,
+                        max_sampling_mask_tokens, max_top_logprobs_num=128,
+                        custom_mem_pool=None, output_dsa_topk_indices_dim=0,
+                        *, kv_checksum_enabled=False)                # 0.5.23
+        MetadataBuffers(size, hidden_size, hidden_states_dtype,
+                        max_top_logprobs_num=128, custom_mem_pool=None)   # seed
+
+    Keywords mean the same under both; the fourth and fifth positional
+    arguments are read by the release in force when the buffers are built.
+    Optional rows: the sampling-mask rows (under 0.5.23, when
+    ``SGLANG_ENABLE_DISAGG_SAMPLING_MASK`` is true), the DSA top-k indices
+    (``output_dsa_topk_indices_dim > 0``) and the KV checksum
+    (``kv_checksum_enabled``); an absent one's attribute is None.
+
+    Stricter or looser than the field, on purpose: ``max_sampling_mask_tokens``
+    may be omitted (it sizes only the sampling-mask rows, and is required
+    when they are built); arguments are checked, a wrong one raises a typed
+    error naming it; ``custom_mem_pool`` is kept as an attribute and the rows
+    stay on the CPU.
     """
+
+    __signature__ = SignatureByRelease(
+        {
+            "seed": _parameters(
+                ("size", _REQUIRED),
+                ("hidden_size", _REQUIRED),
+                ("hidden_states_dtype", _REQUIRED),
+                ("max_top_logprobs_num", 128),
+                ("custom_mem_pool", None),
+            ),
+            "0.5.23": _parameters(
+                ("size", _REQUIRED),
+                ("hidden_size", _REQUIRED),
+                ("hidden_states_dtype", _REQUIRED),
+                ("max_sampling_mask_tokens", _REQUIRED),
+                ("max_top_logprobs_num", 128),
+                ("custom_mem_pool", None),
+                ("output_dsa_topk_indices_dim", 0),
+                ("*kv_checksum_enabled", False),
+            ),
+        }
+    )
 
     output_ids: torch.Tensor
     cached_tokens: torch.Tensor
@@ -126,11 +320,31 @@ class MetadataBuffers(_CoreMetadataBuffers):
     output_token_logprobs_idx: torch.Tensor
     output_top_logprobs_val: torch.Tensor
     output_top_logprobs_idx: torch.Tensor
+    output_token_sampling_mask_len: torch.Tensor | None
+    output_token_sampling_mask_idx: torch.Tensor | None
+    output_token_sampling_logprobs: torch.Tensor | None
     output_topk_p: torch.Tensor
     output_topk_index: torch.Tensor
     output_hidden_states: torch.Tensor
+    output_dsa_topk_indices: torch.Tensor | None
     bootstrap_room: torch.Tensor
+    kv_checksum: torch.Tensor | None
 
+    @overload
+    def __init__(
+        self,
+        size: int,
+        hidden_size: int,
+        hidden_states_dtype: torch.dtype,
+        max_sampling_mask_tokens: int,
+        max_top_logprobs_num: int = 128,
+        custom_mem_pool: Any = None,
+        output_dsa_topk_indices_dim: int = 0,
+        *,
+        kv_checksum_enabled: bool = False,
+    ) -> None: ...
+
+    @overload
     def __init__(
         self,
         size: int,
@@ -138,38 +352,107 @@ class MetadataBuffers(_CoreMetadataBuffers):
         hidden_states_dtype: torch.dtype,
         max_top_logprobs_num: int = 128,
         custom_mem_pool: Any = None,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        size: int,
+        hidden_size: int,
+        hidden_states_dtype: torch.dtype,
+        *args: Any,
+        max_sampling_mask_tokens: Any = UNSET,
+        max_top_logprobs_num: Any = UNSET,
+        custom_mem_pool: Any = UNSET,
+        output_dsa_topk_indices_dim: Any = UNSET,
+        kv_checksum_enabled: bool = False,
     ) -> None:
+        current, given = bind_positional(
+            "MetadataBuffers()",
+            _LEADING,
+            args,
+            _SHAPES,
+            {
+                "max_sampling_mask_tokens": max_sampling_mask_tokens,
+                "max_top_logprobs_num": max_top_logprobs_num,
+                "custom_mem_pool": custom_mem_pool,
+                "output_dsa_topk_indices_dim": output_dsa_topk_indices_dim,
+            },
+        )
+        # check every argument before building anything
+        integer("MetadataBuffers size", size, 1)
+        hidden = integer("hidden_size", hidden_size, 1)
+        if not isinstance(hidden_states_dtype, torch.dtype):
+            raise BadArgumentType(
+                "hidden_states_dtype", hidden_states_dtype, "a torch.dtype (e.g. torch.bfloat16)"
+            )
+        top = integer("max_top_logprobs_num", given.get("max_top_logprobs_num", 128), 1)
+        dsa = integer("output_dsa_topk_indices_dim", given.get("output_dsa_topk_indices_dim", 0), 0)
+        if not isinstance(kv_checksum_enabled, (bool, np.bool_)):
+            raise BadArgumentType("kv_checksum_enabled", kv_checksum_enabled, "a bool")
+        # the seed has no sampling-mask rows; under 0.5.23 the variable turns them on
+        sampling = current != "seed" and _sampling_mask_enabled()
+        mask_tokens = given.get("max_sampling_mask_tokens")
+        if mask_tokens is not None:
+            mask_tokens = integer("max_sampling_mask_tokens", mask_tokens, 0)
+        if sampling and not mask_tokens:
+            raise BadArgument(
+                "max_sampling_mask_tokens",
+                mask_tokens,
+                f"an integer >= 1 when {SAMPLING_MASK_VAR} is on (it sizes the sampling-mask "
+                "rows); pass the server's sampling_mask_max_tokens",
+            )
         layout = _FieldLayout(
-            hidden_size=hidden_size,
+            hidden_size=hidden,
             hidden_dtype=hidden_states_dtype,
-            max_top_logprobs=max_top_logprobs_num,
+            max_top_logprobs=top,
+            sampling_mask_tokens=int(mask_tokens or 0) if sampling else 0,
+            dsa_topk_dim=dsa,
+            kv_checksum=bool(kv_checksum_enabled),
         )
         super().__init__(size, layout)
-        self.custom_mem_pool = custom_mem_pool
+        #: the release whose conventions these buffers follow (read when built)
+        self.field_release = current
+        self.custom_mem_pool = given.get("custom_mem_pool")
+        self.output_dsa_topk_indices_dim = dsa
+        self.enable_sampling_mask = sampling
+        for name in (*_SAMPLING_MASK, _DSA, _CHECKSUM):
+            setattr(self, name, None)
         for name, tensor in self.tensors.items():
             setattr(self, name, tensor)
 
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """(data pointers, total bytes, bytes of one row), one entry per tensor."""
+        """(data pointers, total bytes, bytes of one row), one entry per tensor
+        that was built, in the field's order."""
         return self.buf_infos()
 
-    def get_buf(self, idx: int) -> tuple[torch.Tensor, ...]:
-        """Copies of row ``idx`` of every tensor, in ``get_buf_infos`` order."""
-        self._check(int(idx))
-        return tuple(self.tensors[spec.name][idx].clone() for spec in self.layout.fields)
+    def get_buf(self, idx: int) -> tuple[torch.Tensor | None, ...]:
+        """Copies of row ``idx``: 14 values under 0.5.23 (None for an optional
+        row that was not built), 10 under the seed (see ``GET_BUF_FIELDS``).
+        The KV checksum is read with :meth:`get_kv_checksum`."""
+        self._check(idx)
+        out: list[torch.Tensor | None] = []
+        for name in GET_BUF_FIELDS[self.field_release]:
+            tensor = getattr(self, name)
+            out.append(None if tensor is None else tensor[idx].clone())
+        return tuple(out)
 
     def set_buf(self, req: Any) -> None:
         """Write ``req``'s first-token row at ``req.metadata_buffer_index``; its
         room goes last (0 when it has none, so no reader takes the row as landed).
 
-        Unlike the field, the whole row is written: what the request does not
-        set (no logprobs, no hidden state) is zeroed, not left from the slot's
-        previous owner."""
-        slot = int(req.metadata_buffer_index)
-        # every field is written, the unset ones as zeros: a reused slot must not
-        # hand its previous owner's logprobs or hidden state to the next reader
+        Every value is checked before anything is written: a top-logprobs
+        list longer than the row raises :class:`~buffers.errors.RowOverflow`
+        (a RuntimeError, as in the field), and so does any other value too
+        long for its row. Unlike the field, the whole row is written: what
+        the request does not set (no logprobs, no hidden state) goes back to
+        its empty value, not left from the slot's previous owner. The KV
+        checksum is not part of the row (:meth:`set_kv_checksum`)."""
+        slot = req.metadata_buffer_index
+        self._check(slot)
         values: dict[str, Any] = {
-            spec.name: () for spec in self.layout.fields if spec.name != "bootstrap_room"
+            spec.name: ()
+            for spec in self.layout.fields
+            if spec.name not in ("bootstrap_room", _CHECKSUM)
         }
         values |= {
             "output_ids": [int(req.output_ids[0])],
@@ -191,19 +474,98 @@ class MetadataBuffers(_CoreMetadataBuffers):
                 src = getattr(lp, name, None)
                 if src:
                     values[name] = list(src[0])
+                    self._check_top_logprobs(name, len(values[name]))
+        if getattr(req, "return_sampling_mask", False):
+            values |= self._sampling_mask_values(req)
         hidden = getattr(req, "hidden_states_tensor", None)
         if hidden is not None:
             values["output_topk_p"] = req.output_topk_p
             values["output_topk_index"] = req.output_topk_index
             values["output_hidden_states"] = hidden
+            if self.output_dsa_topk_indices is not None:
+                dsa = getattr(req, "output_dsa_topk_indices", None)
+                if dsa is not None:
+                    values[_DSA] = dsa
         room = getattr(req, "bootstrap_room", None)
         if room:
             self.write(slot, int(room), values)
         else:
             self.write_unclaimed(slot, values)
 
+    def _check_top_logprobs(self, name: str, count: int) -> None:
+        width = self.output_top_logprobs_val.shape[1]
+        if count > width:
+            raise RowOverflow(
+                name,
+                count,
+                width,
+                f"top_logprobs_num {count} exceeds the disaggregation metadata capacity "
+                f"{width} ({name}); lower the request's top_logprobs_num or build "
+                f"MetadataBuffers with max_top_logprobs_num >= {count}. Nothing was written.",
+            )
+
+    def _sampling_mask_values(self, req: Any) -> dict[str, Any]:
+        if not self.enable_sampling_mask:
+            raise BadArgument(
+                "req.return_sampling_mask",
+                req.return_sampling_mask,
+                f"False: these buffers have no sampling-mask rows (set {SAMPLING_MASK_VAR}=1 "
+                "before building them, under the 0.5.23 release)",
+            )
+        chunk = req.sampling_mask_rows.view()
+        token_ids = np.asarray(chunk.token_ids)
+        return {
+            _SAMPLING_MASK[0]: [len(token_ids)],
+            _SAMPLING_MASK[1]: token_ids,
+            _SAMPLING_MASK[2]: np.asarray(chunk.logprobs),
+        }
+
+    # -- KV checksum (0.5.23) -------------------------------------------------
+
+    def _checksum_words(self, method: str) -> torch.Tensor:
+        if self.kv_checksum is None:
+            raise LayoutError(
+                f"MetadataBuffers.{method}: these buffers have no KV checksum rows; build "
+                "them with kv_checksum_enabled=True on both prefill and decode"
+            )
+        return self.kv_checksum.view(torch.int64)
+
+    def set_kv_checksum(self, req: Any, digest: int, signature: int) -> None:
+        """Store the KV digest and the layout signature it was taken under in
+        row ``req.metadata_buffer_index`` (words 0 and 1 of its checksum row)."""
+        words = self._checksum_words("set_kv_checksum")
+        slot = req.metadata_buffer_index
+        self._check(slot)
+        d, s = uint64("digest", digest), uint64("signature", signature)
+        words[slot, 0] = _as_signed(d)
+        words[slot, 1] = _as_signed(s)
+
+    def get_kv_checksum(self, idx: int) -> tuple[int, int]:
+        """``(digest, signature)`` of row ``idx``; ``(0, 0)`` means none was written."""
+        words = self._checksum_words("get_kv_checksum")
+        self._check(idx)
+        digest, signature = words[idx, :2].tolist()
+        return int(digest) & _U64, int(signature) & _U64
+
+    def clear_slot(self, idx: int) -> None:
+        """Make row ``idx`` read as "not written yet" for its next owner: its
+        room (and its KV checksum, when there is one) back to 0."""
+        self._check(idx)
+        self.clear_room(idx)
+        if self.kv_checksum is not None:
+            self.kv_checksum[idx].zero_()
+
+
+_U64 = (1 << 64) - 1
+
 
 def _multimodal_counts(req: Any) -> tuple[int, int, int]:
+    """Image, audio and video prompt tokens: the request's own
+    ``get_mm_token_counts()`` (0.5.23), else its ``multimodal_inputs``' (the seed)."""
+    counts = getattr(req, "get_mm_token_counts", None)
+    if callable(counts):
+        image, audio, video = counts()
+        return int(image), int(audio), int(video)
     mm = getattr(req, "multimodal_inputs", None)
     if not mm:
         return 0, 0, 0

@@ -13,14 +13,34 @@ The release is, in order of precedence:
    (read from its metadata, without importing it): 0.5.23 or later gives
    ``"0.5.23"``, anything older gives ``"seed"``;
 4. otherwise ``"0.5.23"``.
+
+Where two releases give a *positional* argument different meanings,
+:func:`bind_positional` names the arguments by the current release's shape;
+keywords mean the same in both. An object that keeps a layout (metadata
+buffers, a fake receiver) reads the release once, when it is built.
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 import os
+from collections.abc import Mapping
 from importlib import metadata
+from typing import Any
 
-__all__ = ["RELEASES", "DEFAULT", "FieldReleaseError", "release", "set_release", "installed"]
+__all__ = [
+    "RELEASES",
+    "DEFAULT",
+    "UNSET",
+    "FieldReleaseError",
+    "FieldSignatureError",
+    "SignatureByRelease",
+    "bind_positional",
+    "release",
+    "set_release",
+    "installed",
+]
 
 #: the releases whose conventions this package knows, oldest first
 RELEASES = ("seed", "0.5.23")
@@ -80,3 +100,78 @@ def set_release(value: str | None) -> None:
     """Use ``value``'s conventions in this process; None goes back to the default rule."""
     global _chosen
     _chosen = None if value is None else _check(value, "set_release")
+
+
+class _Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: a keyword that was not passed (None is a value some parameters take)
+UNSET = _Unset.UNSET
+
+
+class FieldSignatureError(TypeError):
+    """A call that fits neither the current release's argument shape nor its
+    keywords (too many positional arguments, or one argument given twice)."""
+
+    def __init__(self, where: str, problem: str, shape: tuple[str, ...], current: str) -> None:
+        self.where, self.shape, self.release = where, shape, current
+        super().__init__(
+            f"{where}: {problem}. Under the {current!r} release's conventions its positional "
+            f"parameters are ({', '.join(shape)}); pass the others by keyword, or choose the "
+            f"release with {ENV} or field.release.set_release"
+        )
+
+
+def bind_positional(
+    where: str,
+    leading: tuple[str, ...],
+    args: tuple[Any, ...],
+    shapes: Mapping[str, tuple[str, ...]],
+    keywords: Mapping[str, Any],
+) -> tuple[str, dict[str, Any]]:
+    """Name ``args`` (what followed the ``leading`` parameters positionally)
+    by the current release's shape in ``shapes``, and add the ``keywords``
+    that were passed (those not :data:`UNSET`). Returns ``(release, values)``.
+
+    Raises :class:`FieldSignatureError` (a TypeError, as Python raises for a
+    call that does not fit) for too many positional arguments or an argument
+    given both ways.
+    """
+    current = release()
+    shape = shapes[current]
+    full = leading + shape
+    if len(args) > len(shape):
+        raise FieldSignatureError(
+            where,
+            f"takes at most {len(full)} positional argument{'s' if len(full) != 1 else ''}, "
+            f"got {len(leading) + len(args)}",
+            full,
+            current,
+        )
+    values = dict(zip(shape, args))
+    for name, value in keywords.items():
+        if value is UNSET:
+            continue
+        if name in values:
+            raise FieldSignatureError(
+                where, f"got multiple values for argument {name!r}", full, current
+            )
+        values[name] = value
+    return current, values
+
+
+class SignatureByRelease:
+    """A class's ``__signature__`` that follows the current release, so that
+    :func:`inspect.signature` shows the call shape that applies now."""
+
+    def __init__(self, signatures: Mapping[str, inspect.Signature]) -> None:
+        self.signatures = dict(signatures)
+
+    def __get__(self, obj: object, owner: type | None = None) -> inspect.Signature:
+        return self.signatures[release()]

@@ -1,19 +1,33 @@
 """The field's fake connector (warm-up requests move no data), over our fake backend.
 
-Sender: WaitingForInput until every page it was told about has been sent
-(``init(0)``: at once; ``send`` without ``init``: at the first send), then
-Success. It never reports Transferring. Its waiting timeout, as in the field:
-the deadline is armed at the first poll after ``init`` (queueing and prefill
-time are not charged), lasts ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` seconds
-(read when the sender is built; 300 by default), and a sender still waiting
-after it is Failed (reason waiting timeout) so that a request whose ``send``
-never comes cannot pin the prefill queue. Repeated polls alone never conclude
-a request. Receiver: WaitingForInput until ``init``, then Success. ``abort``
-makes either Failed; Success and Failed latch.
+Sender, the same under both releases (0.5.23's fake connector; the seed's
+matches it): WaitingForInput until the first ``send`` (any chunk: nothing is
+transferred, so a chunk that never comes cannot change the outcome), then
+Success at the next poll. ``init`` only arms the waiting timeout, whatever
+the page count: ``init(0)`` is not a conclusion, a zero-page last chunk is
+still sent (``should_send_kv_chunk``). The timeout: armed at the first poll
+after ``init`` (queueing and prefill time are not charged), lasting
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` seconds (read when the sender is
+built; 300 by default); a sender still waiting when it expires is Failed
+(reason waiting timeout), so a request whose ``send`` never comes cannot pin
+the prefill queue. No deadline before ``init``; repeated polls alone never
+conclude a request.
+
+Receiver, 0.5.23: Bootstrapping until ``init(prefill_dp_rank)``, then
+WaitingForInput until ``send_metadata(...)``, then Success at the next poll.
+Seed: WaitingForInput from the start (the handshake is instant) until
+``init(kv_indices, aux_index, state_indices)``, then Success. Positional
+arguments of ``init`` are read by the release in force when the receiver is
+built (see :mod:`field.release`); keywords under either.
+
+Both: ``abort`` makes it Failed, even after Success (as in the field); a
+Failed one stays Failed. ``failure_exception`` always raises.
 
 A fake sender or receiver may be built with any manager (the field pairs a
 fake sender with a real backend's manager for warm-up requests): with one of
 ours it uses that manager's statuses, otherwise a process-wide fake manager.
+The statuses there follow this object's (an abort after Success is the one
+change the backend's latched status does not take).
 """
 
 from __future__ import annotations
@@ -22,8 +36,12 @@ import os
 import time
 from typing import Any
 
-from field.conn.handles import FieldReceiver, FieldSender
+from numpy.typing import ArrayLike
+
+from field._checks import integer, optional_integer, page_indices
+from field.conn.handles import SENDER_SIGNATURE, FieldReceiver, FieldSender, sender_options
 from field.conn.kv_args import KVArgs
+from field.release import UNSET
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.errors import TransferFailed
@@ -82,66 +100,122 @@ def _statuses(mgr: Any) -> FakeManager:
     return _shared
 
 
-def _fake_failure(side: str, handle: Any) -> TransferFailed:
-    status = KVPoll(handle.core.poll())
-    why = handle.core.failure_reason().label if status == KVPoll.Failed else status.name
-    return TransferFailed(
-        int(handle.bootstrap_room or 0),
-        f"Fake KV{side} Exception",
-        f"{why}; the fake backend moves no data",
-    )
+class _FakeHandle:
+    """What the fake sender and receiver share: a concluded state of their own,
+    mirrored into the backend's status arrays."""
+
+    core: Any
+    bootstrap_room: int | None
+    _concluded: KVPoll | None
+    _reason: FailureReason
+
+    @property
+    def conclude_state(self) -> KVPoll | None:
+        """Success or Failed once a poll (or an abort) has concluded it, else None."""
+        return self._concluded
+
+    def _conclude(self, status: KVPoll, reason: FailureReason = FailureReason.NONE) -> KVPoll:
+        self._concluded, self._reason = status, reason
+        if not self.core.detached:
+            self.core.manager.set(self.core.index, status, reason)
+        return status
+
+    def abort(self) -> None:
+        self._conclude(KVPoll.Failed, FailureReason.ABORTED)
+
+    def _failure(self, side: str) -> TransferFailed:
+        if self._concluded == KVPoll.Failed:
+            why = self._reason.label
+        else:
+            why = (self._concluded or KVPoll.WaitingForInput).name
+        return TransferFailed(
+            int(self.bootstrap_room or 0),
+            f"Fake KV{side} Exception",
+            f"{why}; the fake backend moves no data",
+        )
 
 
-class FakeKVSender(FieldSender):
+class FakeKVSender(_FakeHandle, FieldSender):
+    __signature__ = SENDER_SIGNATURE
+
     def __init__(
         self,
         mgr: Any,
         bootstrap_addr: str | None,
         bootstrap_room: int | None,
-        dest_tp_ranks: list[int] | None = None,
-        pp_rank: int | None = None,
+        *args: Any,
+        dest_tp_ranks: Any = UNSET,
+        pp_rank: Any = UNSET,
+        req_has_disagg_prefill_dp_rank: Any = UNSET,
     ) -> None:
+        options = sender_options(
+            "FakeKVSender()",
+            args,
+            dest_tp_ranks=dest_tp_ranks,
+            pp_rank=pp_rank,
+            req_has_disagg_prefill_dp_rank=req_has_disagg_prefill_dp_rank,
+        )
+        timeout = _waiting_timeout()
         core = _statuses(mgr).sender(int(bootstrap_room or 0))
-        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank)
-        self.waiting_timeout = _waiting_timeout()
+        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, **options)
+        self.waiting_timeout = timeout
         self.waiting_since: float | None = None
         self.inited = False
-
-    @property
-    def has_sent(self) -> bool:
-        """Every page it was told about has been sent."""
-        return bool(self.core.poll() == KVPoll.Success) or (
-            self.inited and self.core.manager.pages_left.get(self.core.index, 1) <= 0
-        )
+        self.has_sent = False
+        self._concluded = None
+        self._reason = FailureReason.NONE
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        super().init(num_kv_indices, aux_index)
+        """Arms the waiting timeout; the page count does not conclude anything."""
+        integer("num_kv_indices", num_kv_indices, 0)
+        optional_integer("aux_index", aux_index, -1)
         self.inited = True
+
+    def send(
+        self, kv_indices: ArrayLike, state_indices: Any = None, num_kv_tokens: int | None = None
+    ) -> None:
+        """Any chunk counts: the next poll reports Success."""
+        page_indices("kv_indices", kv_indices)
+        self.has_sent = True
 
     @staticmethod
     def should_send_kv_chunk(num_pages: int, last_chunk: bool) -> bool:
-        """Send a chunk that has pages, and always the last one (even empty)."""
+        """Send a chunk that has pages, and always the last one (even empty):
+        the sender concludes only after a send."""
         return bool(last_chunk) or num_pages > 0
 
     def poll(self) -> KVPoll:
-        status = KVPoll(self.core.poll())
-        if status.terminal:
-            return status
-        if self.inited:
-            now = time.monotonic()
-            if self.waiting_since is None:
-                self.waiting_since = now
-            elif now - self.waiting_since > self.waiting_timeout:
-                self.core.manager.set(self.core.index, KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
-                return KVPoll.Failed
-        return KVPoll.WaitingForInput
+        if self._concluded is not None:
+            return self._concluded
+        if not self.has_sent:
+            if self.inited:
+                now = time.monotonic()
+                if self.waiting_since is None:
+                    self.waiting_since = now
+                elif now - self.waiting_since >= self.waiting_timeout:
+                    return self._conclude(KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
+            return KVPoll.WaitingForInput
+        return self._conclude(KVPoll.Success)
+
+    def poll_pp_consensus(self) -> KVPoll:
+        """The same as :meth:`poll` (nothing to agree on across PP stages)."""
+        return self.poll()
+
+    def mark_prefill_complete(self) -> None:
+        """Nothing to publish: no decode peer waits on a fake request."""
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0
+
+    def get_max_transfer_tokens(self) -> int | None:
+        return None
 
     def failure_exception(self) -> None:
         """Always raises (the field's fake has no transfer to report on)."""
-        raise _fake_failure("Sender", self)
+        raise self._failure("Sender")
 
 
-class FakeKVReceiver(FieldReceiver):
+class FakeKVReceiver(_FakeHandle, FieldReceiver):
     def __init__(
         self,
         mgr: Any,
@@ -149,12 +223,52 @@ class FakeKVReceiver(FieldReceiver):
         bootstrap_room: int | None = None,
         prefill_dp_rank: int | None = None,
     ) -> None:
+        self._concluded = None
+        self._reason = FailureReason.NONE
+        self.has_sent_metadata = False
+        self.abort_notified = False
         core = _statuses(mgr).receiver(int(bootstrap_room or 0))
         super().__init__(core, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank)
 
+    @property
+    def require_staging(self) -> bool:
+        return False
+
+    def poll(self) -> KVPoll:
+        if self._concluded is not None:
+            return self._concluded
+        if not self.bootstrap_done:
+            return KVPoll.Bootstrapping
+        if not self.has_sent_metadata:
+            return KVPoll.WaitingForInput
+        return self._conclude(KVPoll.Success)
+
+    def send_metadata(  # type: ignore[override]
+        self,
+        kv_indices: ArrayLike,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+    ) -> None:
+        """Where prefill would write; the next poll after ``init`` reports Success."""
+        self._send_metadata(
+            page_indices("kv_indices", kv_indices),
+            optional_integer("aux_index", aux_index, -1),
+            state_indices,
+            optional_integer("decode_prefix_len", decode_prefix_len, 0),
+        )
+
+    def _send_metadata(
+        self, kv_indices: Any, aux_index: int | None, state_indices: Any, prefix: int | None
+    ) -> None:
+        self.has_sent_metadata = True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """No prefill rank holds a fake receiver's pages: nothing to notify."""
+
     def failure_exception(self) -> None:
         """Always raises (the field's fake has no transfer to report on)."""
-        raise _fake_failure("Receiver", self)
+        raise self._failure("Receiver")
 
 
 #: what :func:`field.conn.backends.get_kv_class` hands out (no bootstrap server: none is needed)

@@ -9,7 +9,7 @@ receiver, and its config), so this stays a thin translation:
   else 127.0.0.1) and ``server_args.disaggregation_bootstrap_port``. Unlike
   the field's decode side, which finds prefill per request from its bootstrap
   address, ours joins that store once, when the manager is built;
-- sender and receiver: see :mod:`field.conn.handles`;
+- sender and receiver: see :mod:`field.conn.handles` (both releases' call shapes);
 - bootstrap server ``(host, port)``: the store itself.
 """
 
@@ -19,8 +19,9 @@ import contextlib
 from typing import Any
 
 from field.conn.bootstrap import BootstrapServer
-from field.conn.handles import FieldReceiver, FieldSender
+from field.conn.handles import SENDER_SIGNATURE, FieldReceiver, FieldSender, sender_options
 from field.conn.kv_args import KVArgs
+from field.release import UNSET
 from transport.registry import get_backend
 
 __all__ = [
@@ -110,16 +111,29 @@ def _tp_size(server_args: Any, rank: int, backend: str) -> int:
 
 
 class MooncakeKVSender(FieldSender):
+    """Built as either release builds senders (see :mod:`field.conn.handles`)."""
+
+    __signature__ = SENDER_SIGNATURE
+
     def __init__(
         self,
         mgr: MooncakeKVManager,
         bootstrap_addr: str | None,
         bootstrap_room: int,
-        dest_tp_ranks: list[int] | None = None,
-        pp_rank: int | None = None,
+        *args: Any,
+        dest_tp_ranks: Any = UNSET,
+        pp_rank: Any = UNSET,
+        req_has_disagg_prefill_dp_rank: Any = UNSET,
     ) -> None:
+        options = sender_options(
+            f"{type(self).__name__}()",
+            args,
+            dest_tp_ranks=dest_tp_ranks,
+            pp_rank=pp_rank,
+            req_has_disagg_prefill_dp_rank=req_has_disagg_prefill_dp_rank,
+        )
         core = mgr.core.sender(int(bootstrap_room))
-        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank)
+        super().__init__(core, mgr, bootstrap_addr, bootstrap_room, **options)
 
 
 class MooncakeKVReceiver(FieldReceiver):

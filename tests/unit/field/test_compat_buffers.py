@@ -86,7 +86,34 @@ def test_allocator_refuses_a_slot_outside_the_pool():
         ReqToMetadataIdxAllocator(-1)
 
 
+@pytest.mark.parametrize("bad", [1.7, 1.0, True, False, np.bool_(True), "1", None])
+def test_allocator_free_refuses_a_non_integer_and_frees_nothing(bad):
+    from buffers import errors
+
+    a = ReqToMetadataIdxAllocator(3)
+    live = [a.alloc(), a.alloc()]  # slots 0 and 1 in use
+    with pytest.raises(errors.BadArgumentType, match="free_index") as info:
+        a.free(bad)
+    assert isinstance(info.value, TypeError)  # wrong type: also a TypeError
+    assert repr(bad) in str(info.value)
+    assert a.available_size() == 1  # nothing freed
+    assert [a.alloc(), a.alloc()] == [2, None]  # neither live slot came back
+    for slot in live:
+        a.free(np.int64(slot))  # both are still owned and free cleanly (numpy ints too)
+    assert a.available_size() == 2
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", True])
+def test_allocator_size_must_be_an_integer(bad):
+    from buffers import errors
+
+    with pytest.raises(errors.BadArgumentType, match="size") as info:
+        ReqToMetadataIdxAllocator(bad)
+    assert isinstance(info.value, TypeError)
+
+
 # -- metadata rows --------------------------------------------------------------
+# (release-specific layouts, signatures and the 0.5.23 additions: test_compat_metadata_releases.py)
 
 EXPECTED = [
     ("output_ids", 16, torch.int32),
@@ -100,11 +127,42 @@ EXPECTED = [
     ("output_hidden_states", 8, torch.bfloat16),
     ("bootstrap_room", 8, None),
 ]
+#: where each value sits in get_buf's tuple, per release
+ROW = {
+    "seed": {name: k for k, (name, _, _) in enumerate(EXPECTED)},
+    "0.5.23": {
+        name: k
+        for k, name in enumerate(
+            [
+                "output_ids",
+                "cached_tokens",
+                "output_token_logprobs_val",
+                "output_token_logprobs_idx",
+                "output_top_logprobs_val",
+                "output_top_logprobs_idx",
+                "output_token_sampling_mask_len",
+                "output_token_sampling_mask_idx",
+                "output_token_sampling_logprobs",
+                "output_topk_p",
+                "output_topk_index",
+                "output_hidden_states",
+                "output_dsa_topk_indices",
+                "bootstrap_room",
+            ]
+        )
+    },
+}
 
 
 @pytest.fixture
-def meta():
+def meta(field_release):
+    # keywords mean the same under both releases
     return MetadataBuffers(4, 8, torch.bfloat16, max_top_logprobs_num=20)
+
+
+def named(meta, row):
+    """get_buf's tuple by field name, under the release the buffers follow."""
+    return {name: row[k] for name, k in ROW[meta.field_release].items()}
 
 
 def test_tensors_shapes_dtypes_and_buf_infos(meta):
@@ -141,12 +199,13 @@ def req(**kw):
 
 def test_set_buf_without_logprobs_or_hidden_states(meta):
     meta.set_buf(req())
-    row = meta.get_buf(1)
-    assert len(row) == len(EXPECTED)
-    assert row[0][:2].tolist() == [42, 0]  # only the first output token
-    assert row[1][:8].tolist() == [5, 1, 2, 3, 0, 0, 0, 0]
-    assert all(not r.any() for r in row[2:9])  # logprobs, top-k and hidden untouched (zero)
-    assert int(row[9][0]) == 777 and not row[9][1:].any()
+    row = named(meta, meta.get_buf(1))
+    assert len(meta.get_buf(1)) == len(ROW[meta.field_release])
+    assert row["output_ids"][:2].tolist() == [42, 0]  # only the first output token
+    assert row["cached_tokens"][:8].tolist() == [5, 1, 2, 3, 0, 0, 0, 0]
+    for name, _, _ in EXPECTED[2:9]:  # logprobs, top-k and hidden untouched (zero)
+        assert not row[name].any()
+    assert int(row["bootstrap_room"][0]) == 777 and not row["bootstrap_room"][1:].any()
 
 
 def test_set_buf_with_logprobs_from_the_request_or_its_logprob_holder(meta):
@@ -161,11 +220,11 @@ def test_set_buf_with_logprobs_from_the_request_or_its_logprob_holder(meta):
         req(return_logprob=True, logprob=types.SimpleNamespace(**values)),
     ):
         meta.set_buf(r)
-        row = meta.get_buf(1)
-        assert row[2][:2].tolist() == [-0.25, 0.0]
-        assert row[3][:2].tolist() == [42, 0]
-        assert row[4][:4].tolist() == [-0.25, -1.5, -2.0, 0.0]
-        assert row[5][:4].tolist() == [42, 7, 9, 0]
+        row = named(meta, meta.get_buf(1))
+        assert row["output_token_logprobs_val"][:2].tolist() == [-0.25, 0.0]
+        assert row["output_token_logprobs_idx"][:2].tolist() == [42, 0]
+        assert row["output_top_logprobs_val"][:4].tolist() == [-0.25, -1.5, -2.0, 0.0]
+        assert row["output_top_logprobs_idx"][:4].tolist() == [42, 7, 9, 0]
 
 
 def test_set_buf_skips_empty_logprob_sources(meta):
@@ -178,7 +237,8 @@ def test_set_buf_skips_empty_logprob_sources(meta):
             output_top_logprobs_idx=[],
         )
     )
-    assert all(not r.any() for r in meta.get_buf(1)[2:6])
+    row = named(meta, meta.get_buf(1))
+    assert all(not row[name].any() for name, _, _ in EXPECTED[2:6])
 
 
 def test_set_buf_with_hidden_states_and_multimodal_counts(meta):
@@ -192,25 +252,25 @@ def test_set_buf_with_hidden_states_and_multimodal_counts(meta):
             multimodal_inputs=mm,
         )
     )
-    row = meta.get_buf(1)
-    assert row[1][4:7].tolist() == [11, 12, 13]
-    assert row[6][:4].tolist() == [0.5, 0.25, 0.125, 0.0]
-    assert row[7][:4].tolist() == [3, 4, 5, 0]
-    assert row[8].float().tolist() == hidden.tolist()
+    row = named(meta, meta.get_buf(1))
+    assert row["cached_tokens"][4:7].tolist() == [11, 12, 13]
+    assert row["output_topk_p"][:4].tolist() == [0.5, 0.25, 0.125, 0.0]
+    assert row["output_topk_index"][:4].tolist() == [3, 4, 5, 0]
+    assert row["output_hidden_states"].float().tolist() == hidden.tolist()
 
 
 def test_set_buf_without_a_room_leaves_the_row_unclaimed(meta):
     meta.set_buf(req(bootstrap_room=777))
     meta.set_buf(req(bootstrap_room=None, output_ids=[5]))
-    row = meta.get_buf(1)
-    assert int(row[0][0]) == 5 and int(row[9][0]) == 0
+    row = named(meta, meta.get_buf(1))
+    assert int(row["output_ids"][0]) == 5 and int(row["bootstrap_room"][0]) == 0
 
 
 def test_get_buf_returns_copies(meta):
     meta.set_buf(req())
     row = meta.get_buf(1)
     row[0][0] = -1
-    row[9][0] = 0
+    row[-1][0] = 0
     assert int(meta.output_ids[1, 0]) == 42 and meta.room_of(1) == 777
     meta.set_buf(req(output_ids=[9]))  # a later owner of the slot
     assert int(row[0][0]) == -1
@@ -538,6 +598,6 @@ def test_set_buf_on_a_reused_slot_leaves_nothing_of_the_previous_owner(meta):
         )
     )
     meta.set_buf(req(bootstrap_room=778, output_ids=[9]))
-    row = meta.get_buf(1)
-    assert all(not r.any() for r in row[2:9])
-    assert int(row[0][0]) == 9 and int(row[9][0]) == 778
+    row = named(meta, meta.get_buf(1))
+    assert all(not row[name].any() for name, _, _ in EXPECTED[2:9])
+    assert int(row["output_ids"][0]) == 9 and int(row["bootstrap_room"][0]) == 778
