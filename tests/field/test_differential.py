@@ -81,12 +81,16 @@ def _script(seed: int, rank: int, group, calls: int = 30) -> list[tuple[str, lis
             dr.kv_receiver.value = local.choice([0, 1, 2, 3, 4, 4, 4])
         for r in range(rows):  # rows land (with the right room) or are cleared
             owner = [dr for dr in reqs if dr.metadata_buffer_index == r]
-            meta.bootstrap_room[r, 0] = owner[0].req.bootstrap_room if owner and rng.random() < 0.6 else 0
+            meta.bootstrap_room[r, 0] = (
+                owner[0].req.bootstrap_room if owner and rng.random() < 0.6 else 0
+            )
         if rng.random() < 0.2 and len(reqs) > 1:  # some leave, some arrive
             del reqs[rng.randrange(len(reqs))]
         if rng.random() < 0.2:
             reqs += _queue(rng, 2, rows)[:1]
-            reqs[-1].req.bootstrap_room = reqs[-1].kv_receiver.bootstrap_room = rng.randrange(10**6, 10**7)
+            reqs[-1].req.bootstrap_room = reqs[-1].kv_receiver.bootstrap_room = rng.randrange(
+                10**6, 10**7
+            )
         pollers = [dr.kv_receiver for dr in reqs]
         kind = rng.choice(["plain", "gated", "staging", "staging_gated", "cp_tp"])
         if kind == "plain":

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import field.abort
 import field.buffers as compat
 from buffers import DoubleFree, GeometryMismatch, SlotOutOfRange
 from buffers import MetadataBuffers as CoreMetadataBuffers
@@ -558,12 +559,12 @@ def test_is_mla_backend():
 
 
 def test_prepare_abort_sets_the_reason_and_empties_input_logprobs():
-    lp = types.SimpleNamespace(**{n: [1.0] for n in compat._INPUT_LOGPROB_LISTS})
+    lp = types.SimpleNamespace(**{n: [1.0] for n in field.abort._INPUT_LOGPROB_LISTS})
     r = types.SimpleNamespace(return_logprob=True, logprob=lp, to_finish=None, finished_reason=None)
     assert not is_aborted(r)
     prepare_abort(r, "peer died", 503)
     assert r.finished_reason == FinishAbort("peer died", 503)
-    assert all(getattr(lp, n) == [] for n in compat._INPUT_LOGPROB_LISTS)
+    assert all(getattr(lp, n) == [] for n in field.abort._INPUT_LOGPROB_LISTS)
     assert is_aborted(r)
 
 
