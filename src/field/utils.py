@@ -27,6 +27,7 @@ from field.consensus import (
     poll_and_all_reduce_with_staging,
 )
 from field.engine import DisaggregationMode
+from field.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
 from field.pp import (
     all_reduce_flags,
     poll_and_all_reduce_pp,
@@ -44,6 +45,7 @@ __all__ = [
     "all_reduce_flags",
     "append_state_component",
     "filter_kv_indices_for_cp_rank",
+    "filter_kv_indices_for_shard_rank",
     "get_kv_class",
     "is_aborted",
     "is_mla_backend",
@@ -57,4 +59,5 @@ __all__ = [
     "pp_sync_polls",
     "prepare_abort",
     "setup_state_kv_args",
+    "should_send_replicated_state",
 ]

@@ -161,3 +161,49 @@ def test_negative_control_a_wrong_gate_is_caught(world_of_one, monkeypatch):
     monkeypatch.setattr(RoomGate, "landed", always)
     found = [d for seed in range(12) for d in _differences(_script(seed, 0, world_of_one))]
     assert found, "a metadata gate that never holds went unnoticed"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pure_helpers_give_the_same_answers(seed):
+    """Page placement, state writers, PP verdicts and the layout signature."""
+    import numpy as np
+    from sglang.srt.disaggregation import utils as sgl
+    from sglang.srt.disaggregation.base.conn import KVArgs as SglKVArgs
+
+    rng = random.Random(seed)
+    size = rng.randint(1, 4)
+    pages = np.array(rng.sample(range(100), rng.randint(0, 12)), dtype=np.int64)
+    start = rng.randint(0, 5)
+    kw = {"kv_indices": pages, "index_slice": slice(start, start + pages.size)}
+    for rank in range(size):
+        a = sgl.filter_kv_indices_for_shard_rank(**kw, shard_rank=rank, shard_size=size)
+        b = ours.filter_kv_indices_for_shard_rank(**kw, shard_rank=rank, shard_size=size)
+        assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    src, dst = rng.choice([(1, 2), (2, 1), (4, 2), (2, 4), (8, 2), (3, 3)])
+    for r in range(src):
+        kw2 = {"src_attn_tp_size": src, "dst_attn_tp_size": dst, "local_tp_rank_in_group": r}
+        assert sgl.should_send_replicated_state(**kw2) == ours.should_send_replicated_state(**kw2)
+    rids = [f"r{i}" for i in range(8)]
+    good, bad = rng.sample(rids, 3), rng.sample(rids, 2)
+    assert sgl.poll_and_all_reduce_pp(rids, 2, good, bad) == ours.poll_and_all_reduce_pp(
+        rids, 2, good, bad
+    )
+    args = SglKVArgs()
+    args.page_size = rng.choice([1, 16, 64])
+    args.kv_cache_dtype_str = rng.choice(["bfloat16", "float16", "fp8_e4m3"])
+    args.kv_layout = rng.choice([None, "nhd"])
+    args.swa_kv_cache_layout = None
+    args.state_types = []
+    args.kv_item_lens = [rng.randint(1, 9) * 1024 for _ in range(rng.randint(1, 4))]
+    args.state_item_lens = []
+    assert sgl.kv_layout_signature(args) == ours.kv_layout_signature(args)
+
+
+def test_flags_reduce_the_same(world_of_one):
+    from sglang.srt.disaggregation import utils as sgl
+
+    for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.SUM):
+        flags = [3, 0, 7, 1]
+        assert sgl.all_reduce_flags(list(flags), world_of_one, op) == ours.all_reduce_flags(
+            list(flags), world_of_one, op
+        )

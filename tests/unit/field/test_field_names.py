@@ -98,3 +98,39 @@ def test_abort_is_recognised_and_an_intake_reject_is_told_apart():
     assert is_aborted(r) and is_unadmitted_reject(r)
     r.metadata_buffer_index = 3  # it holds a row: its queue releases it
     assert not is_unadmitted_reject(r)
+
+
+def test_sharded_pages_and_replicated_state_writers():
+    import numpy as np
+
+    from field.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
+
+    local, pos = filter_kv_indices_for_shard_rank(
+        kv_indices=np.array([0, 1, 2, 3, 4, 5]),
+        index_slice=slice(10, 16),
+        shard_rank=1,
+        shard_size=2,
+    )
+    assert local.tolist() == [0, 1, 2] and pos.tolist() == [11, 13, 15]
+    assert should_send_replicated_state(
+        src_attn_tp_size=1, dst_attn_tp_size=4, local_tp_rank_in_group=0
+    )
+    writers = [
+        should_send_replicated_state(
+            src_attn_tp_size=4, dst_attn_tp_size=2, local_tp_rank_in_group=r
+        )
+        for r in range(4)
+    ]
+    assert writers == [True, False, True, False]
+    with pytest.raises(ValueError, match="one must divide the other"):
+        should_send_replicated_state(
+            src_attn_tp_size=3, dst_attn_tp_size=2, local_tp_rank_in_group=0
+        )
+    with pytest.raises(ValueError, match="local_tp_rank_in_group"):
+        should_send_replicated_state(
+            src_attn_tp_size=2, dst_attn_tp_size=2, local_tp_rank_in_group=2
+        )
+    with pytest.raises(TypeError, match="shard_size"):
+        filter_kv_indices_for_shard_rank(
+            kv_indices=np.array([0]), index_slice=slice(0, 1), shard_rank=0, shard_size=1.5
+        )
