@@ -13,14 +13,25 @@ import warnings
 
 import pytest
 
-# SGLang's quantization modules warn at import on a machine without CUDA
-# ("Only CUDA, HIP and XPU support AWQ currently.", ...): not what these tests
-# look at.
-SGLANG_WARNINGS = r"ignore::UserWarning:sglang\."
+# Import-time warnings of SGLang's import chain, not what these tests look at:
+# its quantization modules on a machine without CUDA ("Only CUDA, HIP and XPU
+# support AWQ currently.", ...), and sentencepiece's SWIG types (imported
+# through transformers), which also warn once more at interpreter exit.
+SWIG_TYPES = r"builtin type (SwigPyPacked|SwigPyObject|swigvarlink) has no __module__ attribute"
+IMPORT_WARNINGS = (
+    r"ignore::UserWarning:sglang\.",
+    f"ignore:{SWIG_TYPES}:DeprecationWarning",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("filterwarnings", SGLANG_WARNINGS)
+    for line in IMPORT_WARNINGS:
+        config.addinivalue_line("filterwarnings", line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # for the exit-time one, after pytest has put the filters back
+    warnings.filterwarnings("ignore", message=SWIG_TYPES, category=DeprecationWarning)
 
 
 def _sglang_missing() -> str | None:
