@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= dev,plot,mooncake,nixl,metrics
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install sysdeps demo test lint typecheck unit property integration bench deep clean
+.PHONY: install sysdeps demo test lint typecheck unit property integration bench deep clean field-env field-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,5 +64,35 @@ deep: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/pdlife bench --json bench.json
 
+# A second venv with the real SGLang 0.5.23, for the differential tests in
+# tests/field: torch 2.14.1 + torchvision 0.29.1 (a CUDA build that runs on
+# the CPU; SGLang's import chain needs torchvision, and PyPI's torchvision
+# does not load beside the CPU torch 2.13.0), sglang without its serving
+# stack, and this project with extras dev,mooncake,nixl. Every package is
+# pinned in field-env/requirements.txt and installed with --no-deps, through
+# field-env/constraints.txt instead of constraints.txt; check_env.py then
+# fails the build if anything but the deliberate omissions is missing. Any
+# change to those files or to pyproject.toml rebuilds the venv from scratch.
+FIELD_PYTHON ?= $(PYTHON)
+FIELD_VENV   ?= .venv-field
+FIELD_PY     := $(FIELD_VENV)/bin/python
+FIELD_STAMP  := $(FIELD_VENV)/.installed-stamp
+FIELD_FILES  := field-env/requirements.txt field-env/constraints.txt field-env/check_env.py
+
+$(FIELD_STAMP): pyproject.toml $(FIELD_FILES)
+	@$(FIELD_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
+	  { echo "make: $(FIELD_VENV) needs CPython 3.11 (the pinned torch 2.14.1 and sglang wheels are cp311): make field-env FIELD_PYTHON=python3.11"; exit 1; }
+	rm -rf $(FIELD_VENV)
+	$(FIELD_PYTHON) -m venv $(FIELD_VENV)
+	$(FIELD_PY) -m pip install -q --no-deps -c field-env/constraints.txt -r field-env/requirements.txt
+	$(FIELD_PY) -m pip install -q --no-deps -c field-env/constraints.txt -e ".[dev,mooncake,nixl]"
+	$(FIELD_PY) field-env/check_env.py
+	touch $(FIELD_STAMP)
+
+field-env: sysdeps $(FIELD_STAMP)
+
+field-test: field-env
+	$(FIELD_PY) -m pytest -q -p no:cacheprovider tests/field
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FIELD_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
