@@ -127,13 +127,32 @@ class Session:
             )
         except IllegalTransition as e:
             # a poller reported less than the status agreed before (the field's
-            # function would just reduce it): decided from agreed data, so every
-            # rank is here; each starts the queue afresh and steps it once more
+            # function would just reduce it). That is decided from agreed data,
+            # so every rank is here: each reduces once more what it contributed
+            # (polled, gated and staged once), over a table that starts afresh
             logger.debug("a poller went back (%s): the queue's table starts afresh", e)
-            self.table = self.stepper = None
-            return self._run(
-                pollers, decode_reqs, metadata_buffers, server_args, staging_handler, faults
-            )
+            assert self.stepper is not None
+            rooms, values, reasons = self.stepper.last_local
+            self._forget()
+            return self._replay(rooms, values, reasons)
+
+    def _replay(
+        self, rooms: NDArray[np.uint64], values: NDArray[np.int8], reasons: NDArray[np.int8]
+    ) -> tuple[list[int], list[Failure]]:
+        n = rooms.size
+        table = RequestTable(rank=self.rank, capacity=max(64, n))
+        table.extend(rooms, handle_indices=np.arange(n, dtype=np.int64))
+        stepper = Stepper(
+            table,
+            self.rank,
+            poller=_Replay(values, reasons),
+            config=StepConfig(invalid_status="fail"),
+            agreed_capacity=self.capacity,
+        )
+        result = stepper.step(self.collective)
+        self.capacity = stepper.capacity
+        out: list[int] = result.statuses.tolist()
+        return out, result.failures()
 
     def _run(
         self,
@@ -160,6 +179,8 @@ class Session:
         stepper = self._stepper(faults, fresh)
         try:
             result = stepper.step(self.collective)
+        except IllegalTransition:
+            raise  # run() replays what this rank contributed
         except BaseException:
             self._forget()  # whatever state it was left in is not reused
             raise
@@ -189,6 +210,7 @@ class Session:
         self._refs = list(itertools.compress(self._refs, keep))
         self._prefs = list(itertools.compress(self._prefs, keep))
         self._slots = self._slots[live]
+        self._renumber()  # the rows after a finished one move up in the list
 
     # -- bringing the table to the list ----------------------------------------
     def _sync(self, pollers: list[Any], decode_reqs: list[Any] | None, server_args: Any) -> bool:
@@ -256,12 +278,17 @@ class Session:
         return True
 
     def _positions(self, ident: list[Any], pollers: list[Any]) -> None:
-        """Each row's position in the list is its handle index (and metadata slot)."""
-        table = self.table
-        assert table is not None
+        """Remember the list; each row's position in it is its handle index."""
         self._refs = list(ident)
         self._prefs = self._refs if ident is pollers else list(pollers)
-        positions = np.arange(len(ident), dtype=np.int64)
+        self._renumber()
+
+    def _renumber(self) -> None:
+        """Each row's position is its handle index (and, gated, its metadata slot:
+        the gate reads that request's own ``metadata_buffer_index``)."""
+        table = self.table
+        assert table is not None
+        positions = np.arange(self._slots.size, dtype=np.int64)
         table.handle_index[self._slots] = positions
         if self.gated:
             table.metadata_slot[self._slots] = np.where(table.fake[self._slots], -1, positions)
@@ -303,6 +330,23 @@ class Session:
             agreed_capacity=self.capacity,
         )
         return self.stepper
+
+
+class _Replay:
+    """What this rank contributed to a step, contributed once more."""
+
+    def __init__(self, values: NDArray[np.int8], reasons: NDArray[np.int8]) -> None:
+        self.values, self.reasons = values.copy(), reasons.copy()
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.values[indices]
+        return out
+
+    def failure_reasons(
+        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
+    ) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.reasons[indices]
+        return out
 
 
 def _same(a: list[Any], b: list[Any]) -> bool:

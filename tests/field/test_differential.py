@@ -19,6 +19,7 @@ import torch.distributed as dist
 import field.utils as ours
 from lifecycle.testing.spawn import run_ranks
 
+DEBUG = False
 HOST = "10.0.0.1"  # a real (non-fake) bootstrap host: both gates read the row
 
 
@@ -50,16 +51,18 @@ class Handler:
         return dr.req.bootstrap_room in self.failed
 
 
-def _queue(rng: random.Random, n: int, rows: int):
+def _queue(rng: random.Random, n: int, rows: int, first: int = 0):
+    """``n`` requests; each has its own metadata row (rows are not shared: a row
+    holding another request's room is the documented difference, drawn apart)."""
     reqs = []
-    for i in range(n):
+    for i in range(first, first + n):
         room = 5000 + i
         p = Poller(room, rng.choice([0, 1, 2, 3, 4, 4]))
         p.require_staging = rng.random() < 0.3
         reqs.append(
             types.SimpleNamespace(
                 req=types.SimpleNamespace(bootstrap_room=room, bootstrap_host=HOST),
-                metadata_buffer_index=i % rows,
+                metadata_buffer_index=i % rows,  # rows > requests ever made
                 kv_receiver=p,
             )
         )
@@ -72,9 +75,10 @@ def _script(seed: int, rank: int, group, calls: int = 30) -> list[tuple[str, lis
 
     rng = random.Random(seed)  # the same list on every rank
     local = random.Random(seed * 31 + rank)  # this rank's own poll values
-    rows = 8
+    rows = 64
     meta = ours.MetadataBuffers(rows, 16, torch.float32)
     reqs = _queue(rng, rng.randint(1, 12), rows)
+    made = len(reqs)
     out = []
     for _ in range(calls):
         for dr in reqs:  # this rank's transfer progresses on its own
@@ -87,7 +91,8 @@ def _script(seed: int, rank: int, group, calls: int = 30) -> list[tuple[str, lis
         if rng.random() < 0.2 and len(reqs) > 1:  # some leave, some arrive
             del reqs[rng.randrange(len(reqs))]
         if rng.random() < 0.2:
-            reqs += _queue(rng, 2, rows)[:1]
+            reqs += _queue(rng, 1, rows, made)
+            made += 1
             reqs[-1].req.bootstrap_room = reqs[-1].kv_receiver.bootstrap_room = rng.randrange(
                 10**6, 10**7
             )
@@ -109,6 +114,19 @@ def _script(seed: int, rank: int, group, calls: int = 30) -> list[tuple[str, lis
             a = sgl.poll_and_all_reduce_with_staging(reqs, Handler(need, failed), group, m)
             b = ours.poll_and_all_reduce_with_staging(reqs, Handler(need, failed), group, m)
         out.append((kind, [int(x) for x in a], [int(x) for x in b]))
+        if a != b and DEBUG:
+            import field.consensus
+
+            print(
+                kind,
+                a,
+                b,
+                field.consensus.last_failures(),
+                [
+                    (dr.req.bootstrap_room, dr.kv_receiver.require_staging, dr.kv_receiver.value)
+                    for dr in reqs
+                ],
+            )
     return out
 
 

@@ -74,10 +74,27 @@ OPS = st.lists(
 )
 
 
-@given(ops=OPS, gated=st.booleans())
-def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated):
+class Staging:
+    """A staging handler whose answers the test sets (advancing changes nothing)."""
+
+    def __init__(self):
+        self.done, self.failed = set(), set()
+
+    def is_done(self, dr):
+        return dr.req.bootstrap_room in self.done
+
+    def advance_scatter(self, dr):
+        pass
+
+    def is_failed(self, dr):
+        return dr.req.bootstrap_room in self.failed
+
+
+@given(ops=OPS, gated=st.booleans(), staged=st.booleans())
+def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated, staged):
     meta = MetadataBuffers(ROWS, 4, torch.float32)
-    kept = Session(coll, gated=gated, staged=False)
+    handler = Staging()
+    kept = Session(coll, gated=gated, staged=staged)
     queue: list[Req] = []
     pollers_of = None  # a fresh wrapper list per call, as a hicache-gated engine builds
     next_room = 1000
@@ -104,6 +121,12 @@ def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated):
         elif kind == "roomless" and queue:
             queue[op[1] % len(queue)].req.bootstrap_room = None
             queue[op[1] % len(queue)].kv_receiver.bootstrap_room = None
+        elif kind == "stage" and queue:
+            dr = queue[op[1] % len(queue)]
+            dr.kv_receiver.require_staging = True
+            {0: handler.done, 1: handler.failed, 2: set()}[op[2]].add(dr.req.bootstrap_room)
+        elif kind == "reap":  # as an engine does: the finished leave the queue
+            queue[:] = [r for r in queue if getattr(r, "last", None) not in (0, 4)]
         elif kind == "wrap":
             pollers_of = (lambda q: [Wrapped(r.kv_receiver) for r in q]) if not pollers_of else None
         elif kind == "call" and queue:
@@ -112,19 +135,23 @@ def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated):
             kw = {
                 "metadata_buffers": meta if gated else None,
                 "server_args": None,
-                "staging_handler": None,
+                "staging_handler": handler if staged else None,
                 "faults": None,
             }
-            fresh = Session(coll, gated=gated, staged=False)
+            fresh = Session(coll, gated=gated, staged=staged)
             want, want_f = fresh.run(list(pollers), list(queue), **kw)
             got, got_f = kept.run(list(pollers), list(queue), **kw)
             assert got == want, f"call {calls}: kept {got} != fresh {want}"
+            for r, v in zip(queue, got):
+                r.last = v
             assert [f.reason for f in got_f] == [f.reason for f in want_f]
             if fresh.known:  # else the fresh one names requests by position
                 assert [f.room for f in got_f] == [f.room for f in want_f]
 
 
 class Wrapped:
+    """A poller made anew for every call around the request's receiver."""
+
     def __init__(self, inner):
         self.inner = inner
         self.bootstrap_room = inner.bootstrap_room
@@ -146,3 +173,28 @@ def test_negative_control_a_session_that_trusts_the_list_answers_wrong(coll, mon
     got = kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
     fresh = Session(coll, gated=False, staged=False)
     assert got != fresh.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_rows_after_a_finished_one_are_read_at_their_new_place(coll, gated):
+    """A finished request leaves; the next call's list is one shorter, and every
+    gate must read the requests after it at their new positions."""
+    meta = MetadataBuffers(ROWS, 4, torch.float32)
+    handler = Staging()
+    queue = [Req(1, 4, 0), Req(2, 4, 1), Req(3, 3, 2)]
+    for r in queue:
+        r.kv_receiver.require_staging = True
+        meta.bootstrap_room[r.metadata_buffer_index, 0] = r.req.bootstrap_room
+    handler.done = {1, 3}  # room 2's scatter is not done: it stays at Transferring
+    kept = Session(coll, gated=gated, staged=True)
+    kw = {
+        "metadata_buffers": meta if gated else None,
+        "server_args": None,
+        "staging_handler": handler,
+        "faults": None,
+    }
+    assert kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0] == [4, 3, 3]
+    del queue[0]  # room 1 finished and leaves
+    handler.done = {2, 3}
+    queue[1].kv_receiver.value = 4
+    assert kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0] == [4, 4]
