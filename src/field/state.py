@@ -38,9 +38,9 @@ def _kinds(pool: Any) -> frozenset[str]:
     )
 
 
-def is_mla_backend(pool: Any) -> bool:
+def is_mla_backend(target_kv_pool: Any) -> bool:
     """True for an MLA pool (DeepSeek-V4 pools included)."""
-    return bool(_kinds(pool) & {"mla", "npu_mla", "dsa", "dsv4"})
+    return bool(_kinds(target_kv_pool) & {"mla", "npu_mla", "dsa", "dsv4"})
 
 
 def append_state_component(
@@ -50,14 +50,30 @@ def append_state_component(
     data_lens: list[int],
     item_lens: list[int],
     dim_per_tensor: list[int] | None = None,
+    conv_shard_groups: list[list[int] | None] | None = None,
+    slice_outer_counts: list[int] | None = None,
+    layer_ids: list[int] | None = None,
 ) -> None:
-    """Append one state component to ``kv_args``'s five parallel state lists
-    (both sides must append in the same order)."""
+    """Append one state component to ``kv_args``'s parallel state lists (both
+    sides must append in the same order). 0.5.23's three extra lists (conv
+    shard groups, slice outer counts, layer ids) are appended to where
+    ``kv_args`` has them, and, where it has them not, kept only when given."""
     kv_args.state_types.append(state_type)
     kv_args.state_data_ptrs.append(data_ptrs)
     kv_args.state_data_lens.append(data_lens)
     kv_args.state_item_lens.append(item_lens)
     kv_args.state_dim_per_tensor.append(dim_per_tensor or [])
+    for name, value in (
+        ("state_conv_shard_groups", conv_shard_groups),
+        ("state_slice_outer_counts", slice_outer_counts),
+        ("state_layer_ids", layer_ids),
+    ):
+        lst = getattr(kv_args, name, None)
+        if lst is None and value is not None:
+            lst = []
+            setattr(kv_args, name, lst)
+        if lst is not None:
+            lst.append(value or [])
 
 
 class _DraftStateMismatch(GeometryMismatch, RuntimeError):
@@ -81,6 +97,9 @@ def setup_state_kv_args(
     kv_args.state_data_lens = []
     kv_args.state_item_lens = []
     kv_args.state_dim_per_tensor = []
+    for name in ("state_conv_shard_groups", "state_slice_outer_counts", "state_layer_ids"):
+        if getattr(kv_args, name, None) is not None:
+            setattr(kv_args, name, [])  # parallel to state_types: start empty with it
     kv_args.is_hybrid_mla_backend = False
     pool, draft = token_to_kv_pool, draft_token_to_kv_pool
     kinds, draft_kinds = _kinds(pool), _kinds(draft)
