@@ -125,9 +125,19 @@ def run_consensus(
     server_args: Any = None,
     staging_handler: Any = None,
 ) -> list[int]:
+    """One consensus step of ``kind`` over ``groups`` (reduced in order) for the
+    caller's list; every argument is checked before anything is polled."""
     n = _length(pollers, "pollers")
     if decode_reqs is not None and _length(decode_reqs, "decode_reqs") != n:
         raise ValueError(f"decode_reqs has {len(decode_reqs)} entries for {n} pollers")
+    for g, name in zip(groups, ("gloo_group", "the CP group")):
+        _check_group(g, name)
+    if staging_handler is not None:
+        for method in ("is_done", "advance_scatter"):
+            if not callable(getattr(staging_handler, method, None)):
+                raise TypeError(
+                    f"staging_handler ({type(staging_handler).__name__}) has no {method}(decode_req)"
+                )
     if n == 0:  # as the field: nothing to agree, no collective
         _last_failures.clear()
         return []
@@ -149,6 +159,19 @@ def run_consensus(
     )
     _last_failures[:] = failures
     return statuses
+
+
+def _check_group(group: Any, name: str) -> None:
+    """None (the default group) or a torch.distributed process group."""
+    if group is None:
+        return
+    from torch.distributed import ProcessGroup
+
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"{name} must be a torch.distributed ProcessGroup (a gloo group) or None, "
+            f"not {type(group).__name__}"
+        )
 
 
 def _length(value: Any, name: str) -> int:

@@ -326,3 +326,31 @@ def test_an_unreadable_room_column_fails_the_requests_it_gates(world_of_one):
     reqs = [decode_req(101, 0)]
     buffers = types.SimpleNamespace(bootstrap_room=Broken())
     assert poll_and_all_reduce(pollers(4), world_of_one, reqs, buffers, ARGS) == [F]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda g: poll_and_all_reduce(5, g), "pollers must be a list"),
+        (lambda g: poll_and_all_reduce("abc", g), "pollers must be a list"),
+        (lambda g: poll_and_all_reduce(pollers(4), object()), "gloo_group must be"),
+        (lambda g: poll_and_all_reduce(pollers(4), g, decode_reqs=7), "decode_reqs must be a list"),
+        (
+            lambda g: poll_and_all_reduce_with_staging([staged_req(101, 0, 4)], object(), g),
+            "staging_handler .* has no is_done",
+        ),
+    ],
+)
+def test_wrong_types_name_the_argument_and_poll_nothing(world_of_one, call, match):
+    with pytest.raises(TypeError, match=match):
+        call(world_of_one)
+
+
+def test_a_bad_metadata_index_fails_its_request_on_every_rank(world_of_one, meta):
+    """-1, a negative index or None: the field would read row -1 or raise; here
+    the request fails (metadata corrupt) and the others go on."""
+    reqs = [decode_req(101, -1), decode_req(102, None), decode_req(103, -5), decode_req(104, 0)]
+    meta.set_buf(first_token_req(104, 0, 7))
+    got = poll_and_all_reduce(pollers(4, 4, 4, 4), world_of_one, reqs, meta)
+    assert got == [F, F, F, S]
+    assert {f.reason for f in compat.last_failures()} == {FailureReason.METADATA_CORRUPT}
