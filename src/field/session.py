@@ -189,6 +189,8 @@ class Session:
         self._refs = list(itertools.compress(self._refs, keep))
         self._prefs = list(itertools.compress(self._prefs, keep))
         self._slots = self._slots[live]
+        # the rows after a finished one move up in the list the engine passes next
+        self._number()
 
     # -- bringing the table to the list ----------------------------------------
     def _sync(self, pollers: list[Any], decode_reqs: list[Any] | None, server_args: Any) -> bool:
@@ -257,11 +259,15 @@ class Session:
 
     def _positions(self, ident: list[Any], pollers: list[Any]) -> None:
         """Each row's position in the list is its handle index (and metadata slot)."""
-        table = self.table
-        assert table is not None
         self._refs = list(ident)
         self._prefs = self._refs if ident is pollers else list(pollers)
-        positions = np.arange(len(ident), dtype=np.int64)
+        self._number()
+
+    def _number(self) -> None:
+        """Number the live rows by their place in :attr:`_refs`."""
+        table = self.table
+        assert table is not None
+        positions = np.arange(len(self._refs), dtype=np.int64)
         table.handle_index[self._slots] = positions
         if self.gated:
             table.metadata_slot[self._slots] = np.where(table.fake[self._slots], -1, positions)
