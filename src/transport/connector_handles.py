@@ -51,16 +51,46 @@ class _Handle(StatusHandle):
 
 
 class ConnectorSender(_Handle):
-    def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
-        if num_pages < 0:
-            raise ValueError(f"room={self.bootstrap_room}: num_pages must be >= 0")
+    def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
+        """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
+        ``metadata_slot``. ``first_page``: those pages start at this page of the
+        request; the ones before it are a prefix every decode rank holds already
+        (see :attr:`decode_prefix_pages`) and are never handed over. A decode
+        rank that holds fewer cached pages fails the request (it would need a
+        page prefill never had)."""
+        if num_pages < 0 or first_page < 0:
+            raise ValueError(
+                f"room={self.bootstrap_room}: num_pages ({num_pages}) and first_page "
+                f"({first_page}) must be >= 0"
+            )
+        req = self._req
+        if first_page and (req.sent or req.src.size):
+            raise ValueError(
+                f"room={self.bootstrap_room}: first_page={first_page} given after pages "
+                "were handed to send(); call init(..., first_page) before the first send()"
+            )
         if self.detached:
             return
-        self._req.local_slot = -1 if metadata_slot is None else metadata_slot
-        self._req.num_pages = num_pages
+        req.local_slot = -1 if metadata_slot is None else metadata_slot
+        if first_page:
+            # placeholders for the prefix: every leg skips at least these positions
+            req.src = np.full(first_page, -1, dtype=np.int64)
+        req.first_page = first_page
+        req.num_pages = first_page + num_pages
         if num_pages > 0:
             self.manager.set(self.index, T)
         self.manager._wake.set()
+
+    @property
+    def decode_prefix_pages(self) -> int | None:
+        """How many leading pages of this request decode holds already (a cached
+        prefix it will not be sent): the fewest any decode rank named. None
+        until every decode rank said where to write."""
+        m, req = self.manager, self._req
+        with m._lock:
+            if self.detached or m._phase(req) in (Phase.Bootstrap, Phase.Handshaken):
+                return None
+            return min((leg.skip for leg in req.legs.values() if leg.told), default=0)
 
     def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
         """Hand over the next pages (in request order) and, once, the state rows:

@@ -174,7 +174,15 @@ def _issue_leg(m: Connector, req: Request, leg: Leg, store: Any) -> bool:
     if why is not None:
         _refuse(m, req, why)
         return False
-    if req.num_pages == 0 and not req.sent and leg.state and leg.dst_state is not None:
+    if leg.skip < req.first_page:
+        _refuse(
+            m,
+            req,
+            f"decode rank {leg.peer} holds a prefix of {leg.skip} pages, but send() is "
+            f"handed the request's pages from page {req.first_page} on",
+        )
+        return False
+    if req.num_pages == req.first_page and not req.sent and leg.state and leg.dst_state is not None:
         # no page to wait for, yet the state rows come with the send() after init(0):
         # the loop may run between the two calls
         return True

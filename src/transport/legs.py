@@ -66,6 +66,8 @@ class Request:
         self.dp = 0  # decode: the prefill DP group it pairs with
         self.num_pages = self.local_slot = -1
         self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
+        #: prefill: the page send()'s pages start at (before it: -1, a prefix never handed)
+        self.first_page = 0
         self.src_state: list[NDArray[np.int64]] | None = None
         self.sent = False  # prefill: send() was called (init(0)'s state rows come with it)
         self.decode_tp = 0  # prefill: the registering decode group's TP size

@@ -247,6 +247,52 @@ def test_a_cached_prefix_is_not_sent(cluster):
     assert pre[0].m.stats["bytes_written"] == 4 * page * 2 + sum(pre[0].m.kv_args.aux_item_lens)
 
 
+def test_a_prefill_that_knows_the_prefix_hands_over_only_the_pages_after_it(cluster):
+    pre, dec = cluster(2, 1, heads=2)  # two prefill ranks: each sends its head
+    room, n, prefix = 45, 6, 2
+    senders = [p.m.sender(room) for p in pre]
+    (r,) = [d.m.receiver(room) for d in dec]
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    assert all(s.decode_prefix_pages is None for s in senders)  # not told yet
+    src = np.arange(3, 3 + n)
+    for p in pre:
+        p.fill(room, src)
+        p.meta.write(1, room, {"output_ids": [room]})
+    dst = np.arange(10, 10 + n - prefix)
+    r.send_metadata(dst, 2, decode_prefix_len=prefix * PS)
+    wait_for(lambda: all(s.decode_prefix_pages == prefix for s in senders), "told")
+    for s in senders:
+        s.init(n - prefix, 1, first_page=prefix)
+        s.send(src[prefix:4])
+        with pytest.raises(ValueError, match="first_page=2 given after pages"):
+            s.init(n - prefix, 1, first_page=prefix)
+        s.send(src[4:])
+    finish(senders, [r], dec)
+    dec[0].check(room, dst, first_page=prefix)
+    page = PS * 1 * HB  # one head of one page on one layer, per prefill rank
+    row = sum(pre[0].m.kv_args.aux_item_lens)  # written once, by the primary rank
+    written = sum(p.m.stats["bytes_written"] for p in pre)
+    assert written == (n - prefix) * page * 2 * len(pre) + row
+
+
+def test_a_decode_rank_with_a_shorter_prefix_than_prefill_skipped_fails_it(cluster):
+    pre, dec = cluster(1, 1, heads=2)
+    s, r = pre[0].m.sender(46), dec[0].m.receiver(46)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    r.send_metadata(np.arange(10, 14), 2, decode_prefix_len=1 * PS)
+    wait_for(lambda: s.decode_prefix_pages == 1, "told")
+    s.init(3, 1, first_page=2)  # prefill believes decode holds 2 pages: page 1 is missing
+    s.send(np.arange(5, 8))
+    wait_for(lambda: s.poll() == KVPoll.Failed, "refused")
+    assert s.failure_reason() == FailureReason.TRANSFER_ERROR
+    assert "decode rank 0 holds a prefix of 1 pages, but send() is handed the request's " in str(
+        pre[0].m.last_error
+    )
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode told")
+
+
 def test_prefill_dp_groups_pair_only_with_the_named_group(cluster):
     pre, dec = cluster(2, 1, heads=2, dp=2)
     senders, receivers, dst = run_request(pre, dec, room=66, dp=1)

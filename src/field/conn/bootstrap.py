@@ -8,10 +8,12 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+from field.conn.base import BaseKVBootstrapServer
+
 __all__ = ["BootstrapServer"]
 
 
-class BootstrapServer:
+class BootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 

@@ -39,8 +39,10 @@ from typing import Any
 from numpy.typing import ArrayLike
 
 from field._checks import integer, optional_integer, page_indices
-from field.conn.handles import SENDER_SIGNATURE, FieldReceiver, FieldSender, sender_options
+from field.conn.base import BaseKVManager, KVTransferMetric
+from field.conn.handles import FieldReceiver, FieldSender
 from field.conn.kv_args import KVArgs
+from field.conn.shapes import SENDER_SIGNATURE, sender_options
 from field.release import UNSET
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
@@ -70,8 +72,9 @@ def _waiting_timeout() -> float:
     return value
 
 
-class FakeKVManager:
-    """One per rank; holds the statuses of its fake senders and receivers."""
+class FakeKVManager(BaseKVManager):
+    """One per rank; holds the statuses of its fake senders and receivers.
+    ``teardown`` is the base's (not supported, as for 0.5.23's fake)."""
 
     def __init__(
         self,
@@ -178,8 +181,7 @@ class FakeKVSender(_FakeHandle, FieldSender):
         page_indices("kv_indices", kv_indices)
         self.has_sent = True
 
-    @staticmethod
-    def should_send_kv_chunk(num_pages: int, last_chunk: bool) -> bool:
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         """Send a chunk that has pages, and always the last one (even empty):
         the sender concludes only after a send."""
         return bool(last_chunk) or num_pages > 0
@@ -209,6 +211,10 @@ class FakeKVSender(_FakeHandle, FieldSender):
 
     def get_max_transfer_tokens(self) -> int | None:
         return None
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """Nothing measured (nothing moves): every field None, as 0.5.23's fake."""
+        return KVTransferMetric()
 
     def failure_exception(self) -> None:
         """Always raises (the field's fake has no transfer to report on)."""
@@ -250,7 +256,9 @@ class FakeKVReceiver(_FakeHandle, FieldReceiver):
         state_indices: Any = None,
         decode_prefix_len: int | None = None,
     ) -> None:
-        """Where prefill would write; the next poll after ``init`` reports Success."""
+        """Where prefill would write; the next poll after ``init`` reports Success.
+        ``decode_prefix_len`` is checked (an integer >= 0) and unused: nothing moves,
+        and the fake sender's ``pop_decode_prefix_len()`` is 0, as in 0.5.23."""
         self._send_metadata(
             page_indices("kv_indices", kv_indices),
             optional_integer("aux_index", aux_index, -1),
@@ -265,6 +273,10 @@ class FakeKVReceiver(_FakeHandle, FieldReceiver):
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """No prefill rank holds a fake receiver's pages: nothing to notify."""
+
+    def is_abort_release_safe(self) -> bool:
+        """Always True: nothing is ever written to a fake receiver's pages."""
+        return True
 
     def failure_exception(self) -> None:
         """Always raises (the field's fake has no transfer to report on)."""

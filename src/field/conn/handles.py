@@ -1,9 +1,11 @@
 """Per-request senders and receivers with the field's call shapes, over a
 backend's own handles (the ``KVSender`` / ``KVReceiver`` shapes of :mod:`transport.protocols`).
 
-The two field releases (see :mod:`field.release`) build and drive them
-differently; both are accepted, and where a positional argument means
-different things the release decides:
+They are :class:`~field.conn.base.BaseKVSender` and
+:class:`~field.conn.base.BaseKVReceiver` subclasses. The two field releases
+(see :mod:`field.release`) build and drive them differently; both are
+accepted, and where a positional argument means different things the
+release decides (the shapes are in :mod:`field.conn.shapes`):
 
 - sender ``(mgr, bootstrap_addr, bootstrap_room, ...)``: the fourth and fifth
   positional arguments are ``dest_tp_ranks, pp_rank`` under the seed and
@@ -18,143 +20,34 @@ different things the release decides:
   decode_prefix_len)`` says where to write. Keywords are read by name under
   either release.
 
-Neither has ``clear`` in the field: the backend's slot is given back when the
+A cached prefix, as in 0.5.23: decode passes ``send_metadata`` only the pages
+after its first ``decode_prefix_len`` tokens; the prefill sender reports
+Bootstrapping until every decode rank said where to write, then
+``pop_decode_prefix_len()`` gives that prefix (in tokens) once. A prefill that
+popped it inits and sends only the pages after it; one that did not (the
+seed's engines) hands every page over, and the prefix pages are skipped.
+
+Neither has ``clear`` in the seed: the backend's slot is given back when the
 object is collected, or at once by calling ``clear()``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import time
 from typing import Any
 
-import numpy as np
 from numpy.typing import ArrayLike
 
-from buffers.errors import BadArgument, BadArgumentType
+from buffers.errors import BadArgument
 from field._checks import integer, optional_integer, page_indices
-from field.release import UNSET, FieldSignatureError, SignatureByRelease, bind_positional
+from field.conn.base import BaseKVReceiver, BaseKVSender, KVTransferDestination, KVTransferMetric
+from field.conn.shapes import SENDER_SIGNATURE, receiver_init, sender_options
+from field.release import UNSET
 from lifecycle.status import KVPoll
+from transport.legs import rows_of
 
 __all__ = ["FieldSender", "FieldReceiver", "SENDER_SIGNATURE", "sender_options", "receiver_init"]
-
-_P = inspect.Parameter
-
-
-def _signature(*spec: tuple[str, Any]) -> inspect.Signature:
-    return inspect.Signature(
-        [_P(name, _P.POSITIONAL_OR_KEYWORD, default=default) for name, default in spec]
-    )
-
-
-#: the senders' constructor, per release (what :func:`inspect.signature` shows)
-SENDER_SIGNATURE = SignatureByRelease(
-    {
-        "seed": _signature(
-            ("mgr", _P.empty),
-            ("bootstrap_addr", _P.empty),
-            ("bootstrap_room", _P.empty),
-            ("dest_tp_ranks", None),
-            ("pp_rank", None),
-        ),
-        "0.5.23": _signature(
-            ("mgr", _P.empty),
-            ("bootstrap_addr", _P.empty),
-            ("bootstrap_room", _P.empty),
-            ("req_has_disagg_prefill_dp_rank", False),
-        ),
-    }
-)
-
-_SENDER_SHAPES = {
-    "seed": ("dest_tp_ranks", "pp_rank"),
-    "0.5.23": ("req_has_disagg_prefill_dp_rank",),
-}
-
-
-def sender_options(
-    where: str,
-    args: tuple[Any, ...],
-    dest_tp_ranks: Any = UNSET,
-    pp_rank: Any = UNSET,
-    req_has_disagg_prefill_dp_rank: Any = UNSET,
-) -> dict[str, Any]:
-    """A sender constructor's optional arguments, positional ones named by the
-    release: ``dest_tp_ranks``, ``pp_rank`` and ``req_has_disagg_prefill_dp_rank``."""
-    _, given = bind_positional(
-        where,
-        ("mgr", "bootstrap_addr", "bootstrap_room"),
-        args,
-        _SENDER_SHAPES,
-        {
-            "dest_tp_ranks": dest_tp_ranks,
-            "pp_rank": pp_rank,
-            "req_has_disagg_prefill_dp_rank": req_has_disagg_prefill_dp_rank,
-        },
-    )
-    has_dp = given.get("req_has_disagg_prefill_dp_rank", False)
-    if not isinstance(has_dp, (bool, np.bool_)):
-        raise BadArgumentType(
-            "req_has_disagg_prefill_dp_rank",
-            has_dp,
-            "a bool (under the seed release the fourth positional argument is "
-            "dest_tp_ranks: set PDLIFE_FIELD_RELEASE=seed for that call shape)",
-        )
-    dest = given.get("dest_tp_ranks")
-    if dest is not None:
-        dest = [integer("dest_tp_ranks[]", r, 0) for r in dest]
-    return {
-        "dest_tp_ranks": dest,
-        "pp_rank": optional_integer("pp_rank", given.get("pp_rank"), 0),
-        "req_has_disagg_prefill_dp_rank": bool(has_dp),
-    }
-
-
-_RECEIVER_INIT_SHAPES = {
-    "seed": ("kv_indices", "aux_index", "state_indices"),
-    "0.5.23": ("prefill_dp_rank",),
-}
-_DP_HINT = (
-    " (under the 0.5.23 release init takes the prefill DP rank and the pages go to "
-    "send_metadata; set PDLIFE_FIELD_RELEASE=seed for init(kv_indices, aux_index))"
-)
-_PAGES_HINT = (
-    " (under the seed release init takes the pages; set PDLIFE_FIELD_RELEASE=0.5.23 "
-    "for init(prefill_dp_rank) followed by send_metadata)"
-)
-
-
-def receiver_init(args: tuple[Any, ...], keywords: dict[str, Any]) -> dict[str, Any]:
-    """A receiver ``init`` call's arguments, checked: either
-    ``{"prefill_dp_rank": int}`` (0.5.23) or ``{"kv_indices": array,
-    "aux_index": ..., "state_indices": ...}`` (the seed)."""
-    current, given = bind_positional("init()", (), args, _RECEIVER_INIT_SHAPES, keywords)
-    seed_names = [n for n in ("kv_indices", "aux_index", "state_indices") if n in given]
-    if "prefill_dp_rank" in given and seed_names:
-        raise FieldSignatureError(
-            "init()",
-            f"got prefill_dp_rank and {', '.join(seed_names)}: the first is 0.5.23's init, "
-            "the others the seed's",
-            ("prefill_dp_rank",) if current == "0.5.23" else _RECEIVER_INIT_SHAPES["seed"],
-            current,
-        )
-    if "prefill_dp_rank" in given:
-        return {
-            "prefill_dp_rank": integer("prefill_dp_rank", given["prefill_dp_rank"], 0, _DP_HINT)
-        }
-    if "kv_indices" not in given:
-        missing = "kv_indices" if seed_names or current == "seed" else "prefill_dp_rank"
-        raise FieldSignatureError(
-            "init()",
-            f"missing required argument {missing!r}",
-            _RECEIVER_INIT_SHAPES[current],
-            current,
-        )
-    return {
-        "kv_indices": page_indices("kv_indices", given["kv_indices"], _PAGES_HINT),
-        "aux_index": optional_integer("aux_index", given.get("aux_index"), -1),
-        "state_indices": given.get("state_indices"),
-    }
 
 
 class _Handle:
@@ -185,7 +78,7 @@ class _Handle:
             self.core.clear()
 
 
-class FieldSender(_Handle):
+class FieldSender(_Handle, BaseKVSender):
     """Prefill side of one request."""
 
     def __init__(
@@ -205,21 +98,104 @@ class FieldSender(_Handle):
         self.dest_tp_ranks = dest_tp_ranks
         self.pp_rank = pp_rank
         self.req_has_disagg_prefill_dp_rank = req_has_disagg_prefill_dp_rank
+        #: the core's KV args (page size, row bytes), when the backend has them
+        self._core_args = getattr(getattr(core, "manager", None), "kv_args", None)
+        self._first_page = 0  # pages of a popped decode prefix: never handed over
+        self._prefix_popped = False
+        self._metric = KVTransferMetric()
+        self._started: float | None = None
+        self._pages = 0  # pages handed to send()
+        self._state_bytes = 0  # bytes of the state rows handed to send()
+        self._skip: int | None = None  # decode's prefix pages, once known
+
+    def poll(self) -> KVPoll:
+        """As 0.5.23's senders: Bootstrapping until every decode rank said where
+        to write (so the prefix is known), then the backend's status."""
+        status = KVPoll(self.core.poll())
+        if status == KVPoll.WaitingForInput and self._prefix_pages() is None:
+            return KVPoll.Bootstrapping
+        m = self._metric
+        if status == KVPoll.Success and m.transfer_latency_s is None:
+            self._prefix_pages()  # kept for the metric: the backend forgets it on clear()
+            if self._started is not None:
+                m.transfer_latency_s = time.perf_counter() - self._started
+        return status
+
+    def _prefix_pages(self) -> int | None:
+        """Decode's cached prefix in pages, None until every decode rank told it
+        (0 for a backend that moves no data)."""
+        if self._skip is None:
+            self._skip = getattr(self.core, "decode_prefix_pages", 0)
+        return self._skip
+
+    def poll_pp_consensus(self) -> KVPoll:
+        """The same as :meth:`poll` (this rank is the only pipeline stage)."""
+        return self.poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens of this request decode holds already (whole pages), the first time
+        it is asked once every decode rank said where to write; 0 before that
+        and after. A prefill that popped a prefix inits and sends only the
+        pages after it, as in 0.5.23."""
+        pages = self._prefix_pages()
+        if self._prefix_popped or pages is None or self._core_args is None:
+            return 0
+        self._prefix_popped = True
+        self._first_page = int(pages)
+        return self._first_page * int(self._core_args.page_size)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """How many pages will follow and which metadata row carries the first token."""
+        """How many pages will follow (after a popped prefix) and which metadata
+        row carries the first token."""
         n = integer("num_kv_indices", num_kv_indices, 0)
-        self.core.init(n, optional_integer("aux_index", aux_index, -1))
+        aux = optional_integer("aux_index", aux_index, -1)
+        if self._first_page:
+            self.core.init(n, aux, first_page=self._first_page)
+        else:
+            self.core.init(n, aux)
 
     def send(
         self, kv_indices: ArrayLike, state_indices: Any = None, num_kv_tokens: int | None = None
     ) -> None:
         """One chunk of pages (the last chunk's send also ships the metadata row).
         ``num_kv_tokens`` (0.5.23) is accepted and not needed: pages are whole here."""
-        self.core.send(page_indices("kv_indices", kv_indices), state_indices)
+        pages = page_indices("kv_indices", kv_indices)
+        self.core.send(pages, state_indices)
+        if self._started is None and (pages.size or state_indices is not None):
+            self._started = time.perf_counter()
+        self._pages += pages.size
+        a = self._core_args
+        if state_indices is not None and a is not None and a.state:
+            # the backend took them: one row list per state component
+            room = int(self.bootstrap_room or 0)
+            rows = rows_of(room, state_indices, len(a.state), "state_indices") or []
+            self._state_bytes += sum(r.size * sum(c.item_lens) for r, c in zip(rows, a.state))
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """Latency from the first chunk handed over to the Success poll, and the
+        bytes this rank handed over that decode did not hold already: pages
+        after decode's cached prefix, and state rows. ``alloc_latency_s`` is
+        None (not measured)."""
+        a = self._core_args
+        if a is not None:
+            held = max((self._prefix_pages() or 0) - self._first_page, 0)
+            kv = max(self._pages - held, 0) * sum(a.kv_item_lens)
+            self._metric.transfer_total_bytes = int(kv + self._state_bytes)
+        return self._metric
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A chunk with pages, and always the last one (it carries the state rows)."""
+        return num_pages > 0 or bool(last_chunk)
+
+    def mark_prefill_complete(self) -> None:
+        """Nothing to publish: decode allocates before prefill runs here (0.5.23's
+        common senders do nothing either without that allocation policy)."""
+
+    def get_max_transfer_tokens(self) -> int | None:
+        return None
 
 
-class FieldReceiver(_Handle):
+class FieldReceiver(_Handle, BaseKVReceiver):
     """Decode side of one request.
 
     Under the seed the handshake starts when it is built (with
@@ -227,6 +203,9 @@ class FieldReceiver(_Handle):
     ``init(prefill_dp_rank)``, or when built if ``prefill_dp_rank`` is given
     to the constructor (a keyword the field's receivers do not have).
     """
+
+    #: tokens per page (a cached prefix must be whole pages); the backend's
+    page_size = 1
 
     @property
     def require_staging(self) -> bool:
@@ -302,22 +281,33 @@ class FieldReceiver(_Handle):
         aux_index: int | None = None,
         state_indices: Any = None,
         decode_prefix_len: int | None = None,
-        destination: Any = None,
+        destination: Any = KVTransferDestination.DEVICE,
     ) -> None:
-        """Where prefill must write: these pages (after the first
-        ``decode_prefix_len`` tokens, which decode holds already), this
-        metadata row. Only device destinations are supported."""
+        """Where prefill must write: these pages, the request's pages after its
+        first ``decode_prefix_len`` tokens (a whole number of pages decode
+        holds already, which are not sent), this metadata row. Only device
+        destinations are supported."""
         value = getattr(destination, "value", destination)
         if value not in (None, "device"):
             raise BadArgument(
                 "destination", destination, "the device (host destinations are not supported)"
             )
-        self._send_metadata(
-            page_indices("kv_indices", kv_indices),
-            optional_integer("aux_index", aux_index, -1),
-            state_indices,
-            optional_integer("decode_prefix_len", decode_prefix_len, 0),
-        )
+        pages = page_indices("kv_indices", kv_indices)
+        aux = optional_integer("aux_index", aux_index, -1)
+        prefix = optional_integer("decode_prefix_len", decode_prefix_len, 0)
+        if prefix and prefix % self.page_size:
+            raise BadArgument(
+                "decode_prefix_len",
+                decode_prefix_len,
+                f"a multiple of the page size {self.page_size} (only whole cached pages "
+                "are skipped; round the prefix down to a page)",
+            )
+        self._send_metadata(pages, aux, state_indices, prefix)
+
+    def is_abort_release_safe(self) -> bool:
+        """True once no write for this request can land any more (it ended, or every
+        prefill rank said it stopped writing): its pages may then be reused."""
+        return bool(getattr(self.core, "drained", True))
 
     def _send_metadata(
         self, kv_indices: Any, aux_index: int | None, state_indices: Any, prefix: int | None

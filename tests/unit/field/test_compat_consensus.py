@@ -354,3 +354,30 @@ def test_a_bad_metadata_index_fails_its_request_on_every_rank(world_of_one, meta
     got = poll_and_all_reduce(pollers(4, 4, 4, 4), world_of_one, reqs, meta)
     assert got == [F, F, F, S]
     assert {f.reason for f in compat.last_failures()} == {FailureReason.METADATA_CORRUPT}
+
+
+class SetPoller:
+    """A poller whose status the test sets between calls."""
+
+    def __init__(self, room, status):
+        self.bootstrap_room, self.status = room, status
+
+    def poll(self):
+        return self.status
+
+
+def test_the_gate_reads_the_right_rows_after_a_request_leaves_the_middle(world_of_one, meta):
+    # a request that concludes leaves the table; the engine drops it from its list:
+    # the requests after it move up, and the gate must read their rows, not stale ones
+    reqs = [decode_req(201, 0), decode_req(202, 1), decode_req(203, 2)]
+    ps = [SetPoller(201, T), SetPoller(202, S), SetPoller(203, T)]
+    meta.set_buf(first_token_req(202, 1, 5))
+    assert poll_and_all_reduce(ps, world_of_one, reqs, meta, ARGS) == [T, S, T]
+    reqs, ps = [reqs[0], reqs[2]], [ps[0], ps[2]]
+    ps[1].status = S  # 203 concludes; its row (slot 2) has landed, 201's (slot 0) has not
+    meta.set_buf(first_token_req(203, 2, 6))
+    assert poll_and_all_reduce(ps, world_of_one, reqs, meta, ARGS) == [T, S]
+    assert compat.last_failures() == []
+    ps[0].status = S
+    meta.set_buf(first_token_req(201, 0, 4))
+    assert poll_and_all_reduce(ps, world_of_one, reqs, meta, ARGS) == [S, S]
