@@ -27,13 +27,13 @@ from buffers.errors import (
     DoubleFree,
     SlotOutOfRange,
 )
-from buffers.kv_args import StateType
 from buffers.pages import C128, cp_filter_chunk, cp_split, ring_state_page
 from field._checks import integer
 from field.abort import is_aborted, prepare_abort
 from field.engine import DisaggregationMode
 from field.metadata import MetadataBuffers
 from field.state import append_state_component, is_mla_backend, setup_state_kv_args
+from field.state_types import StateType
 
 __all__ = [
     "DisaggregationMode",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from buffers.errors import GeometryMismatch
-from buffers.kv_args import StateType
+from field.state_types import StateType
 
 __all__ = ["is_mla_backend", "append_state_component", "setup_state_kv_args"]
 

@@ -68,6 +68,10 @@ def _compare(theirs: object, ours: object) -> str:
             if m.name in ours.__members__ and ours.__members__[m.name].value != m.value
         ]
         return f"members missing {missing}, values differ {wrong}" if missing or wrong else ""
+    if isinstance(theirs, type) and _constants(theirs):  # a class of int constants (KVPoll)
+        want = _constants(theirs)
+        got = {k: getattr(ours, k, None) for k in want}
+        return "" if got == want else f"constants {got} here, {want} there"
     if not callable(theirs):
         return "" if theirs == ours else f"value {ours!r} here, {theirs!r} there"
     a, b = _signature(theirs), _signature(ours)
@@ -85,6 +89,17 @@ def _compare(theirs: object, ours: object) -> str:
     if extra:
         return f"extra required parameters here: {extra}"
     return ""
+
+
+def _constants(cls: type) -> dict[str, int]:
+    """The public int attributes a plain class defines itself (none for an enum)."""
+    if issubclass(cls, enum.Enum):
+        return {}
+    return {
+        k: v
+        for k, v in vars(cls).items()
+        if not k.startswith("_") and isinstance(v, int) and not isinstance(v, bool)
+    }
 
 
 def _rows() -> list[tuple[str, str, str, str]]:

@@ -19,8 +19,8 @@ them behaves as it would there:
 
 :class:`KVPoll` is the core's (an IntEnum with the field's values, Failed 0 to
 Success 4), :class:`KVArgs` the field-shaped bag of :mod:`field.conn.kv_args`
-and :class:`StateType` the core's (see docs/compat.md for the members 0.5.23
-has besides).
+and :class:`StateType` 0.5.23's (:mod:`field.state_types`: every member, of
+which our backends move six and refuse the others by name).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from buffers.kv_args import StateType
 from field.conn.kv_args import KVArgs
+from field.state_types import StateType
 from lifecycle.status import KVPoll
 
 __all__ = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from buffers.kv_args import KVArgs as CoreKVArgs
-from buffers.kv_args import StateComponent, StateType
+from buffers.kv_args import StateComponent
+from field.state_types import core_state_type
 
 __all__ = ["KVArgs"]
 
@@ -114,7 +115,7 @@ class KVArgs:
         dims = self.state_dim_per_tensor or [[] for _ in self.state_types]
         state = tuple(
             StateComponent(
-                t if isinstance(t, StateType) else StateType(getattr(t, "value", t)),
+                core_state_type(t),
                 ptrs,
                 lens,
                 items,

@@ -134,3 +134,16 @@ def test_sharded_pages_and_replicated_state_writers():
         filter_kv_indices_for_shard_rank(
             kv_indices=np.array([0]), index_slice=slice(0, 1), shard_rank=0, shard_size=1.5
         )
+
+
+def test_every_0_5_23_state_type_is_named_and_the_unmoved_are_refused_by_name():
+    from buffers.kv_args import StateType as Core
+    from field.state_types import StateType, UnsupportedStateType, core_state_type
+
+    assert len({m.value for m in StateType}) == 13
+    assert StateType.DSV4_REQUEST_STATE is StateType.C128_STATE
+    assert StateType.SWA == "swa"  # a str enum, as 0.5.23's
+    assert core_state_type(StateType.MAMBA) is Core.MAMBA
+    assert core_state_type("c128_state") is Core.C128_STATE
+    with pytest.raises(UnsupportedStateType, match="qsa_pending"):
+        core_state_type(StateType.QSA_PENDING)
