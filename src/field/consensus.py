@@ -42,6 +42,7 @@ from field.release import release
 from field.session import Session
 from lifecycle import faults as _faults
 from lifecycle.collective import Collective, Hierarchical, TorchCollective
+from lifecycle.pipeline import PipelineForward
 from lifecycle.step import Failure
 
 __all__ = [
@@ -88,14 +89,37 @@ def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
     return hook
 
 
-def _collective(groups: tuple[Any, ...]) -> Collective:
-    """One collective per group tuple, kept (with the groups, so their ids stay theirs)."""
+def _collective(
+    groups: tuple[Any, ...], pipeline: tuple[Any, int, int] | None = None
+) -> Collective:
+    """One collective per group tuple, kept (with the groups, so their ids stay theirs).
+
+    With ``pipeline`` (a PP process group, this stage, the number of stages),
+    the first stage reduces over ``groups`` and every stage applies its result
+    (:class:`~lifecycle.pipeline.PipelineForward`)."""
     key = tuple(id(g) for g in groups)
+    if pipeline is not None:
+        key += (id(pipeline[0]), pipeline[1], pipeline[2])
     kept = _collectives.get(key)
     if kept is None:
+        import torch.distributed as dist
+
         parts = [TorchCollective(g) for g in groups]
         coll: Collective = parts[0] if len(parts) == 1 else Hierarchical(parts)
-        kept = _collectives[key] = (coll, groups)
+        if pipeline is not None:
+            group, stage, stages = pipeline
+            world = 1
+            for g in groups:
+                world *= dist.get_world_size(g)
+            coll = PipelineForward(
+                coll if stage == 0 else None,
+                group,
+                stage,
+                stages,
+                rank=parts[0].rank,
+                world_size=world,
+            )
+        kept = _collectives[key] = (coll, (*groups, pipeline))
     return kept[0]
 
 
@@ -124,6 +148,7 @@ def run_consensus(
     metadata_buffers: Any = None,
     server_args: Any = None,
     staging_handler: Any = None,
+    pipeline: tuple[Any, int, int] | None = None,
 ) -> list[int]:
     """One consensus step of ``kind`` over ``groups`` (reduced in order) for the
     caller's list; every argument is checked before anything is polled."""
@@ -141,13 +166,13 @@ def run_consensus(
     if n == 0:  # as the field: nothing to agree, no collective
         _last_failures.clear()
         return []
-    coll = _collective(groups)
+    coll = _collective(groups, pipeline)
     gated = metadata_buffers is not None
     staged = staging_handler is not None
     plist = pollers if type(pollers) is list else list(pollers)
     dlist = decode_reqs if decode_reqs is None or type(decode_reqs) is list else list(decode_reqs)
     first = plist[0] if dlist is None else dlist[0]
-    key = (kind, tuple(id(g) for g in groups), gated, staged)
+    key = (kind, id(coll), gated, staged)
     session = _session(key, coll, first, gated, staged)
     statuses, failures = session.run(
         plist,

@@ -130,16 +130,58 @@ def poll_and_all_reduce_prefill_pp(
     pp_poll_sync_work_list: list[Any],
 ) -> list[int]:
     """Prefill with pipeline parallelism: PP rank 0 polls each sender's
-    ``poll_pp_consensus`` and agrees over TP then CP (one step, as
-    :func:`~field.consensus.poll_and_all_reduce_attn_cp_tp_group`); every stage
-    then applies PP rank 0's list (:func:`pp_sync_polls`)."""
+    ``poll_pp_consensus`` and agrees over TP then CP; every stage applies PP
+    rank 0's list.
+
+    When ``pp_group`` is a gloo process group (or a coordinator with one as
+    ``cpu_group``), every stage steps the same table with the core's
+    :class:`~lifecycle.pipeline.PipelineForward`: the later stages keep the
+    agreed state and catch a list that differs from PP rank 0's (they poll
+    nothing). Otherwise PP rank 0's list is forwarded through the coordinator's
+    ``send_object`` / ``recv_object`` (:func:`pp_sync_polls`)."""
+    senders = list(pollers)
+    group = _process_group(pp_group)
+    if pp_size > 1 and group is not None:
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(
+                f"poll_and_all_reduce_prefill_pp: pp_rank {pp_rank} not in 0..{pp_size - 1}"
+            )
+        polled = [_PPConsensus(s) for s in senders] if pp_rank == 0 else [_IDLE] * len(senders)
+        return run_consensus(
+            "cp_tp_pp",
+            (attn_tp_cpu_group, attn_cp_cpu_group),
+            polled,
+            decode_reqs=senders,  # the senders name the requests
+            pipeline=(group, pp_rank, pp_size),
+        )
     polls: list[int] = []
     if pp_rank == 0:
-        senders = list(pollers)
         polls = run_consensus(
             "cp_tp_pp",
             (attn_tp_cpu_group, attn_cp_cpu_group),
             [_PPConsensus(s) for s in senders],
-            decode_reqs=senders,  # the senders name the requests; the wrappers are polled
+            decode_reqs=senders,
         )
     return pp_sync_polls(polls, pp_group, pp_rank, pp_size, pp_poll_sync_work_list)
+
+
+def _process_group(pp_group: Any) -> Any:
+    from torch.distributed import ProcessGroup
+
+    for g in (pp_group, getattr(pp_group, "cpu_group", None)):
+        if isinstance(g, ProcessGroup):
+            return g
+    return None
+
+
+class _Idle:
+    """A later stage's poller: Success, the largest word, so the stage contributes
+    nothing to the MIN it takes with PP rank 0's result (which it applies)."""
+
+    bootstrap_room = None
+
+    def poll(self) -> int:
+        return int(KVPoll.Success)
+
+
+_IDLE = _Idle()
