@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from field.consensus import run_consensus
@@ -31,9 +32,10 @@ _INT32 = (-(1 << 31), (1 << 31) - 1)
 def all_reduce_flags(flags: list[int], group: Any, op: Any) -> list[int]:
     """Reduce one small int per entry across ``group`` with ``op``; every rank must
     pass the same number of entries in the same order. Empty, or a group of
-    one rank: returned unchanged. Entries must be integers that fit in int32
-    (checked before anything is sent, so no rank enters the collective with a
-    value the others would read differently)."""
+    one rank: returned unchanged. Entries must be integers that fit in int32,
+    or bools (0 and 1: the field's decode transfer queue passes its hold and
+    ready flags as bools); checked before anything is sent, so no rank enters
+    the collective with a value the others would read differently."""
     import torch.distributed as dist
 
     if not isinstance(flags, (list, tuple)):
@@ -41,7 +43,9 @@ def all_reduce_flags(flags: list[int], group: Any, op: Any) -> list[int]:
             f"all_reduce_flags: flags must be a list of ints, not {type(flags).__name__}"
         )
     for i, f in enumerate(flags):
-        if isinstance(f, bool) or not isinstance(f, numbers.Integral):
+        if isinstance(f, (bool, np.bool_)):
+            continue
+        if not isinstance(f, numbers.Integral):
             raise TypeError(f"all_reduce_flags: flags[{i}] is {f!r}, not an int")
         if not _INT32[0] <= int(f) <= _INT32[1]:
             raise ValueError(f"all_reduce_flags: flags[{i}] = {f} does not fit in int32")

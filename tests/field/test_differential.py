@@ -221,7 +221,25 @@ def test_flags_reduce_the_same(world_of_one):
     from sglang.srt.disaggregation import utils as sgl
 
     for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.SUM):
-        flags = [3, 0, 7, 1]
-        assert sgl.all_reduce_flags(list(flags), world_of_one, op) == ours.all_reduce_flags(
-            list(flags), world_of_one, op
-        )
+        for flags in ([3, 0, 7, 1], [True, False]):  # decode.py passes bools
+            assert sgl.all_reduce_flags(list(flags), world_of_one, op) == ours.all_reduce_flags(
+                list(flags), world_of_one, op
+            )
+
+
+def _bool_flags(rank: int, world: int):
+    from sglang.srt.disaggregation import utils as sgl
+
+    flags = [rank == 1, False, True]  # as pop_transferred's hold flags
+    return [
+        f.all_reduce_flags(list(flags), dist.group.WORLD, op)
+        for f in (sgl, ours)
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_bool_flags_reduce_the_same_on_two_ranks():
+    for got in run_ranks(_bool_flags, 2, timeout=100):
+        assert got == [[1, 0, 1], [0, 0, 1], [1, 0, 1], [0, 0, 1]]

@@ -2,6 +2,7 @@
 
 import types
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -19,10 +20,13 @@ from field.pp import (
 def test_flags_on_one_rank_come_back_unchanged_and_bad_flags_are_refused(world_of_one):
     assert all_reduce_flags([3, 1, 2], world_of_one, dist.ReduceOp.MIN) == [3, 1, 2]
     assert all_reduce_flags([], world_of_one, dist.ReduceOp.MAX) == []
+    # the field's decode transfer queue reduces its hold and ready flags as bools
+    assert all_reduce_flags([True, False], world_of_one, dist.ReduceOp.MAX) == [True, False]
+    assert all_reduce_flags([np.bool_(True)], world_of_one, dist.ReduceOp.MIN) == [True]
     with pytest.raises(TypeError, match=r"flags\[1\]"):
         all_reduce_flags([1, 2.5], world_of_one, dist.ReduceOp.MIN)
     with pytest.raises(TypeError, match=r"flags\[0\]"):
-        all_reduce_flags([True], world_of_one, dist.ReduceOp.MIN)
+        all_reduce_flags(["1"], world_of_one, dist.ReduceOp.MIN)
     with pytest.raises(ValueError, match="int32"):
         all_reduce_flags([1 << 40], world_of_one, dist.ReduceOp.MIN)
 
