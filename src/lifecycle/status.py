@@ -66,9 +66,11 @@ class Role(enum.IntEnum):
 
 _MEANINGS: dict[tuple[Role, KVPoll], str] = {
     (Role.SENDER, KVPoll.Failed): "transfer failed or aborted",
-    (Role.SENDER, KVPoll.Bootstrapping): "waiting for the peer's address (rendezvous)",
+    (Role.SENDER, KVPoll.Bootstrapping): (
+        "waiting for decode to register the request and say where to write"
+    ),
     (Role.SENDER, KVPoll.WaitingForInput): (
-        "handshake done, waiting for decode to say where to write"
+        "decode said where to write; ready for a metadata row and the KV"
     ),
     (Role.SENDER, KVPoll.Transferring): "chunks being written",
     (Role.SENDER, KVPoll.Success): "all chunks and the metadata row written",

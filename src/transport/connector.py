@@ -31,7 +31,7 @@ from transport import connector_prefill as pre
 from transport import liveness as live
 from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig
-from transport.connector_graph import IS_TERMINAL, POLL, TRIGGER_ID, Phase, fire
+from transport.connector_graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, splits_state, state_geometry
 from transport.legs import Request, describe
 from transport.mailbox import Mailbox
@@ -182,7 +182,7 @@ class Connector(StatusArrays):
             new, illegal = fire(self.phase[idx], trigger)
             moved = idx[~illegal]
             self.phase[moved] = new[~illegal]
-            effect = int(POLL[TRIGGER_ID[trigger]])
+            effect = int(POLL[ROLE_ID[self.config.role], TRIGGER_ID[trigger]])
             st = self.status[moved]
             live = moved[(st != S) & (st != F)]
             if effect == F:

@@ -9,6 +9,24 @@ __all__ = ["ConnectorConfig"]
 
 @attrs.frozen
 class ConnectorConfig:
+    """One rank's connector: its side and place, the store, its clocks.
+
+    The timeouts (seconds on this rank's clock; None: none):
+
+    - ``bootstrap_timeout``: from the request's ``sender()``/``receiver()`` for
+      as long as it reports Bootstrapping, then it fails (reason bootstrap
+      timeout) and its peers hear why. On decode that is until it registered
+      the request with every prefill rank of it. On prefill it is until every
+      decode leg registered it *and* sent its page list: the deadline covers
+      the wait for decode's scheduler to give the request its pages and
+      metadata row, since prefill reports WaitingForInput only then (see
+      :mod:`transport.connector_graph`).
+    - ``waiting_timeout``: decode, from ``send_metadata`` until every sender
+      said "done".
+    - ``drain_timeout``: how long a failed request with writes that may still
+      land stays quarantined (Aborted) before it is released.
+    """
+
     role: str  # "prefill" | "decode"
     tp_rank: int
     tp_size: int = 1  # this side's TP group

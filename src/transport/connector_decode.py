@@ -3,9 +3,11 @@
 Once ``init()`` named the prefill DP group, the request waits for that group's
 record (its TP size), plans its legs from the topology (its senders, and the
 idle prefill ranks it informs), registers with every one of them
-(Handshaken), and on ``send_metadata`` tells each where to write (Metadata):
-its own KV pages, or a block of the staging region when head slices are
-staged. It is Done when every sender said "done"; a staged request is then
+(Handshaken: it reports WaitingForInput, and the scheduler may give it pages
+and a metadata row), and on ``send_metadata`` tells each where to write
+(Metadata): its own KV pages, or a block of the staging region when head
+slices are staged. A prefill rank reports WaitingForInput only once every
+decode rank's page list for the request is in. It is Done when every sender said "done"; a staged request is then
 scattered a bounded amount per scheduler step (the staging gate holds its
 Success meanwhile). A failed request tells every leg to stop and stays
 Aborted until every sender stopped (Drained), or the drain timeout passed

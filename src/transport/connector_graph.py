@@ -22,9 +22,24 @@ may be reused.
 
 Each edge names the :class:`KVPoll` it implies (``poll``): the scheduler's
 status is raised to it (never lowered), and a Failed latches with the
-reason given. Everything below is derived from :data:`EDGES`: the numpy
-tables that drive the connector in batch, the ``transitions`` machine the
-unit tests hold the tables to, and ``pdlife diagram --protocol``.
+reason given. Where the two sides report differently the edge says so per
+role (:class:`ByRole`): decode reports WaitingForInput at the handshake (its
+scheduler may now take pages and a metadata row and say where to write),
+prefill only once every decode leg's page list has arrived (Metadata).
+Before that a prefill request is Bootstrapping, as in the field, where a
+prefill request leaves the bootstrap queue only once decode has sent its
+page indices. Were prefill to report WaitingForInput at the handshake, its
+scheduler could give its metadata rows to requests that decode's scheduler
+has not given rows to yet, while decode gave its own to others: with
+limited rows each side then waits for the other forever (one row per side
+and two requests taken in opposite orders is enough). :data:`READY` names
+the phase where each side is ready, and the check at import holds the table
+to it.
+
+Everything below is derived from :data:`EDGES`: the numpy tables that drive
+the connector in batch (per role), the phases each side reports
+Bootstrapping in (which the bootstrap timeout covers), the ``transitions``
+machine the unit tests hold the tables to, and ``pdlife diagram --protocol``.
 """
 
 from __future__ import annotations
@@ -41,12 +56,17 @@ from transport.errors import TransportError
 
 __all__ = [
     "Phase",
+    "ByRole",
     "ProtocolEdge",
+    "ROLES",
+    "ROLE_ID",
+    "READY",
     "EDGES",
     "TRIGGERS",
     "TERMINAL",
     "DEST",
     "POLL",
+    "BOOTSTRAPPING",
     "ProtocolError",
     "fire",
     "build_machine",
@@ -66,17 +86,44 @@ class Phase(enum.IntEnum):
     PeerDead = 8
 
 
+#: the two sides, in the order of the per-role tables' first axis
+ROLES: tuple[str, ...] = ("prefill", "decode")
+ROLE_ID: dict[str, int] = {r: i for i, r in enumerate(ROLES)}
+
+
+@attrs.frozen
+class ByRole:
+    """The status an edge implies where the two sides differ (None: none)."""
+
+    prefill: KVPoll | None = None
+    decode: KVPoll | None = None
+
+
 @attrs.frozen
 class ProtocolEdge:
     trigger: str
     sources: tuple[Phase, ...]
     dest: Phase
-    poll: KVPoll | None = None
+    poll: KVPoll | ByRole | None = None  # the same on both sides, unless ByRole
     doc: str = ""
+
+    def poll_for(self, role: str) -> KVPoll | None:
+        """The status this edge implies on ``role``'s side (None: it leaves it)."""
+        if isinstance(self.poll, ByRole):
+            out: KVPoll | None = getattr(self.poll, role)
+            return out
+        return self.poll
 
 
 P = Phase
 _LIVE = (P.Bootstrap, P.Handshaken, P.Metadata, P.Writing, P.RoomWritten)
+
+#: the phase from which each side reports WaitingForInput, i.e. its scheduler
+#: may commit a metadata row to the request: decode once it registered the
+#: request with every prefill rank; prefill only once every decode leg's page
+#: list arrived (earlier, the two schedulers can each give their rows to
+#: requests the other holds none for, and wait for each other forever)
+READY: dict[str, Phase] = {"prefill": P.Metadata, "decode": P.Handshaken}
 
 #: The one declaration; order is only for display and trigger ids.
 EDGES: tuple[ProtocolEdge, ...] = (
@@ -84,11 +131,17 @@ EDGES: tuple[ProtocolEdge, ...] = (
         "handshake",
         (P.Bootstrap,),
         P.Handshaken,
-        KVPoll.WaitingForInput,
-        "decode registered the room with prefill",
+        ByRole(decode=KVPoll.WaitingForInput),
+        "decode registered the room with every prefill rank it pairs with (prefill: every "
+        "decode leg registered it); decode's scheduler may now give it pages and a row",
     ),
     ProtocolEdge(
-        "metadata", (P.Handshaken,), P.Metadata, None, "decode's page list and slot were sent"
+        "metadata",
+        (P.Handshaken,),
+        P.Metadata,
+        ByRole(prefill=KVPoll.WaitingForInput),
+        "decode sent its page list and slot to every leg (decode) / every decode leg's "
+        "arrived (prefill); prefill's scheduler may now take a metadata row",
     ),
     ProtocolEdge("write", (P.Metadata,), P.Writing, None, "prefill issued page/field writes"),
     ProtocolEdge(
@@ -133,22 +186,54 @@ TRIGGER_ID: dict[str, int] = {t: i for i, t in enumerate(TRIGGERS)}
 TERMINAL: frozenset[Phase] = frozenset({P.Done, P.Drained, P.PeerDead})
 
 
+def compile_polls(edges: tuple[ProtocolEdge, ...]) -> NDArray[np.int8]:
+    """POLL of ``edges``: [role, trigger] -> the KVPoll it implies, -1 for none."""
+    poll = np.full((len(ROLES), len(edges)), -1, dtype=np.int8)
+    for r, role in enumerate(ROLES):
+        for i, e in enumerate(edges):
+            implied = e.poll_for(role)
+            poll[r, i] = -1 if implied is None else int(implied)
+    poll.setflags(write=False)
+    return poll
+
+
+_SILENT = (None, KVPoll.Bootstrapping)
+
+
+def _bootstrapping() -> NDArray[np.bool_]:
+    """[role, phase]: the live phases a side still reports Bootstrapping in: those
+    reached from Bootstrap along edges that imply no status on that side."""
+    out = np.zeros((len(ROLES), len(Phase)), dtype=bool)
+    for r, role in enumerate(ROLES):
+        reach = {P.Bootstrap}
+        for _ in Phase:
+            reach |= {
+                e.dest
+                for e in EDGES
+                if set(e.sources) & reach and e.poll_for(role) in _SILENT and e.dest in _LIVE
+            }
+        out[r, [int(p) for p in reach]] = True
+    out.setflags(write=False)
+    return out
+
+
 def _compile() -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.bool_]]:
     dest = np.full((len(TRIGGERS), len(Phase)), -1, dtype=np.int8)
-    poll = np.full(len(TRIGGERS), -1, dtype=np.int8)
     terminal = np.zeros(len(Phase), dtype=bool)
     for i, e in enumerate(EDGES):
         dest[i, list(e.sources)] = e.dest
-        poll[i] = -1 if e.poll is None else int(e.poll)
     terminal[[int(p) for p in TERMINAL]] = True
-    for arr in (dest, poll, terminal):
+    for arr in (dest, terminal):
         arr.setflags(write=False)
-    return dest, poll, terminal
+    return dest, compile_polls(EDGES), terminal
 
 
 #: DEST[trigger, phase]: the phase it moves to, -1 where it is not declared
-#: POLL[trigger]: the KVPoll it implies, -1 for none; IS_TERMINAL[phase]
+#: POLL[role, trigger]: the KVPoll it implies on that side (ROLE_ID), -1 for none
+#: IS_TERMINAL[phase]; BOOTSTRAPPING[role, phase]: the side still reports
+#: Bootstrapping there (its bootstrap timeout runs)
 DEST, POLL, IS_TERMINAL = _compile()
+BOOTSTRAPPING = _bootstrapping()
 
 
 class ProtocolError(TransportError):
@@ -202,9 +287,53 @@ def _check_declaration() -> None:
         reach |= {e.dest for e in EDGES if set(e.sources) & reach}
     if reach != set(Phase):
         raise AssertionError(f"unreachable phases: {set(Phase) - reach}")
+    if set(READY) != set(ROLES):
+        raise AssertionError(f"READY names each of {ROLES} once")
+    for role in ROLES:
+        _check_role(role)
+
+
+def _check_role(role: str) -> None:
+    """On each side the status only rises along the way to Done, WaitingForInput is
+    reported exactly where READY says (prefill: not before every decode leg's page
+    list arrived, or the two schedulers can deadlock on their metadata rows)."""
+    ready, failed = KVPoll.WaitingForInput, KVPoll.Failed
+    for e in EDGES:
+        if e.poll_for(role) == ready and e.dest != READY[role]:
+            raise AssertionError(
+                f"{e.trigger}: {role} may report WaitingForInput only on reaching "
+                f"{READY[role].name}, not {e.dest.name}"
+            )
+    # the status reported in each phase reached without failing, on this side
+    progress = [e for e in EDGES if e.poll_for(role) != failed]
+    level = {P.Bootstrap: KVPoll.Bootstrapping}
+    for _ in Phase:
+        for e in progress:
+            had = [level[s] for s in e.sources if s in level]
+            if had and e.dest not in level:
+                implied = e.poll_for(role)
+                level[e.dest] = max(had) if implied is None else implied
+    for e in progress:
+        for s in e.sources:
+            if s in level and level[e.dest] < level[s]:
+                raise AssertionError(f"{e.trigger}: {role}'s status may not fall")
+    if level.get(READY[role]) != ready or level.get(P.Done) != KVPoll.Success:
+        raise AssertionError(f"{role}: WaitingForInput at {READY[role].name}, Success at Done")
+    early = [p for p, s in level.items() if s > KVPoll.Bootstrapping and p < READY[role]]
+    if early:
+        raise AssertionError(f"{role} leaves Bootstrapping before {READY[role].name}: {early}")
 
 
 _check_declaration()
+
+
+def _status_label(e: ProtocolEdge) -> str:
+    """What an edge implies, for a diagram: " / Success", " / WaitingForInput (decode)"."""
+    if isinstance(e.poll, ByRole):
+        said = [(r, e.poll_for(r)) for r in ROLES]
+        parts = [f"{p.name} ({r})" for r, p in said if p is not None]
+        return f" / {', '.join(parts)}" if parts else ""
+    return f" / {e.poll.name}" if e.poll is not None else ""
 
 
 def diagram(fmt: str) -> str:
@@ -215,7 +344,7 @@ def diagram(fmt: str) -> str:
     if fmt == "mermaid":
         lines = ["stateDiagram-v2", f"    %% {title}", f"    [*] --> {Phase.Bootstrap.name}"]
         for e in EDGES:
-            status = f" / {e.poll.name}" if e.poll is not None else ""
+            status = _status_label(e)
             lines += [f"    {s.name} --> {e.dest.name}: {e.trigger}{status}" for s in e.sources]
         lines += [f"    {p.name} --> [*]" for p in Phase if p in TERMINAL]
     else:

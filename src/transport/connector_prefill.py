@@ -1,7 +1,12 @@
 """The prefill side of the connector protocol: one request, several decode ranks.
 
 A request waits for every decode rank the topology names (its legs) to
-register it (Handshaken) and to say where to write (Metadata). It then writes
+register it (Handshaken) and to say where to write (Metadata). It reports
+Bootstrapping until every leg's page list is in, and WaitingForInput from
+then on: only then may the scheduler take a metadata row for it (taken at
+the handshake, the two sides' rows can each go to requests the other holds
+none for, and both wait for ever; see :mod:`transport.connector_graph`).
+The bootstrap timeout covers the whole wait. It then writes
 each leg's slice of every page handed to ``send()`` (pages of a cached prefix
 skipped), the metadata row's fields and the state rows on each primary leg;
 once all of that landed, each primary leg's room column (RoomWritten); once

@@ -17,7 +17,7 @@ import numpy as np
 
 from lifecycle.reasons import FailureReason
 from transport import connector_prefill as pre
-from transport.connector_graph import IS_TERMINAL, Phase
+from transport.connector_graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
 
 if TYPE_CHECKING:
     from transport.connector import Connector
@@ -56,8 +56,9 @@ def timeouts(m: Connector, now: float, store: Any) -> None:
     cfg = m.config
     reqs, ph, idx = m._live()
     late = np.zeros(idx.size, dtype=bool)
-    if cfg.bootstrap_timeout is not None:
-        late = (ph == Phase.Bootstrap) & (now - m.born[idx] > cfg.bootstrap_timeout)
+    if cfg.bootstrap_timeout is not None:  # every phase this side reports Bootstrapping in
+        booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
+        late = booting & (now - m.born[idx] > cfg.bootstrap_timeout)
     for i in np.flatnonzero(late):
         m._fail(reqs[i], FailureReason.BOOTSTRAP_TIMEOUT, store)
     if cfg.waiting_timeout is not None and cfg.role == "decode":

@@ -149,10 +149,12 @@ def _dead_peer_pair(backend, role, port, q):
     m, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.25, heartbeat_misses=8)
     t0 = time.time()
     if role == "prefill":
+        from transport.connector_graph import Phase
+
         s = m.sender(5)
-        while s.poll() == 1 and time.time() - t0 < 20:
+        while m._phase(s._req) == Phase.Bootstrap and time.time() - t0 < 20:
             time.sleep(0.01)
-        q.put(("prefill", s.poll(), int(s.failure_reason())))
+        q.put(("prefill", s.poll(), m._phase(s._req)))
         q.close()
         q.join_thread()  # the message is out before the process vanishes
         os._exit(0)  # gone without a word: no abort, no close, heartbeats stop
@@ -166,9 +168,11 @@ def _dead_peer_pair(backend, role, port, q):
 
 def test_a_dead_peer_becomes_peer_dead(backend):
     from lifecycle import FailureReason, KVPoll
+    from transport.connector_graph import Phase
 
     got, _ = _pair(_dead_peer_pair, backend)
-    assert got["prefill"][0] == KVPoll.WaitingForInput, got  # the handshake was done
+    # the handshake was done; prefill waits for decode's page list (Bootstrapping)
+    assert got["prefill"] == (KVPoll.Bootstrapping, Phase.Handshaken), got
     status, reason, drained, took = got["decode"]
     assert (status, reason, drained) == (KVPoll.Failed, FailureReason.PEER_DEAD, True)
     assert took < 10  # heartbeats found it, not a timeout

@@ -5,6 +5,7 @@ import ctypes
 import time
 
 from transport.connector import Connector
+from transport.connector_graph import Phase
 
 
 class CopyConnector(Connector):
@@ -33,3 +34,10 @@ def wait_for(cond, what, timeout=30.0):
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.002)
+
+
+def handshaken(*senders):
+    """Every decode leg registered each of these prefill requests: the handshake
+    is done. Prefill still reports Bootstrapping until every leg's page list is
+    in (decode's scheduler has given the request its pages and metadata row)."""
+    return all(s.manager._phase(s._req) == Phase.Handshaken for s in senders)

@@ -5,7 +5,7 @@ ordering, and the API's illegal moves."""
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, wait_for
+from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
@@ -41,11 +41,16 @@ def test_one_request_moves_pages_then_the_row_room_last(pair):
     with pytest.raises(ProtocolError, match=r"room=77.*Bootstrap"):
         r.send_metadata([0], 2)  # before the handshake: refused, nothing sent
     r.init()
-    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
-    assert r.poll() == KVPoll.WaitingForInput
+    wait_for(lambda: handshaken(s), "prefill handshake")
+    assert r.poll() == KVPoll.WaitingForInput  # decode may allocate now
+    # prefill is not ready before decode said where to write: had it taken a
+    # metadata row at the handshake, the two sides could hold their rows for
+    # different requests and wait for each other for ever
+    assert s.poll() == KVPoll.Bootstrapping
+    r.send_metadata([5, 6, 7], 2)
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
     s.init(3, 1)
     s.send([2, 3, 4])
-    r.send_metadata([5, 6, 7], 2)
     wait_for(lambda: r.poll() == KVPoll.Success, "decode success")
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][5:8], pkv[0][2:5])
@@ -60,7 +65,7 @@ def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
     d, _, _ = pair["decode"]
     s, r = p.sender(9), d.receiver(9)
     r.init()
-    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    wait_for(lambda: handshaken(s), "prefill handshake")
     CopyConnector.fail_next = True
     s.init(1, None)
     s.send([0])
@@ -93,3 +98,25 @@ def test_fire_many_moves_a_batch_and_skips_released(pair):
     assert moved.tolist() == [True, True, False]
     assert np.all(d.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
     assert d.phase[hs[2].index] == Phase.Bootstrap
+
+
+def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(pair):
+    # prefill is Bootstrapping until decode said where to write: its bootstrap
+    # deadline runs until then; decode's ended when it registered
+    from transport import liveness
+
+    p, _, _ = pair["prefill"]
+    d, _, _ = pair["decode"]
+    s, r = p.sender(13), d.receiver(13)
+    r.init()
+    wait_for(lambda: handshaken(s), "prefill handshake")
+    late = p.config.bootstrap_timeout + 1
+    liveness.timeouts(d, d.born[r.index] + late, d.store)
+    assert r.poll() == KVPoll.WaitingForInput  # registered: decode's deadline is over
+    liveness.timeouts(p, p.born[s.index] + late - 2, p.store)
+    assert s.poll() == KVPoll.Bootstrapping  # not yet
+    liveness.timeouts(p, p.born[s.index] + late, p.store)
+    assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.BOOTSTRAP_TIMEOUT)
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears why")
+    assert r.failure_reason() == FailureReason.BOOTSTRAP_TIMEOUT
+    wait_for(lambda: r.drained and s.drained, "both drained")  # no page list went out

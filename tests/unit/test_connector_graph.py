@@ -6,10 +6,13 @@ from transitions import MachineError
 
 from pdlife.cli import main
 from transport.connector_graph import (
+    BOOTSTRAPPING,
     DEST,
     EDGES,
     IS_TERMINAL,
     POLL,
+    READY,
+    ROLE_ID,
     TERMINAL,
     TRIGGER_ID,
     TRIGGERS,
@@ -64,12 +67,66 @@ def test_fire_moves_a_batch_and_flags_only_illegal_rows():
 def test_edges_name_the_status_they_imply():
     from lifecycle import KVPoll
 
-    assert POLL[TRIGGER_ID["handshake"]] == KVPoll.WaitingForInput
-    assert POLL[TRIGGER_ID["complete"]] == KVPoll.Success
-    for t in ("abort", "peer_failed"):
-        assert POLL[TRIGGER_ID[t]] == KVPoll.Failed
-    # releases: the status is Failed already, with its reason
-    assert POLL[TRIGGER_ID["drain"]] == POLL[TRIGGER_ID["peer_dead"]] == -1
+    pre, dec = ROLE_ID["prefill"], ROLE_ID["decode"]
+    # decode is ready for pages and a row once registered; prefill only once every
+    # decode leg's page list arrived (a metadata-row deadlock otherwise)
+    assert POLL[dec, TRIGGER_ID["handshake"]] == KVPoll.WaitingForInput
+    assert POLL[pre, TRIGGER_ID["handshake"]] == -1
+    assert POLL[pre, TRIGGER_ID["metadata"]] == KVPoll.WaitingForInput
+    assert POLL[dec, TRIGGER_ID["metadata"]] == -1
+    for role in (pre, dec):
+        assert POLL[role, TRIGGER_ID["complete"]] == KVPoll.Success
+        for t in ("abort", "peer_failed"):
+            assert POLL[role, TRIGGER_ID[t]] == KVPoll.Failed
+        # releases: the status is Failed already, with its reason
+        assert POLL[role, TRIGGER_ID["drain"]] == POLL[role, TRIGGER_ID["peer_dead"]] == -1
+    assert {"prefill": Phase.Metadata, "decode": Phase.Handshaken} == READY
+
+
+def test_the_bootstrap_deadline_covers_every_phase_a_side_is_bootstrapping_in():
+    # prefill's covers the wait for decode's page lists; decode's ends at its register
+    pre = [p for p in Phase if BOOTSTRAPPING[ROLE_ID["prefill"], p]]
+    dec = [p for p in Phase if BOOTSTRAPPING[ROLE_ID["decode"], p]]
+    assert pre == [Phase.Bootstrap, Phase.Handshaken]
+    assert dec == [Phase.Bootstrap]
+
+
+def _check_with(monkeypatch, edges):
+    from transport import connector_graph as g
+
+    monkeypatch.setattr(g, "EDGES", edges)
+    monkeypatch.setattr(g, "TRIGGERS", tuple(e.trigger for e in edges))
+    g._check_declaration()
+
+
+def test_the_import_check_refuses_prefill_ready_at_the_handshake(monkeypatch):
+    # the table that deadlocked: prefill WaitingForInput once decode registered
+    import attrs
+
+    from lifecycle import KVPoll
+    from transport.connector_graph import ByRole
+
+    both = ByRole(prefill=KVPoll.WaitingForInput, decode=KVPoll.WaitingForInput)
+    old = tuple(
+        attrs.evolve(e, poll=both)
+        if e.trigger == "handshake"
+        else attrs.evolve(e, poll=None)
+        if e.trigger == "metadata"
+        else e
+        for e in EDGES
+    )
+    with pytest.raises(AssertionError, match="prefill may report WaitingForInput only on"):
+        _check_with(monkeypatch, old)
+    # and a status that skips ahead before the page lists arrived
+    early = tuple(
+        attrs.evolve(e, poll=ByRole(prefill=KVPoll.Transferring, decode=KVPoll.WaitingForInput))
+        if e.trigger == "handshake"
+        else e
+        for e in EDGES
+    )
+    with pytest.raises(AssertionError, match="prefill"):
+        _check_with(monkeypatch, early)
+    _check_with(monkeypatch, EDGES)  # the declared table passes
 
 
 def test_a_dead_peer_quarantines_before_it_releases():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from stub_engine import CopyConnector, wait_for
+from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
@@ -140,7 +140,7 @@ def paused(m):
 def _paired(p, d, room):
     s, r = p.sender(room), d.receiver(room)
     r.init()
-    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    wait_for(lambda: handshaken(s), "prefill handshake")
     s.init(1, None)
     r.send_metadata([1], 0)  # decode's pages are promised: writes may land from now
     wait_for(lambda: p.phase[s.index] == Phase.Metadata, "prefill has the page list")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, wait_for
+from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
@@ -149,16 +149,10 @@ def run_request(pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
     receivers = [d.m.receiver(room) for d in dec]
     for r in receivers:
         r.init(prefill_dp_rank=dp)
-    wait_for(
-        lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders + receivers), "handshake"
-    )
-    src = np.arange(3, 3 + n)
-    for p, s in zip(group, senders):
-        p.fill(room, src)
-        p.meta.write(1, room, {"output_ids": [room % 1000]})
-        if p.state is not None:
-            p.state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
-        s.init(n, 1)
+    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
+    wait_for(lambda: handshaken(*senders), "every decode rank registered")
+    # prefill waits for every decode rank's page list before it reports ready
+    assert {s.poll() for s in senders} == {KVPoll.Bootstrapping}
     dst = np.arange(10, 10 + n - prefix)[::-1].copy()  # decode pages in another order
     for d, r in zip(dec, receivers):
         r.send_metadata(
@@ -167,6 +161,14 @@ def run_request(pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
             state_indices=[np.array([5])] if d.state is not None else None,
             decode_prefix_len=prefix * PS,
         )
+    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
+    src = np.arange(3, 3 + n)
+    for p, s in zip(group, senders):
+        p.fill(room, src)
+        p.meta.write(1, room, {"output_ids": [room % 1000]})
+        if p.state is not None:
+            p.state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
+        s.init(n, 1)
     for k in range(0, n, chunks):
         for p, s in zip(group, senders):
             s.send(
@@ -201,6 +203,50 @@ def test_head_sliced_writes_land_every_head(cluster, pt, dt):
         d.check(77, dst)
         assert d.meta.room_of(2) == 77 and d.meta.read(2).first_token == 77
     assert not any(r.require_staging for r in receivers)
+
+
+@pytest.mark.parametrize(("pt", "dt"), [(1, 2), (2, 4), (1, 4)])
+def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, pt, dt):
+    # a prefill rank with several decode legs reports WaitingForInput (its scheduler
+    # takes a metadata row) only once each of them said where to write
+    pre, dec = cluster(pt, dt, heads=4)
+    room, n = 83, 3
+    senders = [p.m.sender(room) for p in pre]
+    receivers = [d.m.receiver(room) for d in dec]
+    for r in receivers:
+        r.init()
+    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
+    wait_for(lambda: handshaken(*senders), "every decode rank registered")
+    dst = np.arange(10, 10 + n)
+    last = dt - 1  # every decode rank but the last says where to write
+    for r in receivers[:last]:
+        r.send_metadata(dst, 2)
+
+    def legs(p):
+        return p.m._reqs[room].legs
+
+    wait_for(
+        lambda: all(leg.told for p in pre for q, leg in legs(p).items() if q != last),
+        "every other page list in",
+    )
+    waiting = [p.tp_rank for p in pre if last in legs(p)]  # a leg has not said yet
+    assert waiting
+    for p, s in zip(pre, senders):
+        want = KVPoll.Bootstrapping if p.tp_rank in waiting else KVPoll.WaitingForInput
+        assert s.poll() == want, p.tp_rank
+    if pt == 1:  # its other legs' lists are in, yet it is not ready
+        assert len(legs(pre[0])) == dt
+    receivers[last].send_metadata(dst, 2)
+    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "every list in")
+    src = np.arange(3, 3 + n)
+    for p, s in zip(pre, senders):
+        p.fill(room, src)
+        p.meta.write(1, room, {"output_ids": [room % 1000]})
+        s.init(n, 1)
+        s.send(src)
+    finish(senders, receivers, dec)
+    for d in dec:
+        d.check(room, dst)
 
 
 def test_staging_lands_contiguous_then_the_gate_holds_until_scattered(cluster):
@@ -307,9 +353,10 @@ def test_an_abort_on_one_decode_rank_fails_and_drains_every_leg(cluster):
     receivers = [d.m.receiver(12) for d in dec]
     for r in receivers:
         r.init()
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "handshake")
+    wait_for(lambda: handshaken(*senders), "handshake")
     for r in receivers:
         r.send_metadata(np.arange(3), 0)
+    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
     receivers[1].abort()  # decode rank 1's heads come from prefill rank 0 alone
     wait_for(lambda: senders[0].poll() == KVPoll.Failed, "prefill rank 0 hears")
     # prefill rank 0 tells its other leg, decode rank 0, once its writes drained
@@ -431,7 +478,7 @@ def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster,
     r = dec[0].m.receiver(31)
     if when == "after the handshake":
         r.init()
-        wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "handshake")
+        wait_for(lambda: handshaken(*senders), "handshake")
     else:  # named its group, not registered yet: the legs are planned to tell them
         r._req.want_register = True
         r._req.dp = 0
@@ -494,7 +541,8 @@ def _hello(pre, dec, room):
     receivers = [d.m.receiver(room) for d in dec]
     for r in receivers:
         r.init()
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders + receivers), "hello")
+    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "hello")
+    wait_for(lambda: handshaken(*senders), "every decode rank registered")
     return senders, receivers
 
 
@@ -634,7 +682,7 @@ def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(clu
     room = 74
     s, r = pre[0].m.sender(room), dec[0].m.receiver(room)
     r.init()
-    wait_for(lambda: s.poll() == r.poll() == KVPoll.WaitingForInput, "handshake")
+    wait_for(lambda: r.poll() == KVPoll.WaitingForInput and handshaken(s), "handshake")
     pre[0].meta.write(1, room, {"output_ids": [room % 1000]})
     pre[0].state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
     r.send_metadata(np.array([], dtype=np.int64), 2, state_indices=[np.array([5])])
