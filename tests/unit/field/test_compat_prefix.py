@@ -23,7 +23,7 @@ from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/unit: the stub engine
-from stub_engine import CopyConnector, wait_for
+from stub_engine import CopyConnector, handshaken, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,7 +91,8 @@ def handshake(pre, dec, room):
     r = MooncakeKVReceiver(dec.mgr, "127.0.0.1", room)
     r.init(0)
     wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "decode handshake")
-    wait_for(lambda: s.core.poll() == KVPoll.WaitingForInput, "prefill handshake")
+    # prefill reports Bootstrapping until the page lists are in: wait for its phase
+    wait_for(lambda: handshaken(s.core), "prefill handshake")
     return s, r
 
 
