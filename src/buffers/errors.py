@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from buffers.checks import setting_message
+
 __all__ = [
     "BuffersError",
     "SlotError",
@@ -15,6 +17,8 @@ __all__ = [
     "BadArgument",
     "BadArgumentType",
     "RowOverflow",
+    "BadSetting",
+    "BadSettingType",
 ]
 
 
@@ -108,3 +112,24 @@ class BadArgument(BuffersError, ValueError):
 
 class BadArgumentType(BadArgument, TypeError):
     """An argument of the wrong type (also a TypeError); nothing changed."""
+
+
+class BadSetting(LayoutError, BadArgument):
+    """A field of a settings class (:class:`~buffers.kv_args.KVArgs`, a state
+    component) of the wrong range, or fields that do not fit together; nothing
+    was built. ``field`` is the field's name, ``allowed`` what it accepts."""
+
+    def __init__(self, field: str, value: object, allowed: str, owner: str = "") -> None:
+        self.field, self.owner, self.allowed = field, owner, allowed
+        self.what, self.value, self.expected = (
+            f"{owner}.{field}" if owner else field,
+            value,
+            allowed,
+        )
+        BuffersError.__init__(
+            self, setting_message(field, value, allowed, owner) + "; nothing was built"
+        )
+
+
+class BadSettingType(BadSetting, BadArgumentType):
+    """A settings field of the wrong type (also a TypeError); nothing was built."""

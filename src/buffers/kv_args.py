@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from buffers.errors import GeometryMismatch, LayoutError
+from buffers.checks import Checks, int_tuple
+from buffers.errors import BadSetting, BadSettingType, GeometryMismatch
 
 __all__ = [
     "StateType",
@@ -34,12 +35,34 @@ class StateType(enum.Enum):
     MINIMAX_INDEX_K = "minimax_index_k"
 
 
-def _ints(v: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(x) for x in v)
+_CHECK = Checks(BadSetting, BadSettingType)
+_U64 = 2**64 - 1
+#: pointers are addresses (what a transfer engine registers), lengths whole bytes
+_PTRS = _CHECK.ints(0, _U64, noun="addresses (integers)")
+_LENS = _CHECK.ints(1, _U64, noun="byte counts (integers)")
 
 
-def _opt_ints(v: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if v is None else _ints(v)
+def _state_type(inst: Any, attr: Any, value: Any) -> None:
+    if not isinstance(value, StateType):
+        names = ", ".join(f"StateType.{t.name}" for t in StateType)
+        _CHECK.fail(inst, attr.name, value, f"a StateType ({names})", wrong_type=True)
+
+
+def _opt_int_tuple(value: Any) -> Any:
+    return None if value is None else int_tuple(value)
+
+
+def _states(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _components(inst: Any, attr: Any, value: Any) -> None:
+    allowed = "a list or tuple of StateComponent"
+    if not isinstance(value, tuple):
+        _CHECK.fail(inst, attr.name, value, allowed, wrong_type=True)
+    for i, c in enumerate(value):
+        if not isinstance(c, StateComponent):
+            _CHECK.fail(inst, f"{attr.name}[{i}]", c, "a StateComponent", wrong_type=True)
 
 
 @attrs.frozen
@@ -52,36 +75,40 @@ class StateComponent:
     marks a tensor every rank holds whole. Without split dims every tensor is
     held whole."""
 
-    type: StateType
-    ptrs: tuple[int, ...] = attrs.field(converter=_ints)
-    lens: tuple[int, ...] = attrs.field(converter=_ints)
-    item_lens: tuple[int, ...] = attrs.field(converter=_ints)
-    split_dims: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
+    type: StateType = attrs.field(validator=_state_type)
+    ptrs: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_PTRS)
+    lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
+    item_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
+    #: None: every tensor is held whole
+    split_dims: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=_opt_int_tuple,
+        validator=attrs.validators.optional(_CHECK.ints(0)),
+    )
 
     def __attrs_post_init__(self) -> None:
-        n = len(self.ptrs)
-        if len(self.lens) != n or len(self.item_lens) != n:
-            raise LayoutError(
-                f"state component {self.type.value}: {n} pointers, {len(self.lens)} lengths, "
-                f"{len(self.item_lens)} row lengths; the three lists must be parallel"
-            )
-        if self.split_dims is not None and len(self.split_dims) != n:
-            raise LayoutError(
-                f"state component {self.type.value}: split_dims has {len(self.split_dims)} "
-                f"entries for {n} tensors"
-            )
-        for ln, item in zip(self.lens, self.item_lens):
-            if item <= 0 or ln % item:
-                raise LayoutError(
-                    f"state component {self.type.value}: total {ln} bytes is not a whole "
-                    f"number of {item}-byte rows"
+        n, comp = len(self.ptrs), f"state component {self.type.value}"
+        kind = f"of {comp}"
+        for name in ("lens", "item_lens", "split_dims"):
+            got = getattr(self, name)
+            if got is not None and len(got) != n:
+                _CHECK.fail(self, name, got, f"{n} entries, parallel to the {n} ptrs {kind}")
+        for i, (ln, item) in enumerate(zip(self.lens, self.item_lens)):
+            if ln % item:
+                _CHECK.fail(
+                    self,
+                    f"lens[{i}]",
+                    ln,
+                    f"a whole number of {item}-byte rows (tensor {i} {kind})",
                 )
         for i, (dim, item) in enumerate(zip(self.split_dims or (), self.item_lens)):
-            if dim < 0 or (dim and item % dim):
-                raise LayoutError(
-                    f"state component {self.type.value}: tensor {i} splits its {item}-byte "
-                    f"rows into {dim} units; give a unit count that divides the row "
-                    "(0: the tensor is held whole)"
+            if dim and item % dim:
+                _CHECK.fail(
+                    self,
+                    f"split_dims[{i}]",
+                    dim,
+                    f"a unit count that divides the row: tensor {i} splits its {item}-byte "
+                    f"rows into {dim} units ({comp}; 0: the tensor is held whole)",
                 )
 
     @property
@@ -107,39 +134,69 @@ def collect_state(*pools: object) -> tuple[StateComponent, ...]:
 
 @attrs.frozen
 class KVArgs:
-    """The KV-args description shared by every backend."""
+    """The KV-args description shared by every backend.
 
-    engine_rank: int
-    kv_data_ptrs: tuple[int, ...] = attrs.field(converter=_ints)
-    kv_data_lens: tuple[int, ...] = attrs.field(converter=_ints)
-    kv_item_lens: tuple[int, ...] = attrs.field(converter=_ints)
-    aux_data_ptrs: tuple[int, ...] = attrs.field(converter=_ints, default=())
-    aux_data_lens: tuple[int, ...] = attrs.field(converter=_ints, default=())
-    aux_item_lens: tuple[int, ...] = attrs.field(converter=_ints, default=())
-    state: tuple[StateComponent, ...] = ()
-    page_size: int = 1  # tokens per page
-    ib_device: str | None = None
+    Every field is checked as it is built (a :class:`~buffers.errors.BadSetting`
+    naming the field, or ``BadSettingType`` for a wrong type): pointers are
+    integers in 0..2**64-1, lengths at least 1, the lists of a kind parallel,
+    each buffer a whole number of its pages (rows), every KV buffer as many
+    pages and every aux buffer as many rows as the first (one page or slot
+    index addresses them all), and each page a whole number of
+    ``page_size`` x ``kv_head_num`` heads."""
+
+    engine_rank: int = attrs.field(validator=_CHECK.integer(0))
+    kv_data_ptrs: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_PTRS)
+    kv_data_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
+    kv_item_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
+    aux_data_ptrs: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_PTRS, default=())
+    aux_data_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS, default=())
+    aux_item_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS, default=())
+    state: tuple[StateComponent, ...] = attrs.field(
+        converter=_states, validator=_components, default=()
+    )
+    page_size: int = attrs.field(default=1, validator=_CHECK.integer(1))  # tokens per page
+    ib_device: str | None = attrs.field(
+        default=None, validator=_CHECK.text(none="the engine's default device")
+    )
     #: KV heads of each page on this rank: a page item is page_size x kv_head_num
     #: heads of equal size, token-major (what head slicing across TP sizes cuts)
-    kv_head_num: int = 1
+    kv_head_num: int = attrs.field(default=1, validator=_CHECK.integer(1))
 
     def __attrs_post_init__(self) -> None:
-        if not len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens):
-            raise LayoutError("KVArgs: kv_data_ptrs, kv_data_lens, kv_item_lens must be parallel")
-        if not len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens):
-            raise LayoutError(
-                "KVArgs: aux_data_ptrs, aux_data_lens, aux_item_lens must be parallel"
-            )
-        if self.page_size < 1:
-            raise LayoutError(f"KVArgs: page_size must be >= 1, got {self.page_size}")
-        if self.kv_head_num < 1:
-            raise LayoutError(f"KVArgs: kv_head_num must be >= 1, got {self.kv_head_num}")
+        for kind in ("kv", "aux"):
+            ptrs = getattr(self, f"{kind}_data_ptrs")
+            for name in (f"{kind}_data_lens", f"{kind}_item_lens"):
+                got = getattr(self, name)
+                if len(got) != len(ptrs):
+                    _CHECK.fail(
+                        self, name, got, f"{len(ptrs)} entries, parallel to {kind}_data_ptrs"
+                    )
+        unit = self.page_size * self.kv_head_num
         for i, item in enumerate(self.kv_item_lens):
-            if item % (self.page_size * self.kv_head_num):
-                raise LayoutError(
-                    f"KVArgs: KV buffer {i} has {item}-byte pages, not a whole number of "
-                    f"{self.page_size} tokens x {self.kv_head_num} heads"
+            if item % unit:
+                _CHECK.fail(
+                    self,
+                    f"kv_item_lens[{i}]",
+                    item,
+                    f"a multiple of page_size x kv_head_num ({unit}): KV buffer {i} has "
+                    f"{item}-byte pages, not a whole number of {self.page_size} tokens x "
+                    f"{self.kv_head_num} heads",
                 )
+        # a page (a metadata slot) is one index into every buffer of its kind
+        for kind, lens, items, unit_name in (
+            ("kv_data_lens", self.kv_data_lens, self.kv_item_lens, "pages"),
+            ("aux_data_lens", self.aux_data_lens, self.aux_item_lens, "rows"),
+        ):
+            counts = [n // item for n, item in zip(lens, items)]
+            for i, (n, item) in enumerate(zip(lens, items)):
+                if n % item or counts[i] != counts[0]:
+                    _CHECK.fail(
+                        self,
+                        f"{kind}[{i}]",
+                        n,
+                        f"a whole number of its {item}-byte {unit_name}, as many as buffer "
+                        f"0's {counts[0]} (one index addresses every buffer)",
+                    )
 
     @property
     def head_bytes(self) -> tuple[int, ...]:

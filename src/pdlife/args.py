@@ -8,7 +8,21 @@ import math
 import tempfile
 from pathlib import Path
 
-__all__ = ["UsageError", "positive_int", "nonneg_int", "probability", "seconds", "writable_dir"]
+__all__ = [
+    "MAX_SECONDS",
+    "SimConfigError",
+    "SimConfigTypeError",
+    "UsageError",
+    "positive_int",
+    "nonneg_int",
+    "probability",
+    "seconds",
+    "writable_dir",
+]
+
+#: the longest time a flag takes (a year): past it a wait overflows what a
+#: thread or a store timeout accepts
+MAX_SECONDS = 365 * 86400.0
 
 
 class UsageError(Exception):
@@ -17,6 +31,23 @@ class UsageError(Exception):
     def __init__(self, what: str, problem: str) -> None:
         self.what = what
         super().__init__(f"{what}: {problem}")
+
+
+class SimConfigError(UsageError):
+    """A :class:`~pdlife.sim_config.SimConfig` field out of range, or fields
+    that do not fit together; ``field`` is the field's name, ``allowed`` what
+    it accepts. Raised before anything is started."""
+
+    def __init__(self, field: str, value: object, allowed: str, owner: str = "") -> None:
+        from buffers.checks import setting_message  # (buffers imports torch)
+
+        self.field, self.value, self.allowed, self.owner = field, value, allowed, owner
+        what = f"{owner}.{field}" if owner else field
+        super().__init__(what, setting_message(field, value, allowed, owner)[len(what) + 2 :])
+
+
+class SimConfigTypeError(SimConfigError, TypeError):
+    """A :class:`~pdlife.sim_config.SimConfig` field of the wrong type (also a TypeError)."""
 
 
 def _number(text: str, kind: type) -> float:
@@ -29,8 +60,8 @@ def _number(text: str, kind: type) -> float:
 
 def positive_int(text: str) -> int:
     v = int(_number(text, int))
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    if not 1 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..2**63-1, got {v}")
     return v
 
 
@@ -50,8 +81,10 @@ def probability(text: str) -> float:
 
 def seconds(text: str) -> float:
     v = _number(text, float)
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    if not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds, at most {MAX_SECONDS:.0f} (a year), got {text}"
+        )
     return v
 
 

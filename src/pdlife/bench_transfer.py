@@ -195,7 +195,53 @@ def run_transfer_bench(
     }
 
 
+#: the most repetitions: the launcher waits 600 s for each side's timings
+MAX_REPS = 1000
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every check of ``bench-transfer``'s flags, before a process is spawned:
+    the sizes fit together and this machine, the JSON file can be written, the
+    backend loads here."""
+    import os
+
+    from pdlife.args import UsageError
+    from transport.errors import TransportError
+    from transport.registry import get_backend
+
+    if args.page_kib > args.mib * 1024 or (args.mib * 1024) % args.page_kib:
+        raise UsageError(
+            f"--page-kib {args.page_kib}",
+            f"the {args.mib} MiB buffer must be a whole number of pages: give a page size "
+            f"that divides {args.mib * 1024} KiB",
+        )
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    if 4 * args.mib > phys // 2:
+        raise UsageError(
+            f"--mib {args.mib}",
+            f"the two sides hold 4 x {args.mib} MiB (a buffer and its check pattern each); "
+            f"at most {phys // 8} MiB on this machine ({phys} MiB of memory)",
+        )
+    if args.reps > MAX_REPS:
+        raise UsageError(
+            f"--reps {args.reps}",
+            f"at most {MAX_REPS}: the launcher waits 600 s for each side's timings",
+        )
+    if args.json is not None:
+        out = Path(args.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            raise UsageError(
+                f"--json {args.json}",
+                "cannot write a file there; give a file path in an existing, writable directory",
+            )
+    try:
+        get_backend(args.backend)
+    except TransportError as e:  # it names the missing package and how to install it
+        raise UsageError(f"--backend {args.backend}", str(e)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_args(args)
     res = run_transfer_bench(args.mib, args.page_kib, args.reps, args.backend, args.verbose)
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
     print(

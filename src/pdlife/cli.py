@@ -65,7 +65,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad flag (one line written, 2) or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     from lifecycle.errors import FaultPlanError
     from pdlife.args import UsageError
     from transport.errors import TransportError

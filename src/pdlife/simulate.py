@@ -95,8 +95,8 @@ def _progress(store: Any, total: int | None, start: float) -> None:
 def _rank_context() -> Any:
     """Ranks fork from a server that imported the simulator once (torch and
     all) instead of each importing it anew: no engine or thread runs there,
-    each rank starts its own after the fork. Started ahead (see _run), the
-    server imports while the launcher parses and checks its arguments."""
+    each rank starts its own after the fork. Started by :func:`simulate`, after
+    ``_run`` checked every argument: a bad one starts nothing."""
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
@@ -161,9 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         args.max_steps = 2**31 - 1  # a soak ends by time
     quiet = choose(args.verbose)  # before any engine loads (a backend probe), here or in a rank
     torchrun = _torchrun()
-    if not torchrun:
-        _rank_context()  # (with the engines' log levels just set)
-    cfg, why = _config(args)
+    cfg, why = _config(args)  # every check, before anything starts
     if not torchrun or os.environ["RANK"] == "0":
         where = "under torchrun (env://)" if torchrun else "on 127.0.0.1"
         print(

@@ -13,13 +13,34 @@ import attrs
 
 from lifecycle.errors import FaultPlanError
 from pdlife import args as a
-from pdlife.args import UsageError
+from pdlife.args import SimConfigError, UsageError
 from pdlife.plan import FaultPlan, TargetedFault, load_plan
 from pdlife.plan_doc import MAX_PAUSE_S
-from pdlife.sim_config import STATE_SPLIT_UNITS, SimConfig
+from pdlife.sim_config import MAX_WORLD, STATE_SPLIT_UNITS, SimConfig, longest_ask
 from pdlife.sim_topology import topology_problem
 
-__all__ = ["pick_backend", "sim_config", "staging_note", "shape", "torchrun"]
+__all__ = [
+    "FLAGS",
+    "backend_name",
+    "pick_backend",
+    "sim_config",
+    "staging_note",
+    "shape",
+    "torchrun",
+]
+
+
+def backend_name(requested: str) -> str:
+    """``requested`` checked against the known backends (nothing loaded): its
+    lower-case name, or ``auto``."""
+    from transport.registry import known_backends
+
+    if requested != "auto" and requested.lower() not in known_backends():
+        raise UsageError(
+            f"--backend {requested}",
+            f"unknown backend; choose auto or one of {', '.join(known_backends())}",
+        )
+    return requested.lower()
 
 
 def pick_backend(requested: str) -> tuple[str, str]:
@@ -27,15 +48,10 @@ def pick_backend(requested: str) -> tuple[str, str]:
 
     A backend named explicitly must load here, or this raises :class:`UsageError`.
     """
-    if requested != "auto":
+    if backend_name(requested) != "auto":
         from transport.errors import TransportError
-        from transport.registry import get_backend, known_backends
+        from transport.registry import get_backend
 
-        if requested.lower() not in known_backends():
-            raise UsageError(
-                f"--backend {requested}",
-                f"unknown backend; choose auto or one of {', '.join(known_backends())}",
-            )
         try:
             get_backend(requested)
         except TransportError as e:
@@ -108,8 +124,7 @@ def _topology(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--kv-heads {heads}", problem)
     if args.staging_pages and not args.staging:
         raise UsageError("--staging-pages", "sizes the staging buffer; add --staging")
-    # the most pages one request asks prefill for: all of a short one, the rest of a long one
-    longest = max(args.max_pages_per_request - args.prefix_pages, args.prefix_pages)
+    longest = longest_ask(args.max_pages_per_request, args.prefix_pages)
     if args.staging_pages and args.staging_pages < longest:
         raise UsageError(
             f"--staging-pages {args.staging_pages}",
@@ -180,25 +195,62 @@ def _check_pauses(args: argparse.Namespace, plan: FaultPlan) -> None:
             )
 
 
-def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
-    """Every check of the command line, before anything is started."""
-    world = args.prefill * args.prefill_dp + args.decode
-    if world > 64:
+#: the command line's name of each SimConfig field a flag sets
+FLAGS = {
+    "prefill": "--prefill-tp",
+    "decode": "--decode-tp",
+    "prefill_dp": "--prefill-dp",
+    "mla": "--mla",
+    "kv_heads": "--kv-heads",
+    "page_size": "--page-size",
+    "state": "--state",
+    "state_split": "--state-split",
+    "staging": "--staging",
+    "staging_pages": "--staging-pages",
+    "prefix_pages": "--prefix-pages",
+    "max_pages": "--max-pages-per-request",
+    "requests": "--requests",
+    "seed": "--seed",
+    "abort_prob": "--abort-prob",
+    "max_steps": "--max-steps",
+    "backend": "--backend",
+    "pg_timeout": "--pg-timeout",
+    "timeline": "--timeline",
+    "metrics_port": "--metrics-port",
+    "plan": "--plan",
+    "fault_mode": "--fault-mode",
+    "soak": "--soak",
+}
+
+
+def _flags_alone(args: argparse.Namespace) -> int:
+    """The checks of the flags that need nothing but the flags; the run's world."""
+    world = int(args.prefill * args.prefill_dp + args.decode)
+    if world > MAX_WORLD:
         raise UsageError(
-            "--prefill-tp/--prefill-dp/--decode-tp", f"{world} ranks on one machine; use at most 64"
+            "--prefill-tp/--prefill-dp/--decode-tp",
+            f"{world} ranks on one machine; use at most {MAX_WORLD}",
         )
-    if args.kill_rank is not None and not 0 <= args.kill_rank < world:
-        raise UsageError(
-            f"--kill-rank {args.kill_rank}", f"not a rank of this run; choose 0..{world - 1}"
-        )
-    if args.pause_rank is not None and not 0 <= args.pause_rank < world:
-        raise UsageError(
-            f"--pause-rank {args.pause_rank}", f"not a rank of this run; choose 0..{world - 1}"
-        )
+    for rank, flag in ((args.kill_rank, "--kill-rank"), (args.pause_rank, "--pause-rank")):
+        if rank is not None and not 0 <= rank < world:
+            raise UsageError(f"{flag} {rank}", f"not a rank of this run; choose 0..{world - 1}")
+    if args.kill_rank is None and args.kill_step is not None:
+        raise UsageError("--kill-step", "say which rank is killed: --kill-rank R")
     if args.pause_rank is None and (args.pause_step, args.pause_seconds) != (None, None):
         raise UsageError("--pause-step/--pause-seconds", "say which rank pauses: --pause-rank R")
+    args.kill_step = 5 if args.kill_step is None else args.kill_step
     args.pause_step = 5 if args.pause_step is None else args.pause_step
     args.pause_seconds = 3.0 if args.pause_seconds is None else args.pause_seconds
+    for rank, flag, step in (
+        (args.kill_rank, "--kill-step", args.kill_step),
+        (args.pause_rank, "--pause-step", args.pause_step),
+    ):
+        if rank is not None and step > args.max_steps:
+            raise UsageError(
+                f"{flag} {step}",
+                f"after the run's last step (--max-steps {args.max_steps}): it would never "
+                "happen; choose an earlier step or raise --max-steps",
+            )
     if args.pause_seconds > MAX_PAUSE_S:
         raise UsageError(
             f"--pause-seconds {args.pause_seconds:g}",
@@ -209,32 +261,70 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
             f"--metrics-port {args.metrics_port}",
             f"rank r serves on port + r, so it must be at most {65536 - world}",
         )
-    if args.metrics_port:  # (0: each rank binds a port the OS picks)
-        _check_ports(args.metrics_port, world)
     if args.soak is not None and args.requests_given:
         raise UsageError("--soak", "admits requests for that long; drop --requests")
+    if args.role is not None and not torchrun():
+        raise UsageError(
+            f"--role {args.role}",
+            "says which side a node's ranks serve under torchrun; without torchrun "
+            "the ranks are placed by rank number: drop --role",
+        )
+    return world
+
+
+def _steps_of(plan: FaultPlan, max_steps: int) -> None:
+    """A plan's targeted fault at a step after the last one would never fire."""
+    for i, f in enumerate(plan.faults):
+        if f.step is not None and f.step > max_steps:
+            raise UsageError(
+                "--plan",
+                f"faults[{i}].step {f.step} is after the run's last step (--max-steps "
+                f"{max_steps}): it would never fire",
+            )
+
+
+def _build(args: argparse.Namespace, plan: FaultPlan, backend: str) -> SimConfig:
+    """The SimConfig of the flags; a field it refuses is named by its flag."""
+    try:
+        return SimConfig(
+            prefill=args.prefill,
+            decode=args.decode,
+            requests=args.requests if args.soak is None else 2**31 - 1,
+            seed=args.seed,
+            abort_prob=args.abort_prob,
+            max_steps=args.max_steps,
+            backend=backend,
+            pg_timeout=args.pg_timeout,
+            metrics_port=args.metrics_port,
+            timeline=args.timeline,
+            plan=plan,
+            fault_mode=args.fault_mode,
+            soak=args.soak,
+            **_topology(args),
+        )
+    except SimConfigError as e:
+        flag = FLAGS.get(e.field, e.field)
+        raise UsageError(f"{flag} {e.value}", f"expected {e.allowed}") from None
+
+
+def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
+    """Every check of the command line, before anything is started: first all
+    the flags' own (nothing touched), then the probes of this machine: the
+    metrics ports are free, the output directory is writable, the backend
+    loads."""
+    world = _flags_alone(args)
+    requested = backend_name(args.backend)
     plan = _plan(args, world, args.requests)
+    _steps_of(plan, args.max_steps)
     _check_pauses(args, plan)
-    backend, why = pick_backend(args.backend)
-    topology = _topology(args)
+    # "auto" may take Mooncake, which stages: the largest memory it could need
+    cfg = _build(args, plan, "mooncake" if requested == "auto" else requested)
+    if args.metrics_port:  # (0: each rank binds a port the OS picks)
+        _check_ports(args.metrics_port, world)
     a.writable_dir(Path(args.out), "--out")
-    cfg = SimConfig(
-        prefill=args.prefill,
-        decode=args.decode,
-        requests=args.requests if args.soak is None else 2**31 - 1,
-        seed=args.seed,
-        abort_prob=args.abort_prob,
-        max_steps=args.max_steps,
-        backend=backend,
-        pg_timeout=args.pg_timeout,
-        metrics_port=args.metrics_port,
-        timeline=args.timeline,
-        plan=plan,
-        fault_mode=args.fault_mode,
-        soak=args.soak,
-        **topology,
-    )
-    return cfg, why
+    # last: loading an engine's library may open its own sockets
+    backend, why = pick_backend(args.backend)
+    return attrs.evolve(cfg, backend=backend), why
 
 
 def shape(cfg: SimConfig) -> str:

@@ -108,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plan", help="fault plan (.json or .toml)")
     p.add_argument("--kill-rank", type=a.nonneg_int, help="kill this rank (a targeted fault)")
-    p.add_argument("--kill-step", type=a.positive_int, default=5)
+    p.add_argument("--kill-step", type=a.positive_int, help="with --kill-rank; default 5")
     p.add_argument(
         "--pause-rank",
         type=a.nonneg_int,

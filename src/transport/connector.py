@@ -30,14 +30,13 @@ from transport import connector_decode as dec
 from transport import connector_prefill as pre
 from transport import liveness as live
 from transport.addressing import engine_host
-from transport.connector_config import ConnectorConfig
+from transport.connector_config import ConnectorConfig, check_fit
 from transport.connector_graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.layout import Writes, splits_state, state_geometry
 from transport.legs import Request, describe
 from transport.mailbox import Mailbox
 from transport.staging import Staging
 from transport.status_arrays import StatusArrays
-from transport.topology import TopologyError, head_range
 
 if TYPE_CHECKING:
     from transport.connector_handles import ConnectorReceiver, ConnectorSender
@@ -63,16 +62,11 @@ class Connector(StatusArrays):
     }
 
     def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
+        #: every global head this model has (checked against this rank's KVArgs
+        #: with the rest of the pair before anything starts)
+        self.kv_heads = check_fit(kv_args, config)
         c = self.config = config
         self.kv_args = kv_args
-        #: every global head this model has, and this rank's (refused if they do not fit)
-        self.kv_heads = c.kv_heads or kv_args.kv_head_num * c.tp_size
-        held = 1 if c.mla else len(head_range(c.tp_size, c.tp_rank, self.kv_heads))
-        if held != kv_args.kv_head_num and not c.mla:
-            raise TopologyError(
-                f"{c.role} rank {c.tp_rank} of TP {c.tp_size} holds {held} of {self.kv_heads} "
-                f"KV heads, but its KVArgs say {kv_args.kv_head_num}; set kv_heads or kv_head_num"
-            )
         self.rank = c.dp_rank * c.tp_size + c.tp_rank  # the global id peers know this rank by
         #: the address this rank's engine advertises (checked to be on this host)
         self.host = engine_host(config, type(self).__name__.replace("Manager", "Config"))

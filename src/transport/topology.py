@@ -34,13 +34,33 @@ import functools
 
 import attrs
 
-from transport.errors import TransportError
+from buffers.checks import Checks
+from transport.errors import ConfigError, ConfigTypeError, TransportError
 
-__all__ = ["TopologyError", "Slice", "Topology", "head_range"]
+__all__ = [
+    "TopologyError",
+    "TopologySettingError",
+    "TopologySettingTypeError",
+    "Slice",
+    "Topology",
+    "head_range",
+]
 
 
 class TopologyError(TransportError, ValueError):
     """The two sides' TP sizes and head counts do not fit together."""
+
+
+class TopologySettingError(TopologyError, ConfigError):
+    """A :class:`Topology` field out of range, or fields that do not fit
+    together, named with what it accepts."""
+
+
+class TopologySettingTypeError(TopologySettingError, ConfigTypeError):
+    """A :class:`Topology` field of the wrong type (also a TypeError)."""
+
+
+_C = Checks(TopologySettingError, TopologySettingTypeError)
 
 
 def head_range(tp_size: int, tp_rank: int, total_heads: int) -> range:
@@ -80,23 +100,30 @@ class Slice:
 
 @attrs.frozen
 class Topology:
-    prefill_tp: int
-    decode_tp: int
-    kv_heads: int = 1
-    mla: bool = False
+    prefill_tp: int = attrs.field(validator=_C.integer(1))
+    decode_tp: int = attrs.field(validator=_C.integer(1))
+    #: without MLA, a multiple or a divisor of each TP size (ignored under MLA)
+    kv_heads: int = attrs.field(default=1, validator=_C.integer(1))
+    mla: bool = attrs.field(default=False, validator=_C.flag())
     #: the model has per-request state that TP splits (a state component with
     #: ``split_dims``): each decode rank then takes its share of it from every
     #: prefill rank holding a part, not whole rows from its primary sender
-    split_state: bool = False
+    split_state: bool = attrs.field(default=False, validator=_C.flag())
 
     def __attrs_post_init__(self) -> None:
-        if self.prefill_tp < 1 or self.decode_tp < 1:
-            raise TopologyError(
-                f"TP sizes must be >= 1, got prefill {self.prefill_tp}, decode {self.decode_tp}"
+        if self.mla:  # every rank holds the one latent head: any two TP sizes fit
+            return
+        h, pt, dt = self.kv_heads, self.prefill_tp, self.decode_tp
+        bad = [f"TP size {tp} ({name})" for name, tp in (("prefill_tp", pt), ("decode_tp", dt))
+               if (h % tp if tp <= h else tp % h)]  # fmt: skip
+        if bad:
+            _C.fail(
+                self,
+                "kv_heads",
+                h,
+                f"a head count that can be split over {' and '.join(bad)}: a multiple of the TP "
+                "size, or a divisor of it (each head then replicated)",
             )
-        if not self.mla:  # both splits must exist
-            head_range(self.prefill_tp, 0, self.kv_heads)
-            head_range(self.decode_tp, 0, self.kv_heads)
 
     def heads(self, role: str, tp_rank: int) -> range:
         """The global heads a rank holds (MLA: the one latent, head 0)."""

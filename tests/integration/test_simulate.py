@@ -134,12 +134,16 @@ def test_killed_rank_is_named_by_the_survivors(tmp_path, run_sim):
 
 
 def test_a_fault_that_never_fired_and_max_steps_fail_the_run(tmp_path, run_sim):
-    proc, s, _ = run_sim("fake", "nf", "--kill-rank", "1", "--kill-step", "500", "--max-steps", "4")
+    # request 199 arrives at step 13 (16 a step): the run stops at step 4 without it
+    # (a kill or pause after the last step is refused up front: it cannot fire)
+    plan = tmp_path / "late.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "fail", "rank": 0, "request": 199}]}))
+    proc, s, _ = run_sim("fake", "nf", "--plan", str(plan), "--max-steps", "4")
     assert proc.returncode == 1
     assert not s["ok"]
-    assert s["unfired_faults"] == ["kill_rank on rank 1 at step 500"]
+    assert s["unfired_faults"] == ["fail on rank 0, request 199, its first step"]
     text = "\n".join(s["problems"])
-    assert "1 targeted fault(s) never fired, e.g. kill_rank on rank 1 at step 500" in text
+    assert "1 targeted fault(s) never fired, e.g. fail on rank 0, request 199" in text
     assert "stopped at --max-steps 4" in text
     assert "never fired" in proc.stdout and "--max-steps 4" in proc.stdout
     assert "result: FAILED" in proc.stdout

@@ -38,7 +38,7 @@ def bare_manager(engine, role="prefill"):
     m = object.__new__(MooncakeManager)  # no engine, no store: just the bookkeeping
     StatusArrays.__init__(m)
     m.engine = engine
-    m.config = MooncakeConfig(role=role, tp_rank=0)
+    m.config = MooncakeConfig(role=role, tp_rank=0, store_port=1)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
     m.expected = frozenset()
     m.stats = {"bytes_written": 0, "writes": 0}

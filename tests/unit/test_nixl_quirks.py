@@ -45,7 +45,7 @@ def bare_manager(agent, role="prefill", **cfg):
     m = object.__new__(NixlManager)  # no agent, no store: just the bookkeeping
     StatusArrays.__init__(m)
     m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
-    m.config = NixlConfig(role=role, tp_rank=0, **cfg)
+    m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
     m.expected = frozenset()
     m.stats = {"bytes_written": 0, "writes": 0}
