@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 __all__ = [
     "LifecycleError",
     "IllegalTransition",
@@ -22,6 +24,7 @@ __all__ = [
     "RankFailure",
     "InvalidArgument",
     "InvalidRoom",
+    "ReducedBufferMismatch",
     "HookError",
 ]
 
@@ -228,6 +231,30 @@ class InvalidRoom(InvalidArgument):
             value,
             "an integer (int or numpy integer, not bool) in 1..2**64-1",
             rank,
+        )
+
+
+class ReducedBufferMismatch(InvalidArgument):
+    """A hand-driven step (``resize``, ``unchanged``, ``origins``, ``apply``,
+    ``settle``) was given a buffer that is not this step's: another size, type
+    or shape than what ``prepare``/``repack`` returned (or, for ``origins=``,
+    than what ``origins()`` returned). Nothing was changed."""
+
+    def __init__(
+        self, rank: int, queue: str, method: str, what: str, expected: str, value: object
+    ) -> None:
+        self.what, self.value, self.expected, self.rank = what, value, expected, rank
+        self.queue, self.method = queue, method
+        if isinstance(value, np.ndarray):
+            given = f"an array of {value.nbytes} bytes ({value.dtype}, shape {value.shape})"
+        else:
+            given = f"a {type(value).__name__}"
+        name = f"queue {queue!r}" if queue else "this queue"
+        LifecycleError.__init__(
+            self,
+            f"rank {rank}, {name}: {method}() got {given} as {what}, expected {expected}. "
+            "Hand it the buffer the step returned, MIN-reduced in place over the group "
+            "(every rank's is the same size). Nothing was changed.",
         )
 
 

@@ -58,10 +58,10 @@ from lifecycle.config import (
     require_method,
     tag_word,
 )
-from lifecycle.errors import HookError, InvalidArgument, StepInFlight
+from lifecycle.errors import HookError, InvalidArgument, ReducedBufferMismatch, StepInFlight
 from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
-from lifecycle.packing import Header, stable_hash
+from lifecycle.packing import Header, buffer_size, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
@@ -156,9 +156,23 @@ class Stepper:
         #: owns the stepper, and the hand-driven protocol below refuses
         self.in_flight = False
 
-    def _idle(self, method: str) -> None:
+    def _idle(self, method: str, reduced: object = None) -> None:
+        """Refuse a hand-driven call during a step in flight, or (``reduced``
+        given) with a buffer that is not this step's; before anything changes."""
         if self.in_flight:
             raise StepInFlight(self.rank, self.queue, method)
+        if reduced is None:
+            return
+        size = buffer_size(self.capacity)
+        if not (
+            isinstance(reduced, np.ndarray)
+            and reduced.dtype == np.uint8
+            and reduced.shape == (size,)
+        ):
+            want = f"a uint8 array of {size} bytes (capacity {self.capacity})"
+            raise ReducedBufferMismatch(
+                self.rank, self.queue, method, "the reduced buffer", want, reduced
+            )
 
     # -- the sans-IO protocol ------------------------------------------------
     def prepare(self, tag: int | None = None) -> NDArray[np.uint8]:
@@ -196,7 +210,7 @@ class Stepper:
 
         Capacity then grows and :meth:`repack` gives the buffer to reduce again.
         """
-        self._idle("resize")
+        self._idle("resize", reduced)
         return self._resize(reduced)
 
     def _resize(self, reduced: NDArray[np.uint8]) -> bool:
@@ -215,7 +229,7 @@ class Stepper:
         configuration, queue, tag and sizes, and nothing moves. Then nothing
         can raise, no origin is fetched, and :meth:`commit_unchanged` applies
         the step (the common step, in a few byte comparisons)."""
-        self._idle("unchanged")
+        self._idle("unchanged", reduced)
         return self._unchanged(reduced)
 
     def _unchanged(self, reduced: NDArray[np.uint8]) -> bool:
@@ -254,7 +268,7 @@ class Stepper:
         failure, a single rank failed rows (the header says so), or the
         failure slots name every origin (the same answer on every rank). Raises :class:`CollectiveMismatch` on every
         rank when the ranks' lists, configurations, queues or tags differ."""
-        self._idle("origins")
+        self._idle("origins", reduced)
         return self._origins(reduced)
 
     def _origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
@@ -268,7 +282,7 @@ class Stepper:
         self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None = None
     ) -> StepResult:
         """Advance every request to its agreed status; returns what happened."""
-        self._idle("apply")
+        self._idle("apply", reduced)
         if origins is None and self._unchanged(reduced):
             return self._commit_unchanged()
         return self._commit(self._settle(reduced, origins))
@@ -276,16 +290,28 @@ class Stepper:
     def settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
         """The checks of :meth:`apply`, changing nothing: raises what apply
         would raise, else returns what :meth:`commit` applies."""
-        self._idle("settle")
-        return self._settle(reduced, origins)
+        self._idle("settle", reduced)
+        return self._settle(reduced, origins, "settle")
 
-    def _settle(self, reduced: NDArray[np.uint8], origins: NDArray[np.int32] | None) -> Settled:
+    def _settle(
+        self,
+        reduced: NDArray[np.uint8],
+        origins: NDArray[np.int32] | None,
+        method: str = "apply",
+    ) -> Settled:
         fetch = self._origins(reduced)
         if fetch is not None and origins is None:
             raise RuntimeError(
                 "apply(): this step has new failures; MIN-reduce origins(reduced) over the "
                 "group and pass it as apply(reduced, origins)"
             )
+        if fetch is not None and not (
+            isinstance(origins, np.ndarray)
+            and origins.dtype == np.int32
+            and origins.shape == fetch.shape
+        ):
+            want = f"an int32 array of {fetch.size} entries (what origins() returned, reduced)"
+            raise ReducedBufferMismatch(self.rank, self.queue, method, "origins", want, origins)
         settled = self._settled
         assert settled is not None
         settled.plan(self, origins)

@@ -201,14 +201,23 @@ def parse_plan(doc: Mapping[str, Any]) -> FaultPlan:
 
 def load_plan(path: str | Path) -> FaultPlan:
     p = Path(path)
+    kind = "TOML" if p.suffix == ".toml" else "JSON"
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as e:
         raise FaultPlanError(str(p), f"cannot read it ({e.strerror}); check the path") from None
     try:
-        doc = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as e:
+        text = raw.decode("utf-8-sig")  # (a byte-order mark is harmless)
+    except UnicodeDecodeError as e:
         raise FaultPlanError(
-            str(p), f"not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}"
+            str(p),
+            f"not a text file: byte {e.start} (0x{raw[e.start]:02x}) is not UTF-8; "
+            f"a plan is a {kind} text file",
         ) from None
+    try:
+        doc = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise FaultPlanError(str(p), f"not valid {kind}: {e}") from None
+    except RecursionError:
+        raise FaultPlanError(str(p), f"not valid {kind}: nested too deeply") from None
     return parse_plan(doc)

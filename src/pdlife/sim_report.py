@@ -123,6 +123,11 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "disagreements": run.disagreements,
         "leaked_slots": run.alloc.in_use + run.alloc.quarantined,
         "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free),
+        # what of that requests not finished (or still draining) hold: a rank
+        # that stopped on an error keeps those, and should hold nothing else
+        "held_slots": len(run._slot) + sum(s is not None for _, s, _ in run.draining.values()),
+        "held_kv_pages": sum(p.size for p in run.pages_of.values())
+        + sum(p.size for _, _, p in run.draining.values() if p is not None),
         "drain_failed": run.drain_failed,
         "bytes_checked": run.bytes_checked,
         "bytes_asked": run.bytes_asked,

@@ -69,6 +69,10 @@ def pick_backend(requested: str) -> tuple[str, str]:
 def _plan(args: argparse.Namespace, world: int, requests: int) -> FaultPlan:
     try:
         plan = load_plan(args.plan) if args.plan else FaultPlan()
+    except FaultPlanError as e:  # an unreadable or malformed file
+        raise UsageError("--plan", str(e)) from None
+    flags: dict[str, str] = {}  # a fault a flag added (its field prefix) -> the flag
+    try:
         if args.fail_prob:
             plan = attrs.evolve(plan, seed=args.seed, prob=args.fail_prob)
         elif plan.prob == 0.0:
@@ -79,19 +83,20 @@ def _plan(args: argparse.Namespace, world: int, requests: int) -> FaultPlan:
                 plan = attrs.evolve(plan, seed=env.seed, prob=env.prob, mode="step")
         if args.kill_rank is not None:
             kill = TargetedFault("kill_rank", args.kill_rank, step=args.kill_step)
+            flags[f"faults[{len(plan.faults)}]"] = "--kill-rank"
             plan = attrs.evolve(plan, faults=(*plan.faults, kill))
         if args.pause_rank is not None:
             pause = TargetedFault(
                 "pause_rank", args.pause_rank, step=args.pause_step, seconds=args.pause_seconds
             )
+            flags[f"faults[{len(plan.faults)}]"] = "--pause-rank"
             plan = attrs.evolve(plan, faults=(*plan.faults, pause))
         plan.validate_against(world, requests if not args.soak else 2**62)
     except FaultPlanError as e:
         where = "--plan" if args.plan else "fault options"
-        if args.kill_rank is not None and e.field.startswith(f"faults[{len(plan.faults) - 1}]"):
-            where = "--kill-rank"
-        if args.pause_rank is not None and e.field.startswith(f"faults[{len(plan.faults) - 1}]"):
-            where = "--pause-rank"
+        for prefix, flag in flags.items():
+            if e.field == prefix or e.field.startswith(prefix + "."):
+                where = flag
         raise UsageError(where, str(e)) from None
     return plan
 

@@ -10,7 +10,10 @@ Each rank writes ``trace/rank{R}.jsonl`` with two kinds of record:
 
 :func:`replay` recomputes every step from the recorded local observations
 alone (pack, MIN over the side's ranks, the declared transitions) and
-reports the first step whose recorded outcome differs.
+reports the first step whose recorded outcome differs. It needs a trace from
+every rank of the run (their number is the ``ranks`` of ``summary.json``):
+without one rank's observations a step's MIN cannot be recomputed, and the
+other ranks' records would be checked against a reduce they did not take.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from lifecycle.graph import TRIGGERS
 from lifecycle.packing import pack, unpack
 from lifecycle.step import StepResult
 
-__all__ = ["TraceWriter", "TraceError", "ReplayReport", "replay", "read_trace"]
+__all__ = [
+    "TraceWriter",
+    "TraceError",
+    "ReplayReport",
+    "replay",
+    "read_trace",
+    "run_ranks",
+    "trace_paths",
+]
 
 _OBS_KEYS = ("step", "rank", "side", "queue", "rooms", "local", "reason", "agreed")
 
@@ -89,24 +100,70 @@ class TraceWriter:
         self._f.close()
 
 
-def read_trace(directory: Path) -> Iterator[dict[str, Any]]:
-    """Every record of a run's traces; :class:`TraceError` if there are none,
-    or a line is not a well-formed record."""
+def run_ranks(directory: Path) -> int:
+    """How many ranks the run in ``directory`` had (``ranks`` of its ``summary.json``)."""
+    path = directory / "summary.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TraceError(
+            f"no summary.json under {directory}, so the run's rank count is unknown and "
+            "replay cannot tell whether a rank's trace is missing; give the --out directory "
+            "of a finished simulate run"
+        ) from None
+    except OSError as e:
+        raise TraceError(f"cannot read {path} ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:
+        raise TraceError(f"{path} is not JSON ({e}); the run's summary is corrupt") from None
+    sides = doc.get("ranks") if isinstance(doc, dict) else None
+    got = [sides.get(k) for k in ("prefill", "decode")] if isinstance(sides, dict) else []
+    counts = [n for n in got if type(n) is int and n >= 1]
+    if len(counts) != 2:
+        raise TraceError(
+            f"{path} does not say how many ranks the run had (its 'ranks' is "
+            f"{sides!r}, expected {{'prefill': P, 'decode': D}}); rerun it with this version"
+        )
+    return sum(counts)
+
+
+def trace_paths(directory: Path) -> list[Path]:
+    """Every rank's trace file, in rank order; :class:`TraceError` naming the
+    first one missing (or a file from no rank of the run)."""
     if not directory.is_dir():
         raise TraceError(f"{directory} is not a directory; give a run's --out directory")
-    paths = sorted((directory / "trace").glob("rank*.jsonl"))
-    if not paths:
+    found = sorted((directory / "trace").glob("rank*.jsonl"))
+    if not found:
         raise TraceError(
             f"no trace/rank*.jsonl under {directory}; give the --out directory of a simulate run"
         )
-    for path in paths:
-        with path.open() as f:
+    world = run_ranks(directory)
+    paths = [directory / "trace" / f"rank{r}.jsonl" for r in range(world)]
+    for r, path in enumerate(paths):
+        if not path.is_file():
+            raise TraceError(
+                f"{path} is missing: the run had {world} ranks (summary.json) and replay "
+                f"needs every rank's trace to recompute a step; copy rank {r}'s trace there"
+            )
+    extra = sorted(set(found) - set(paths))
+    if extra:
+        raise TraceError(
+            f"{extra[0]} is from no rank of this run (it had {world} ranks, "
+            f"rank0..rank{world - 1}); it is left from another run: remove it"
+        )
+    return paths
+
+
+def read_trace(directory: Path) -> Iterator[dict[str, Any]]:
+    """Every record of a run's traces; :class:`TraceError` if a rank's trace
+    is missing (see :func:`trace_paths`), or a line is not a well-formed record."""
+    for path in trace_paths(directory):
+        with path.open("rb") as f:  # a line that is not UTF-8 is corrupt, not a crash
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:
                     raise TraceError(f"{path}:{n}: not JSON ({e}); the trace is corrupt") from None
                 if not isinstance(rec, dict) or "t" not in rec:
                     raise TraceError(f"{path}:{n}: not a trace record; the trace is corrupt")

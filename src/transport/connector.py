@@ -32,6 +32,7 @@ from transport import liveness as live
 from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig, check_fit
 from transport.connector_graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
+from transport.errors import DuplicateRoom
 from transport.layout import Writes, splits_state, state_geometry
 from transport.legs import Request, describe
 from transport.mailbox import Mailbox
@@ -154,7 +155,7 @@ class Connector(StatusArrays):
         with self._msg_lock:  # its early messages go before any later one
             with self._lock:
                 if room in self._reqs:
-                    raise ValueError(f"room={room} already has a live request on this manager")
+                    raise DuplicateRoom(room, self.config.role, self.rank)
                 req = Request(room, self.take(int(KVPoll.Bootstrapping)))
                 self.phase[req.index] = Phase.Bootstrap
                 self.born[req.index] = NOW()

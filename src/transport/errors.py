@@ -11,6 +11,7 @@ __all__ = [
     "ConfigTypeError",
     "UnknownBackend",
     "TransferFailed",
+    "DuplicateRoom",
 ]
 
 
@@ -37,11 +38,19 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 class UnknownBackend(TransportError):
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    """A backend name no builtin or entry point answers to (or no name at all:
+    ``name`` is what the caller passed, whatever its type)."""
+
+    def __init__(self, name: object, known: Iterable[str]) -> None:
         self.name = name
         self.known = tuple(sorted(known))
+        what = (
+            f"unknown transfer backend {name!r}"
+            if isinstance(name, str)
+            else f"a transfer backend is named by a string, got {name!r} ({type(name).__name__})"
+        )
         super().__init__(
-            f"unknown transfer backend {name!r}; known backends: {', '.join(self.known)} "
+            f"{what}; known backends: {', '.join(self.known)} "
             "(third-party backends register under the entry-point group "
             "'pd_lifecycle.backends')"
         )
@@ -60,4 +69,20 @@ class TransferFailed(TransportError):
         self.room, self.reason = room, reason
         super().__init__(
             f"request room={room}: transfer failed ({reason}){': ' + detail if detail else ''}"
+        )
+
+
+class DuplicateRoom(TransportError, ValueError):
+    """A sender or receiver was asked for a bootstrap room that already has a
+    live request on this manager (a client-supplied room used twice). Nothing
+    was changed: the live request keeps its room and goes on; refuse the new
+    one. Also a ``ValueError``, what this error was before it had a type."""
+
+    def __init__(self, room: int, role: str, rank: int) -> None:
+        self.room, self.role, self.rank = room, role, rank
+        super().__init__(
+            f"request room={room}: {role} rank {rank} already has a live request with this "
+            "bootstrap room; rooms must be unique among live requests. Nothing was changed "
+            "and the live request goes on: refuse the new request (or give it another "
+            "room), or clear the old one first."
         )

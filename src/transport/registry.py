@@ -131,7 +131,10 @@ def _methods(proto: type) -> list[str]:
 
 
 def get_backend(name: str) -> Backend:
-    """Load backend ``name`` (case-insensitive)."""
+    """Load backend ``name`` (case-insensitive); :class:`UnknownBackend` for a
+    name no backend answers to, or a value that is not a string."""
+    if not isinstance(name, str):
+        raise UnknownBackend(name, known_backends())
     key = name.lower()
     if key in BUILTIN:
         spec = BUILTIN[key]

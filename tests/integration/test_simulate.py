@@ -172,6 +172,17 @@ def test_replay_finds_a_hand_edit(tmp_path, run_sim):
     )
     assert rp.returncode == 1
     assert f"first difference at step {edited_step}" in rp.stdout
+    # a rank's trace gone: what is left would replay clean, so replay refuses it
+    path.unlink()
+    rp = subprocess.run(
+        [sys.executable, "-m", "pdlife", "replay", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rp.returncode == 2, rp.stdout
+    (line,) = rp.stderr.strip().splitlines()
+    assert f"{path} is missing: the run had 4 ranks" in line
 
 
 def test_same_command_runs_under_torchrun(tmp_path, run_sim):

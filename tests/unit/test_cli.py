@@ -18,6 +18,9 @@ def run(argv):
         return e.code
 
 
+_TWO_RANKS = {"ranks": {"prefill": 1, "decode": 1}}
+
+
 @pytest.fixture
 def files(tmp_path):
     (tmp_path / "bad.json").write_text("{")
@@ -34,14 +37,45 @@ def files(tmp_path):
     )
     (tmp_path / "mode.toml").write_text('mode = "sometimes"\n')
     (tmp_path / "afile").write_text("")
-    trace = tmp_path / "corrupt" / "trace"
-    trace.mkdir(parents=True)
-    (trace / "rank0.jsonl").write_text('{"t": "obs", "step": 1, "rank"\n')
-    trace2 = tmp_path / "short" / "trace"
-    trace2.mkdir(parents=True)
-    (trace2 / "rank0.jsonl").write_text(json.dumps({"t": "obs", "step": 1, "rooms": [1]}) + "\n")
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    (tmp_path / "binary.toml").write_bytes(b"seed = 1\n\xff\xfe\x00")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    _run_dir(tmp_path / "corrupt", {0: '{"t": "obs", "step": 1, "rank"', 1: ""})
+    _run_dir(tmp_path / "short", {0: json.dumps({"t": "obs", "step": 1, "rooms": [1]}), 1: ""})
+    _run_dir(tmp_path / "binarytrace", {0: _obs(0, "prefill"), 1: b"\x80\x81\n"})
+    # a rank's trace missing: what is left replays without a difference
+    _run_dir(tmp_path / "onerank", {0: _obs(0, "prefill")})
+    _run_dir(tmp_path / "nosummary", {0: _obs(0, "prefill"), 1: _obs(1, "decode")}, summary=None)
+    _run_dir(tmp_path / "oldsummary", {0: _obs(0, "prefill"), 1: _obs(1, "decode")}, summary={})
+    _run_dir(tmp_path / "extra", {r: _obs(r, "prefill") for r in (0, 1, 5)})
     (tmp_path / "empty").mkdir()
     return tmp_path
+
+
+def _obs(rank, side):
+    return json.dumps(
+        {
+            "t": "obs",
+            "step": 1,
+            "rank": rank,
+            "side": side,
+            "queue": "q",
+            "rooms": [7],
+            "local": [2],
+            "reason": [15],
+            "agreed": [2],
+        }
+    )
+
+
+def _run_dir(path: Path, traces, summary=_TWO_RANKS):
+    """A run directory: ``summary.json`` (None: none) and trace/rank{R}.jsonl."""
+    (path / "trace").mkdir(parents=True)
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    for r, text in traces.items():
+        f = path / "trace" / f"rank{r}.jsonl"
+        f.write_bytes(text) if isinstance(text, bytes) else f.write_text(text + "\n")
 
 
 # (argv, the words the one line must contain); {d} is a scratch directory
@@ -96,6 +130,11 @@ BAD = [
     (["simulate", "--plan", "{d}/req.json"], "faults[0].request"),
     (["simulate", "--plan", "{d}/badat.json"], "faults[0].at"),
     (["simulate", "--plan", "{d}/mode.toml"], "mode"),
+    (["simulate", "--plan", "{d}/binary.json"], "binary.json: not a text file: byte 128 (0x80)"),
+    (["simulate", "--plan", "{d}/binary.toml"], "binary.toml: not a text file: byte 9 (0xff)"),
+    (["simulate", "--plan", "{d}/deep.json"], "deep.json: not valid JSON: nested too deeply"),
+    (["simulate", "--plan", "{d}/missing.json", "--kill-rank", "1"], "--plan: fault plan: "),
+    (["simulate", "--plan", "{d}/binary.json", "--pause-rank", "1"], "binary.json"),
     (["simulate", "--out", "{d}/afile/sub"], "--out"),
     (["simulate", "--compare", "{d}/nowhere", "{d}/empty"], "--compare"),
     (["simulate", "--bogus"], "--bogus"),
@@ -103,6 +142,11 @@ BAD = [
     (["replay", "{d}/empty"], "trace"),
     (["replay", "{d}/corrupt"], "corrupt"),
     (["replay", "{d}/short"], "corrupt"),
+    (["replay", "{d}/binarytrace"], "rank1.jsonl:1: not JSON"),
+    (["replay", "{d}/onerank"], "onerank/trace/rank1.jsonl is missing: the run had 2 ranks"),
+    (["replay", "{d}/nosummary"], "no summary.json"),
+    (["replay", "{d}/oldsummary"], "does not say how many ranks"),
+    (["replay", "{d}/extra"], "rank5.jsonl is from no rank of this run"),
     (["bench", "--sizes", "x"], "--sizes"),
     (["bench", "--reps", "0"], "--reps"),
     (["bench-transfer", "--mib", "-1"], "--mib"),
@@ -249,3 +293,19 @@ def test_a_torchrun_world_that_does_not_fit_the_prefill_dp_groups_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "torchrun started 4 ranks but they add up to 6" in err[0]
+
+
+def test_replay_refuses_a_run_with_a_rank_trace_missing(tmp_path, capsys):
+    """With one rank's trace gone, replay checked what was left and said
+    "no difference" (exit 0); the run's rank count is in summary.json."""
+    d = tmp_path / "run"
+    _run_dir(d, {0: _obs(0, "prefill"), 1: _obs(1, "decode")})
+    assert run(["replay", str(d)]) == 0  # every rank's trace: each side's step replayed
+    assert "2 collective steps recomputed; no difference" in capsys.readouterr().out
+    (d / "trace" / "rank1.jsonl").unlink()
+    assert run(["replay", str(d)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    (line,) = cap.err.strip().splitlines()
+    assert f"{d / 'trace' / 'rank1.jsonl'} is missing" in line
+    assert "the run had 2 ranks" in line and "copy rank 1's trace there" in line

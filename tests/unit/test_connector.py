@@ -120,3 +120,74 @@ def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(pair):
     wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears why")
     assert r.failure_reason() == FailureReason.BOOTSTRAP_TIMEOUT
     wait_for(lambda: r.drained and s.drained, "both drained")  # no page list went out
+
+
+def _move(s, r, pkv, dkv, src, dst, slot, pmeta):
+    """Drive one request through the protocol by hand: handshake, pages, Success."""
+    pmeta.write(slot, s.bootstrap_room, {"output_ids": [slot]})
+    r.init()
+    wait_for(lambda: handshaken(s), f"room {s.bootstrap_room} handshake")
+    r.send_metadata(dst, slot)  # prefill is ready once decode said where to write
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, f"room {s.bootstrap_room} page list")
+    s.init(len(src), slot)
+    s.send(src)
+    wait_for(lambda: r.poll() == KVPoll.Success, f"room {s.bootstrap_room} on decode")
+    assert s.poll() == KVPoll.Success
+    assert torch.equal(dkv[0][dst], pkv[0][src])
+
+
+def _second_request(manager, make, room):
+    """What a scheduler does with a second request carrying a live room."""
+    from transport import DuplicateRoom, TransportError
+
+    live, free = dict(manager._reqs), list(manager._free)
+    with pytest.raises(DuplicateRoom) as e:
+        make(room)
+    assert isinstance(e.value, TransportError) and isinstance(e.value, ValueError)
+    assert (e.value.room, e.value.role, e.value.rank) == (room, manager.config.role, 0)
+    assert f"room={room}: {manager.config.role} rank 0 already has a live request" in str(e.value)
+    assert manager._reqs == live and all(manager._reqs[k] is v for k, v in live.items())
+    assert manager._free == free  # no slot taken
+
+
+def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(pair):
+    """SGLang #40125: a client-supplied bootstrap_room used twice crashed both
+    schedulers. The connector refuses a second live request with a room, on
+    prefill and on decode, with a typed DuplicateRoom (a TransportError, and a
+    ValueError as the untyped error was) before anything changes; the first
+    request with the room completes and later ones go through."""
+    p, pkv, pmeta = pair["prefill"]
+    d, dkv, _ = pair["decode"]
+    pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
+    s, r = p.sender(40125), d.receiver(40125)
+    _second_request(p, p.sender, 40125)
+    _second_request(d, d.receiver, 40125)
+    _move(s, r, pkv, dkv, [2, 3], [5, 6], 1, pmeta)
+    s.clear()
+    r.clear()
+    _move(p.sender(40126), d.receiver(40126), pkv, dkv, [4], [7], 2, pmeta)
+
+
+def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lost(
+    pair, monkeypatch
+):
+    """Negative control: with the check taken out (a request table that never
+    holds the room), the second request takes the room's messages and the
+    first, still live, never hears from decode: it waits in Bootstrapping
+    (until its bootstrap timeout), which the test above would catch."""
+    p, _, _ = pair["prefill"]
+    d, _, _ = pair["decode"]
+
+    class Blind(dict):
+        def __contains__(self, room):
+            return False
+
+    monkeypatch.setattr(p, "_reqs", Blind(p._reqs))
+    first = p.sender(40125)
+    second = p.sender(40125)  # accepted: no typed error, the room now names the second
+    d.receiver(40125).init()
+    wait_for(lambda: second.poll() == KVPoll.WaitingForInput, "the second's handshake")
+    import time
+
+    time.sleep(0.2)  # (the loop has handled decode's register long since)
+    assert first.poll() == KVPoll.Bootstrapping  # orphaned

@@ -219,3 +219,71 @@ def test_capacity_hint_never_reaches_the_reduce_with_different_sizes():
             red = reduce_min([s.repack() for s in steppers])
         for s in steppers:
             s.apply(red.copy())
+
+
+# -- the hand-driven step's buffers ----------------------------------------------------
+
+
+def _snapshot(s):
+    t = s.table
+    return (t.step_no, t.rooms().tolist(), t.state[: len(t)].tolist(), s.capacity)
+
+
+@pytest.mark.parametrize("method", ["resize", "unchanged", "origins", "apply", "settle"])
+def test_a_reduced_buffer_of_another_size_is_refused_naming_both_and_changes_nothing(method):
+    """A buffer shorter than the step's raised a raw struct.error (header short),
+    and one a byte short was applied as if whole; now either is a typed error
+    naming the expected and the given size, and the step goes on unchanged."""
+    from lifecycle.errors import LifecycleError, ReducedBufferMismatch
+
+    (s,) = steppers_for(queues=["q"])
+    s.local.poller.set([1], S)
+    buf = s.prepare()
+    size = buf.size
+    before = _snapshot(s)
+    call = {
+        "resize": lambda b: s.resize(b),
+        "unchanged": lambda b: s.unchanged(b),
+        "origins": lambda b: s.origins(b),
+        "apply": lambda b: s.apply(b),
+        "settle": lambda b: s.settle(b, None),
+    }[method]
+    for bad in (buf[:4].copy(), buf[: size - 1].copy(), np.concatenate([buf, buf]), buf.tolist()):
+        with pytest.raises(ReducedBufferMismatch) as e:
+            call(bad)
+        assert isinstance(e.value, (LifecycleError, ValueError))
+        msg = str(e.value)
+        assert f"{method}()" in msg and "rank 0" in msg and "'q'" in msg
+        assert f"{size} bytes" in msg  # what it expected
+        if isinstance(bad, np.ndarray):
+            assert f"{bad.size} bytes" in msg  # and what it got
+        else:
+            assert "a list" in msg
+        assert "Nothing was changed" in msg
+        assert _snapshot(s) == before
+    res = s.apply(buf)  # the step's own buffer still applies
+    assert res.step == 1 and res.succeeded.tolist() == [1]
+
+
+def test_origins_of_another_size_are_refused_and_change_nothing():
+    """Ranks 0 and 8 share a failure-slot region, so their failures' origins
+    are fetched: apply refuses origins that are not what origins() returned."""
+    from lifecycle.errors import ReducedBufferMismatch
+
+    steppers = steppers_for(queues=["q"] * 9)
+    for r in (0, 8):
+        steppers[r].local.poller.set([1 if r == 0 else 2], F)
+    red = reduce_min([s.prepare() for s in steppers])
+    fetches = [s.origins(red.copy()) for s in steppers]
+    assert fetches[0] is not None
+    origins = reduce_min(fetches)
+    s = steppers[0]
+    before = _snapshot(s)
+    for bad in (origins[:1].copy(), origins.astype(np.int64), list(origins)):
+        with pytest.raises(
+            ReducedBufferMismatch, match=rf"apply\(\) got .* as origins.*{origins.size} entries"
+        ):
+            s.apply(red.copy(), bad)
+        assert _snapshot(s) == before
+    res = [x.apply(red.copy(), origins) for x in steppers]
+    assert [(f.room, f.origin) for f in res[0].failures()] == [(1, 0), (2, 8)]

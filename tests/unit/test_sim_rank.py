@@ -104,6 +104,8 @@ def test_pinned_buffers_and_max_steps_fail_the_run_and_say_why(tmp_path, monkeyp
     assert "--max-steps 40" in text
     assert "still pinned" in text and "1 failed request" in text
     assert res["leaked_slots"] == 1 and res["leaked_kv_pages"] > 0
+    # all of it pinned by the failed request still draining: nothing else leaked
+    assert (res["held_slots"], res["held_kv_pages"]) == (1, res["leaked_kv_pages"])
 
 
 def test_hitting_max_steps_names_the_unfinished(tmp_path):

@@ -12,6 +12,20 @@ def test_unknown_backend_lists_known():
         get_backend("carrier-pigeon")
 
 
+@pytest.mark.parametrize("value", [None, 3, b"fake", ["fake"]], ids=repr)
+def test_a_backend_name_that_is_not_a_string_is_an_unknown_backend(value):
+    """get_backend(None) raised AttributeError ('NoneType' has no 'lower')."""
+    from transport import TransportError
+
+    with pytest.raises(UnknownBackend) as e:
+        get_backend(value)
+    assert isinstance(e.value, TransportError)
+    assert e.value.name == value
+    msg = str(e.value)
+    assert f"got {value!r} ({type(value).__name__})" in msg
+    assert "known backends: ascend, fake, mooncake, mori, nixl" in msg
+
+
 @pytest.mark.parametrize("name", ["mori", "ascend"])
 def test_hardware_backends_say_what_they_need(name):
     with pytest.raises(BackendUnavailable, match=r"hardware|GPUs|NPUs"):
@@ -145,3 +159,54 @@ def test_registry_reports_nixl_available_when_installed():
     assert get_kv_class(TransferBackend.NIXL, KVClassType.SENDER) is NixlKVSender
     assert get_kv_class(TransferBackend.NIXL, KVClassType.RECEIVER) is NixlKVReceiver
     assert NixlKVManager.BACKEND == "nixl"
+
+
+def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive():
+    """SGLang #40125 on the fake backend, which keeps no state per room (each
+    handle has its own slot, so a room used twice cannot cross requests
+    there): the scheduler's RequestTable refuses the second live request with
+    the room on prefill and on decode, with a DuplicateRequest (a
+    LifecycleError) and nothing changed; the scheduler releases the refused
+    handle, the first request completes, later ones too."""
+    from lifecycle.errors import DuplicateRequest, LifecycleError
+
+    sides = {}
+    for role, make in (("prefill", "sender"), ("decode", "receiver")):
+        m, table = FakeManager(), RequestTable(rank=0)
+        sides[role] = (m, table, Stepper(table, 0, poller=m), getattr(m, make))
+
+    def admit(role, room):
+        m, table, _, make = sides[role]
+        h = make(room)
+        try:
+            table.add(room, handle=h, handle_index=h.index)
+        except DuplicateRequest:
+            h.clear()  # refused: give its slot back
+            raise
+        return h
+
+    def done(role):
+        _, table, stepper, _ = sides[role]
+        return stepper.step(SingleRank()).succeeded.tolist()
+
+    s, r = admit("prefill", 40125), admit("decode", 40125)
+    for role in ("prefill", "decode"):
+        m, table, _, _ = sides[role]
+        before = (table.rooms().tolist(), table.state[: len(table)].tolist(), len(m._free))
+        with pytest.raises(DuplicateRequest) as e:
+            admit(role, 40125)
+        assert isinstance(e.value, LifecycleError)
+        assert "room=40125" in str(e.value) and "rank 0" in str(e.value)
+        after = (table.rooms().tolist(), table.state[: len(table)].tolist(), len(m._free))
+        assert after == before
+    r.init()
+    s.init(2, 0)
+    s.send([1, 2])
+    r.send_metadata([3, 4], 0)
+    assert (done("prefill"), done("decode")) == ([40125], [40125])
+    s2, r2 = admit("prefill", 40126), admit("decode", 40126)
+    r2.init()
+    s2.init(1, 1)
+    s2.send([5])
+    r2.send_metadata([6], 1)
+    assert (done("prefill"), done("decode")) == ([40126], [40126])
