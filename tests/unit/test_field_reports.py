@@ -1,0 +1,183 @@
+"""Field reports, each a test named after it (with a negative control): every
+failure ends in one agreed outcome with a reason, on every rank, with no
+slot, page or row leaked and no byte written to the wrong request or outside
+the buffers. Driven through the shared connector with an in-process engine
+that copies memory (the bytes are real) and can hold, fail or refuse writes."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from stub_engine import CopyConnector, handshaken, wait_for
+
+from buffers import MetadataBuffers, MetadataLayout
+from lifecycle import FailureReason, KVPoll
+from lifecycle.testing.spawn import store_server
+from transport import connector_prefill as pre
+from transport.connector import ConnectorConfig
+from transport.connector_graph import Phase
+from transport.layout import kv_args_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class EngineError(RuntimeError):
+    """The engine's submit refused a write (a sender-side exception)."""
+
+
+class HoldConnector(CopyConnector):
+    """Copies each write at once but reports it in flight while ``hold`` is set;
+    ``raise_next`` makes the next submit raise; a write outside the peer's
+    registered regions is not copied and is recorded in ``outside``."""
+
+    regions_of: dict[int, list[tuple[int, int]]] = {}  # first KV address -> regions
+
+    def _start_engine(self):
+        self.hold = False
+        self.raise_next = False
+        self.outside: list[tuple[int, int]] = []
+        self.events: list[str] = []
+        HoldConnector.regions_of[self.kv_args.kv_data_ptrs[0]] = self.regions()
+        return super()._start_engine()
+
+    def _write(self, info, src, dst, lens, notif):
+        if self.raise_next:
+            self.raise_next = False
+            raise EngineError("submit failed")
+        far = HoldConnector.regions_of[info["kv_ptrs"][0]]
+        near = self.regions()
+        inside = lambda at, n, regs: any(b <= at and at + n <= b + ln for b, ln in regs)  # noqa: E731
+        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+            if not (inside(d, n, far) and inside(s, n, near)):
+                self.outside.append((d, n))
+            else:
+                ctypes.memmove(d, s, n)
+        self.writes.append(lens.tolist())
+        return ["write", len(self.writes)]
+
+    def _check(self, token):
+        if self.hold:
+            return 0
+        if token[0] == "write":
+            self.events.append(f"landed {token[1]}")
+            token[0] = "landed"
+        return 1
+
+
+def _side(role, port, **cfg):
+    kv = [torch.zeros((8, 64), dtype=torch.uint8)]
+    layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    meta = MetadataBuffers(4, layout)
+    config = ConnectorConfig(role=role, tp_rank=0, store_port=port, idle_interval=0.005, **cfg)
+    return HoldConnector(kv_args_for(kv, meta.buf_infos(), 0), config), kv, meta
+
+
+@pytest.fixture
+def make_pair():
+    made = []
+
+    def make(**decode_cfg):
+        store = store_server()
+        p = _side("prefill", store.port)
+        d = _side("decode", store.port, **decode_cfg)
+        made.append((store, p[0], d[0]))
+        p[1][0].copy_(torch.arange(p[1][0].numel()).view_as(p[1][0]) % 251)
+        return p, d
+
+    yield make
+    for _, p, d in made:
+        p.close(wait=0)
+        d.close(wait=0)
+
+
+def _log_decode_moves(d, log):
+    """Record every protocol move of decode's requests, in order with prefill's landings."""
+    fire = d._fire_many
+
+    def logged(reqs, trigger, reason=FailureReason.NONE):
+        moved = fire(reqs, trigger, reason)
+        if moved.any():
+            log.append(f"decode {trigger}")
+        return moved
+
+    d._fire_many = logged
+
+
+def _ready(s, r, pages, slot):
+    r.init()
+    wait_for(lambda: handshaken(s), "prefill handshake")
+    r.send_metadata(pages, slot)
+    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
+
+
+# -- SGLang #34208 ------------------------------------------------------------------------
+
+
+def _abort_after_metadata_landed(make_pair, room):
+    (p, pkv, pmeta), (d, dkv, dmeta) = make_pair()
+    log = p.events  # prefill's landings and decode's moves, in the order they happen
+    _log_decode_moves(d, log)
+    pmeta.write(1, room, {"output_ids": [42]})
+    s, r = p.sender(room), d.receiver(room)
+    _ready(s, r, [5, 6], 2)
+    p.hold = True  # the writes are copied, but the engine has not reported them yet
+    s.init(2, 1)
+    s.send([2, 3])
+    wait_for(lambda: p._phase(s._req) == Phase.Writing and len(p.writes) == 2, "pages and row out")
+    assert torch.equal(dkv[0][5:7], pkv[0][2:4])  # the pages landed ...
+    assert dmeta.room_of(2) != room  # ... the row's fields too, but not its room column
+    s.abort()
+    assert s.poll() == KVPoll.Failed
+    return p, d, s, r, log
+
+
+def _check_decode_failed_after_the_drain(p, d, s, r, log):
+    wait_for(lambda: r.poll() == KVPoll.Failed and r.drained, "decode failed and drained")
+    assert r.failure_reason() == FailureReason.ABORTED
+    assert s.failure_reason() == FailureReason.ABORTED
+    assert "decode complete" not in log  # never Success
+    assert not p.outside and not d.outside
+    wait_for(lambda: s.drained, "prefill drained")  # its writes all reported
+    landed = max(i for i, e in enumerate(log) if e.startswith("landed"))
+    released = min(i for i, e in enumerate(log) if e in ("decode peer_failed", "decode drain"))
+    assert landed < released, log  # decode's pages were freed only after prefill's writes
+    s.clear()
+    r.clear()
+    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+
+
+def test_sglang_34208_prefill_abort_after_metadata_landed_fails_on_decode(make_pair):
+    """SGLang #34208: prefill aborted a request after its metadata row had landed
+    on decode, and decode took it for a finished transfer. Here decode ends
+    Failed (aborted), never Success, and releases its pages only once
+    prefill's writes in flight have drained."""
+    p, d, s, r, log = _abort_after_metadata_landed(make_pair, 34208)
+    # prefill's loop passes over the aborted request with writes in flight
+    seen = len(p.writes), p._phase(s._req)
+    assert seen == (2, Phase.Aborted)
+    for _ in range(3):
+        p._wake.set()
+        wait_for(lambda: not p._wake.is_set(), "a prefill loop pass")
+    assert r.poll() not in (KVPoll.Success, KVPoll.Failed) and not r.drained
+    p.hold = False
+    _check_decode_failed_after_the_drain(p, d, s, r, log)
+
+
+def test_sglang_34208_negative_control_told_before_the_drain(make_pair, monkeypatch):
+    """Negative control: prefill tells decode at once (not after its writes
+    drained): decode releases its pages while prefill's writes may still land,
+    which the check above catches."""
+    real = pre.steps
+
+    def eager(m, req, store):
+        if m._phase(req) == Phase.Aborted:
+            pre.tell_legs(m, req, store)
+        real(m, req, store)
+
+    monkeypatch.setattr(pre, "steps", eager)
+    p, d, s, r, log = _abort_after_metadata_landed(make_pair, 34209)
+    wait_for(lambda: r.drained, "decode drained while the writes are held")
+    p.hold = False
+    with pytest.raises(AssertionError):
+        _check_decode_failed_after_the_drain(p, d, s, r, log)
