@@ -5,8 +5,8 @@ the buffers. Driven through the shared connector with an in-process engine
 that copies memory (the bytes are real) and can hold, fail or refuse writes."""
 
 import ctypes
+from typing import ClassVar
 
-import numpy as np
 import pytest
 import torch
 from stub_engine import CopyConnector, handshaken, wait_for
@@ -31,7 +31,7 @@ class HoldConnector(CopyConnector):
     ``raise_next`` makes the next submit raise; a write outside the peer's
     registered regions is not copied and is recorded in ``outside``."""
 
-    regions_of: dict[int, list[tuple[int, int]]] = {}  # first KV address -> regions
+    regions_of: ClassVar[dict[int, list[tuple[int, int]]]] = {}  # first KV address -> regions
 
     def _start_engine(self):
         self.hold = False
