@@ -181,3 +181,56 @@ def test_sglang_34208_negative_control_told_before_the_drain(make_pair, monkeypa
     p.hold = False
     with pytest.raises(AssertionError):
         _check_decode_failed_after_the_drain(p, d, s, r, log)
+
+
+# -- TensorRT-LLM #12542 -------------------------------------------------------------------
+
+WAITING = 60.0  # decode's configured deadline: the failure must come well before it
+
+
+def _sender_raises(make_pair, room):
+    (p, _, pmeta), (d, _, _) = make_pair(waiting_timeout=WAITING)
+    pmeta.write(1, room, {"output_ids": [7]})
+    s, r = p.sender(room), d.receiver(room)
+    _ready(s, r, [4, 5], 3)
+    p.raise_next = True  # the engine's transfer submit raises
+    s.init(2, 1)
+    s.send([0, 1])  # returns: the submit runs on the connector's loop
+    wait_for(lambda: p.last_error is not None, "the submit raised")
+    assert isinstance(p.last_error, EngineError)
+    return p, d, s, r
+
+
+def test_trtllm_12542_sender_exception_fails_the_request(make_pair):
+    """TensorRT-LLM #12542: an exception in the sender's transfer left the
+    receiver waiting. Here prefill fails the request (transfer error) and
+    tells decode, which ends Failed with that reason (not its waiting
+    timeout, which has not come) on every rank; both release their slots."""
+    p, d, s, r = _sender_raises(make_pair, 12542)
+    assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.TRANSFER_ERROR)
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of it", timeout=WAITING / 2)
+    assert r.failure_reason() == FailureReason.TRANSFER_ERROR
+    wait_for(lambda: s.drained and r.drained, "both drained")
+    assert not p.outside and not d.outside
+    s.clear()
+    r.clear()
+    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+
+
+def test_trtllm_12542_negative_control_an_exception_left_unhandled(make_pair, monkeypatch):
+    """Negative control: with prefill's failure path switched off, decode hears
+    nothing and is only freed by its waiting deadline (a WAITING_TIMEOUT, not
+    the sender's transfer error the test above asks for)."""
+    from transport import liveness
+
+    (p, _, _), (d, _, _) = make_pair(waiting_timeout=WAITING)
+    monkeypatch.setattr(p, "_fail", lambda *a, **k: None)
+    p.raise_next = True
+    s, r = p.sender(12543), d.receiver(12543)
+    _ready(s, r, [4], 3)
+    s.init(1, 1)
+    s.send([0])
+    wait_for(lambda: p.last_error is not None, "the submit raised")
+    assert s.poll() != KVPoll.Failed and r.poll() != KVPoll.Failed
+    liveness.timeouts(d, d.waited[r.index] + WAITING + 1, d.store)  # the deadline, by hand
+    assert (r.poll(), r.failure_reason()) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
