@@ -7,6 +7,7 @@ that copies memory (the bytes are real) and can hold, fail or refuse writes."""
 import ctypes
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from stub_engine import CopyConnector, handshaken, wait_for
@@ -107,6 +108,7 @@ def _log_decode_moves(d, log):
 def _ready(s, r, pages, slot):
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
+    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "decode handshake")
     r.send_metadata(pages, slot)
     wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
 
@@ -234,3 +236,141 @@ def test_trtllm_12542_negative_control_an_exception_left_unhandled(make_pair, mo
     assert s.poll() != KVPoll.Failed and r.poll() != KVPoll.Failed
     liveness.timeouts(d, d.waited[r.index] + WAITING + 1, d.store)  # the deadline, by hand
     assert (r.poll(), r.failure_reason()) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
+
+
+# -- vLLM #49250 --------------------------------------------------------------------------
+
+
+def _stale_table_columns(t, room):
+    """The columns of ``room``'s RequestTable row that are not those of a new request."""
+    slot = t.slot_of(room)
+    fresh = {name: fill for name, _, fill in t._COLUMNS}
+    fresh.update(room=room, alive=True, entered_time=t.now)
+    stale = [
+        name
+        for name, value in fresh.items()
+        if not np.array_equal(getattr(t, name)[slot], value, equal_nan=True)
+    ]
+    if t.handles[slot] is not None:
+        stale.append("handles")
+    if (t.abort_count, t.terminal_count) != (0, 0):
+        stale.append("counts")
+    return stale
+
+
+def _readmit_in_table():
+    from lifecycle.table import RequestTable
+
+    t = RequestTable(capacity=1)  # one row: the re-admitted request gets the same one
+    room = 49250
+    first = t.add(room, state=KVPoll.Failed, handle=object(), metadata_slot=3, handle_index=5)
+    t.request_abort(room)
+    t.reason[first], t.origin[first] = FailureReason.TRANSFER_ERROR, 2
+    t.entered_step[first] = t.added_step[first] = 7
+    t.entered_time[first] = t.metadata_sent_at[first] = 12.5
+    t.remove(room)
+    again = t.add(room)
+    assert again == first
+    return t, room
+
+
+def _stale_connector_state(m, h, old):
+    """What of the re-admitted request's connector state is not that of a new one."""
+    i, req = h.index, h._req
+    stale = [
+        name
+        for name, (dtype, fill) in m._cols.items()
+        if name not in ("status", "phase", "born")
+        and not np.array_equal(getattr(m, name)[i], fill, equal_nan=np.dtype(dtype).kind == "f")
+    ]
+    if h.poll() != KVPoll.Bootstrapping or m._phase(req) != Phase.Bootstrap:
+        stale.append("status/phase")
+    if not m.born[i] > old:
+        stale.append("born")
+    used = {
+        "legs": req.legs,
+        "tokens": req.tokens,
+        "held": req.held,
+        "src": req.src.size,
+        "reason": req.reason != FailureReason.NONE,
+        "num_pages": req.num_pages + 1,
+        "local_slot": req.local_slot + 1,
+        "flags": req.abandoned or req.cleared or req.released or req.sent,
+    }
+    stale += [f"request.{name}" for name, v in used.items() if v]
+    if req.room in m._cleared or m._reqs.get(req.room) is not req:
+        stale.append("room")
+    return stale
+
+
+def _readmit_in_connector(make_pair, room):
+    (p, pkv, pmeta), (d, dkv, dmeta) = make_pair()
+    s, r = p.sender(room), d.receiver(room)
+    _ready(s, r, [1, 2], 0)
+    p.raise_next = True  # the first try fails in transfer
+    s.init(2, 0)
+    s.send([0, 1])
+    wait_for(lambda: s.drained and r.drained, "the first try failed and drained")
+    assert r.failure_reason() == FailureReason.TRANSFER_ERROR
+    old = [(s.index, p.born[s.index]), (r.index, d.born[r.index])]
+    s.clear()
+    r.clear()
+    wait_for(lambda: not p._reqs and not d._reqs, "the first try released")
+    s2, r2 = p.sender(room), d.receiver(room)
+    assert [s2.index, r2.index] == [i for i, _ in old]  # the same slots, re-used
+    return (p, pkv, pmeta, s2, old[0][1]), (d, dkv, dmeta, r2, old[1][1])
+
+
+def test_vllm_49250_readmitted_room_starts_from_a_clean_row(make_pair):
+    """vLLM #49250: a request re-admitted with the room of one that had failed
+    inherited its stale state. Here the lifecycle's row and the connector's
+    per-request state and slot of the new request are those of a new one,
+    and it moves its own bytes to Success."""
+    t, room = _readmit_in_table()
+    assert _stale_table_columns(t, room) == []
+    (p, pkv, pmeta, s, sb), (d, dkv, dmeta, r, rb) = _readmit_in_connector(make_pair, 49250)
+    assert _stale_connector_state(p, s, sb) == [] and _stale_connector_state(d, r, rb) == []
+    pmeta.write(2, 49250, {"output_ids": [3]})
+    _ready(s, r, [6, 7], 1)
+    s.init(2, 2)
+    s.send([4, 5])
+    wait_for(lambda: r.poll() == KVPoll.Success, "the new try succeeds")
+    assert torch.equal(dkv[0][6:8], pkv[0][4:6]) and dmeta.room_of(1) == 49250
+    assert not p.outside and not d.outside
+
+
+def test_vllm_49250_negative_control_rows_not_reset(make_pair, monkeypatch):
+    """Negative control: a table that hands back the old row, and a connector
+    whose slot keeps its old columns, are both caught."""
+    from lifecycle.table import RequestTable
+
+    real = RequestTable.extend
+
+    def keeps_the_row(self, rooms, **kw):
+        before = {name: getattr(self, name).copy() for name, _, _ in self._COLUMNS}
+        slots = real(self, rooms, **kw)
+        for name, col in before.items():
+            if name not in ("room", "alive"):
+                getattr(self, name)[slots] = col[slots]
+        return slots
+
+    monkeypatch.setattr(RequestTable, "extend", keeps_the_row)
+    t, room = _readmit_in_table()
+    assert "reason" in _stale_table_columns(t, room)
+
+    def keeps_the_slot(m):
+        def take(initial):
+            with m._lock:
+                idx = m._free.pop()
+                m.status[idx] = initial
+                return idx
+
+        return take
+
+    (p, _, _), (d, _, _) = make_pair()
+    monkeypatch.setattr(d, "take", keeps_the_slot(d))
+    r = d.receiver(49251)
+    r.abort()
+    r.clear()
+    r2 = d.receiver(49251)
+    assert "reason" in _stale_connector_state(d, r2, 0.0)
