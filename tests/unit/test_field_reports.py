@@ -374,3 +374,56 @@ def test_vllm_49250_negative_control_rows_not_reset(make_pair, monkeypatch):
     r.clear()
     r2 = d.receiver(49251)
     assert "reason" in _stale_connector_state(d, r2, 0.0)
+
+
+# -- SGLang #28652 ------------------------------------------------------------------------
+
+
+def _stuck_fake_sender(monkeypatch, switched_off=False):
+    """A fake sender given its page count but never a send(), polled on a clock
+    the test moves: it must fail at the waiting timeout and free its slot."""
+    import types
+
+    from field.conn.fake import WAITING_TIMEOUT_VAR, FakeKVManager, FakeKVSender
+
+    clock = [1000.0]
+    monkeypatch.setattr("field.conn.fake.time.monotonic", lambda: clock[0])
+    monkeypatch.setenv(WAITING_TIMEOUT_VAR, "30")
+    m = FakeKVManager(types.SimpleNamespace(), "prefill", types.SimpleNamespace())
+    s = FakeKVSender(m, "fake_addr:1", 28652)
+    if switched_off:
+        s.waiting_timeout = float("inf")
+    index, free = s.core.index, len(m.core._free)
+    s.init(4, 0)
+    assert s.poll() == KVPoll.WaitingForInput  # the clock starts at the first poll
+    clock[0] += 29.9
+    assert s.poll() == KVPoll.WaitingForInput
+    clock[0] += 0.1
+    return m, s, index, free
+
+
+def _check_timed_out_and_released(m, s, index, free):
+    assert s.poll() == KVPoll.Failed
+    assert m.core.failure_reasons(np.array([0], np.uint64), np.array([index]))[0] == int(
+        FailureReason.WAITING_TIMEOUT
+    )
+    assert s.poll() == KVPoll.Failed  # latched
+    with pytest.raises(Exception, match="waiting"):
+        s.failure_exception()
+    s.clear()
+    assert len(m.core._free) == free + 1 and m.core._free[-1] == index  # the slot is back
+
+
+def test_sglang_28652_fake_sender_waiting_forever_times_out(monkeypatch):
+    """SGLang #28652: a fake (warm-up) sender whose send never came waited in
+    WaitingForInput for ever, holding its place. Here the waiting timeout
+    applies to it: it is Failed (waiting timeout) once the timeout has passed
+    and its slot is freed."""
+    _check_timed_out_and_released(*_stuck_fake_sender(monkeypatch))
+
+
+def test_sglang_28652_negative_control_no_timeout_waits_for_ever(monkeypatch):
+    """Negative control: with the waiting timeout switched off, the sender is
+    still WaitingForInput at the same clock, which the test above catches."""
+    with pytest.raises(AssertionError):
+        _check_timed_out_and_released(*_stuck_fake_sender(monkeypatch, switched_off=True))
