@@ -93,6 +93,7 @@ class Connector(StatusArrays):
         a = kv_args
         info.update(kv_ptrs=list(a.kv_data_ptrs), kv_item_lens=list(a.kv_item_lens))
         info.update(aux_ptrs=list(a.aux_data_ptrs), aux_item_lens=list(a.aux_item_lens))
+        info.update(kv_lens=list(a.kv_data_lens), aux_lens=list(a.aux_data_lens))  # (bounds)
         info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
         #: this rank's state rows, for the peers' fit check and split-state writes
         self.state_geom = state_geometry(a.state)

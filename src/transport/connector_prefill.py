@@ -21,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from transport.connector_graph import IS_TERMINAL, Phase
@@ -193,6 +194,10 @@ def _issue_leg(m: Connector, req: Request, leg: Leg, store: Any) -> bool:
         return True
     src = req.src  # the scheduler may swap in a longer one meanwhile
     n = src.size
+    why = _refs_misfit(m, req, leg, info, src[max(leg.issued, req.first_page) : n])
+    if why is not None:
+        _refuse(m, req, why)
+        return False
     if not leg.sends:  # no KV: a share of split state only, once the pages are all in
         if n >= req.num_pages and not leg.fields_out:
             if not _state_out(m, req, leg, info, store):
@@ -237,6 +242,48 @@ def _issue_leg(m: Connector, req: Request, leg: Leg, store: Any) -> bool:
             return False
         leg.fields_out = True
     return True
+
+
+def _count(lens: Any, items: Any) -> int | None:
+    """How many pages (or rows) every buffer holds; None if not known (an older peer)."""
+    if not lens or not items:
+        return None
+    return min(int(b) // int(i) for b, i in zip(lens, items))
+
+
+def _refs_misfit(
+    m: Connector, req: Request, leg: Leg, info: dict[str, Any], new: NDArray[np.int64]
+) -> str | None:
+    """Why a page or metadata row named for ``leg`` lies outside the buffers it
+    indexes (a stale, consumed or unknown reference), or None: never written."""
+    a = m.kv_args
+    here = [
+        ("page", new, _count(a.kv_data_lens, a.kv_item_lens), f"prefill rank {m.rank}"),
+        (
+            "metadata slot",
+            np.array([req.local_slot]),
+            _count(a.aux_data_lens, a.aux_item_lens),
+            f"prefill rank {m.rank}",
+        ),
+    ]
+    there = f"decode rank {leg.peer}"
+    if leg.issued == 0 and leg.dst_pages is not None and leg.dst_ptrs is None and leg.sends:
+        here.append(
+            ("page", leg.dst_pages, _count(info.get("kv_lens"), info["kv_item_lens"]), there)
+        )
+    if leg.primary:
+        rows = _count(info.get("aux_lens"), info["aux_item_lens"])
+        here.append(("metadata slot", np.array([leg.dst_slot]), rows, there))
+    for what, refs, count, who in here:
+        bad = refs[(refs < -1) | (refs >= (count if count is not None else np.iinfo(np.int64).max))]
+        if what == "page":
+            bad = np.concatenate((bad, refs[refs == -1]))
+        if bad.size:
+            return (
+                f"{what} {int(bad[0])} is outside the {count} that {who} holds "
+                "(a stale or unknown reference); nothing of the request is written"
+            )
+    return None
 
 
 def _rows_misfit(req: Request, leg: Leg) -> str | None:

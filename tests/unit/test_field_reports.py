@@ -427,3 +427,57 @@ def test_sglang_28652_negative_control_no_timeout_waits_for_ever(monkeypatch):
     still WaitingForInput at the same clock, which the test above catches."""
     with pytest.raises(AssertionError):
         _check_timed_out_and_released(*_stuck_fake_sender(monkeypatch, switched_off=True))
+
+
+# -- vLLM #52234 --------------------------------------------------------------------------
+
+BAD_REFS = {
+    "decode page past its pool": ([6, 8], 2, [0, 1], 1),
+    "decode page negative": ([-1, 6], 2, [0, 1], 1),
+    "decode metadata slot past its rows": ([6, 7], 4, [0, 1], 1),
+    "prefill page past its pool": ([6, 7], 2, [0, 99], 1),
+    "prefill metadata slot past its rows": ([6, 7], 2, [0, 1], 7),
+}
+
+
+def _bad_refs(make_pair, room, case):
+    dst, dslot, src, pslot = BAD_REFS[case]
+    (p, _, _), (d, dkv, dmeta) = make_pair()
+    before = (dkv[0].clone(), dmeta.buf_infos())
+    s, r = p.sender(room), d.receiver(room)
+    _ready(s, r, dst, dslot)
+    s.init(len(src), pslot)
+    s.send(src)
+    wait_for(lambda: s.drained and r.drained, f"{case}: both ended")
+    return p, d, s, r, before
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REFS))
+def test_vllm_52234_stale_or_out_of_range_page_refs_fail_never_succeed(make_pair, case):
+    """vLLM #52234: a page reference outside the pool (stale, consumed or
+    unknown) was written through, or reported Success. Here a page or metadata
+    row that either side does not have fails the request on both ranks (a
+    transfer error, with why), nothing is written outside the buffers, and
+    no page of decode's is touched."""
+    p, d, s, r, (kv, _) = _bad_refs(make_pair, 52234, case)
+    assert (s.poll(), r.poll()) == (KVPoll.Failed, KVPoll.Failed)
+    assert s.failure_reason() == r.failure_reason() == FailureReason.TRANSFER_ERROR
+    assert p.outside == [] and d.outside == []
+    assert "outside" in str(p.last_error) or "has no" in str(p.last_error)
+    s.clear()
+    r.clear()
+    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+
+
+def test_vllm_52234_negative_control_unchecked_refs_write_outside(make_pair, monkeypatch):
+    """Negative control: with prefill's reference check switched off, the page
+    past decode's pool is written (outside its buffers; the test's engine
+    refuses to copy it and records it) and the request reports Success."""
+    monkeypatch.setattr(pre, "_refs_misfit", lambda *a: None)
+    (p, _, _), (d, _, _) = make_pair()
+    s, r = p.sender(52235), d.receiver(52235)
+    _ready(s, r, [6, 8], 2)
+    s.init(2, 1)
+    s.send([0, 1])
+    wait_for(lambda: r.poll() in (KVPoll.Success, KVPoll.Failed), "decode ended")
+    assert r.poll() == KVPoll.Success and p.outside != []
