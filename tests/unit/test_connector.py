@@ -186,8 +186,9 @@ def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lo
     first = p.sender(40125)
     second = p.sender(40125)  # accepted: no typed error, the room now names the second
     d.receiver(40125).init()
-    wait_for(lambda: second.poll() == KVPoll.WaitingForInput, "the second's handshake")
+    wait_for(lambda: handshaken(second), "the second's handshake")
     import time
 
     time.sleep(0.2)  # (the loop has handled decode's register long since)
-    assert first.poll() == KVPoll.Bootstrapping  # orphaned
+    assert not handshaken(first)  # orphaned: decode's register went to the second
+    assert first.poll() == KVPoll.Bootstrapping
