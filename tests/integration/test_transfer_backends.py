@@ -188,6 +188,10 @@ def _dead_peer_pair(backend, role, port, q):
     r.init()
     while r.poll() != 0 and time.time() - t0 < 20:
         time.sleep(0.01)
+    # Failed shows first; the request drains right after, on the connector's own
+    # thread, once its stop words are out (no page list was sent: nothing can land).
+    # Reading it in the same instant raced that (seen on NIXL under load).
+    _wait(lambda: r.drained, limit=5.0)
     q.put(("decode", r.poll(), int(r.failure_reason()), r.drained, time.time() - t0))
     m.close()
 
