@@ -122,7 +122,13 @@ def test_targeted_plan(tmp_path, run_sim):
         for line in (out / "trace" / "rank0.jsonl").read_text().splitlines()
         if '"tr"' in line and '"to":0' in line
     ]
-    assert {(f["reason"], f["origin"]) for f in fails} == {(8, 0), (7, 1)}
+    got = {(f["reason"], f["origin"]) for f in fails}
+    # prefill's own group agreed these two, each from the rank that failed it
+    assert {(8, 0), (7, 1)} <= got, got
+    # request 7's corrupt row is decode's: prefill hears of it over the peer link,
+    # and fails it too (metadata corrupt, from the rank that heard) only if the
+    # word comes before its own writes finished; which comes first is timing
+    assert got - {(8, 0), (7, 1)} <= {(4, 0), (4, 1)}, got
 
 
 def test_killed_rank_is_named_by_the_survivors(tmp_path, run_sim):
