@@ -101,6 +101,7 @@ class LocalStage:
         self.faults = faults
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
+        self.unfailed: NDArray[np.int8] | None = None
         self.obs = Observation(self.values)
         self.now = 0.0
 
@@ -152,21 +153,43 @@ class LocalStage:
         )
         if early is not None:
             obs.hook_failed(_everyone(n), f.rooms, contained("staging advance", self.rank, early))
+            obs.scan = None
         if clock_error is not None:  # no deadline or stamp can be trusted on this rank
             obs.hook_failed(_everyone(n), f.rooms, clock_error)
+            obs.scan = None
+        local, codes = obs.raw, None
         masks: dict[str, NDArray[np.bool_] | None] = {}
-        if n:
-            self._verdicts(t, f, cfg, now, step, masks)
-        masks["poll_value"] = obs.invalid
-        masks["poll_error"] = obs.errors
-        hooked = masks["hook_error"] = obs.hooked
-        codes = combine(n, masks, obs.backend)
-        local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+        hooked = None
+        # the common poll (every value live, nothing failed) on a stage no
+        # verdict source can hit: no mask to build
+        quiet = obs.scan is not None and (
+            self.faults is None
+            and not t.abort_count
+            and cfg.bootstrap_timeout is None
+            and cfg.waiting_timeout is None
+            and f.meta_bad is None
+        )
+        if not quiet:
+            if n:
+                self._verdicts(t, f, cfg, now, step, masks)
+            masks["poll_value"] = obs.invalid
+            masks["poll_error"] = obs.errors
+            hooked = masks["hook_error"] = obs.hooked
+            codes = combine(n, masks, obs.backend)
+            if codes is not None:
+                local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
         gated = staging is not None or self.metadata is not None or self.gates
-        at_success = local.tobytes().count(_S_BYTE) if gated else 0
+        at_success = 0
+        if gated and n:
+            scan = obs.scan if codes is None else None
+            at_success = (local.tobytes() if scan is None else scan).count(_S_BYTE)
         if at_success:  # gates decide only local Successes
             closed, corrupt = self._gates(f, local, at_success)
             if corrupt is not None or obs.hooked is not hooked:
+                if quiet:  # the masks were skipped: build them now
+                    self._verdicts(t, f, cfg, now, step, masks)
+                    masks["poll_value"] = obs.invalid
+                    masks["poll_error"] = obs.errors
                 masks["metadata_row"] = corrupt
                 masks["hook_error"] = obs.hooked
                 codes = combine(n, masks, obs.backend)
@@ -174,6 +197,9 @@ class LocalStage:
                     local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
             hold(local, closed)
         self.values, self.codes = local, codes
+        #: ``values`` as this prepare left them, when they hold no Failed
+        #: (a local Failed comes from a verdict or a poll: both set ``codes``)
+        self.unfailed = local if codes is None else None
 
     def _verdicts(
         self,

@@ -189,7 +189,10 @@ class Stepper:
 
     def _failer(self, k: int) -> bool:
         """Does this rank fail one of its first ``k`` active rows (those it packs)?"""
-        return _FAILED_BYTE in self.local.values[:k].tobytes()
+        values = self.local.values
+        if values is self.local.unfailed:  # as the local stage left them: no Failed
+            return False
+        return _FAILED_BYTE in values[:k].tobytes()
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.

@@ -29,13 +29,18 @@ MASK_SOURCES: dict[str, FailureReason] = {
 GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
 #: where every gate's demotion edge leads (one edge for all gates: see graph)
 _HOLD_TO = int(batch.DEST[batch.TRIGGER_ID[GATES[0].trigger], batch.DEMOTE_SOURCE])
-#: per "closed" (0/1) the largest status a row may keep
-_CAP = np.array([batch.DEMOTE_SOURCE, _HOLD_TO], dtype=np.int8)
+#: the status a gate demotes from (a closed row keeps at most _SOURCE - 1)
+_SOURCE = np.int8(batch.DEMOTE_SOURCE)
+_BOOL = np.dtype(np.bool_)
+if _HOLD_TO != batch.DEMOTE_SOURCE - 1:  # hold() lowers by one
+    raise AssertionError("a gate demotes Success to the status just below it")
 
 
 def bool_answer(answer: Any, n: int, hook: str, rank: int) -> NDArray[np.bool_]:
     """A hook's per-row answer: exactly ``n`` booleans, else a :class:`HookError`
     (a gate answering None is not "open")."""
+    if type(answer) is np.ndarray and answer.dtype is _BOOL and answer.shape == (n,):
+        return answer  # the common answer, checked without a conversion
     arr = np.asarray(answer)
     if arr.dtype != np.bool_ or arr.shape != (n,):
         raise HookError(
@@ -76,4 +81,6 @@ def hold(local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]
         if mask is not None:
             union = mask if union is None else union | mask
     if union is not None:
-        np.minimum(local, _CAP[union.view(np.uint8)], out=local)
+        # the cap per row, Success or one below it where closed: two passes
+        # (a masked minimum or a table lookup costs several times more)
+        np.minimum(local, np.subtract(_SOURCE, union.view(np.int8)), out=local)
