@@ -48,6 +48,9 @@ class StepBuffer:
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
+        #: (header, a frame's unchanged words, the two joined): what a reduce
+        #: that moved nothing returns
+        self._expect: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
     def pack(
         self, f: Frame, local: LocalStage, capacity: int, tag: int, want: int, failer: bool
@@ -103,9 +106,10 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
-        same = (
-            reduced[:HEADER].tobytes() == self.header
-            and reduced[HEADER : HEADER + f.n].tobytes() == f.unchanged_words()
-        )
+        words = f.unchanged_words()
+        expect = self._expect
+        if expect[0] is not self.header or expect[1] is not words:
+            expect = self._expect = (self.header, words, self.header + words)
+        same = reduced[: HEADER + f.n].tobytes() == expect[2]
         self._clean = same
         return same

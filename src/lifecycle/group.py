@@ -100,8 +100,38 @@ class StepGroup:
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        self.start(collective, tag, ahead=False)  # nothing to overlap: finish does it all
-        return self.finish()
+        # start() and finish() with nothing to overlap: the same refusals and
+        # the same work, with the reduce blocking (no pending handle to keep)
+        self._refuse(collective, tag)
+        self._coll, self._buf, self._ready = collective, None, None
+        self._step = object()
+        for s in self.steppers:
+            s.in_flight = True
+        try:
+            buf = self._prepare(tag)
+            try:
+                wait_launches()
+                collective.all_reduce_min(buf)
+            except BaseException:
+                self._release()
+                raise
+            return self._conclude(buf, collective)
+        finally:
+            self._landed()
+
+    def _refuse(self, collective: Collective, tag: int | None) -> None:
+        """Everything that can refuse a start does so before the first collective."""
+        if self._work is not None:
+            raise RuntimeError("start() twice: call finish() for the step in flight first")
+        tag_word(tag, self.steppers[0].rank)
+        for s in self.steppers:
+            if s.in_flight:
+                raise StepInFlight(s.rank, s.queue, "start")
+            if s.table.busy:
+                raise TableBusy(s.rank)
+        if not self._hello_done:
+            wait_launches()
+            self._hello(collective)
 
     def start(
         self,
@@ -115,18 +145,7 @@ class StepGroup:
         results of a step where nothing moved as soon as the reduce lands;
         ``worker``: prepare and launch on the group's own thread, returning at
         once; what that raises, ``finish`` raises)."""
-        if self._work is not None:
-            raise RuntimeError("start() twice: call finish() for the step in flight first")
-        # everything that can refuse the call does so before the first collective
-        tag_word(tag, self.steppers[0].rank)
-        for s in self.steppers:
-            if s.in_flight:
-                raise StepInFlight(s.rank, s.queue, "start")
-            if s.table.busy:
-                raise TableBusy(s.rank)
-        if not self._hello_done:
-            wait_launches()
-            self._hello(collective)
+        self._refuse(collective, tag)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
         for s in self.steppers:
@@ -158,15 +177,7 @@ class StepGroup:
     ) -> Pending:
         """Prepare and launch (``after``: the launch this one must follow; on
         the caller's thread, every launch of its earlier worker starts)."""
-        try:
-            bufs = [s._prepare(tag) for s in self.steppers]
-        except BaseException:
-            self._release()
-            raise
-        buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
-        for s in self.steppers:
-            s.table.busy = True
-        self._buf = buf
+        buf = self._prepare(tag)
         try:
             if after is not None:
                 after.wait()
@@ -183,6 +194,19 @@ class StepGroup:
             except Exception:  # launched all the same: finish does it all
                 logger.debug("a pending reduce refused then(); finish applies the step")
         return work
+
+    def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
+        """Every queue's local work; the buffer to reduce (the tables are busy from here)."""
+        try:
+            bufs = [s._prepare(tag) for s in self.steppers]
+        except BaseException:
+            self._release()
+            raise
+        buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+        for s in self.steppers:
+            s.table.busy = True
+        self._buf = buf
+        return buf
 
     def _ahead(self, step: object, buf: NDArray[np.uint8]) -> None:
         """Run where the reduce of ``step`` completes, while the caller runs
@@ -226,12 +250,23 @@ class StepGroup:
             buf = self._buf
             assert buf is not None
             work.wait()
-            ready, self._ready = self._ready, None
-            if ready is not None and ready[0] is self._step:
+        except BaseException:
+            self._release()
+            raise
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is self._step:
+            try:
                 return tuple(
                     self._stuck(coll, s, s._commit_unchanged(r))
                     for s, r in zip(self.steppers, ready[1])
                 )
+            finally:
+                self._release()
+        return self._conclude(buf, coll)
+
+    def _conclude(self, buf: NDArray[np.uint8], coll: Collective) -> tuple[StepResult, ...]:
+        """Apply the reduced ``buf`` to every queue (the tables are freed)."""
+        try:
             segs = self._split(buf)
             if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
                 return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
@@ -256,6 +291,8 @@ class StepGroup:
             s.table.busy = False
 
     def _split(self, buf: NDArray[np.uint8]) -> list[NDArray[np.uint8]]:
+        if len(self.steppers) == 1 and buf.size == buffer_size(self.steppers[0].capacity):
+            return [buf]
         out, at = [], 0
         for s in self.steppers:
             size = buffer_size(s.capacity)

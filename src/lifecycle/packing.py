@@ -327,9 +327,17 @@ def slots_size(capacity: int) -> int:
     return REGIONS * 4 * (_REGION_HEAD + slots_per_region(capacity))
 
 
+_SIZES: dict[int, int] = {}
+
+
 def buffer_size(capacity: int) -> int:
     """Header, ``capacity`` request bytes and the failure-slot regions."""
-    return HEADER + capacity + slots_size(capacity)
+    size = _SIZES.get(capacity)
+    if size is None:
+        size = HEADER + capacity + slots_size(capacity)
+        if len(_SIZES) < 1024:  # capacities are bucketed: a few sizes in practice
+            _SIZES[capacity] = size
+    return size
 
 
 def write_slots(
