@@ -15,14 +15,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import STATUS_SHIFT, fingerprint, status_sum, with_statuses
+from lifecycle.packing import STATUS_SHIFT, list_fingerprint, list_sum, status_sum
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
 __all__ = ["Frame"]
 
-#: the bytes of the statuses that are not terminal
-_LIVE = bytes(i for i, terminal in enumerate(TERMINAL.tolist()) if not terminal)
 #: stands in for the metadata columns of a frame no metadata gate reads
 _NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
 _NONE_READ.setflags(write=False)
@@ -32,7 +30,6 @@ class Frame:
     """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
 
     __slots__ = (
-        "_rooms_fp",
         "_sum",
         "all_active",
         "fake",
@@ -64,22 +61,23 @@ class Frame:
         self, t: RequestTable, pool: int | None, by_index: bool, metadata: bool = True
     ) -> None:
         self.key = Frame.key_of(t)
-        self.rows_all = t.order().copy()
-        self.rooms_all = t.room[self.rows_all]
-        self.n_all = self.rows_all.size
+        rows_all = self.rows_all = t.order().copy()
+        self.rooms_all = t.room[rows_all]
+        self.n_all = rows_all.size
         # agreed columns of the whole list, kept current by the step's apply
-        self.state_all = t.state[self.rows_all]
-        self.reason_all = t.reason[self.rows_all]
-        self.origin_all = t.origin[self.rows_all]
-        # a byte scan first: a frame is rebuilt right after a collective, when
-        # caches are cold, and most lists hold no terminal row
-        self.all_active = not self.state_all.tobytes().translate(None, _LIVE)
+        self.state_all = t.state[rows_all]
+        self.reason_all = t.reason[rows_all]
+        self.origin_all = t.origin[rows_all]
+        # the table counts its terminal rows; a frame is rebuilt right after a
+        # collective, when caches are cold, and most lists hold none
+        self.all_active = not t.terminal_count
         # the fingerprint covers every row's agreed status too: ranks that
         # disagree on which rows are terminal would pack different rows at the
-        # same position, and on a status one of them would reject the agreed move
-        self._rooms_fp = fingerprint(self.rooms_all)
-        self._sum = status_sum(self.state_all)
-        self.fp = with_statuses(self._rooms_fp, self._sum)
+        # same position, and on a status one of them would reject the agreed
+        # move. The rooms were mixed as they joined (the table's room keys),
+        # so it is one weighted sum over the list
+        self._sum = list_sum(t.room_key[rows_all], self.state_all)
+        self.fp = list_fingerprint(self._sum, self.n_all)
         self.same: bytes | None = None  # see unchanged_words()
         self.same_arr: NDArray[np.uint8] | None = None
         self.snap: tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]] | None = None
@@ -97,10 +95,8 @@ class Frame:
         # rows a batch poller that reads by index cannot answer for: polling
         # them with index -1 would read another request's status
         self.no_index: NDArray[np.bool_] | None = None
-        if by_index:
-            missing = self.hidx < 0
-            if missing.any():
-                self.no_index = missing
+        if by_index and self.n and int(self.hidx.min()) < 0:
+            self.no_index = self.hidx < 0
         self.meta_bad: NDArray[np.bool_] | None = None
         self.meta_pos: NDArray[np.int64] | None = None
         if not metadata:  # no metadata gate reads them
@@ -134,7 +130,7 @@ class Frame:
         if rehash and pos.size:
             delta = new.astype(np.int64) - old  # wraps correctly through uint64
             self._sum = (self._sum + status_sum(delta, pos)) & (2**64 - 1)
-            self.fp = with_statuses(self._rooms_fp, self._sum)
+            self.fp = list_fingerprint(self._sum, self.n_all)
         self.state_all[pos] = new
         self.same = self.same_arr = self.snap = None
 
@@ -149,7 +145,8 @@ class Frame:
         """:meth:`unchanged_words` as an array (read-only)."""
         if self.same_arr is None:
             out = np.empty(self.n, dtype=np.uint8)
-            np.left_shift(self.state_all[self.pos], STATUS_SHIFT, out=out, casting="unsafe")
+            states = self.state_all if self.all_active else self.state_all[self.pos]
+            np.left_shift(states, STATUS_SHIFT, out=out, casting="unsafe")
             out.setflags(write=False)
             self.same_arr = out
         return self.same_arr

@@ -61,6 +61,9 @@ __all__ = [
     "position_weights",
     "status_sum",
     "with_statuses",
+    "room_keys",
+    "list_sum",
+    "list_fingerprint",
     "stable_hash",
     "write_field",
     "encode_header",
@@ -221,6 +224,40 @@ def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None
 def with_statuses(fp: int, total: int) -> int:
     """A list fingerprint combined with its :func:`status_sum`."""
     return fp ^ _mix_int(total & _MASK64_INT)
+
+
+#: salts the room keys (kept apart from the position keys and weights)
+_ROOM_SALT = 0xD6E8FEB86659FD93
+
+
+def room_keys(rooms: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """Each room's 64-bit key, a bijection of the room (a table computes them
+    once, as requests join, for :func:`list_sum`)."""
+    if rooms.size <= 8:  # a few rooms: Python integers cost less than numpy calls
+        return np.array(
+            [_mix_int(r ^ _ROOM_SALT) for r in rooms.tolist()], dtype=np.uint64
+        ).reshape(rooms.shape)
+    with np.errstate(over="ignore"):
+        return _mix(np.bitwise_xor(rooms, np.uint64(_ROOM_SALT)))
+
+
+def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
+    """``sum((keys[i] + states[i]) * weight[i])`` modulo 2**64 over the list's
+    positions (:func:`position_weights`), from the rows' :func:`room_keys`
+    (``keys`` is overwritten). The rooms are mixed already, so one weighted
+    sum binds each room and its status to its position; linear in the
+    statuses, so a status change updates it by :func:`status_sum` of the
+    change alone."""
+    w = position_weights(keys.size)
+    with np.errstate(over="ignore"):
+        np.add(keys, states.view(np.uint8), out=keys)
+        np.multiply(keys, w, out=keys)
+        return int(keys.sum(dtype=np.uint64))
+
+
+def list_fingerprint(total: int, length: int) -> int:
+    """The fingerprint of a list of ``length`` rows whose :func:`list_sum` is ``total``."""
+    return _mix_int((total ^ _mix_int(length ^ _ROOM_SALT)) & _MASK64_INT)
 
 
 _MASK64_INT = 2**64 - 1

@@ -27,6 +27,7 @@ from lifecycle.errors import (
     TableBusy,
     UnknownRequest,
 )
+from lifecycle.packing import room_keys
 from lifecycle.reasons import FailureReason
 from lifecycle.request_info import RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
@@ -48,6 +49,7 @@ class RequestTable:
 
     _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
         ("room", np.uint64, 0),
+        ("room_key", np.uint64, 0),  # the room mixed (packing.room_keys): the list hash's input
         ("state", np.int8, KVPoll.Bootstrapping),
         ("role", np.int8, Role.SENDER),
         ("reason", np.int8, FailureReason.NONE),
@@ -64,6 +66,7 @@ class RequestTable:
     )
 
     room: NDArray[np.uint64]
+    room_key: NDArray[np.uint64]
     state: NDArray[np.int8]
     role: NDArray[np.int8]
     reason: NDArray[np.int8]
@@ -232,7 +235,9 @@ class RequestTable:
             self._grow(len(self._index) + k)
         slots = np.array(self._free[len(self._free) - k :][::-1], dtype=np.int64)
         del self._free[len(self._free) - k :]
-        self.room[slots] = np.asarray(room_list, dtype=np.uint64)
+        room_arr = np.asarray(room_list, dtype=np.uint64)
+        self.room[slots] = room_arr
+        self.room_key[slots] = room_keys(room_arr)
         self.state[slots] = state
         self.terminal_count += k if KVPoll(state).terminal else 0
         self.role[slots] = role
