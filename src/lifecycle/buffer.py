@@ -29,6 +29,7 @@ __all__ = ["StepBuffer"]
 
 _F = I8.F
 _NONE = np.empty(0, dtype=np.int64)
+_NO_WORDS = np.empty(0, dtype=np.uint8)
 _REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
 
 
@@ -83,8 +84,13 @@ class StepBuffer:
         values = local.values[:k]
         np.left_shift(values, STATUS_SHIFT, out=rows, dtype=np.uint8, casting="unsafe")
         pos = np.flatnonzero(values == _F) if failer else _NONE
-        if pos.size and local.codes is not None:  # a Failed row's word carries its reason
-            rows[pos] |= local.codes[pos].astype(np.uint8) & _REASON_MASK
+        words = _NO_WORDS
+        if pos.size and local.codes is not None:
+            # a Failed row's word is its reason alone (Failed is status 0)
+            words = local.codes[pos].view(np.uint8) & _REASON_MASK
+            rows[pos] = words
+        elif pos.size:
+            words = rows[pos]
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
             buf[HEADER + k : HEADER + self._packed] = PAD
         self._packed = k
@@ -94,7 +100,7 @@ class StepBuffer:
         # until a reduce is seen to have left them alone (see unchanged)
         self._clean = False
         if failer:
-            write_slots(slots, self.rank, pos, rows[pos])
+            write_slots(slots, self.rank, pos, words)
         return buf
 
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:

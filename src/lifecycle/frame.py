@@ -134,6 +134,15 @@ class Frame:
         self.state_all[pos] = new
         self.same = self.same_arr = self.snap = None
 
+    def retire(self) -> None:
+        """The table moved on from this frame (a row became terminal, so the
+        next step builds another): its agreed columns are final, and become
+        the snapshot as they are (read-only, no copy)."""
+        cols = (self.state_all, self.reason_all, self.origin_all)
+        for a in cols:
+            a.setflags(write=False)
+        self.snap = cols
+
     def unchanged_words(self) -> bytes:
         """The reduced words of the active rows on a step where nothing moves
         (each row's agreed status, no reason), as bytes to compare against."""

@@ -176,7 +176,9 @@ class LocalStage:
             masks["poll_error"] = obs.errors
             hooked = masks["hook_error"] = obs.hooked
             codes = combine(n, masks, obs.backend)
-            if codes is not None:
+            # the backend's codes alone mark exactly the rows it reported
+            # Failed: the raw values are the local ones
+            if codes is not None and codes is not obs.backend:
                 local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
         gated = staging is not None or self.metadata is not None or self.gates
         at_success = 0

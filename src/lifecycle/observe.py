@@ -36,6 +36,7 @@ _NONE = np.int8(FailureReason.NONE)
 #: the bytes of the non-failed statuses (a byte scan is far cheaper than a
 #: numpy reduction right after a collective, when caches are cold)
 _LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
+_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 _HOOK = FailureReason.HOOK_ERROR
 #: reasons a backend may report for a Failed (its own, or a peer's it relays)
 BACKEND_REASONS = np.array(
@@ -122,12 +123,17 @@ def observe(
     raw = obs.raw
     if not k:
         return obs
+    rest = None
     if obs.errors is None and obs.hooked is None:
         scan = raw.tobytes()
-        if not scan.translate(None, _LIVE):
+        rest = scan.translate(None, _LIVE)
+        if not rest:
             obs.scan = scan
             return obs  # the common poll: every value a live status, nothing to fail
-    lo, hi = int(raw.min()), int(raw.max())
+    if rest is not None and not rest.translate(None, _FAILED_BYTE):
+        lo, hi = 0, 4  # every other value is a Failed: none is out of range
+    else:
+        lo, hi = int(raw.min()), int(raw.max())
     if lo < 0 or hi > 4:
         bad = (raw < 0) | (raw > 4)
         skip = _either(obs.errors, obs.hooked)

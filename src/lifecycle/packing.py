@@ -403,21 +403,32 @@ def slot_origins(
     None when some list did not come back whole (two writers in a region, a
     list longer than its region, an entry naming a row that did not fail):
     the step then fetches. Reads reduced data only: every rank answers alike."""
+    if not failed.size:
+        return np.full(0, NO_ORIGIN, dtype=np.int32)
     regions = area.view(">u4").reshape(REGIONS, -1)
     k = regions.shape[1] - _REGION_HEAD
-    origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
-    for region in regions.tolist() if failed.size else ():
-        owner, comp, count = region[0], region[1] ^ _EMPTY_U32, region[2]
+    lists, owners = [], []
+    for r, (owner, comp, count) in enumerate(regions[:, :_REGION_HEAD].tolist()):
+        comp ^= _EMPTY_U32
         if owner == _EMPTY_U32 and comp == 0:
             continue  # no rank wrote here
         if owner != comp or count > k or owner >= NO_ORIGIN:
             return None
-        entries = np.asarray(region[_REGION_HEAD : _REGION_HEAD + count], dtype=np.int64)
-        at = np.searchsorted(failed, entries >> 8)
-        if count and (int(at.max()) >= failed.size or (failed[at] != entries >> 8).any()):
-            return None
-        won = at[agreed[at] == (entries & 0xFF)]
-        origin[won] = np.minimum(origin[won], owner)
-    if (origin == NO_ORIGIN).any():
+        if count:
+            lists.append(regions[r, _REGION_HEAD : _REGION_HEAD + count])
+            owners.append((owner, count))
+    if not lists:
+        return None  # failed rows that no rank listed
+    # every listed entry at once: (position, word), and the rank that listed it
+    entries = (lists[0] if len(lists) == 1 else np.concatenate(lists)).astype(np.int64)
+    rank = np.repeat(np.array([o for o, _ in owners], dtype=np.int32), [c for _, c in owners])
+    listed = entries >> 8
+    at = np.searchsorted(failed, listed)
+    if int(at.max()) >= failed.size or (failed[at] != listed).any():
+        return None
+    won = agreed[at] == (entries & 0xFF)
+    origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
+    np.minimum.at(origin, at[won], rank[won])  # the lowest rank whose word won
+    if int(origin.max()) == NO_ORIGIN:
         return None
     return origin

@@ -64,8 +64,8 @@ def combine(
         if codes is None:
             codes = np.full(n, _NONE, dtype=np.int8)
         np.minimum(codes, np.where(mask, reason, _NONE), out=codes)
-    if backend is not None:
-        codes = backend.copy() if codes is None else np.minimum(codes, backend)
+    if backend is not None:  # alone, the backend's codes are the codes (never written to)
+        codes = backend if codes is None else np.minimum(codes, backend)
     return codes
 
 
