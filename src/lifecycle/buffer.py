@@ -20,6 +20,7 @@ from lifecycle.packing import (
     STATUS_SHIFT,
     buffer_size,
     encode_header,
+    status_words,
     write_slots,
 )
 from lifecycle.status import I8
@@ -82,7 +83,7 @@ class StepBuffer:
         k = min(f.n, capacity)
         rows = buf[HEADER : HEADER + k]
         values = local.values[:k]
-        np.left_shift(values, STATUS_SHIFT, out=rows, dtype=np.uint8, casting="unsafe")
+        status_words(values, rows)
         pos = np.flatnonzero(values == _F) if failer else _NONE
         words = _NO_WORDS
         if pos.size and local.codes is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.packing import STATUS_SHIFT, list_fingerprint, list_sum, status_sum
+from lifecycle.packing import list_fingerprint, list_sum, status_sum, status_words
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
@@ -155,7 +155,7 @@ class Frame:
         if self.same_arr is None:
             out = np.empty(self.n, dtype=np.uint8)
             states = self.state_all if self.all_active else self.state_all[self.pos]
-            np.left_shift(states, STATUS_SHIFT, out=out, casting="unsafe")
+            status_words(states, out)
             out.setflags(write=False)
             self.same_arr = out
         return self.same_arr

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 from lifecycle.errors import HookError
 from lifecycle.frame import Frame
 from lifecycle.observe import Observation, contained, observe
-from lifecycle.packing import STATUS_SHIFT, pack
+from lifecycle.packing import pack, status_words
 from lifecycle.protocols import (
     BatchPoller,
     FaultHook,
@@ -44,6 +44,8 @@ def _ask_gate(gate: Gate, f: Frame, name: str, rank: int) -> NDArray[np.bool_]:
 
 
 _S_BYTE = bytes([int(I8.S)])
+#: every byte but Success's
+_NOT_S = bytes(b for b in range(256) if b != int(I8.S))
 
 
 def _any(mask: NDArray[np.bool_]) -> bool:
@@ -184,7 +186,10 @@ class LocalStage:
         at_success = 0
         if gated and n:
             scan = obs.scan if codes is None else None
-            at_success = (local.tobytes() if scan is None else scan).count(_S_BYTE)
+            if scan is None:
+                scan = local.tobytes()
+            if _S_BYTE in scan:  # the count only then (deleting is faster than bytes.count)
+                at_success = len(scan.translate(None, _NOT_S))
         if at_success:  # gates decide only local Successes
             closed, corrupt = self._gates(f, local, at_success)
             if corrupt is not None or obs.hooked is not hooked:
@@ -323,7 +328,7 @@ class LocalStage:
         values = self.values if rows is None else self.values[rows]
         out = np.empty(values.size, dtype=np.uint8)
         if self.codes is None:
-            np.left_shift(values, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+            status_words(values, out)
         else:
             pack(values, self.codes if rows is None else self.codes[rows], out)
         return out

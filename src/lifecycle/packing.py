@@ -56,6 +56,7 @@ __all__ = [
     "Field",
     "NO_ORIGIN",
     "pack",
+    "status_words",
     "unpack",
     "fingerprint",
     "position_weights",
@@ -110,9 +111,21 @@ for _f in _BOUNDS:
 HEADER = _at
 
 
+_I8 = np.dtype(np.int8)
+_WORD_OF_STATUS = np.uint8(1 << STATUS_SHIFT)
+
+
+def status_words(status: NDArray[np.integer], out: NDArray[np.uint8]) -> None:
+    """``out[i] = status[i] << STATUS_SHIFT`` (as uint8): the word of a row with no reason."""
+    if status.dtype is _I8:  # the same bits as uint8: a plain uint8 multiply is the fastest loop
+        np.multiply(status.view(np.uint8), _WORD_OF_STATUS, out=out)
+    else:
+        np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+
+
 def pack(status: NDArray[np.integer], reason: NDArray[np.integer], out: NDArray[np.uint8]) -> None:
     """Pack local values into ``out`` (uint8, same length); reason counts only on Failed."""
-    np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+    status_words(np.asarray(status), out)
     failed = np.asarray(status) == 0
     if failed.any():
         out[failed] |= np.asarray(reason)[failed].astype(np.uint8) & _REASON_MASK
