@@ -54,6 +54,13 @@ class StepBuffer:
         #: that moved nothing returns
         self._expect: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
+    def place(self, area: NDArray[np.uint8], capacity: int) -> None:
+        """Pack into ``area`` (:func:`buffer_size` bytes of ``capacity``, all
+        PAD) from now on: a group's steppers pack into one buffer, which it
+        reduces as it is, with no joining."""
+        self.buf = area
+        self._capacity, self._packed, self._clean = capacity, 0, True
+
     def pack(
         self, f: Frame, local: LocalStage, capacity: int, tag: int, want: int, failer: bool
     ) -> NDArray[np.uint8]:
@@ -113,10 +120,22 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
+        same = reduced[: HEADER + f.n].tobytes() == self.expected(f)
+        self._clean = same
+        return same
+
+    def unchanged_in(self, whole: bytes, at: int, f: Frame) -> bool:
+        """:meth:`unchanged` for the segment at ``at`` of a group's reduced
+        buffer, given as bytes (one copy for every queue's comparison)."""
+        expect = self.expected(f)
+        same = whole[at : at + len(expect)] == expect
+        self._clean = same
+        return same
+
+    def expected(self, f: Frame) -> bytes:
+        """The header as sent and every active row at its agreed status."""
         words = f.unchanged_words()
         expect = self._expect
         if expect[0] is not self.header or expect[1] is not words:
             expect = self._expect = (self.header, words, self.header + words)
-        same = reduced[: HEADER + f.n].tobytes() == expect[2]
-        self._clean = same
-        return same
+        return expect[2]

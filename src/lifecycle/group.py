@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
 from lifecycle.errors import CollectiveMismatch, InvalidArgument, StepInFlight, TableBusy
-from lifecycle.packing import Field, Header, buffer_size, stable_hash, write_field
+from lifecycle.packing import PAD, Field, Header, buffer_size, stable_hash, write_field
 from lifecycle.result import StepResult
 from lifecycle.settle import unchanged_result
 from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
@@ -97,6 +97,11 @@ class StepGroup:
         self._ready: tuple[object, list[StepResult]] | None = None
         #: names the step in flight (a callback of an earlier one may run late)
         self._step: object = None
+        #: the buffer the steppers of a group of several pack into (one
+        #: segment each, at these capacities), reduced as it is
+        self._joint: NDArray[np.uint8] | None = None
+        self._caps: tuple[int, ...] = ()
+        self._areas: list[NDArray[np.uint8]] = []
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
@@ -197,16 +202,43 @@ class StepGroup:
 
     def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
         """Every queue's local work; the buffer to reduce (the tables are busy from here)."""
+        steppers = self.steppers
+        if len(steppers) > 1:
+            self._place()
         try:
-            bufs = [s._prepare(tag) for s in self.steppers]
+            bufs = [s._prepare(tag) for s in steppers]
         except BaseException:
             self._release()
             raise
-        buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
-        for s in self.steppers:
+        buf = bufs[0] if len(bufs) == 1 else self._join(bufs)
+        for s in steppers:
             s.table.busy = True
         self._buf = buf
         return buf
+
+    def _place(self) -> None:
+        """Give each stepper its segment of one buffer at its capacity (a new
+        buffer only when some capacity changed)."""
+        caps = tuple([s.capacity for s in self.steppers])
+        if caps == self._caps:
+            return
+        sizes = [buffer_size(c) for c in caps]
+        joint = np.full(sum(sizes), PAD, dtype=np.uint8)
+        areas, at = [], 0
+        for s, cap, size in zip(self.steppers, caps, sizes):
+            area = joint[at : at + size]
+            s._buffer.place(area, cap)
+            areas.append(area)
+            at += size
+        self._joint, self._caps, self._areas = joint, caps, areas
+
+    def _join(self, bufs: list[NDArray[np.uint8]]) -> NDArray[np.uint8]:
+        """The steppers' buffers as one: the joint buffer when each packed
+        into its own segment (else, e.g. after a resize, a joined copy)."""
+        joint = self._joint
+        if joint is not None and all([b is a for b, a in zip(bufs, self._areas)]):
+            return joint
+        return np.concatenate(bufs)
 
     def _ahead(self, step: object, buf: NDArray[np.uint8]) -> None:
         """Run where the reduce of ``step`` completes, while the caller runs
@@ -219,7 +251,7 @@ class StepGroup:
             return
         try:
             segs = self._split(buf)
-            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+            if self._all_unchanged(buf, segs):
                 ready = []
                 for s in self.steppers:
                     assert s._frame is not None
@@ -268,7 +300,7 @@ class StepGroup:
         """Apply the reduced ``buf`` to every queue (the tables are freed)."""
         try:
             segs = self._split(buf)
-            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+            if self._all_unchanged(buf, segs):
                 return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
             if any([s._resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s._repack() for s in self.steppers]
@@ -285,6 +317,18 @@ class StepGroup:
             self._release()
         results = [s._commit(x) for s, x in zip(self.steppers, settled)]
         return tuple(self._stuck(coll, s, r) for s, r in zip(self.steppers, results))
+
+    def _all_unchanged(self, buf: NDArray[np.uint8], segs: list[NDArray[np.uint8]]) -> bool:
+        """Every queue's :meth:`Stepper.unchanged` (the common step)."""
+        steppers = self.steppers
+        if len(steppers) == 1:
+            return steppers[0]._unchanged(segs[0])
+        whole, at = buf.tobytes(), 0  # one copy serves every queue's comparison
+        for s, seg in zip(steppers, segs):
+            if not s._unchanged_in(whole, at):
+                return all([s._unchanged(seg) for s, seg in zip(steppers, segs)])
+            at += seg.size
+        return True
 
     def _release(self) -> None:
         for s in self.steppers:

@@ -253,22 +253,23 @@ class LocalStage:
 
     def _gates(
         self, f: Frame, local: NDArray[np.int8], at_success: int
-    ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
-        """Every gate's closed mask over the active rows, and the corrupt metadata
-        rows. A gate decides only rows at Success, so its errors fail those."""
+    ) -> tuple[NDArray[np.bool_] | None, NDArray[np.bool_] | None]:
+        """The rows some gate of :data:`GATES` holds closed (None: none), and
+        the corrupt metadata rows. Every gate takes the same demotion edge
+        (checked where the graph is declared), so their union is all the
+        hold needs. A gate decides only rows at Success, so its errors fail
+        those."""
         n, rank = f.n, self.rank
         success = _Lazy(local)
-        closed: dict[str, NDArray[np.bool_] | None] = {}
+        closed: NDArray[np.bool_] | None = None  # never written to: may be a hook's own
         corrupt: NDArray[np.bool_] | None = None
         staging = self.staging
-        if staging is not None:
+        if staging is not None:  # source staging_pending
             try:
-                closed["staging_pending"] = bool_answer(
-                    staging.pending(f.rooms, f.hidx), n, "staging pending", rank
-                )
+                closed = bool_answer(staging.pending(f.rooms, f.hidx), n, "staging pending", rank)
             except Exception as e:
                 self.obs.hook_failed(success(), f.rooms, contained("staging pending", rank, e))
-        if self.metadata is not None:
+        if self.metadata is not None:  # source metadata_pending: not landed
             try:
                 landed, bad = self._metadata(f, success, at_success)
             except Exception as e:
@@ -278,18 +279,19 @@ class LocalStage:
                     success() & ~f.fake, f.rooms, contained("metadata source", rank, e)
                 )
             else:
-                closed["metadata_pending"] = ~landed
+                # closed | ~landed in one pass: for booleans, landed <= closed
+                closed = ~landed if closed is None else np.less_equal(landed, closed)
                 if _any(bad):  # never written to: the arrays may be the source's own
                     bad = bad & success()
                     corrupt = bad if _any(bad) else None
-        if self.gates:
+        if self.gates:  # source gate_closed
             user = np.zeros(n, dtype=bool)
             for gate in self.gates:
                 name = f"gate {getattr(gate, 'name', '?')!r}"
                 ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success(), f)
                 if ans is not None:
                     user |= ans
-            closed["gate_closed"] = user
+            closed = user if closed is None else closed | user
         return closed, corrupt
 
     def _metadata(

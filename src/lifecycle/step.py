@@ -167,11 +167,13 @@ class Stepper:
         return self._prepare(tag)
 
     def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
-        word = tag_word(tag, self.rank)
+        word = 0 if tag is None else tag_word(tag, self.rank)
         t = self.table
-        f = self._frame = Frame.of(
-            t, self._frame, self._pool, self._by_index, self.local.metadata is not None
-        )
+        f = self._frame
+        if t._limbo or f is None or f.key != (t.version, t.columns_version, t.terminal_count):
+            f = self._frame = Frame.of(
+                t, f, self._pool, self._by_index, self.local.metadata is not None
+            )
         now, late = self._now()
         self.local.run(t, f, self.config, now, t.step_no + 1, late)
         self._tag = word
@@ -226,6 +228,14 @@ class Stepper:
         if not self._prepared or f is None or f.n > self.capacity:
             return False
         return self._buffer.unchanged(reduced, f)
+
+    def _unchanged_in(self, whole: bytes, at: int) -> bool:
+        """:meth:`unchanged` for this stepper's segment at ``at`` of a group's
+        reduced buffer, given as bytes."""
+        f = self._frame
+        if not self._prepared or f is None or f.n > self.capacity:
+            return False
+        return self._buffer.unchanged_in(whole, at, f)
 
     def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);

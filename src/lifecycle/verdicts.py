@@ -69,18 +69,14 @@ def combine(
     return codes
 
 
-def hold(local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]) -> None:
-    """Demote, in place, the local Successes where a gate of :data:`GATES` is
-    closed. Every gate takes the same edge (Success -> Transferring, checked
-    where the graph is declared), so one pass over the union of their masks
-    applies them all: ``min(value, Transferring)`` where closed moves exactly
-    the Successes (values are statuses 0..4 here)."""
-    union: NDArray[np.bool_] | None = None
-    for rule in GATES:
-        mask = closed.get(rule.source)
-        if mask is not None:
-            union = mask if union is None else union | mask
-    if union is not None:
+def hold(local: NDArray[np.int8], closed: NDArray[np.bool_] | None) -> None:
+    """Demote, in place, the local Successes where some gate of :data:`GATES`
+    is closed (``closed``: the union of their masks; None, none is). Every
+    gate takes the same edge (Success -> Transferring, checked where the
+    graph is declared), so one pass over the union applies them all:
+    ``min(value, Transferring)`` where closed moves exactly the Successes
+    (values are statuses 0..4 here)."""
+    if closed is not None:
         # the cap per row, Success or one below it where closed: two passes
         # (a masked minimum or a table lookup costs several times more)
-        np.minimum(local, np.subtract(_SOURCE, union.view(np.int8)), out=local)
+        np.minimum(local, np.subtract(_SOURCE, closed.view(np.int8)), out=local)
