@@ -23,12 +23,10 @@ from lifecycle.packing import (
     status_words,
     write_slots,
 )
-from lifecycle.status import I8
 
 __all__ = ["StepBuffer"]
 
 
-_F = I8.F
 _NONE = np.empty(0, dtype=np.int64)
 _NO_WORDS = np.empty(0, dtype=np.uint8)
 _REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
@@ -91,7 +89,7 @@ class StepBuffer:
         rows = buf[HEADER : HEADER + k]
         values = local.values[:k]
         status_words(values, rows)
-        pos = np.flatnonzero(values == _F) if failer else _NONE
+        pos = local.failed_in(k) if failer else _NONE
         words = _NO_WORDS
         if pos.size and local.codes is not None:
             # a Failed row's word is its reason alone (Failed is status 0)

@@ -26,6 +26,22 @@ _NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
 _NONE_READ.setflags(write=False)
 
 
+_RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
+_RANGE.setflags(write=False)
+
+
+def _positions(n: int) -> NDArray[np.int64]:
+    """``0..n-1`` (read-only), sliced from a range that only grows (each
+    caller slices the one it read: another thread may replace it)."""
+    global _RANGE
+    r = _RANGE
+    if r.size < n:
+        r = np.arange(max(n, 2 * r.size), dtype=np.int64)
+        r.setflags(write=False)
+        _RANGE = r
+    return r[:n]
+
+
 class Frame:
     """Cached per-table arrays; ``pos`` maps active rows into the whole list."""
 
@@ -82,7 +98,7 @@ class Frame:
         self.same_arr: NDArray[np.uint8] | None = None
         self.snap: tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.int32]] | None = None
         if self.all_active:
-            self.pos = np.arange(self.n_all, dtype=np.int64)
+            self.pos = _positions(self.n_all)
             self.rows, self.rooms = self.rows_all, self.rooms_all
         else:
             self.pos = np.flatnonzero(~TERMINAL[self.state_all])

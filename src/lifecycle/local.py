@@ -44,8 +44,6 @@ def _ask_gate(gate: Gate, f: Frame, name: str, rank: int) -> NDArray[np.bool_]:
 
 
 _S_BYTE = bytes([int(I8.S)])
-#: every byte but Success's
-_NOT_S = bytes(b for b in range(256) if b != int(I8.S))
 
 
 def _any(mask: NDArray[np.bool_]) -> bool:
@@ -80,6 +78,8 @@ _F = I8.F
 _S = I8.S
 _B = I8.B
 _NONE = np.int8(FailureReason.NONE)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+_NO_ROWS.setflags(write=False)
 
 
 class LocalStage:
@@ -104,6 +104,8 @@ class LocalStage:
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
         self.unfailed: NDArray[np.int8] | None = None
+        #: (values, k, the positions of their Failed among the first k)
+        self._failed_at: tuple[NDArray[np.int8], int, NDArray[np.int64]] | None = None
         self.obs = Observation(self.values)
         self.now = 0.0
 
@@ -188,8 +190,13 @@ class LocalStage:
             scan = obs.scan if codes is None else None
             if scan is None:
                 scan = local.tobytes()
-            if _S_BYTE in scan:  # the count only then (deleting is faster than bytes.count)
-                at_success = len(scan.translate(None, _NOT_S))
+            if _S_BYTE in scan:  # the count only then
+                # bytes.count branches on every byte (slow on mixed values);
+                # numpy's count costs two calls, which only a long list repays
+                if n <= 1024:
+                    at_success = scan.count(_S_BYTE)
+                else:
+                    at_success = int(np.count_nonzero(local == _S))
         if at_success:  # gates decide only local Successes
             closed, corrupt = self._gates(f, local, at_success)
             if corrupt is not None or obs.hooked is not hooked:
@@ -207,6 +214,21 @@ class LocalStage:
         #: ``values`` as this prepare left them, when they hold no Failed
         #: (a local Failed comes from a verdict or a poll: both set ``codes``)
         self.unfailed = local if codes is None else None
+        self._failed_at = None
+        if codes is not None and codes is obs.backend and obs.failed is not None:
+            # only the poller's Failed values: they are the Failed rows
+            self._failed_at = (local, n, np.flatnonzero(obs.failed))
+
+    def failed_in(self, k: int) -> NDArray[np.int64]:
+        """The positions of the Failed values among the first ``k`` (ascending)."""
+        values = self.values
+        if values is self.unfailed:
+            return _NO_ROWS
+        known = self._failed_at
+        if known is None or known[0] is not values or known[1] != k:
+            at = np.flatnonzero(values[:k] == _F)
+            self._failed_at = known = (values, k, at)
+        return known[2]
 
     def _verdicts(
         self,

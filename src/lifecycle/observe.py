@@ -33,6 +33,7 @@ __all__ = ["Observation", "observe", "contained", "BACKEND_REASONS"]
 _F = I8.F
 _I8 = np.dtype(np.int8)
 _NONE = np.int8(FailureReason.NONE)
+_UNKNOWN = np.int8(FailureReason.UNKNOWN)
 #: the bytes of the non-failed statuses (a byte scan is far cheaper than a
 #: numpy reduction right after a collective, when caches are cold)
 _LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
@@ -69,6 +70,7 @@ class Observation:
         "backend",
         "errors",
         "exceptions",
+        "failed",
         "given",
         "hooked",
         "invalid",
@@ -83,6 +85,9 @@ class Observation:
         #: failed (the common poll), else None: the step counts in it
         self.scan: bytes | None = None
         self.backend: NDArray[np.int8] | None = None
+        #: the rows the poller reported Failed, when that was all it did wrong
+        #: (their reasons are ``backend``'s); else None
+        self.failed: NDArray[np.bool_] | None = None
         self.invalid: NDArray[np.bool_] | None = None
         self.errors: NDArray[np.bool_] | None = None
         self.hooked: NDArray[np.bool_] | None = None
@@ -131,9 +136,11 @@ def observe(
             obs.scan = scan
             return obs  # the common poll: every value a live status, nothing to fail
     if rest is not None and not rest.translate(None, _FAILED_BYTE):
-        lo, hi = 0, 4  # every other value is a Failed: none is out of range
-    else:
-        lo, hi = int(raw.min()), int(raw.max())
+        # every other value is a Failed: none is out of range, some failed
+        obs.failed = failed = raw == _F
+        obs.backend = _backend_reasons(obs, poller, handles, rows, rooms, hidx, failed, rank)
+        return obs
+    lo, hi = int(raw.min()), int(raw.max())
     if lo < 0 or hi > 4:
         bad = (raw < 0) | (raw > 4)
         skip = _either(obs.errors, obs.hooked)
@@ -298,8 +305,7 @@ def _backend_reasons(
     rank: int,
 ) -> NDArray[np.int8]:
     """Reason codes for the Failed values a poller reported (UNKNOWN when it gave none)."""
-    codes = np.full(rooms.size, _NONE, dtype=np.int8)
-    codes[failed] = FailureReason.UNKNOWN
+    codes: NDArray[np.int8] = np.where(failed, _UNKNOWN, _NONE)
     if poller is not None:
         fn = getattr(poller, "failure_reasons", None)
         if fn is None:

@@ -65,7 +65,6 @@ from lifecycle.packing import Header, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
-from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = [
@@ -78,9 +77,6 @@ __all__ = [
     "MAX_CAPACITY",
     "tag_word",
 ]
-
-
-_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 
 
 class Stepper:
@@ -191,10 +187,7 @@ class Stepper:
 
     def _failer(self, k: int) -> bool:
         """Does this rank fail one of its first ``k`` active rows (those it packs)?"""
-        values = self.local.values
-        if values is self.local.unfailed:  # as the local stage left them: no Failed
-            return False
-        return _FAILED_BYTE in values[:k].tobytes()
+        return self.local.failed_in(k).size > 0
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.
