@@ -420,7 +420,7 @@ def slot_origins(
         return np.full(0, NO_ORIGIN, dtype=np.int32)
     regions = area.view(">u4").reshape(REGIONS, -1)
     k = regions.shape[1] - _REGION_HEAD
-    lists, owners = [], []
+    written, total = [], 0
     for r, (owner, comp, count) in enumerate(regions[:, :_REGION_HEAD].tolist()):
         comp ^= _EMPTY_U32
         if owner == _EMPTY_U32 and comp == 0:
@@ -428,13 +428,16 @@ def slot_origins(
         if owner != comp or count > k or owner >= NO_ORIGIN:
             return None
         if count:
-            lists.append(regions[r, _REGION_HEAD : _REGION_HEAD + count])
-            owners.append((owner, count))
-    if not lists:
+            written.append((owner, regions[r, _REGION_HEAD : _REGION_HEAD + count]))
+            total += count
+    if not written:
         return None  # failed rows that no rank listed
+    if total <= 128:  # a few entries: Python integers cost less than numpy calls
+        return _origins_of(written, failed, agreed)
     # every listed entry at once: (position, word), and the rank that listed it
+    lists = [e for _, e in written]
     entries = (lists[0] if len(lists) == 1 else np.concatenate(lists)).astype(np.int64)
-    rank = np.repeat(np.array([o for o, _ in owners], dtype=np.int32), [c for _, c in owners])
+    rank = np.repeat(np.array([o for o, _ in written], dtype=np.int32), [e.size for e in lists])
     listed = entries >> 8
     at = np.searchsorted(failed, listed)
     if int(at.max()) >= failed.size or (failed[at] != listed).any():
@@ -445,3 +448,27 @@ def slot_origins(
     if int(origin.max()) == NO_ORIGIN:
         return None
     return origin
+
+
+_NO_ORIGIN_INT = int(NO_ORIGIN)
+
+
+def _origins_of(
+    written: list[tuple[int, NDArray[np.uint32]]],
+    failed: NDArray[np.int64],
+    agreed: NDArray[np.uint8],
+) -> NDArray[np.int32] | None:
+    """:func:`slot_origins` over a few listed entries, in Python integers."""
+    where = {p: i for i, p in enumerate(failed.tolist())}
+    words = agreed.tolist()
+    origin = [_NO_ORIGIN_INT] * len(words)
+    for owner, entries in written:
+        for e in entries.tolist():
+            i = where.get(e >> 8)
+            if i is None:  # a listed row that did not fail
+                return None
+            if words[i] == e & 0xFF and owner < origin[i]:
+                origin[i] = owner  # the lowest rank whose word won
+    if _NO_ORIGIN_INT in origin:
+        return None
+    return np.array(origin, dtype=np.int32)
