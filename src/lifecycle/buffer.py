@@ -48,9 +48,6 @@ class StepBuffer:
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
-        #: (header, a frame's unchanged words, the two joined): what a reduce
-        #: that moved nothing returns
-        self._expect: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
     def place(self, area: NDArray[np.uint8], capacity: int) -> None:
         """Pack into ``area`` (:func:`buffer_size` bytes of ``capacity``, all
@@ -118,22 +115,14 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
-        same = reduced[: HEADER + f.n].tobytes() == self.expected(f)
-        self._clean = same
-        return same
+        return self.unchanged_in(reduced[: HEADER + f.n].tobytes(), 0, f)
 
     def unchanged_in(self, whole: bytes, at: int, f: Frame) -> bool:
-        """:meth:`unchanged` for the segment at ``at`` of a group's reduced
-        buffer, given as bytes (one copy for every queue's comparison)."""
-        expect = self.expected(f)
-        same = whole[at : at + len(expect)] == expect
+        """:meth:`unchanged` for the segment at ``at`` of a reduced buffer
+        given as bytes (a group's: one copy for every queue's comparison).
+        The header first: a step where rows failed differs there already."""
+        same = whole.startswith(self.header, at) and whole.endswith(
+            f.unchanged_words(), at, at + HEADER + f.n
+        )
         self._clean = same
         return same
-
-    def expected(self, f: Frame) -> bytes:
-        """The header as sent and every active row at its agreed status."""
-        words = f.unchanged_words()
-        expect = self._expect
-        if expect[0] is not self.header or expect[1] is not words:
-            expect = self._expect = (self.header, words, self.header + words)
-        return expect[2]
