@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.packing import list_fingerprint, list_sum, status_sum, status_words
+from lifecycle.reasons import FailureReason
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
@@ -26,6 +27,7 @@ _NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
 _NONE_READ.setflags(write=False)
 
 
+_NO_REASON = np.int8(FailureReason.NONE)
 _RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
 _RANGE.setflags(write=False)
 
@@ -82,11 +84,17 @@ class Frame:
         self.n_all = rows_all.size
         # agreed columns of the whole list, kept current by the step's apply
         self.state_all = t.state[rows_all]
-        self.reason_all = t.reason[rows_all]
-        self.origin_all = t.origin[rows_all]
         # the table counts its terminal rows; a frame is rebuilt right after a
         # collective, when caches are cold, and most lists hold none
         self.all_active = not t.terminal_count
+        if self.all_active and not t.carried:
+            # only a terminal row or one a move carried in has a reason or
+            # an origin: here every row has none
+            self.reason_all = np.full(self.n_all, _NO_REASON, dtype=np.int8)
+            self.origin_all = np.full(self.n_all, -1, dtype=np.int32)
+        else:
+            self.reason_all = t.reason[rows_all]
+            self.origin_all = t.origin[rows_all]
         # the fingerprint covers every row's agreed status too: ranks that
         # disagree on which rows are terminal would pack different rows at the
         # same position, and on a status one of them would reject the agreed

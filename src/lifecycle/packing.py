@@ -261,11 +261,42 @@ def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
     sum binds each room and its status to its position; linear in the
     statuses, so a status change updates it by :func:`status_sum` of the
     change alone."""
-    w = position_weights(keys.size)
+    n = keys.size
+    w = position_weights(n)
+    first = int(states[0]) if n else 0
+    # most lists hold one status: then sum(states * w) is that status times
+    # the sum of the weights (no conversion of the statuses to uint64)
+    same = n and int(states.min()) == first == int(states.max())
     with np.errstate(over="ignore"):
-        np.add(keys, states.view(np.uint8), out=keys)
+        if not same:
+            np.add(keys, states.view(np.uint8), out=keys)
         np.multiply(keys, w, out=keys)
-        return int(keys.sum(dtype=np.uint64))
+        total = int(keys.sum(dtype=np.uint64))
+    if same:
+        total += (first & _MASK64_INT) * _weight_sum(n)
+    return total & _MASK64_INT
+
+
+def _weight_sum(n: int) -> int:
+    """``sum(position_weights(n))`` modulo 2**64."""
+    sums = _cached_sums(n)
+    return int(sums[n - 1]) if n else 0
+
+
+_SUMS: list[NDArray[np.uint64]] = []
+
+
+def _cached_sums(n: int) -> NDArray[np.uint64]:
+    """Prefix sums of the position weights, from a read-only table that only grows."""
+    sums = _SUMS[0] if _SUMS else None
+    if sums is None or sums.size < n:
+        w = position_weights(max(n, 1024))
+        with np.errstate(over="ignore"):
+            sums = np.cumsum(w, dtype=np.uint64)
+        sums.setflags(write=False)
+        if not _SUMS or _SUMS[0].size < sums.size:
+            _SUMS[:] = [sums]
+    return sums
 
 
 def list_fingerprint(total: int, length: int) -> int:

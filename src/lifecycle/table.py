@@ -63,6 +63,7 @@ class RequestTable:
         ("handle_index", np.int64, -1),
         ("metadata_sent_at", np.float64, np.nan),
         ("alive", np.bool_, False),
+        ("carries", np.bool_, False),  # holds a reason or origin a move carried in
     )
 
     room: NDArray[np.uint64]
@@ -80,6 +81,7 @@ class RequestTable:
     handle_index: NDArray[np.int64]
     metadata_sent_at: NDArray[np.float64]
     alive: NDArray[np.bool_]
+    carries: NDArray[np.bool_]
 
     def __init__(self, rank: int = 0, capacity: int = _INITIAL) -> None:
         self.rank = validate.integer(rank, "RequestTable rank", 0, (1 << 24) - 1)
@@ -96,6 +98,9 @@ class RequestTable:
         self.columns_version = 0  # bumped when a per-request column is edited by hand
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
+        #: live requests whose reason or origin a move carried in: only they
+        #: (and terminal ones) can differ from NONE and -1 (skips two gathers)
+        self.carried = 0
         self.step_no = 0  # advanced by the stepper
         # time of the last step, for rows added between steps; NaN until a
         # stepper owns the table (it then stamps the rows added before it)
@@ -252,6 +257,7 @@ class RequestTable:
         self.handle_index[slots] = hidx
         self.metadata_sent_at[slots] = np.nan
         self.alive[slots] = True
+        self.carries[slots] = False
         if handles is not None:
             for s, h in zip(slots.tolist(), handles):
                 self.handles[s] = h
@@ -269,6 +275,7 @@ class RequestTable:
         del self._index[room]
         self.abort_count -= int(self.abort_requested[slot])
         self.terminal_count -= int(TERMINAL[self.state[slot]])
+        self.carried -= int(self.carries[slot])
         self.abort_requested[slot] = False
         self.alive[slot] = False
         self.handles[slot] = None
@@ -287,6 +294,8 @@ class RequestTable:
         slots = [self._index.pop(r) for r in room_list]
         self.abort_count -= int(self.abort_requested[slots].sum())
         self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
+        if self.carried:
+            self.carried -= int(self.carries[slots].sum())
         self.abort_requested[slots] = False
         self.alive[slots] = False
         for s in slots:
@@ -375,6 +384,9 @@ class RequestTable:
         )
         other.reason[dst] = self.reason[src]
         other.origin[dst] = self.origin[src]
+        if self.reason[src] != FailureReason.NONE or self.origin[src] != -1:
+            other.carries[dst] = True
+            other.carried += 1
         other.metadata_sent_at[dst] = self.metadata_sent_at[src]
         # ages carry over; step counters are per table, so keep the distance
         other.added_step[dst] = other.step_no - (self.step_no - int(self.added_step[src]))

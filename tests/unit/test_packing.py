@@ -122,6 +122,19 @@ def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
     assert slot_origins(blank, failed[:0], agreed[:0]).tolist() == []
 
 
+@pytest.mark.parametrize("states", [[3] * 40, [0] * 7, [1, 2, 3, 4, 0] * 9, [4], []])
+def test_list_sum_is_the_weighted_sum_of_keys_and_statuses(states):
+    """One status for every row takes a shortcut; the sum is the same."""
+    from lifecycle.packing import list_sum, position_weights, room_keys
+
+    n = len(states)
+    keys = room_keys(np.arange(100, 100 + n, dtype=np.uint64))
+    st = np.array(states, dtype=np.int8)
+    w = position_weights(n)
+    want = sum((int(k) + s) * int(x) for k, s, x in zip(keys, states, w)) % 2**64
+    assert list_sum(keys.copy(), st) == want
+
+
 @pytest.mark.parametrize("per_rank", [3, 20, 60])
 def test_failure_slots_read_alike_for_few_and_many_entries(per_rank):
     """Few listed entries are read in Python integers, many in one numpy pass:
