@@ -262,18 +262,21 @@ def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
     statuses, so a status change updates it by :func:`status_sum` of the
     change alone."""
     n = keys.size
+    if not n:
+        return 0
     w = position_weights(n)
-    first = int(states[0]) if n else 0
+    scan = states.tobytes()
     # most lists hold one status: then sum(states * w) is that status times
-    # the sum of the weights (no conversion of the statuses to uint64)
-    same = n and int(states.min()) == first == int(states.max())
+    # the sum of the weights (no conversion of the statuses to uint64); the
+    # strip stops at the first other status
+    same = not scan.strip(scan[:1])
     with np.errstate(over="ignore"):
         if not same:
             np.add(keys, states.view(np.uint8), out=keys)
         np.multiply(keys, w, out=keys)
         total = int(keys.sum(dtype=np.uint64))
     if same:
-        total += (first & _MASK64_INT) * _weight_sum(n)
+        total += scan[0] * _weight_sum(n)
     return total & _MASK64_INT
 
 
