@@ -105,8 +105,9 @@ class StepGroup:
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        # start() and finish() with nothing to overlap: the same refusals and
-        # the same work, with the reduce blocking (no pending handle to keep)
+        # start() and finish() in one: the same refusals and the same work;
+        # while the reduce is in flight the caller's thread, which would only
+        # wait, builds the results of a step where nothing moves
         self._refuse(collective, tag)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
@@ -116,13 +117,29 @@ class StepGroup:
             buf = self._prepare(tag)
             try:
                 wait_launches()
-                collective.all_reduce_min(buf)
+                work = start_min(collective, buf)
+                ready = self._unchanged_results()
+                work.wait()
             except BaseException:
                 self._release()
                 raise
-            return self._conclude(buf, collective)
+            return self._conclude(buf, collective, ready)
         finally:
             self._landed()
+
+    def _unchanged_results(self) -> list[StepResult] | None:
+        """Each queue's result for a step where nothing moves (reads only:
+        the frames and the tables, busy until the step is applied)."""
+        try:
+            out = []
+            for s in self.steppers:
+                f = s._frame
+                assert f is not None
+                f.unchanged_words()  # what the check after the reduce compares
+                out.append(unchanged_result(s, f))
+        except Exception:  # the step builds them itself if it needs them
+            return None
+        return out
 
     def _refuse(self, collective: Collective, tag: int | None) -> None:
         """Everything that can refuse a start does so before the first collective."""
@@ -296,12 +313,20 @@ class StepGroup:
                 self._release()
         return self._conclude(buf, coll)
 
-    def _conclude(self, buf: NDArray[np.uint8], coll: Collective) -> tuple[StepResult, ...]:
-        """Apply the reduced ``buf`` to every queue (the tables are freed)."""
+    def _conclude(
+        self, buf: NDArray[np.uint8], coll: Collective, ready: list[StepResult] | None = None
+    ) -> tuple[StepResult, ...]:
+        """Apply the reduced ``buf`` to every queue (the tables are freed;
+        ``ready``: the results of the step if nothing moved, built already)."""
         try:
             segs = self._split(buf)
             if self._all_unchanged(buf, segs):
-                return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
+                if ready is None:
+                    return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
+                return tuple(
+                    self._stuck(coll, s, s._commit_unchanged(r))
+                    for s, r in zip(self.steppers, ready)
+                )
             if any([s._resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s._repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
