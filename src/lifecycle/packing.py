@@ -452,52 +452,59 @@ def slot_origins(
     the step then fetches. Reads reduced data only: every rank answers alike."""
     if not failed.size:
         return np.full(0, NO_ORIGIN, dtype=np.int32)
-    regions = area.view(">u4").reshape(REGIONS, -1)
-    k = regions.shape[1] - _REGION_HEAD
+    raw = area.tobytes()  # one copy; the regions are read from it in Python
+    width = len(raw) // REGIONS
+    k = width // 4 - _REGION_HEAD
     written, total = [], 0
-    for r, (owner, comp, count) in enumerate(regions[:, :_REGION_HEAD].tolist()):
+    for at in range(0, REGIONS * width, width):
+        owner, comp, count = _HEAD.unpack_from(raw, at)
         comp ^= _EMPTY_U32
         if owner == _EMPTY_U32 and comp == 0:
             continue  # no rank wrote here
         if owner != comp or count > k or owner >= NO_ORIGIN:
             return None
         if count:
-            written.append((owner, regions[r, _REGION_HEAD : _REGION_HEAD + count]))
+            written.append((owner, at + 4 * _REGION_HEAD, count))
             total += count
     if not written:
         return None  # failed rows that no rank listed
     if total <= 128:  # a few entries: Python integers cost less than numpy calls
-        return _origins_of(written, failed, agreed)
+        return _origins_of(raw, written, failed, agreed)
     # every listed entry at once: (position, word), and the rank that listed it
-    lists = [e for _, e in written]
+    lists = [np.frombuffer(raw, dtype=">u4", count=c, offset=o) for _, o, c in written]
     entries = (lists[0] if len(lists) == 1 else np.concatenate(lists)).astype(np.int64)
-    rank = np.repeat(np.array([o for o, _ in written], dtype=np.int32), [e.size for e in lists])
+    rank = np.repeat(
+        np.array([o for o, _, _ in written], dtype=np.int32), [c for _, _, c in written]
+    )
     listed = entries >> 8
-    at = np.searchsorted(failed, listed)
-    if int(at.max()) >= failed.size or (failed[at] != listed).any():
+    pos = np.searchsorted(failed, listed)
+    if int(pos.max()) >= failed.size or (failed[pos] != listed).any():
         return None
-    won = agreed[at] == (entries & 0xFF)
+    won = agreed[pos] == (entries & 0xFF)
     origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
-    np.minimum.at(origin, at[won], rank[won])  # the lowest rank whose word won
+    np.minimum.at(origin, pos[won], rank[won])  # the lowest rank whose word won
     if int(origin.max()) == NO_ORIGIN:
         return None
     return origin
 
 
+_HEAD = struct.Struct(f">{_REGION_HEAD}I")
 _NO_ORIGIN_INT = int(NO_ORIGIN)
 
 
 def _origins_of(
-    written: list[tuple[int, NDArray[np.uint32]]],
+    raw: bytes,
+    written: list[tuple[int, int, int]],
     failed: NDArray[np.int64],
     agreed: NDArray[np.uint8],
 ) -> NDArray[np.int32] | None:
-    """:func:`slot_origins` over a few listed entries, in Python integers."""
+    """:func:`slot_origins` over a few listed entries, in Python integers
+    (``written``: each listing rank, where its entries start in ``raw``, how many)."""
     where = {p: i for i, p in enumerate(failed.tolist())}
     words = agreed.tolist()
     origin = [_NO_ORIGIN_INT] * len(words)
-    for owner, entries in written:
-        for e in entries.tolist():
+    for owner, offset, count in written:
+        for e in struct.unpack_from(f">{count}I", raw, offset):
             i = where.get(e >> 8)
             if i is None:  # a listed row that did not fail
                 return None
