@@ -27,7 +27,25 @@ _NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
 _NONE_READ.setflags(write=False)
 
 
-_NO_REASON = np.int8(FailureReason.NONE)
+class _Filled:
+    """Fresh arrays of one value, copied from a read-only one that only grows
+    (a copy costs less than a fill right after a collective)."""
+
+    def __init__(self, value: int, dtype: type[np.generic]) -> None:
+        self.value, self.dtype = value, dtype
+        self.full: NDArray[Any] = np.full(1024, value, dtype=dtype)
+
+    def get(self, n: int) -> NDArray[Any]:
+        full = self.full
+        if full.size < n:
+            full = np.full(max(n, 2 * full.size), self.value, dtype=self.dtype)
+            self.full = full  # each caller copies the one it read
+        out: NDArray[Any] = full[:n].copy()
+        return out
+
+
+_NO_REASONS = _Filled(int(FailureReason.NONE), np.int8)
+_NO_ORIGINS = _Filled(-1, np.int32)
 _RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
 _RANGE.setflags(write=False)
 
@@ -90,8 +108,8 @@ class Frame:
         if self.all_active and not t.carried:
             # only a terminal row or one a move carried in has a reason or
             # an origin: here every row has none
-            self.reason_all = np.full(self.n_all, _NO_REASON, dtype=np.int8)
-            self.origin_all = np.full(self.n_all, -1, dtype=np.int32)
+            self.reason_all = _NO_REASONS.get(self.n_all)
+            self.origin_all = _NO_ORIGINS.get(self.n_all)
         else:
             self.reason_all = t.reason[rows_all]
             self.origin_all = t.origin[rows_all]

@@ -230,8 +230,8 @@ def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None
     """``sum(states[i] * weight[pos[i]])`` modulo 2**64 (``pos``: 0..n-1). Linear,
     so a change of some rows updates it from those rows alone."""
     w = position_weights(states.size) if pos is None else position_weights(int(pos.max()) + 1)[pos]
-    with np.errstate(over="ignore"):
-        return int((states.astype(np.uint64) * w).sum(dtype=np.uint64))
+    with np.errstate(over="ignore"):  # a uint64 dot product wraps modulo 2**64
+        return int(np.dot(states.astype(np.uint64), w))
 
 
 def with_statuses(fp: int, total: int) -> int:
@@ -257,7 +257,7 @@ def room_keys(rooms: NDArray[np.uint64]) -> NDArray[np.uint64]:
 def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
     """``sum((keys[i] + states[i]) * weight[i])`` modulo 2**64 over the list's
     positions (:func:`position_weights`), from the rows' :func:`room_keys`
-    (``keys`` is overwritten). The rooms are mixed already, so one weighted
+    (``keys`` may be overwritten). The rooms are mixed already, so one weighted
     sum binds each room and its status to its position; linear in the
     statuses, so a status change updates it by :func:`status_sum` of the
     change alone."""
@@ -270,11 +270,10 @@ def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
     # the sum of the weights (no conversion of the statuses to uint64); the
     # strip stops at the first other status
     same = not scan.strip(scan[:1])
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # a uint64 dot product wraps modulo 2**64
         if not same:
             np.add(keys, states.view(np.uint8), out=keys)
-        np.multiply(keys, w, out=keys)
-        total = int(keys.sum(dtype=np.uint64))
+        total = int(np.dot(keys, w))
     if same:
         total += scan[0] * _weight_sum(n)
     return total & _MASK64_INT
