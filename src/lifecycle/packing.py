@@ -99,6 +99,8 @@ class Field(enum.IntEnum):
 
 
 MATCHED = (Field.FINGERPRINT, Field.LENGTH, Field.CONFIG, Field.QUEUE, Field.TAG)
+if len(MATCHED) != 5 or [int(f) for f in MATCHED] != list(range(5)):  # Header reads them so
+    raise AssertionError("the matched fields are the header's first five")
 _BOUNDS = (Field.NEED, Field.FLOOR)
 _OFFSET: dict[Field, int] = {}
 _at = 0
@@ -371,8 +373,15 @@ class Header:
 
     def __init__(self, buf: NDArray[np.uint8]) -> None:
         w = self._words = _STRUCT.unpack(buf[:HEADER].tobytes())
+        m = _MASK64
         #: every matched field is the same on every rank
-        self.agreed = all(w[2 * i] == w[2 * i + 1] ^ _MASK64 for i in range(len(MATCHED)))
+        self.agreed = (
+            w[0] == w[1] ^ m
+            and w[2] == w[3] ^ m
+            and w[4] == w[5] ^ m
+            and w[6] == w[7] ^ m
+            and w[8] == w[9] ^ m
+        )
         self.need = w[_NEED_AT] ^ _MASK64
         self.floor = w[_FLOOR_AT] ^ _MASK64
         # the ranks failing some row locally write their rank (value and

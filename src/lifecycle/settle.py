@@ -194,7 +194,7 @@ def commit_unchanged(stepper: Stepper, f: Frame, result: StepResult) -> StepResu
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
     """Check the header (raising on every rank if the ranks diverged) and work
     out whether this step needs an origin fetch."""
-    hdr = Header(reduced)
+    hdr = stepper._header(reduced)
     if not hdr.agreed:
         raise _mismatch(stepper, f, hdr)
     if hdr.need > stepper.capacity:

@@ -147,6 +147,8 @@ class Stepper:
         self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
         self._prepared = False
         self._settled: Settled | None = None
+        #: (a reduced buffer, its header) of the step in hand
+        self._seen: tuple[NDArray[np.uint8], Header] | None = None
         self._group: Any = None
         #: set by a group between its start() and finish(): the step in flight
         #: owns the stepper, and the hand-driven protocol below refuses
@@ -175,6 +177,7 @@ class Stepper:
         self._tag = word
         self._prepared = True
         self._settled = None
+        self._seen = None
         return self._pack()
 
     def _now(self) -> tuple[float, HookError | None]:
@@ -197,8 +200,18 @@ class Stepper:
         self._idle("resize")
         return self._resize(reduced)
 
-    def _resize(self, reduced: NDArray[np.uint8]) -> bool:
+    def _header(self, reduced: NDArray[np.uint8]) -> Header:
+        """The reduced buffer's header, read once per buffer of this step
+        (resize, then origins, look at the same one)."""
+        seen = self._seen
+        if seen is not None and seen[0] is reduced:
+            return seen[1]
         hdr = Header(reduced)
+        self._seen = (reduced, hdr)
+        return hdr
+
+    def _resize(self, reduced: NDArray[np.uint8]) -> bool:
+        hdr = self._header(reduced)
         if not hdr.agreed:
             return False  # every rank raises in origins()/apply() instead
         self._floor = max(self._floor, min(bucket(0, hdr.floor), MAX_CAPACITY))
@@ -252,6 +265,7 @@ class Stepper:
     def _repack(self) -> NDArray[np.uint8]:
         if not self._prepared or self._frame is None:
             raise RuntimeError("repack() before prepare()")
+        self._seen = None
         return self._pack()
 
     def origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:
