@@ -20,7 +20,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
-__all__ = ["Frame"]
+__all__ = ["Frame", "no_origins"]
 
 #: stands in for the metadata columns of a frame no metadata gate reads
 _NONE_READ: NDArray[Any] = np.empty(0, dtype=np.int64)
@@ -46,6 +46,12 @@ class _Filled:
 
 _NO_REASONS = _Filled(int(FailureReason.NONE), np.int8)
 _NO_ORIGINS = _Filled(-1, np.int32)
+
+
+def no_origins(n: int) -> NDArray[np.int32]:
+    """A fresh array of ``n`` origins -1 (no failure)."""
+    out: NDArray[np.int32] = _NO_ORIGINS.get(n)
+    return out
 _RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
 _RANGE.setflags(write=False)
 

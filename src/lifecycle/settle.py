@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from lifecycle import batch
 from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
-from lifecycle.frame import Frame
+from lifecycle.frame import Frame, no_origins
 from lifecycle.packing import (
     HEADER,
     NO_ORIGIN,
@@ -37,6 +37,9 @@ _F = I8.F
 #: the smallest word of a status other than Failed
 _FIRST_LIVE_WORD = np.uint8(1 << STATUS_SHIFT)
 _INVALID = bytes([int(FailureReason.INVALID_STATUS)])
+_NO_TRIGGER = b"\xff\xff"  # an int16 -1
+if batch.STAY >= 255:
+    raise AssertionError("trigger ids fit below 255: a 0xFF byte is a -1 only")
 _FAILED_BYTE = bytes([int(KVPoll.Failed)])
 _SUCCESS_BYTE = bytes([int(KVPoll.Success)])
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
@@ -103,7 +106,7 @@ class Settled:
         moved, to, words = self.moved, self.to, self.words
         was = self.was = f.state_all[moved if f.all_active else f.pos[moved]]
         reason = batch.WORD_REASON[words]
-        origin = np.full(moved.size, -1, dtype=np.int32)
+        origin = no_origins(moved.size)
         if self.failed.size:
             failing = self.failing
             if self.hdr.sole is not None:
@@ -120,7 +123,7 @@ class Settled:
                 raise InvalidStatus(room, int(origin[i]), stepper.local.raw_invalid.get(room))
         # the trigger of each move, the abort rule included (batch.advance's)
         trig = batch.WORD_TRIGGER[was, words]
-        if int(trig.min()) < 0:
+        if _NO_TRIGGER in trig.tobytes():  # a -1 (no trigger id reaches 255)
             i = int(np.flatnonzero(trig < 0)[0])
             raise IllegalTransition(
                 int(f.rooms[moved[i]]), stepper.rank, int(was[i]), int(to[i]), "advance"
