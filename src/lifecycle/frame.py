@@ -52,6 +52,8 @@ def no_origins(n: int) -> NDArray[np.int32]:
     """A fresh array of ``n`` origins -1 (no failure)."""
     out: NDArray[np.int32] = _NO_ORIGINS.get(n)
     return out
+
+
 _RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
 _RANGE.setflags(write=False)
 

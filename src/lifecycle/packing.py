@@ -353,13 +353,24 @@ def encode_header(
     """A whole header in one call (what :func:`write_field` would write for
     every field; ``failer``: this rank, if it fails some row)."""
     m = _MASK64
-    words: list[int] = []
-    for v in (fp, length, config, queue, tag):
-        v &= m
-        words += (v, v ^ m)
-    words += (m, m) if failer is None else (failer, failer ^ m)
-    words += ((need & m) ^ m, (floor & m) ^ m)
-    return _STRUCT.pack(*words)
+    fp, length, config, queue, tag = fp & m, length & m, config & m, queue & m, tag & m
+    fail, unfail = (m, m) if failer is None else (failer, failer ^ m)
+    return _STRUCT.pack(
+        fp,
+        fp ^ m,
+        length,
+        length ^ m,
+        config,
+        config ^ m,
+        queue,
+        queue ^ m,
+        tag,
+        tag ^ m,
+        fail,
+        unfail,
+        (need & m) ^ m,
+        (floor & m) ^ m,
+    )
 
 
 class Header:
@@ -406,6 +417,7 @@ class Header:
 REGIONS = 8
 _EMPTY_U32 = 0xFFFFFFFF
 _REGION_HEAD = 3  # owner, its complement, count (big-endian uint32 each)
+_HEAD = struct.Struct(f">{_REGION_HEAD}I")
 
 
 def slots_per_region(capacity: int) -> int:
@@ -438,16 +450,16 @@ def write_slots(
     """Fill ``area`` (:func:`slots_size` bytes, all 0xFF) with this rank's
     failed rows: ``positions`` ascending and their ``words``. Past the
     region's size only the count is written (the step then fetches)."""
-    regions = area.view(">u4").reshape(REGIONS, -1)
-    k = regions.shape[1] - _REGION_HEAD
-    region = regions[rank % REGIONS]
-    region[0] = rank
-    region[1] = rank ^ _EMPTY_U32
-    region[2] = positions.size
-    if positions.size <= k:
-        region[_REGION_HEAD : _REGION_HEAD + positions.size] = (
-            positions.astype(np.uint32) << np.uint32(8)
-        ) | words
+    width = area.size // REGIONS
+    at = (rank % REGIONS) * width
+    count = positions.size
+    if count <= width // 4 - _REGION_HEAD:  # written in place, in one call
+        entries = [(p << 8) | w for p, w in zip(positions.tolist(), words.tolist())]
+        struct.pack_into(
+            f">{_REGION_HEAD + count}I", area.data, at, rank, rank ^ _EMPTY_U32, count, *entries
+        )
+    else:
+        _HEAD.pack_into(area.data, at, rank, rank ^ _EMPTY_U32, count)
 
 
 def slot_origins(
@@ -496,7 +508,6 @@ def slot_origins(
     return origin
 
 
-_HEAD = struct.Struct(f">{_REGION_HEAD}I")
 _NO_ORIGIN_INT = int(NO_ORIGIN)
 
 
