@@ -145,8 +145,10 @@ class Frame:
         # rows a batch poller that reads by index cannot answer for: polling
         # them with index -1 would read another request's status
         self.no_index: NDArray[np.bool_] | None = None
-        if by_index and self.n and int(self.hidx.min()) < 0:
-            self.no_index = self.hidx < 0
+        hidx = self.hidx
+        # argmin: a cheaper call than min() right after a collective
+        if by_index and self.n and hidx[hidx.argmin()] < 0:
+            self.no_index = hidx < 0
         self.meta_bad: NDArray[np.bool_] | None = None
         self.meta_pos: NDArray[np.int64] | None = None
         if not metadata:  # no metadata gate reads them
