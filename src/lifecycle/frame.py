@@ -135,7 +135,7 @@ class Frame:
             self.pos = _positions(self.n_all)
             self.rows, self.rooms = self.rows_all, self.rooms_all
         else:
-            self.pos = np.flatnonzero(~TERMINAL[self.state_all])
+            self.pos = (~TERMINAL[self.state_all]).nonzero()[0]
             self.rows, self.rooms = self.rows_all[self.pos], self.rooms_all[self.pos]
         self.n = self.rows.size
         self.hidx = t.handle_index[self.rows]
@@ -167,7 +167,7 @@ class Frame:
                 checkable &= ~bad
         self.meta_slots, self.meta_rooms = mslots, self.rooms
         if not checkable.all():
-            self.meta_pos = np.flatnonzero(checkable)
+            self.meta_pos = checkable.nonzero()[0]
             self.meta_slots, self.meta_rooms = mslots[checkable], self.rooms[checkable]
         # read-only: lets the metadata source skip re-checking, and keeps the cache intact
         self.meta_slots.setflags(write=False)

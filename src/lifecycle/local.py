@@ -217,7 +217,7 @@ class LocalStage:
         self._failed_at = None
         if codes is not None and codes is obs.backend and obs.failed is not None:
             # only the poller's Failed values: they are the Failed rows
-            self._failed_at = (local, n, np.flatnonzero(obs.failed))
+            self._failed_at = (local, n, obs.failed.nonzero()[0])
 
     def failed_in(self, k: int) -> NDArray[np.int64]:
         """The positions of the Failed values among the first ``k`` (ascending)."""
@@ -226,7 +226,7 @@ class LocalStage:
             return _NO_ROWS
         known = self._failed_at
         if known is None or known[0] is not values or known[1] != k:
-            at = np.flatnonzero(values[:k] == _F)
+            at = (values[:k] == _F).nonzero()[0]
             self._failed_at = known = (values, k, at)
         return known[2]
 
@@ -332,7 +332,7 @@ class LocalStage:
         slots, rooms = f.meta_slots, f.meta_rooms  # read-only: the source checks them once
         if at_success * 4 <= m:
             mask = success()
-            ask = np.flatnonzero(mask if f.meta_pos is None else mask[f.meta_pos])
+            ask = (mask if f.meta_pos is None else mask[f.meta_pos]).nonzero()[0]
             slots, rooms, m = slots[ask], rooms[ask], ask.size
         ok, bad = self.metadata.landed(slots, rooms)
         ok = bool_answer(ok, m, "metadata source (landed)", self.rank)

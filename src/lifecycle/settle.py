@@ -81,7 +81,7 @@ class Settled:
         self.hdr = hdr
         # the rows whose agreed word is not their agreed status of before: the
         # only rows worked on (a few per step, however long the list)
-        self.moved = np.flatnonzero(words != frame.unchanged_array())
+        self.moved = (words != frame.unchanged_array()).nonzero()[0]
         #: the moved rows' agreed words (a copy: the reduced buffer is reused)
         self.words = words[self.moved]
         self.to = batch.WORD_STATUS[self.words]
