@@ -261,7 +261,8 @@ class MetadataBuffers:
         landed: the row carries this room. corrupt: it carries another
         non-zero room (someone else's row). Zero: not written yet.
         """
-        slots = np.asarray(slots)
+        if type(slots) is not np.ndarray:
+            slots = np.asarray(slots)
         # a read-only array checked before cannot have changed: a stepper
         # passes the same one every step until its table changes
         if slots is not self._checked:
@@ -273,15 +274,19 @@ class MetadataBuffers:
             if not slots.flags.writeable and slots.base is None:
                 self._checked = slots
         if self._rooms is not None:
-            got = np.take(self._rooms, slots)
+            # indexing reads the strided column in place (np.take would first
+            # copy the whole column: a cache line per row of the pool)
+            got = self._rooms[slots]
         else:
             col = self.tensors["bootstrap_room"][torch.as_tensor(slots), 0].view(torch.int64)
             got = col.cpu().numpy()
-        want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
+        if type(rooms) is np.ndarray and rooms.dtype == np.uint64:
+            want = rooms.view(np.int64)
+        else:
+            want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
         landed = got == want
-        if landed.all():
-            return landed, np.zeros(landed.size, dtype=bool)
-        return landed, ~landed & (got != 0)
+        # corrupt: another request's (non-zero) room, i.e. written and not landed
+        return landed, np.greater(got != 0, landed)
 
 
 def _signed(room: int) -> int:

@@ -149,7 +149,8 @@ class RoomGate:
     def _read(self, rows: NDArray[np.int64]) -> NDArray[np.int64]:
         col = self._col
         if self._np is not None:
-            out: NDArray[np.int64] = np.take(self._np, rows)
+            # indexing reads the strided column in place (np.take copies it whole first)
+            out: NDArray[np.int64] = self._np[rows]
             return out
         if hasattr(col, "view") and hasattr(col, "numpy"):  # another torch tensor
             import torch

@@ -35,6 +35,9 @@ __all__ = [
     "advance",
     "demote",
     "DEMOTE_SOURCE",
+    "WORD_TRIGGER",
+    "WORD_STATUS",
+    "WORD_REASON",
 ]
 
 STAY = len(TRIGGERS)  # pseudo trigger id: agreed status unchanged
@@ -158,3 +161,34 @@ def advance(
     illegal = trig < 0
     new = np.where(illegal, st, tg).astype(np.int8, copy=False)
     return new, trig, illegal
+
+
+def _word_tables() -> tuple[NDArray[np.int16], NDArray[np.int8], NDArray[np.int8]]:
+    """What :func:`advance` decides, per (agreed status before, agreed step
+    word): a word carries the status in its high bits and, on Failed, the
+    reason in its low bits (:mod:`lifecycle.packing`)."""
+    from lifecycle.reasons import REASON_BITS
+
+    words = np.arange(256)
+    status = words >> REASON_BITS
+    valid = status < NUM_STATUSES
+    reason = np.where(
+        (status == KVPoll.Failed) & valid, words & ((1 << REASON_BITS) - 1), FailureReason.NONE
+    )
+    trig = np.full((NUM_STATUSES, 256), -1, dtype=np.int16)
+    for was in range(NUM_STATUSES):
+        states = np.full(int(valid.sum()), was)
+        _, t, _ = advance(states, status[valid], reason[valid])
+        trig[was, valid] = t
+    word_status = np.where(valid, status, -1).astype(np.int8)
+    word_reason = reason.astype(np.int8)
+    for arr in (trig, word_status, word_reason):
+        arr.setflags(write=False)
+    return trig, word_status, word_reason
+
+
+#: ``WORD_TRIGGER[state, word]``: the trigger :func:`advance` takes from agreed
+#: ``state`` to the status and reason packed in ``word`` (-1: no declared
+#: edge, or no status); ``WORD_STATUS[word]``, ``WORD_REASON[word]``: the two
+#: halves of a word (reason NONE unless the status is Failed)
+WORD_TRIGGER, WORD_STATUS, WORD_REASON = _word_tables()

@@ -20,15 +20,15 @@ from lifecycle.packing import (
     STATUS_SHIFT,
     buffer_size,
     encode_header,
+    status_words,
     write_slots,
 )
-from lifecycle.status import I8
 
 __all__ = ["StepBuffer"]
 
 
-_F = I8.F
 _NONE = np.empty(0, dtype=np.int64)
+_NO_WORDS = np.empty(0, dtype=np.uint8)
 _REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
 
 
@@ -48,6 +48,13 @@ class StepBuffer:
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
+
+    def place(self, area: NDArray[np.uint8], capacity: int) -> None:
+        """Pack into ``area`` (:func:`buffer_size` bytes of ``capacity``, all
+        PAD) from now on: a group's steppers pack into one buffer, which it
+        reduces as it is, with no joining."""
+        self.buf = area
+        self._capacity, self._packed, self._clean = capacity, 0, True
 
     def pack(
         self, f: Frame, local: LocalStage, capacity: int, tag: int, want: int, failer: bool
@@ -78,10 +85,15 @@ class StepBuffer:
         k = min(f.n, capacity)
         rows = buf[HEADER : HEADER + k]
         values = local.values[:k]
-        np.left_shift(values, STATUS_SHIFT, out=rows, dtype=np.uint8, casting="unsafe")
-        pos = np.flatnonzero(values == _F) if failer else _NONE
-        if pos.size and local.codes is not None:  # a Failed row's word carries its reason
-            rows[pos] |= local.codes[pos].astype(np.uint8) & _REASON_MASK
+        status_words(values, rows)
+        pos = local.failed_in(k) if failer else _NONE
+        words = _NO_WORDS
+        if pos.size and local.codes is not None:
+            # a Failed row's word is its reason alone (Failed is status 0)
+            words = local.codes[pos].view(np.uint8) & _REASON_MASK
+            rows[pos] = words
+        elif pos.size:
+            words = rows[pos]
         if self._packed > k:  # a reduce leaves PAD as PAD, so only a shrink needs refilling
             buf[HEADER + k : HEADER + self._packed] = PAD
         self._packed = k
@@ -91,7 +103,7 @@ class StepBuffer:
         # until a reduce is seen to have left them alone (see unchanged)
         self._clean = False
         if failer:
-            write_slots(slots, self.rank, pos, rows[pos])
+            write_slots(slots, self.rank, pos, words)
         return buf
 
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:
@@ -103,9 +115,14 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
-        same = (
-            reduced[:HEADER].tobytes() == self.header
-            and reduced[HEADER : HEADER + f.n].tobytes() == f.unchanged_words()
+        return self.unchanged_in(reduced[: HEADER + f.n].tobytes(), 0, f)
+
+    def unchanged_in(self, whole: bytes, at: int, f: Frame) -> bool:
+        """:meth:`unchanged` for the segment at ``at`` of a reduced buffer
+        given as bytes (a group's: one copy for every queue's comparison).
+        The header first: a step where rows failed differs there already."""
+        same = whole.startswith(self.header, at) and whole.endswith(
+            f.unchanged_words(), at, at + HEADER + f.n
         )
         self._clean = same
         return same

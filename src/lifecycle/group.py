@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
 from lifecycle.errors import CollectiveMismatch, InvalidArgument, StepInFlight, TableBusy
-from lifecycle.packing import Field, Header, buffer_size, stable_hash, write_field
+from lifecycle.packing import PAD, Field, Header, buffer_size, stable_hash, write_field
 from lifecycle.result import StepResult
 from lifecycle.settle import unchanged_result
 from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
@@ -97,11 +97,63 @@ class StepGroup:
         self._ready: tuple[object, list[StepResult]] | None = None
         #: names the step in flight (a callback of an earlier one may run late)
         self._step: object = None
+        #: the buffer the steppers of a group of several pack into (one
+        #: segment each, at these capacities), reduced as it is
+        self._joint: NDArray[np.uint8] | None = None
+        self._caps: tuple[int, ...] = ()
+        self._areas: list[NDArray[np.uint8]] = []
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        self.start(collective, tag, ahead=False)  # nothing to overlap: finish does it all
-        return self.finish()
+        # start() and finish() in one: the same refusals and the same work;
+        # while the reduce is in flight the caller's thread, which would only
+        # wait, builds the results of a step where nothing moves
+        self._refuse(collective, tag)
+        self._coll, self._buf, self._ready = collective, None, None
+        self._step = object()
+        for s in self.steppers:
+            s.in_flight = True
+        try:
+            buf = self._prepare(tag)
+            try:
+                wait_launches()
+                work = start_min(collective, buf)
+                ready = self._unchanged_results()
+                work.wait()
+            except BaseException:
+                self._release()
+                raise
+            return self._conclude(buf, collective, ready)
+        finally:
+            self._landed()
+
+    def _unchanged_results(self) -> list[StepResult] | None:
+        """Each queue's result for a step where nothing moves (reads only:
+        the frames and the tables, busy until the step is applied)."""
+        try:
+            out = []
+            for s in self.steppers:
+                f = s._frame
+                assert f is not None
+                f.unchanged_words()  # what the check after the reduce compares
+                out.append(unchanged_result(s, f))
+        except Exception:  # the step builds them itself if it needs them
+            return None
+        return out
+
+    def _refuse(self, collective: Collective, tag: int | None) -> None:
+        """Everything that can refuse a start does so before the first collective."""
+        if self._work is not None:
+            raise RuntimeError("start() twice: call finish() for the step in flight first")
+        tag_word(tag, self.steppers[0].rank)
+        for s in self.steppers:
+            if s.in_flight:
+                raise StepInFlight(s.rank, s.queue, "start")
+            if s.table.busy:
+                raise TableBusy(s.rank)
+        if not self._hello_done:
+            wait_launches()
+            self._hello(collective)
 
     def start(
         self,
@@ -115,18 +167,7 @@ class StepGroup:
         results of a step where nothing moved as soon as the reduce lands;
         ``worker``: prepare and launch on the group's own thread, returning at
         once; what that raises, ``finish`` raises)."""
-        if self._work is not None:
-            raise RuntimeError("start() twice: call finish() for the step in flight first")
-        # everything that can refuse the call does so before the first collective
-        tag_word(tag, self.steppers[0].rank)
-        for s in self.steppers:
-            if s.in_flight:
-                raise StepInFlight(s.rank, s.queue, "start")
-            if s.table.busy:
-                raise TableBusy(s.rank)
-        if not self._hello_done:
-            wait_launches()
-            self._hello(collective)
+        self._refuse(collective, tag)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
         for s in self.steppers:
@@ -158,15 +199,7 @@ class StepGroup:
     ) -> Pending:
         """Prepare and launch (``after``: the launch this one must follow; on
         the caller's thread, every launch of its earlier worker starts)."""
-        try:
-            bufs = [s._prepare(tag) for s in self.steppers]
-        except BaseException:
-            self._release()
-            raise
-        buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
-        for s in self.steppers:
-            s.table.busy = True
-        self._buf = buf
+        buf = self._prepare(tag)
         try:
             if after is not None:
                 after.wait()
@@ -184,6 +217,46 @@ class StepGroup:
                 logger.debug("a pending reduce refused then(); finish applies the step")
         return work
 
+    def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
+        """Every queue's local work; the buffer to reduce (the tables are busy from here)."""
+        steppers = self.steppers
+        if len(steppers) > 1:
+            self._place()
+        try:
+            bufs = [s._prepare(tag) for s in steppers]
+        except BaseException:
+            self._release()
+            raise
+        buf = bufs[0] if len(bufs) == 1 else self._join(bufs)
+        for s in steppers:
+            s.table.busy = True
+        self._buf = buf
+        return buf
+
+    def _place(self) -> None:
+        """Give each stepper its segment of one buffer at its capacity (a new
+        buffer only when some capacity changed)."""
+        caps = tuple([s.capacity for s in self.steppers])
+        if caps == self._caps:
+            return
+        sizes = [buffer_size(c) for c in caps]
+        joint = np.full(sum(sizes), PAD, dtype=np.uint8)
+        areas, at = [], 0
+        for s, cap, size in zip(self.steppers, caps, sizes):
+            area = joint[at : at + size]
+            s._buffer.place(area, cap)
+            areas.append(area)
+            at += size
+        self._joint, self._caps, self._areas = joint, caps, areas
+
+    def _join(self, bufs: list[NDArray[np.uint8]]) -> NDArray[np.uint8]:
+        """The steppers' buffers as one: the joint buffer when each packed
+        into its own segment (else, e.g. after a resize, a joined copy)."""
+        joint = self._joint
+        if joint is not None and all([b is a for b, a in zip(bufs, self._areas)]):
+            return joint
+        return np.concatenate(bufs)
+
     def _ahead(self, step: object, buf: NDArray[np.uint8]) -> None:
         """Run where the reduce of ``step`` completes, while the caller runs
         its forward pass: for the common step (nothing moved), build the
@@ -195,7 +268,7 @@ class StepGroup:
             return
         try:
             segs = self._split(buf)
-            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
+            if self._all_unchanged(buf, segs):
                 ready = []
                 for s in self.steppers:
                     assert s._frame is not None
@@ -226,15 +299,34 @@ class StepGroup:
             buf = self._buf
             assert buf is not None
             work.wait()
-            ready, self._ready = self._ready, None
-            if ready is not None and ready[0] is self._step:
+        except BaseException:
+            self._release()
+            raise
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is self._step:
+            try:
                 return tuple(
                     self._stuck(coll, s, s._commit_unchanged(r))
                     for s, r in zip(self.steppers, ready[1])
                 )
+            finally:
+                self._release()
+        return self._conclude(buf, coll)
+
+    def _conclude(
+        self, buf: NDArray[np.uint8], coll: Collective, ready: list[StepResult] | None = None
+    ) -> tuple[StepResult, ...]:
+        """Apply the reduced ``buf`` to every queue (the tables are freed;
+        ``ready``: the results of the step if nothing moved, built already)."""
+        try:
             segs = self._split(buf)
-            if all([s._unchanged(seg) for s, seg in zip(self.steppers, segs)]):
-                return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
+            if self._all_unchanged(buf, segs):
+                if ready is None:
+                    return tuple(self._stuck(coll, s, s._commit_unchanged()) for s in self.steppers)
+                return tuple(
+                    self._stuck(coll, s, s._commit_unchanged(r))
+                    for s, r in zip(self.steppers, ready)
+                )
             if any([s._resize(seg) for s, seg in zip(self.steppers, segs)]):
                 bufs = [s._repack() for s in self.steppers]
                 buf = bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
@@ -251,11 +343,25 @@ class StepGroup:
         results = [s._commit(x) for s, x in zip(self.steppers, settled)]
         return tuple(self._stuck(coll, s, r) for s, r in zip(self.steppers, results))
 
+    def _all_unchanged(self, buf: NDArray[np.uint8], segs: list[NDArray[np.uint8]]) -> bool:
+        """Every queue's :meth:`Stepper.unchanged` (the common step)."""
+        steppers = self.steppers
+        if len(steppers) == 1:
+            return steppers[0]._unchanged(segs[0])
+        whole, at = buf.tobytes(), 0  # one copy serves every queue's comparison
+        for s, seg in zip(steppers, segs):
+            if not s._unchanged_in(whole, at):
+                return all([s._unchanged(seg) for s, seg in zip(steppers, segs)])
+            at += seg.size
+        return True
+
     def _release(self) -> None:
         for s in self.steppers:
             s.table.busy = False
 
     def _split(self, buf: NDArray[np.uint8]) -> list[NDArray[np.uint8]]:
+        if len(self.steppers) == 1 and buf.size == buffer_size(self.steppers[0].capacity):
+            return [buf]
         out, at = [], 0
         for s in self.steppers:
             size = buffer_size(s.capacity)

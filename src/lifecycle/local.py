@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 from lifecycle.errors import HookError
 from lifecycle.frame import Frame
 from lifecycle.observe import Observation, contained, observe
-from lifecycle.packing import STATUS_SHIFT, pack
+from lifecycle.packing import pack, status_words
 from lifecycle.protocols import (
     BatchPoller,
     FaultHook,
@@ -78,6 +78,8 @@ _F = I8.F
 _S = I8.S
 _B = I8.B
 _NONE = np.int8(FailureReason.NONE)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+_NO_ROWS.setflags(write=False)
 
 
 class LocalStage:
@@ -101,6 +103,9 @@ class LocalStage:
         self.faults = faults
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
+        self.unfailed: NDArray[np.int8] | None = None
+        #: (values, k, the positions of their Failed among the first k)
+        self._failed_at: tuple[NDArray[np.int8], int, NDArray[np.int64]] | None = None
         self.obs = Observation(self.values)
         self.now = 0.0
 
@@ -152,21 +157,53 @@ class LocalStage:
         )
         if early is not None:
             obs.hook_failed(_everyone(n), f.rooms, contained("staging advance", self.rank, early))
+            obs.scan = None
         if clock_error is not None:  # no deadline or stamp can be trusted on this rank
             obs.hook_failed(_everyone(n), f.rooms, clock_error)
+            obs.scan = None
+        local, codes = obs.raw, None
         masks: dict[str, NDArray[np.bool_] | None] = {}
-        if n:
-            self._verdicts(t, f, cfg, now, step, masks)
-        masks["poll_value"] = obs.invalid
-        masks["poll_error"] = obs.errors
-        hooked = masks["hook_error"] = obs.hooked
-        codes = combine(n, masks, obs.backend)
-        local = obs.raw if codes is None else np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
+        hooked = None
+        # the common poll (every value live, nothing failed) on a stage no
+        # verdict source can hit: no mask to build
+        quiet = obs.scan is not None and (
+            self.faults is None
+            and not t.abort_count
+            and cfg.bootstrap_timeout is None
+            and cfg.waiting_timeout is None
+            and f.meta_bad is None
+        )
+        if not quiet:
+            if n:
+                self._verdicts(t, f, cfg, now, step, masks)
+            masks["poll_value"] = obs.invalid
+            masks["poll_error"] = obs.errors
+            hooked = masks["hook_error"] = obs.hooked
+            codes = combine(n, masks, obs.backend)
+            # the backend's codes alone mark exactly the rows it reported
+            # Failed: the raw values are the local ones
+            if codes is not None and codes is not obs.backend:
+                local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
         gated = staging is not None or self.metadata is not None or self.gates
-        at_success = local.tobytes().count(_S_BYTE) if gated else 0
+        at_success = 0
+        if gated and n:
+            scan = obs.scan if codes is None else None
+            if scan is None:
+                scan = local.tobytes()
+            if _S_BYTE in scan:  # the count only then
+                # bytes.count branches on every byte (slow on mixed values);
+                # numpy's count costs two calls, which only a long list repays
+                if n <= 1024:
+                    at_success = scan.count(_S_BYTE)
+                else:
+                    at_success = int(np.count_nonzero(local == _S))
         if at_success:  # gates decide only local Successes
             closed, corrupt = self._gates(f, local, at_success)
             if corrupt is not None or obs.hooked is not hooked:
+                if quiet:  # the masks were skipped: build them now
+                    self._verdicts(t, f, cfg, now, step, masks)
+                    masks["poll_value"] = obs.invalid
+                    masks["poll_error"] = obs.errors
                 masks["metadata_row"] = corrupt
                 masks["hook_error"] = obs.hooked
                 codes = combine(n, masks, obs.backend)
@@ -174,6 +211,24 @@ class LocalStage:
                     local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
             hold(local, closed)
         self.values, self.codes = local, codes
+        #: ``values`` as this prepare left them, when they hold no Failed
+        #: (a local Failed comes from a verdict or a poll: both set ``codes``)
+        self.unfailed = local if codes is None else None
+        self._failed_at = None
+        if codes is not None and codes is obs.backend and obs.failed is not None:
+            # only the poller's Failed values: they are the Failed rows
+            self._failed_at = (local, n, obs.failed.nonzero()[0])
+
+    def failed_in(self, k: int) -> NDArray[np.int64]:
+        """The positions of the Failed values among the first ``k`` (ascending)."""
+        values = self.values
+        if values is self.unfailed:
+            return _NO_ROWS
+        known = self._failed_at
+        if known is None or known[0] is not values or known[1] != k:
+            at = (values[:k] == _F).nonzero()[0]
+            self._failed_at = known = (values, k, at)
+        return known[2]
 
     def _verdicts(
         self,
@@ -220,22 +275,23 @@ class LocalStage:
 
     def _gates(
         self, f: Frame, local: NDArray[np.int8], at_success: int
-    ) -> tuple[dict[str, NDArray[np.bool_] | None], NDArray[np.bool_] | None]:
-        """Every gate's closed mask over the active rows, and the corrupt metadata
-        rows. A gate decides only rows at Success, so its errors fail those."""
+    ) -> tuple[NDArray[np.bool_] | None, NDArray[np.bool_] | None]:
+        """The rows some gate of :data:`GATES` holds closed (None: none), and
+        the corrupt metadata rows. Every gate takes the same demotion edge
+        (checked where the graph is declared), so their union is all the
+        hold needs. A gate decides only rows at Success, so its errors fail
+        those."""
         n, rank = f.n, self.rank
         success = _Lazy(local)
-        closed: dict[str, NDArray[np.bool_] | None] = {}
+        closed: NDArray[np.bool_] | None = None  # never written to: may be a hook's own
         corrupt: NDArray[np.bool_] | None = None
         staging = self.staging
-        if staging is not None:
+        if staging is not None:  # source staging_pending
             try:
-                closed["staging_pending"] = bool_answer(
-                    staging.pending(f.rooms, f.hidx), n, "staging pending", rank
-                )
+                closed = bool_answer(staging.pending(f.rooms, f.hidx), n, "staging pending", rank)
             except Exception as e:
                 self.obs.hook_failed(success(), f.rooms, contained("staging pending", rank, e))
-        if self.metadata is not None:
+        if self.metadata is not None:  # source metadata_pending: not landed
             try:
                 landed, bad = self._metadata(f, success, at_success)
             except Exception as e:
@@ -245,18 +301,19 @@ class LocalStage:
                     success() & ~f.fake, f.rooms, contained("metadata source", rank, e)
                 )
             else:
-                closed["metadata_pending"] = ~landed
+                # closed | ~landed in one pass: for booleans, landed <= closed
+                closed = ~landed if closed is None else np.less_equal(landed, closed)
                 if _any(bad):  # never written to: the arrays may be the source's own
                     bad = bad & success()
                     corrupt = bad if _any(bad) else None
-        if self.gates:
+        if self.gates:  # source gate_closed
             user = np.zeros(n, dtype=bool)
             for gate in self.gates:
                 name = f"gate {getattr(gate, 'name', '?')!r}"
                 ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success(), f)
                 if ans is not None:
                     user |= ans
-            closed["gate_closed"] = user
+            closed = user if closed is None else closed | user
         return closed, corrupt
 
     def _metadata(
@@ -275,7 +332,7 @@ class LocalStage:
         slots, rooms = f.meta_slots, f.meta_rooms  # read-only: the source checks them once
         if at_success * 4 <= m:
             mask = success()
-            ask = np.flatnonzero(mask if f.meta_pos is None else mask[f.meta_pos])
+            ask = (mask if f.meta_pos is None else mask[f.meta_pos]).nonzero()[0]
             slots, rooms, m = slots[ask], rooms[ask], ask.size
         ok, bad = self.metadata.landed(slots, rooms)
         ok = bool_answer(ok, m, "metadata source (landed)", self.rank)
@@ -295,7 +352,7 @@ class LocalStage:
         values = self.values if rows is None else self.values[rows]
         out = np.empty(values.size, dtype=np.uint8)
         if self.codes is None:
-            np.left_shift(values, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+            status_words(values, out)
         else:
             pack(values, self.codes if rows is None else self.codes[rows], out)
         return out

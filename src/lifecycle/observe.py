@@ -31,10 +31,13 @@ from lifecycle.status import I8, KVPoll
 __all__ = ["Observation", "observe", "contained", "BACKEND_REASONS"]
 
 _F = I8.F
+_I8 = np.dtype(np.int8)
 _NONE = np.int8(FailureReason.NONE)
+_UNKNOWN = np.int8(FailureReason.UNKNOWN)
 #: the bytes of the non-failed statuses (a byte scan is far cheaper than a
 #: numpy reduction right after a collective, when caches are cold)
 _LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
+_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 _HOOK = FailureReason.HOOK_ERROR
 #: reasons a backend may report for a Failed (its own, or a peer's it relays)
 BACKEND_REASONS = np.array(
@@ -67,16 +70,24 @@ class Observation:
         "backend",
         "errors",
         "exceptions",
+        "failed",
         "given",
         "hooked",
         "invalid",
         "raw",
         "raw_invalid",
+        "scan",
     )
 
     def __init__(self, raw: NDArray[np.int8]) -> None:
         self.raw = raw
+        #: ``raw``'s bytes when every value is a live status and nothing was
+        #: failed (the common poll), else None: the step counts in it
+        self.scan: bytes | None = None
         self.backend: NDArray[np.int8] | None = None
+        #: the rows the poller reported Failed, when that was all it did wrong
+        #: (their reasons are ``backend``'s); else None
+        self.failed: NDArray[np.bool_] | None = None
         self.invalid: NDArray[np.bool_] | None = None
         self.errors: NDArray[np.bool_] | None = None
         self.hooked: NDArray[np.bool_] | None = None
@@ -117,8 +128,18 @@ def observe(
     raw = obs.raw
     if not k:
         return obs
-    if obs.errors is None and obs.hooked is None and not raw.tobytes().translate(None, _LIVE):
-        return obs  # the common poll: every value a live status, nothing to fail
+    rest = None
+    if obs.errors is None and obs.hooked is None:
+        scan = raw.tobytes()
+        rest = scan.translate(None, _LIVE)
+        if not rest:
+            obs.scan = scan
+            return obs  # the common poll: every value a live status, nothing to fail
+    if rest is not None and not rest.translate(None, _FAILED_BYTE):
+        # every other value is a Failed: none is out of range, some failed
+        obs.failed = failed = raw == _F
+        obs.backend = _backend_reasons(obs, poller, handles, rows, rooms, hidx, failed, rank)
+        return obs
     lo, hi = int(raw.min()), int(raw.max())
     if lo < 0 or hi > 4:
         bad = (raw < 0) | (raw > 4)
@@ -161,7 +182,9 @@ def _batch(
     errors: dict[int, BaseException] = {}
     try:
         try:
-            arr = np.asarray(poller.poll_many(ask_rooms, ask_hidx))
+            arr = poller.poll_many(ask_rooms, ask_hidx)
+            if type(arr) is not np.ndarray:
+                arr = np.asarray(arr)
         except PartialPollError as pe:
             arr = np.asarray(pe.statuses)
             bad = [i for i in pe.errors if not validate.is_integer(i) or not 0 <= i < m]
@@ -181,10 +204,11 @@ def _batch(
         if no_index is not None:
             obs.hook_failed(no_index, rooms, HookError("batch poll", rank, _NO_INDEX))
         return obs
-    if m and arr.dtype != np.int8 and (int(arr.min()) < 0 or int(arr.max()) > 4):
-        arr8 = np.clip(arr, -1, 5).astype(np.int8)  # narrowing keeps out-of-range values out
-    else:
+    dt = arr.dtype
+    if dt is _I8 or dt == _I8 or not m or (int(arr.min()) >= 0 and int(arr.max()) <= 4):
         arr8 = arr.astype(np.int8)  # a copy: the backend's array is never written to
+    else:
+        arr8 = np.clip(arr, -1, 5).astype(np.int8)  # narrowing keeps out-of-range values out
     if pos is not None:
         full = np.full(k, _F, dtype=np.int8)
         full[pos] = arr8
@@ -192,7 +216,8 @@ def _batch(
     obs = Observation(arr8)
     if pos is None:
         obs.given = arr
-    _raised(obs, errors, ask_rooms, k, pos)
+    if errors:
+        _raised(obs, errors, ask_rooms, k, pos)
     if no_index is not None:
         obs.hook_failed(no_index, rooms, HookError("batch poll", rank, _NO_INDEX))
     return obs
@@ -280,8 +305,7 @@ def _backend_reasons(
     rank: int,
 ) -> NDArray[np.int8]:
     """Reason codes for the Failed values a poller reported (UNKNOWN when it gave none)."""
-    codes = np.full(rooms.size, _NONE, dtype=np.int8)
-    codes[failed] = FailureReason.UNKNOWN
+    codes: NDArray[np.int8] = np.where(failed, _UNKNOWN, _NONE)
     if poller is not None:
         fn = getattr(poller, "failure_reasons", None)
         if fn is None:

@@ -56,11 +56,15 @@ __all__ = [
     "Field",
     "NO_ORIGIN",
     "pack",
+    "status_words",
     "unpack",
     "fingerprint",
     "position_weights",
     "status_sum",
     "with_statuses",
+    "room_keys",
+    "list_sum",
+    "list_fingerprint",
     "stable_hash",
     "write_field",
     "encode_header",
@@ -95,6 +99,8 @@ class Field(enum.IntEnum):
 
 
 MATCHED = (Field.FINGERPRINT, Field.LENGTH, Field.CONFIG, Field.QUEUE, Field.TAG)
+if len(MATCHED) != 5 or [int(f) for f in MATCHED] != list(range(5)):  # Header reads them so
+    raise AssertionError("the matched fields are the header's first five")
 _BOUNDS = (Field.NEED, Field.FLOOR)
 _OFFSET: dict[Field, int] = {}
 _at = 0
@@ -107,9 +113,21 @@ for _f in _BOUNDS:
 HEADER = _at
 
 
+_I8 = np.dtype(np.int8)
+_WORD_OF_STATUS = np.uint8(1 << STATUS_SHIFT)
+
+
+def status_words(status: NDArray[np.integer], out: NDArray[np.uint8]) -> None:
+    """``out[i] = status[i] << STATUS_SHIFT`` (as uint8): the word of a row with no reason."""
+    if status.dtype is _I8:  # the same bits as uint8: a plain uint8 multiply is the fastest loop
+        np.multiply(status.view(np.uint8), _WORD_OF_STATUS, out=out)
+    else:
+        np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+
+
 def pack(status: NDArray[np.integer], reason: NDArray[np.integer], out: NDArray[np.uint8]) -> None:
     """Pack local values into ``out`` (uint8, same length); reason counts only on Failed."""
-    np.left_shift(status, STATUS_SHIFT, out=out, dtype=np.uint8, casting="unsafe")
+    status_words(np.asarray(status), out)
     failed = np.asarray(status) == 0
     if failed.any():
         out[failed] |= np.asarray(reason)[failed].astype(np.uint8) & _REASON_MASK
@@ -213,14 +231,86 @@ def position_weights(n: int) -> NDArray[np.uint64]:
 def status_sum(states: NDArray[np.integer], pos: NDArray[np.int64] | None = None) -> int:
     """``sum(states[i] * weight[pos[i]])`` modulo 2**64 (``pos``: 0..n-1). Linear,
     so a change of some rows updates it from those rows alone."""
-    w = position_weights(states.size) if pos is None else position_weights(int(pos.max()) + 1)[pos]
-    with np.errstate(over="ignore"):
-        return int((states.astype(np.uint64) * w).sum(dtype=np.uint64))
+    w = (
+        position_weights(states.size)
+        if pos is None
+        else position_weights(int(pos[pos.argmax()]) + 1)[pos]
+    )
+    # uint64 array arithmetic wraps modulo 2**64 without a warning (and an
+    # errstate block costs microseconds right after a collective)
+    return int(np.dot(states.astype(np.uint64), w))
 
 
 def with_statuses(fp: int, total: int) -> int:
     """A list fingerprint combined with its :func:`status_sum`."""
     return fp ^ _mix_int(total & _MASK64_INT)
+
+
+#: salts the room keys (kept apart from the position keys and weights)
+_ROOM_SALT = 0xD6E8FEB86659FD93
+
+
+def room_keys(rooms: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """Each room's 64-bit key, a bijection of the room (a table computes them
+    once, as requests join, for :func:`list_sum`)."""
+    if rooms.size <= 8:  # a few rooms: Python integers cost less than numpy calls
+        return np.array(
+            [_mix_int(r ^ _ROOM_SALT) for r in rooms.tolist()], dtype=np.uint64
+        ).reshape(rooms.shape)
+    with np.errstate(over="ignore"):
+        return _mix(np.bitwise_xor(rooms, np.uint64(_ROOM_SALT)))
+
+
+def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:
+    """``sum((keys[i] + states[i]) * weight[i])`` modulo 2**64 over the list's
+    positions (:func:`position_weights`), from the rows' :func:`room_keys`
+    (``keys`` may be overwritten). The rooms are mixed already, so one weighted
+    sum binds each room and its status to its position; linear in the
+    statuses, so a status change updates it by :func:`status_sum` of the
+    change alone."""
+    n = keys.size
+    if not n:
+        return 0
+    w = position_weights(n)
+    scan = states.tobytes()
+    # most lists hold one status: then sum(states * w) is that status times
+    # the sum of the weights (no conversion of the statuses to uint64); the
+    # strip stops at the first other status
+    same = not scan.strip(scan[:1])
+    # uint64 array arithmetic wraps modulo 2**64 without a warning
+    if not same:
+        np.add(keys, states.view(np.uint8), out=keys)
+    total = int(np.dot(keys, w))
+    if same:
+        total += scan[0] * _weight_sum(n)
+    return total & _MASK64_INT
+
+
+def _weight_sum(n: int) -> int:
+    """``sum(position_weights(n))`` modulo 2**64."""
+    sums = _cached_sums(n)
+    return int(sums[n - 1]) if n else 0
+
+
+_SUMS: list[NDArray[np.uint64]] = []
+
+
+def _cached_sums(n: int) -> NDArray[np.uint64]:
+    """Prefix sums of the position weights, from a read-only table that only grows."""
+    sums = _SUMS[0] if _SUMS else None
+    if sums is None or sums.size < n:
+        w = position_weights(max(n, 1024))
+        with np.errstate(over="ignore"):
+            sums = np.cumsum(w, dtype=np.uint64)
+        sums.setflags(write=False)
+        if not _SUMS or _SUMS[0].size < sums.size:
+            _SUMS[:] = [sums]
+    return sums
+
+
+def list_fingerprint(total: int, length: int) -> int:
+    """The fingerprint of a list of ``length`` rows whose :func:`list_sum` is ``total``."""
+    return _mix_int((total ^ _mix_int(length ^ _ROOM_SALT)) & _MASK64_INT)
 
 
 _MASK64_INT = 2**64 - 1
@@ -268,13 +358,24 @@ def encode_header(
     """A whole header in one call (what :func:`write_field` would write for
     every field; ``failer``: this rank, if it fails some row)."""
     m = _MASK64
-    words: list[int] = []
-    for v in (fp, length, config, queue, tag):
-        v &= m
-        words += (v, v ^ m)
-    words += (m, m) if failer is None else (failer, failer ^ m)
-    words += ((need & m) ^ m, (floor & m) ^ m)
-    return _STRUCT.pack(*words)
+    fp, length, config, queue, tag = fp & m, length & m, config & m, queue & m, tag & m
+    fail, unfail = (m, m) if failer is None else (failer, failer ^ m)
+    return _STRUCT.pack(
+        fp,
+        fp ^ m,
+        length,
+        length ^ m,
+        config,
+        config ^ m,
+        queue,
+        queue ^ m,
+        tag,
+        tag ^ m,
+        fail,
+        unfail,
+        (need & m) ^ m,
+        (floor & m) ^ m,
+    )
 
 
 class Header:
@@ -288,8 +389,15 @@ class Header:
 
     def __init__(self, buf: NDArray[np.uint8]) -> None:
         w = self._words = _STRUCT.unpack(buf[:HEADER].tobytes())
+        m = _MASK64
         #: every matched field is the same on every rank
-        self.agreed = all(w[2 * i] == w[2 * i + 1] ^ _MASK64 for i in range(len(MATCHED)))
+        self.agreed = (
+            w[0] == w[1] ^ m
+            and w[2] == w[3] ^ m
+            and w[4] == w[5] ^ m
+            and w[6] == w[7] ^ m
+            and w[8] == w[9] ^ m
+        )
         self.need = w[_NEED_AT] ^ _MASK64
         self.floor = w[_FLOOR_AT] ^ _MASK64
         # the ranks failing some row locally write their rank (value and
@@ -314,6 +422,7 @@ class Header:
 REGIONS = 8
 _EMPTY_U32 = 0xFFFFFFFF
 _REGION_HEAD = 3  # owner, its complement, count (big-endian uint32 each)
+_HEAD = struct.Struct(f">{_REGION_HEAD}I")
 
 
 def slots_per_region(capacity: int) -> int:
@@ -327,9 +436,17 @@ def slots_size(capacity: int) -> int:
     return REGIONS * 4 * (_REGION_HEAD + slots_per_region(capacity))
 
 
+_SIZES: dict[int, int] = {}
+
+
 def buffer_size(capacity: int) -> int:
     """Header, ``capacity`` request bytes and the failure-slot regions."""
-    return HEADER + capacity + slots_size(capacity)
+    size = _SIZES.get(capacity)
+    if size is None:
+        size = HEADER + capacity + slots_size(capacity)
+        if len(_SIZES) < 1024:  # capacities are bucketed: a few sizes in practice
+            _SIZES[capacity] = size
+    return size
 
 
 def write_slots(
@@ -338,16 +455,16 @@ def write_slots(
     """Fill ``area`` (:func:`slots_size` bytes, all 0xFF) with this rank's
     failed rows: ``positions`` ascending and their ``words``. Past the
     region's size only the count is written (the step then fetches)."""
-    regions = area.view(">u4").reshape(REGIONS, -1)
-    k = regions.shape[1] - _REGION_HEAD
-    region = regions[rank % REGIONS]
-    region[0] = rank
-    region[1] = rank ^ _EMPTY_U32
-    region[2] = positions.size
-    if positions.size <= k:
-        region[_REGION_HEAD : _REGION_HEAD + positions.size] = (
-            positions.astype(np.uint32) << np.uint32(8)
-        ) | words
+    width = area.size // REGIONS
+    at = (rank % REGIONS) * width
+    count = positions.size
+    if count <= width // 4 - _REGION_HEAD:  # written in place, in one call
+        entries = [(p << 8) | w for p, w in zip(positions.tolist(), words.tolist())]
+        struct.pack_into(
+            f">{_REGION_HEAD + count}I", area.data, at, rank, rank ^ _EMPTY_U32, count, *entries
+        )
+    else:
+        _HEAD.pack_into(area.data, at, rank, rank ^ _EMPTY_U32, count)
 
 
 def slot_origins(
@@ -358,21 +475,65 @@ def slot_origins(
     None when some list did not come back whole (two writers in a region, a
     list longer than its region, an entry naming a row that did not fail):
     the step then fetches. Reads reduced data only: every rank answers alike."""
-    regions = area.view(">u4").reshape(REGIONS, -1)
-    k = regions.shape[1] - _REGION_HEAD
-    origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
-    for region in regions.tolist() if failed.size else ():
-        owner, comp, count = region[0], region[1] ^ _EMPTY_U32, region[2]
+    if not failed.size:
+        return np.full(0, NO_ORIGIN, dtype=np.int32)
+    raw = area.tobytes()  # one copy; the regions are read from it in Python
+    width = len(raw) // REGIONS
+    k = width // 4 - _REGION_HEAD
+    written, total = [], 0
+    for at in range(0, REGIONS * width, width):
+        owner, comp, count = _HEAD.unpack_from(raw, at)
+        comp ^= _EMPTY_U32
         if owner == _EMPTY_U32 and comp == 0:
             continue  # no rank wrote here
         if owner != comp or count > k or owner >= NO_ORIGIN:
             return None
-        entries = np.asarray(region[_REGION_HEAD : _REGION_HEAD + count], dtype=np.int64)
-        at = np.searchsorted(failed, entries >> 8)
-        if count and (int(at.max()) >= failed.size or (failed[at] != entries >> 8).any()):
-            return None
-        won = at[agreed[at] == (entries & 0xFF)]
-        origin[won] = np.minimum(origin[won], owner)
-    if (origin == NO_ORIGIN).any():
+        if count:
+            written.append((owner, at + 4 * _REGION_HEAD, count))
+            total += count
+    if not written:
+        return None  # failed rows that no rank listed
+    if total <= 128:  # a few entries: Python integers cost less than numpy calls
+        return _origins_of(raw, written, failed, agreed)
+    # every listed entry at once: (position, word), and the rank that listed it
+    lists = [np.frombuffer(raw, dtype=">u4", count=c, offset=o) for _, o, c in written]
+    entries = (lists[0] if len(lists) == 1 else np.concatenate(lists)).astype(np.int64)
+    rank = np.repeat(
+        np.array([o for o, _, _ in written], dtype=np.int32), [c for _, _, c in written]
+    )
+    listed = entries >> 8
+    pos = np.searchsorted(failed, listed)
+    if int(pos.max()) >= failed.size or (failed[pos] != listed).any():
+        return None
+    won = agreed[pos] == (entries & 0xFF)
+    origin = np.full(failed.size, NO_ORIGIN, dtype=np.int32)
+    np.minimum.at(origin, pos[won], rank[won])  # the lowest rank whose word won
+    if int(origin.max()) == NO_ORIGIN:
         return None
     return origin
+
+
+_NO_ORIGIN_INT = int(NO_ORIGIN)
+
+
+def _origins_of(
+    raw: bytes,
+    written: list[tuple[int, int, int]],
+    failed: NDArray[np.int64],
+    agreed: NDArray[np.uint8],
+) -> NDArray[np.int32] | None:
+    """:func:`slot_origins` over a few listed entries, in Python integers
+    (``written``: each listing rank, where its entries start in ``raw``, how many)."""
+    where = {p: i for i, p in enumerate(failed.tolist())}
+    words = agreed.tolist()
+    origin = [_NO_ORIGIN_INT] * len(words)
+    for owner, offset, count in written:
+        for e in struct.unpack_from(f">{count}I", raw, offset):
+            i = where.get(e >> 8)
+            if i is None:  # a listed row that did not fail
+                return None
+            if words[i] == e & 0xFF and owner < origin[i]:
+                origin[i] = owner  # the lowest rank whose word won
+    if _NO_ORIGIN_INT in origin:
+        return None
+    return np.array(origin, dtype=np.int32)

@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from lifecycle import batch
 from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
-from lifecycle.frame import Frame
+from lifecycle.frame import Frame, no_origins
 from lifecycle.packing import (
     HEADER,
     NO_ORIGIN,
@@ -26,7 +26,7 @@ from lifecycle.packing import (
 )
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
-from lifecycle.status import I8, TERMINAL
+from lifecycle.status import I8, KVPoll
 
 if TYPE_CHECKING:
     from lifecycle.step import Stepper
@@ -34,7 +34,14 @@ if TYPE_CHECKING:
 __all__ = ["Settled", "settle", "bucket", "unchanged_result", "commit_unchanged"]
 
 _F = I8.F
-_REASON = np.uint8(0xF)
+#: the smallest word of a status other than Failed
+_FIRST_LIVE_WORD = np.uint8(1 << STATUS_SHIFT)
+_INVALID = bytes([int(FailureReason.INVALID_STATUS)])
+_NO_TRIGGER = b"\xff\xff"  # an int16 -1
+if batch.STAY >= 255:
+    raise AssertionError("trigger ids fit below 255: a 0xFF byte is a -1 only")
+_FAILED_BYTE = bytes([int(KVPoll.Failed)])
+_SUCCESS_BYTE = bytes([int(KVPoll.Success)])
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
 _EMPTY_I16 = np.empty(0, dtype=np.int16)
 _EMPTY_I8 = np.empty(0, dtype=np.int8)
@@ -53,6 +60,7 @@ class Settled:
 
     __slots__ = (
         "failed",
+        "failing",
         "fetch",
         "frame",
         "hdr",
@@ -71,13 +79,16 @@ class Settled:
     def __init__(self, frame: Frame, hdr: Header, words: NDArray[np.uint8]) -> None:
         self.frame = frame
         self.hdr = hdr
-        self.words = words
         # the rows whose agreed word is not their agreed status of before: the
         # only rows worked on (a few per step, however long the list)
-        self.moved = np.flatnonzero(words != frame.unchanged_array())
-        self.to = (words[self.moved] >> STATUS_SHIFT).astype(np.int8)
-        # active rows were not Failed before, so every failed row moved
-        self.failed: NDArray[np.int64] = self.moved[self.to == _F]
+        self.moved = (words != frame.unchanged_array()).nonzero()[0]
+        #: the moved rows' agreed words (a copy: the reduced buffer is reused)
+        self.words = words[self.moved]
+        self.to = batch.WORD_STATUS[self.words]
+        # active rows were not Failed before, so every failed row moved; a
+        # Failed word is its reason alone (Failed is status 0)
+        self.failing = self.words < _FIRST_LIVE_WORD
+        self.failed: NDArray[np.int64] = self.moved[self.failing]
         self.fetch: NDArray[np.int32] | None = None
         #: the failed rows' origins, read from the failure slots
         self.known: NDArray[np.int32] | None = None
@@ -92,32 +103,32 @@ class Settled:
         self.planned = True
         if not self.moved.size:  # the common case: nothing moved
             return
-        moved, to = self.moved, self.to
-        was = self.was = f.state_all[f.pos[moved]]
-        failed = to == _F
-        reason = np.where(failed, self.words[moved] & _REASON, FailureReason.NONE).astype(np.int8)
-        origin = np.full(moved.size, -1, dtype=np.int32)
-        if self.failed.size and self.hdr.sole is not None:
-            origin[failed] = self.hdr.sole  # one rank failed rows: all came from it
-        elif self.known is not None:
-            origin[failed] = self.known  # every failing rank's list came back whole
-        elif self.failed.size:
-            assert origins is not None
-            # both ascending, and every failed row moved: the same order
-            origin[failed] = origins[: self.failed.size]
-        if stepper.config.invalid_status == "raise":
-            bad = failed & (reason == FailureReason.INVALID_STATUS)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+        moved, to, words = self.moved, self.to, self.words
+        was = self.was = f.state_all[moved if f.all_active else f.pos[moved]]
+        reason = batch.WORD_REASON[words]
+        origin = no_origins(moved.size)
+        if self.failed.size:
+            failing = self.failing
+            if self.hdr.sole is not None:
+                origin[failing] = self.hdr.sole  # one rank failed rows: all came from it
+            elif self.known is not None:
+                origin[failing] = self.known  # every failing rank's list came back whole
+            else:
+                assert origins is not None
+                # both ascending, and every failed row moved: the same order
+                origin[failing] = origins[: self.failed.size]
+            if stepper.config.invalid_status == "raise" and _INVALID in reason.tobytes():
+                i = int(np.flatnonzero(reason == FailureReason.INVALID_STATUS)[0])
                 room = int(f.rooms[moved[i]])
                 raise InvalidStatus(room, int(origin[i]), stepper.local.raw_invalid.get(room))
-        new, trig, illegal = batch.advance(was, to, reason)
-        if illegal.any():
-            i = int(np.flatnonzero(illegal)[0])
+        # the trigger of each move, the abort rule included (batch.advance's)
+        trig = batch.WORD_TRIGGER[was, words]
+        if _NO_TRIGGER in trig.tobytes():  # a -1 (no trigger id reaches 255)
+            i = int(np.flatnonzero(trig < 0)[0])
             raise IllegalTransition(
                 int(f.rooms[moved[i]]), stepper.rank, int(was[i]), int(to[i]), "advance"
             )
-        self.new, self.triggers, self.reason, self.origin = new, trig, reason, origin
+        self.new, self.triggers, self.reason, self.origin = to, trig, reason, origin
 
     def commit(self, stepper: Stepper) -> StepResult:
         f, t = self.frame, stepper.table
@@ -133,25 +144,32 @@ class Settled:
         if new is None:
             t.step_no, t.now = step, now
             return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
-        moved, reason, origin, was = self.moved, self.reason, self.origin, self.was
+        moved, was = self.moved, self.was
         slots = f.rows[moved]
         dwell = now - t.entered_time[slots]
-        ended = int(TERMINAL[new].sum())
+        states = new.tobytes()
+        ended = states.count(_FAILED_BYTE) + states.count(_SUCCESS_BYTE)
         t.terminal_count += ended
         t.state[slots] = new
         t.entered_step[slots] = step
         t.entered_time[slots] = now
-        pos = f.pos[moved]
+        pos = moved if f.all_active else f.pos[moved]
         f.restate(pos, was, new, rehash=not ended)
-        failed = np.flatnonzero(new == _F)
-        if failed.size:
-            f.snap = None
-            at = slots[failed]
-            t.reason[at] = reason[failed]
-            t.origin[at] = origin[failed]
-            f.reason_all[pos[failed]] = reason[failed]
-            f.origin_all[pos[failed]] = origin[failed]
+        if self.failed.size:
+            failing = self.failing
+            reason, origin = self.reason[failing], self.origin[failing]
+            at = slots[failing]
+            t.reason[at] = reason
+            t.origin[at] = origin
+            at = pos[failing]
+            f.reason_all[at] = reason
+            f.origin_all[at] = origin
         t.step_no, t.now = step, now
+        if ended:
+            # some row became terminal: the table's terminal count changed, so
+            # the next step builds a new frame, and this one's columns are
+            # never written again: the result may hold them as they are
+            f.retire()
         return _result(stepper, f, step, pos, was, self.triggers, dwell)
 
 
@@ -179,20 +197,20 @@ def commit_unchanged(stepper: Stepper, f: Frame, result: StepResult) -> StepResu
 def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
     """Check the header (raising on every rank if the ranks diverged) and work
     out whether this step needs an origin fetch."""
-    hdr = Header(reduced)
+    hdr = stepper._header(reduced)
     if not hdr.agreed:
         raise _mismatch(stepper, f, hdr)
     if hdr.need > stepper.capacity:
         raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
-    s = Settled(f, hdr, reduced[HEADER : HEADER + f.n].copy())
+    s = Settled(f, hdr, reduced[HEADER : HEADER + f.n])
     failed = s.failed
     if failed.size:
         if hdr.sole is None:  # several ranks failed rows: which word won where?
             area = reduced[HEADER + stepper.capacity :]
             if area.size == slots_size(stepper.capacity):
-                s.known = slot_origins(area, failed, s.words[failed])
+                s.known = slot_origins(area, failed, s.words[s.failing])
         if hdr.sole is None and s.known is None:  # some list did not fit: ask
-            mine = stepper.local.words(failed) == s.words[failed]
+            mine = stepper.local.words(failed) == s.words[s.failing]
             s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
     return s
 
@@ -260,7 +278,7 @@ def _result(
         active=f.pos,
         changed=pos,
         previous=previous,
-        triggers=triggers.astype(np.int16, copy=False),
+        triggers=triggers,
         dwell=dwell,
         exceptions=stepper.local.exceptions,
     )

@@ -65,7 +65,6 @@ from lifecycle.packing import Header, buffer_size, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
-from lifecycle.status import KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = [
@@ -78,9 +77,6 @@ __all__ = [
     "MAX_CAPACITY",
     "tag_word",
 ]
-
-
-_FAILED_BYTE = bytes([int(KVPoll.Failed)])
 
 
 class Stepper:
@@ -151,6 +147,8 @@ class Stepper:
         self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
         self._prepared = False
         self._settled: Settled | None = None
+        #: (a reduced buffer, its header) of the step in hand
+        self._seen: tuple[NDArray[np.uint8], Header] | None = None
         self._group: Any = None
         #: set by a group between its start() and finish(): the step in flight
         #: owns the stepper, and the hand-driven protocol below refuses
@@ -181,16 +179,19 @@ class Stepper:
         return self._prepare(tag)
 
     def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
-        word = tag_word(tag, self.rank)
+        word = 0 if tag is None else tag_word(tag, self.rank)
         t = self.table
-        f = self._frame = Frame.of(
-            t, self._frame, self._pool, self._by_index, self.local.metadata is not None
-        )
+        f = self._frame
+        if t._limbo or f is None or f.key != (t.version, t.columns_version, t.terminal_count):
+            f = self._frame = Frame.of(
+                t, f, self._pool, self._by_index, self.local.metadata is not None
+            )
         now, late = self._now()
         self.local.run(t, f, self.config, now, t.step_no + 1, late)
         self._tag = word
         self._prepared = True
         self._settled = None
+        self._seen = None
         return self._pack()
 
     def _now(self) -> tuple[float, HookError | None]:
@@ -203,7 +204,7 @@ class Stepper:
 
     def _failer(self, k: int) -> bool:
         """Does this rank fail one of its first ``k`` active rows (those it packs)?"""
-        return _FAILED_BYTE in self.local.values[:k].tobytes()
+        return self.local.failed_in(k).size > 0
 
     def resize(self, reduced: NDArray[np.uint8]) -> bool:
         """After a reduce: True if some rank's list outgrew the capacity.
@@ -213,8 +214,18 @@ class Stepper:
         self._idle("resize", reduced)
         return self._resize(reduced)
 
-    def _resize(self, reduced: NDArray[np.uint8]) -> bool:
+    def _header(self, reduced: NDArray[np.uint8]) -> Header:
+        """The reduced buffer's header, read once per buffer of this step
+        (resize, then origins, look at the same one)."""
+        seen = self._seen
+        if seen is not None and seen[0] is reduced:
+            return seen[1]
         hdr = Header(reduced)
+        self._seen = (reduced, hdr)
+        return hdr
+
+    def _resize(self, reduced: NDArray[np.uint8]) -> bool:
+        hdr = self._header(reduced)
         if not hdr.agreed:
             return False  # every rank raises in origins()/apply() instead
         self._floor = max(self._floor, min(bucket(0, hdr.floor), MAX_CAPACITY))
@@ -238,6 +249,14 @@ class Stepper:
             return False
         return self._buffer.unchanged(reduced, f)
 
+    def _unchanged_in(self, whole: bytes, at: int) -> bool:
+        """:meth:`unchanged` for this stepper's segment at ``at`` of a group's
+        reduced buffer, given as bytes."""
+        f = self._frame
+        if not self._prepared or f is None or f.n > self.capacity:
+            return False
+        return self._buffer.unchanged_in(whole, at, f)
+
     def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);
         ``result``: its :func:`~lifecycle.settle.unchanged_result`, if built."""
@@ -260,6 +279,7 @@ class Stepper:
     def _repack(self) -> NDArray[np.uint8]:
         if not self._prepared or self._frame is None:
             raise RuntimeError("repack() before prepare()")
+        self._seen = None
         return self._pack()
 
     def origins(self, reduced: NDArray[np.uint8]) -> NDArray[np.int32] | None:

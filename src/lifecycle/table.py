@@ -27,6 +27,7 @@ from lifecycle.errors import (
     TableBusy,
     UnknownRequest,
 )
+from lifecycle.packing import room_keys
 from lifecycle.reasons import FailureReason
 from lifecycle.request_info import RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
@@ -48,6 +49,7 @@ class RequestTable:
 
     _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
         ("room", np.uint64, 0),
+        ("room_key", np.uint64, 0),  # the room mixed (packing.room_keys): the list hash's input
         ("state", np.int8, KVPoll.Bootstrapping),
         ("role", np.int8, Role.SENDER),
         ("reason", np.int8, FailureReason.NONE),
@@ -61,9 +63,11 @@ class RequestTable:
         ("handle_index", np.int64, -1),
         ("metadata_sent_at", np.float64, np.nan),
         ("alive", np.bool_, False),
+        ("carries", np.bool_, False),  # holds a reason or origin a move carried in
     )
 
     room: NDArray[np.uint64]
+    room_key: NDArray[np.uint64]
     state: NDArray[np.int8]
     role: NDArray[np.int8]
     reason: NDArray[np.int8]
@@ -77,6 +81,7 @@ class RequestTable:
     handle_index: NDArray[np.int64]
     metadata_sent_at: NDArray[np.float64]
     alive: NDArray[np.bool_]
+    carries: NDArray[np.bool_]
 
     def __init__(self, rank: int = 0, capacity: int = _INITIAL) -> None:
         self.rank = validate.integer(rank, "RequestTable rank", 0, (1 << 24) - 1)
@@ -93,6 +98,9 @@ class RequestTable:
         self.columns_version = 0  # bumped when a per-request column is edited by hand
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
+        #: live requests whose reason or origin a move carried in: only they
+        #: (and terminal ones) can differ from NONE and -1 (skips two gathers)
+        self.carried = 0
         self.step_no = 0  # advanced by the stepper
         # time of the last step, for rows added between steps; NaN until a
         # stepper owns the table (it then stamps the rows added before it)
@@ -232,7 +240,9 @@ class RequestTable:
             self._grow(len(self._index) + k)
         slots = np.array(self._free[len(self._free) - k :][::-1], dtype=np.int64)
         del self._free[len(self._free) - k :]
-        self.room[slots] = np.asarray(room_list, dtype=np.uint64)
+        room_arr = np.asarray(room_list, dtype=np.uint64)
+        self.room[slots] = room_arr
+        self.room_key[slots] = room_keys(room_arr)
         self.state[slots] = state
         self.terminal_count += k if KVPoll(state).terminal else 0
         self.role[slots] = role
@@ -247,6 +257,7 @@ class RequestTable:
         self.handle_index[slots] = hidx
         self.metadata_sent_at[slots] = np.nan
         self.alive[slots] = True
+        self.carries[slots] = False
         if handles is not None:
             for s, h in zip(slots.tolist(), handles):
                 self.handles[s] = h
@@ -264,6 +275,7 @@ class RequestTable:
         del self._index[room]
         self.abort_count -= int(self.abort_requested[slot])
         self.terminal_count -= int(TERMINAL[self.state[slot]])
+        self.carried -= int(self.carries[slot])
         self.abort_requested[slot] = False
         self.alive[slot] = False
         self.handles[slot] = None
@@ -282,6 +294,8 @@ class RequestTable:
         slots = [self._index.pop(r) for r in room_list]
         self.abort_count -= int(self.abort_requested[slots].sum())
         self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
+        if self.carried:
+            self.carried -= int(self.carries[slots].sum())
         self.abort_requested[slots] = False
         self.alive[slots] = False
         for s in slots:
@@ -370,6 +384,9 @@ class RequestTable:
         )
         other.reason[dst] = self.reason[src]
         other.origin[dst] = self.origin[src]
+        if self.reason[src] != FailureReason.NONE or self.origin[src] != -1:
+            other.carries[dst] = True
+            other.carried += 1
         other.metadata_sent_at[dst] = self.metadata_sent_at[src]
         # ages carry over; step counters are per table, so keep the distance
         other.added_step[dst] = other.step_no - (self.step_no - int(self.added_step[src]))

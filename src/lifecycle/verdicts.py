@@ -29,13 +29,18 @@ MASK_SOURCES: dict[str, FailureReason] = {
 GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
 #: where every gate's demotion edge leads (one edge for all gates: see graph)
 _HOLD_TO = int(batch.DEST[batch.TRIGGER_ID[GATES[0].trigger], batch.DEMOTE_SOURCE])
-#: per "closed" (0/1) the largest status a row may keep
-_CAP = np.array([batch.DEMOTE_SOURCE, _HOLD_TO], dtype=np.int8)
+#: the status a gate demotes from (a closed row keeps at most _SOURCE - 1)
+_SOURCE = np.int8(batch.DEMOTE_SOURCE)
+_BOOL = np.dtype(np.bool_)
+if _HOLD_TO != batch.DEMOTE_SOURCE - 1:  # hold() lowers by one
+    raise AssertionError("a gate demotes Success to the status just below it")
 
 
 def bool_answer(answer: Any, n: int, hook: str, rank: int) -> NDArray[np.bool_]:
     """A hook's per-row answer: exactly ``n`` booleans, else a :class:`HookError`
     (a gate answering None is not "open")."""
+    if type(answer) is np.ndarray and answer.dtype is _BOOL and answer.shape == (n,):
+        return answer  # the common answer, checked without a conversion
     arr = np.asarray(answer)
     if arr.dtype != np.bool_ or arr.shape != (n,):
         raise HookError(
@@ -59,21 +64,19 @@ def combine(
         if codes is None:
             codes = np.full(n, _NONE, dtype=np.int8)
         np.minimum(codes, np.where(mask, reason, _NONE), out=codes)
-    if backend is not None:
-        codes = backend.copy() if codes is None else np.minimum(codes, backend)
+    if backend is not None:  # alone, the backend's codes are the codes (never written to)
+        codes = backend if codes is None else np.minimum(codes, backend)
     return codes
 
 
-def hold(local: NDArray[np.int8], closed: Mapping[str, NDArray[np.bool_] | None]) -> None:
-    """Demote, in place, the local Successes where a gate of :data:`GATES` is
-    closed. Every gate takes the same edge (Success -> Transferring, checked
-    where the graph is declared), so one pass over the union of their masks
-    applies them all: ``min(value, Transferring)`` where closed moves exactly
-    the Successes (values are statuses 0..4 here)."""
-    union: NDArray[np.bool_] | None = None
-    for rule in GATES:
-        mask = closed.get(rule.source)
-        if mask is not None:
-            union = mask if union is None else union | mask
-    if union is not None:
-        np.minimum(local, _CAP[union.view(np.uint8)], out=local)
+def hold(local: NDArray[np.int8], closed: NDArray[np.bool_] | None) -> None:
+    """Demote, in place, the local Successes where some gate of :data:`GATES`
+    is closed (``closed``: the union of their masks; None, none is). Every
+    gate takes the same edge (Success -> Transferring, checked where the
+    graph is declared), so one pass over the union applies them all:
+    ``min(value, Transferring)`` where closed moves exactly the Successes
+    (values are statuses 0..4 here)."""
+    if closed is not None:
+        # the cap per row, Success or one below it where closed: two passes
+        # (a masked minimum or a table lookup costs several times more)
+        np.minimum(local, np.subtract(_SOURCE, closed.view(np.int8)), out=local)

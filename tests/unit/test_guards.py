@@ -162,6 +162,32 @@ def test_move_carries_abort_flag_clocks_and_columns():
     assert [(f.room, f.reason) for f in res.failures()] == [(5, FailureReason.ABORTED)]
 
 
+def test_a_reason_a_move_carries_in_is_what_the_next_steps_report():
+    """A failed request moved on at another status keeps its reason and
+    origin; the queue it joined reports them (its other rows report none),
+    also once it has left again."""
+    src, dst = RequestTable(), RequestTable()
+    board = StatusBoard(KVPoll.Transferring)
+    s_src = Stepper(src, 0, poller=board)
+    s_dst = Stepper(dst, 0, poller=board)
+    src.extend([1, 2])
+    dst.extend([7, 8])
+    board.set([2], F)
+    s_src.step(SingleRank())
+    assert src.info(2).reason != FailureReason.NONE
+    src.move(2, dst, state=KVPoll.Transferring)
+    board.set([2], T)
+    res = s_dst.step(SingleRank())
+    assert res.rooms.tolist() == [7, 8, 2]
+    assert res.reasons.tolist() == [FailureReason.NONE] * 2 + [int(dst.info(2).reason)]
+    assert res.origins.tolist() == [-1, -1, 0]
+    dst.remove(2)
+    dst.add(9)
+    res = s_dst.step(SingleRank())
+    assert res.reasons.tolist() == [FailureReason.NONE] * 3
+    assert res.origins.tolist() == [-1] * 3 and dst.carried == 0
+
+
 def test_move_keeps_the_deadline_running():
     clock = Clock(0.0)
     a, b = RequestTable(), RequestTable()

@@ -122,6 +122,56 @@ def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
     assert slot_origins(blank, failed[:0], agreed[:0]).tolist() == []
 
 
+@pytest.mark.parametrize("states", [[3] * 40, [0] * 7, [1, 2, 3, 4, 0] * 9, [4], []])
+def test_list_sum_is_the_weighted_sum_of_keys_and_statuses(states):
+    """One status for every row takes a shortcut; the sum is the same."""
+    from lifecycle.packing import list_sum, position_weights, room_keys
+
+    n = len(states)
+    keys = room_keys(np.arange(100, 100 + n, dtype=np.uint64))
+    st = np.array(states, dtype=np.int8)
+    w = position_weights(n)
+    want = sum((int(k) + s) * int(x) for k, s, x in zip(keys, states, w)) % 2**64
+    assert list_sum(keys.copy(), st) == want
+
+
+@pytest.mark.parametrize("per_rank", [3, 20, 60])
+def test_failure_slots_read_alike_for_few_and_many_entries(per_rank):
+    """Few listed entries are read in Python integers, many in one numpy pass:
+    both give each failed row the lowest rank whose word won."""
+    from lifecycle.packing import slot_origins, slots_size, write_slots
+
+    cap = 8192  # 64 entries per region
+    rng = np.random.default_rng(per_rank)
+    blank = np.full(slots_size(cap), PAD, dtype=np.uint8)
+    for _ in range(20):
+        ranks = rng.choice(8, size=int(rng.integers(2, 9)), replace=False).tolist()
+        rows = np.sort(rng.choice(cap, size=per_rank * 4, replace=False))
+        out = blank.copy()
+        lists = {}
+        for r in ranks:
+            pos = np.sort(rng.choice(rows, size=per_rank, replace=False))
+            words = rng.integers(0, 11, size=per_rank).astype(np.uint8)
+            lists[r] = dict(zip(pos.tolist(), words.tolist()))
+            area = blank.copy()
+            write_slots(area, r, pos, words)
+            np.minimum(out, area, out=out)
+        failed = np.array(sorted(set().union(*lists.values())), dtype=np.int64)
+        agreed = np.array(
+            [min(w[p] for w in lists.values() if p in w) for p in failed.tolist()], np.uint8
+        )
+        want = [
+            min(r for r, w in lists.items() if w.get(p) == a)
+            for p, a in zip(failed.tolist(), agreed.tolist())
+        ]
+        assert slot_origins(out, failed, agreed).tolist() == want
+        # a failed row no rank listed: the slots cannot say
+        extra = np.setdiff1d(np.arange(cap), failed)[:1]
+        more = np.sort(np.concatenate([failed, extra]))
+        more_agreed = agreed[np.searchsorted(failed, more).clip(0, failed.size - 1)]
+        assert slot_origins(out, more, more_agreed) is None
+
+
 @pytest.mark.parametrize("name", ["_position_keys", "position_weights"])
 def test_a_cached_table_grown_by_two_threads_at_once_answers_both_in_full(monkeypatch, name):
     """Steps prepare on several threads (simulated ranks, group workers): a
