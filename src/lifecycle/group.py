@@ -37,11 +37,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
-from lifecycle.errors import CollectiveMismatch, InvalidArgument, StepInFlight, TableBusy
-from lifecycle.packing import PAD, Field, Header, buffer_size, stable_hash, write_field
+from lifecycle.errors import InvalidArgument, StepInFlight, TableBusy
+from lifecycle.group_wire import fetch_origins, hello
+from lifecycle.packing import PAD, buffer_size
 from lifecycle.result import StepResult
 from lifecycle.settle import unchanged_result
-from lifecycle.step import FIRST_CAPACITY, Stepper, tag_word
+from lifecycle.step import Stepper, tag_word
 from lifecycle.worker import Job, Turn, Worker, take_turn, wait_launches
 
 __all__ = ["StepGroup", "wait_launches"]
@@ -373,48 +374,10 @@ class StepGroup:
     def _fetch(
         coll: Collective, fetches: list[NDArray[np.int32] | None]
     ) -> list[NDArray[np.int32] | None]:
-        """One small reduce for every queue's new failures (only when there are some)."""
-        need = [f for f in fetches if f is not None]
-        if not need:
-            return fetches
-        joined = need[0].copy() if len(need) == 1 else np.concatenate(need)
-        wait_launches()
-        coll.all_reduce_min(joined)
-        out: list[NDArray[np.int32] | None] = []
-        at = 0
-        for f in fetches:
-            if f is None:
-                out.append(None)
-            else:
-                out.append(joined[at : at + f.size])
-                at += f.size
-        return out
+        return fetch_origins(coll, fetches)
 
     def _hello(self, collective: Collective) -> None:
-        shape = "|".join(f"{s.queue}:{s.config.fingerprint:x}" for s in self.steppers)
-        value = stable_hash(f"{len(self.steppers)}|{shape}")
-        # as long as a lone stepper's first buffer, so a rank that steps these
-        # queues one by one meets the hello at the same size and both raise
-        buf = np.zeros(buffer_size(FIRST_CAPACITY), dtype=np.uint8)
-        write_field(buf, Field.CONFIG, value)
-        collective.all_reduce_min(buf)
-        hdr = Header(buf)
-        if Field.CONFIG in hdr.differing():
-            s = self.steppers[0]
-            names = [x.queue for x in self.steppers]
-            raise CollectiveMismatch(
-                s.rank,
-                sum(x.table.__len__() for x in self.steppers),
-                (0, 0),
-                value,
-                hdr.bounds(Field.CONFIG),
-                differs=("queue",),
-                detail=(
-                    f"The ranks built their step groups differently: this rank steps the queues "
-                    f"{names} in this order, with their configurations; every rank must step "
-                    "the same queues in the same order."
-                ),
-            )
+        hello(self.steppers, collective)
         self._hello_done = True
 
     @staticmethod
