@@ -246,6 +246,10 @@ def _stale_table_columns(t, room):
     slot = t.slot_of(room)
     fresh = {name: fill for name, _, fill in t._COLUMNS}
     fresh.update(room=room, alive=True, entered_time=t.now)
+    if "room_key" in fresh:  # derived from the room alone: a new request with it has it too
+        from lifecycle.fingerprint import room_keys
+
+        fresh["room_key"] = room_keys(np.array([room], dtype=np.uint64))[0]
     stale = [
         name
         for name, value in fresh.items()
