@@ -1,14 +1,13 @@
-"""Disaggregation mode, engine type and abort bookkeeping."""
+"""Disaggregation mode, engine type and our abort reason (set by :func:`field.abort.prepare_abort`)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import MutableSequence
 from typing import Any
 
 import attrs
 
-__all__ = ["DisaggregationMode", "engine_type", "FinishAbort", "record_abort"]
+__all__ = ["DisaggregationMode", "engine_type", "FinishAbort"]
 
 
 class DisaggregationMode(enum.Enum):
@@ -38,24 +37,3 @@ class FinishAbort:
 
     def to_json(self) -> dict[str, Any]:
         return {"type": self.err_type, "message": self.message, "status_code": self.status_code}
-
-
-_INPUT_LOGPROB_FIELDS = (
-    "input_token_logprobs_val",
-    "input_token_logprobs_idx",
-    "input_top_logprobs_val",
-    "input_top_logprobs_idx",
-)
-
-
-def record_abort(req: Any, message: str, status_code: int = 500) -> FinishAbort:
-    """Mark ``req`` aborted: set ``finished_reason`` and empty its input log-prob lists."""
-    reason = FinishAbort(message, status_code)
-    req.finished_reason = reason
-    for name in _INPUT_LOGPROB_FIELDS:
-        lst = getattr(req, name, None)
-        if isinstance(lst, MutableSequence):
-            del lst[:]
-        elif lst is not None:
-            setattr(req, name, [])
-    return reason

@@ -14,7 +14,7 @@ from buffers.errors import (
     BadArgument,
     LayoutError,
 )
-from buffers.metadata import FieldSpec, MetadataLayout
+from buffers.metadata import FieldSpec, MetadataLayout, MetadataRecord
 
 #: the rows' fields in the field's order; the optional ones are present only when built
 _SAMPLING_MASK = (
@@ -26,33 +26,11 @@ _DSA = "output_dsa_topk_indices"
 _CHECKSUM = "kv_checksum"
 
 #: what ``get_buf`` returns, per release (absent optional fields are None)
+_STANDARD = MetadataRecord.STANDARD  # the core's nine row fields, in the field's order
 GET_BUF_FIELDS: dict[str, tuple[str, ...]] = {
-    "seed": (
-        "output_ids",
-        "cached_tokens",
-        "output_token_logprobs_val",
-        "output_token_logprobs_idx",
-        "output_top_logprobs_val",
-        "output_top_logprobs_idx",
-        "output_topk_p",
-        "output_topk_index",
-        "output_hidden_states",
-        "bootstrap_room",
-    ),
-    "0.5.23": (
-        "output_ids",
-        "cached_tokens",
-        "output_token_logprobs_val",
-        "output_token_logprobs_idx",
-        "output_top_logprobs_val",
-        "output_top_logprobs_idx",
-        *_SAMPLING_MASK,
-        "output_topk_p",
-        "output_topk_index",
-        "output_hidden_states",
-        _DSA,
-        "bootstrap_room",
-    ),
+    "seed": (*_STANDARD, "bootstrap_room"),
+    # 0.5.23: the sampling mask after the top logprobs, DSA indices before the room
+    "0.5.23": (*_STANDARD[:6], *_SAMPLING_MASK, *_STANDARD[6:], _DSA, "bootstrap_room"),
 }
 
 SAMPLING_MASK_VAR = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"

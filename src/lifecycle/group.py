@@ -109,11 +109,7 @@ class StepGroup:
         # start() and finish() in one: the same refusals and the same work;
         # while the reduce is in flight the caller's thread, which would only
         # wait, builds the results of a step where nothing moves
-        self._refuse(collective, tag)
-        self._coll, self._buf, self._ready = collective, None, None
-        self._step = object()
-        for s in self.steppers:
-            s.in_flight = True
+        self._begin(collective, tag)
         try:
             buf = self._prepare(tag)
             try:
@@ -142,6 +138,14 @@ class StepGroup:
             return None
         return out
 
+    def _begin(self, collective: Collective, tag: int | None) -> None:
+        """Refuse or take the step: from here the steppers are in flight."""
+        self._refuse(collective, tag)
+        self._coll, self._buf, self._ready = collective, None, None
+        self._step = object()
+        for s in self.steppers:
+            s.in_flight = True
+
     def _refuse(self, collective: Collective, tag: int | None) -> None:
         """Everything that can refuse a start does so before the first collective."""
         if self._work is not None:
@@ -168,11 +172,7 @@ class StepGroup:
         results of a step where nothing moved as soon as the reduce lands;
         ``worker``: prepare and launch on the group's own thread, returning at
         once; what that raises, ``finish`` raises)."""
-        self._refuse(collective, tag)
-        self._coll, self._buf, self._ready = collective, None, None
-        self._step = object()
-        for s in self.steppers:
-            s.in_flight = True
+        self._begin(collective, tag)
         try:
             if not worker:
                 self._work = self._launch(collective, tag, ahead)

@@ -28,7 +28,6 @@ from buffers import (
     cp_split,
     ring_state_page,
 )
-from field.engine import DisaggregationMode, engine_type, record_abort
 
 SMALL = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
 
@@ -227,28 +226,3 @@ def test_draft_geometry_mismatch_names_both_sides():
         check_draft_geometry([comp(item=128)], [comp(item=64)])
     with pytest.raises(GeometryMismatch, match="number of state components"):
         check_draft_geometry([comp()], [])
-
-
-# -- engine mode and aborts ---------------------------------------------------------------
-def test_engine_type():
-    assert engine_type("prefill") == "prefill"
-    assert engine_type(DisaggregationMode.DECODE) == "decode"
-    assert engine_type("null") == engine_type(None) == engine_type("other") == "unified"
-
-
-def test_record_abort():
-    class Req:
-        def __init__(self):
-            self.input_token_logprobs_val = [0.1, 0.2]
-            self.input_top_logprobs_idx = [[1]]
-
-    r = Req()
-    reason = record_abort(r, "client went away", 499)
-    assert r.finished_reason.to_json() == {
-        "type": "abort",
-        "message": "client went away",
-        "status_code": 499,
-    }
-    assert reason.status_code == 499
-    assert r.input_token_logprobs_val == []
-    assert r.input_top_logprobs_idx == []

@@ -602,3 +602,11 @@ def test_set_buf_on_a_reused_slot_leaves_nothing_of_the_previous_owner(meta):
     row = named(meta, meta.get_buf(1))
     assert all(not row[name].any() for name, _, _ in EXPECTED[2:9])
     assert int(row["output_ids"][0]) == 9 and int(row["bootstrap_room"][0]) == 778
+
+
+def test_engine_type():
+    from field.engine import DisaggregationMode, engine_type
+
+    assert engine_type("prefill") == "prefill"
+    assert engine_type(DisaggregationMode.DECODE) == "decode"
+    assert engine_type("null") == engine_type(None) == engine_type("other") == "unified"
