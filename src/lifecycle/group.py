@@ -145,7 +145,8 @@ class StepGroup:
         """Everything that can refuse a start does so before the first collective."""
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
-        tag_word(tag, self.steppers[0].rank)
+        if tag is not None:
+            tag_word(tag, self.steppers[0].rank)
         for s in self.steppers:
             if s.in_flight:
                 raise StepInFlight(s.rank, s.queue, "start")
@@ -170,20 +171,22 @@ class StepGroup:
         self._refuse(collective, tag)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
-        for s in self.steppers:
-            s.in_flight = True
-        try:
-            if not worker:
-                self._work = self._launch(collective, tag, ahead)
-                return
+        if worker:
             if self._worker is None:
-                self._worker = Worker(self)
-        except BaseException:  # nothing is in flight after all
-            self._landed()
-            raise
-        for s in self.steppers:
-            s.table.order()  # the worker only reads the tables
-            s.table.busy = True
+                self._worker = Worker(self)  # before anything is in flight
+            for s in self.steppers:
+                s.in_flight = True
+                s.table.order()  # the worker only reads the tables
+                s.table.busy = True
+        else:
+            for s in self.steppers:
+                s.in_flight = True
+            try:
+                self._work = self._launch(collective, tag, ahead)
+            except BaseException:  # nothing is in flight after all
+                self._landed()
+                raise
+            return
         prev, mine = take_turn()
 
         def job() -> Pending:
