@@ -106,10 +106,10 @@ class StepGroup:
 
     def step(self, collective: Collective, tag: int | None = None) -> tuple[StepResult, ...]:
         """prepare every queue -> one MIN all-reduce -> apply every queue."""
-        # start() and finish() in one: the same refusals and the same work;
-        # while the reduce is in flight the caller's thread, which would only
-        # wait, builds the results of a step where nothing moves
+        # start() and finish() in one; while the reduce is in flight this
+        # thread builds the results of a step where nothing moves
         self._begin(collective, tag)
+        self._mark()
         try:
             buf = self._prepare(tag)
             try:
@@ -139,10 +139,12 @@ class StepGroup:
         return out
 
     def _begin(self, collective: Collective, tag: int | None) -> None:
-        """Refuse or take the step: from here the steppers are in flight."""
+        """Refuse or take the step (``_mark`` then puts the steppers in flight)."""
         self._refuse(collective, tag)
         self._coll, self._buf, self._ready = collective, None, None
         self._step = object()
+
+    def _mark(self) -> None:
         for s in self.steppers:
             s.in_flight = True
 
@@ -150,7 +152,8 @@ class StepGroup:
         """Everything that can refuse a start does so before the first collective."""
         if self._work is not None:
             raise RuntimeError("start() twice: call finish() for the step in flight first")
-        tag_word(tag, self.steppers[0].rank)
+        if tag is not None:
+            tag_word(tag, self.steppers[0].rank)
         for s in self.steppers:
             if s.in_flight:
                 raise StepInFlight(s.rank, s.queue, "start")
@@ -173,18 +176,21 @@ class StepGroup:
         ``worker``: prepare and launch on the group's own thread, returning at
         once; what that raises, ``finish`` raises)."""
         self._begin(collective, tag)
-        try:
-            if not worker:
-                self._work = self._launch(collective, tag, ahead)
-                return
+        if worker:
             if self._worker is None:
-                self._worker = Worker(self)
-        except BaseException:  # nothing is in flight after all
-            self._landed()
-            raise
-        for s in self.steppers:
-            s.table.order()  # the worker only reads the tables
-            s.table.busy = True
+                self._worker = Worker(self)  # before anything is in flight
+            self._mark()
+            for s in self.steppers:
+                s.table.order()  # the worker only reads the tables
+                s.table.busy = True
+        else:
+            self._mark()
+            try:
+                self._work = self._launch(collective, tag, ahead)
+            except BaseException:  # nothing is in flight after all
+                self._landed()
+                raise
+            return
         prev, mine = take_turn()
 
         def job() -> Pending:

@@ -153,6 +153,26 @@ def test_per_object_poll_exception_is_contained_and_polls_once():
     assert [p.polls for p in pollers[0]] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("n", [40, 3000])
+def test_a_long_list_is_checked_like_a_short_one(n):
+    """A long list's poll is checked for failures and invalid values by other
+    means than a short one's (two reductions, no byte scan): same outcome."""
+    rooms = list(range(1, n + 1))
+    boards, _, steppers = world(2, rooms, config=StepConfig(invalid_status="fail"))
+    for b in boards:
+        b.set(rooms, T)
+    for r in ok(lockstep(steppers)):
+        assert r.statuses.tolist() == [T] * n and not r.failures()
+    for b in boards:
+        b.set([rooms[5]], S)
+    boards[0].set([rooms[3]], F)
+    boards[1].set([rooms[-1]], 7)
+    for r in ok(lockstep(steppers)):
+        got = {(f.room, f.reason, f.origin) for f in r.failures()}
+        assert got == {(rooms[3], R.UNKNOWN, 0), (rooms[-1], R.INVALID_STATUS, 1)}
+        assert r.succeeded.tolist() == [rooms[5]]
+
+
 def test_invalid_status_fail_mode():
     boards, _, steppers = world(2, [1, 2], config=StepConfig(invalid_status="fail"))
     boards[0].set([2], 9)
