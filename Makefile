@@ -46,8 +46,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict src
 
+# the suite runs on two workers (pytest-xdist): most integration tests wait on
+# sockets and child processes, so two overlap well on two cores. The tests that
+# build network namespaces share one worker (xdist_group "netns").
+WORKERS ?= 2
 test: sysdeps lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

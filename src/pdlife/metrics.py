@@ -47,6 +47,11 @@ class LifecycleMetrics:
         self.stuck = Gauge(
             "pdlife_stuck_requests", "Requests reported stuck", ["queue"], registry=reg
         )
+        self.fenced = Gauge(
+            "pdlife_fenced_kv_pages",
+            "KV pages kept out of reuse for a writer that stopped beating",
+            registry=reg,
+        )
         self.live = Gauge(
             "pdlife_live_requests",
             "Live requests by agreed status",

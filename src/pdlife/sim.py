@@ -124,6 +124,8 @@ class RankRun:
             self.manager = backend.manager()
         self.alloc = SlotAllocator(cfg.metadata_slots, self.meta)
         self.step_no = 0
+        self.draining: dict[int, tuple[Any, int | None, NDArray[np.int64] | None]] = {}
+        self.drain_poller = DrainPoller(self.draining)
         if self.side == "prefill":
             self.q1 = _Queue("bootstrap", self, self.manager, self.faults)
             self.q2 = _Queue("inflight", self, self.manager, self.faults)
@@ -132,7 +134,7 @@ class RankRun:
             staging = self.manager if cfg.staging and self.moves_bytes else None
             self.q2 = _Queue("transfer", self, self.manager, self.faults, self.meta, staging)
             # draining is bookkeeping, not a transfer: no faults there
-            self.q3 = _Queue("drain", self, DrainPoller(self), None)
+            self.q3 = _Queue("drain", self, self.drain_poller, None)
         self.handles: dict[int, Any] = {}
         # the fake backend's word between the sides (pdlife.sim_peer)
         self.peer_told: dict[int, int] = {}  # room -> reason the other side gave
@@ -144,7 +146,6 @@ class RankRun:
         self.soak_limit: int | None = None
         self.sent: dict[int, int] = {}
         self.pages_free: deque[int] = deque(range(cfg.kv_pages))
-        self.draining: dict[int, tuple[Any, int | None, NDArray[np.int64] | None]] = {}
         self.pages_of: dict[int, NDArray[np.int64]] = {}
         self._slot: dict[int, int] = {}
         self.bytes_checked = 0
@@ -286,7 +287,7 @@ class RankRun:
                     total is not None
                     and self.admitted >= total
                     and self.finished == self.serves()
-                    and not self.draining
+                    and self.drain_poller.settled.issuperset(self.draining)
                 )
                 all_done = self._agree_digest(results, done)
                 if not all_done and self.moves_bytes and not any(r.changed.size for r in results):

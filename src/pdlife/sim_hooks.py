@@ -77,19 +77,30 @@ class QueueFaults:
 
 
 class DrainPoller:
-    """Success once this rank's peer can no longer write into a failed
-    request's buffers (the backend's ``drained``), Transferring until then."""
+    """Success once no writer can write into a failed request's buffers on
+    this rank any more (the backend's ``drained``), Transferring until then.
+
+    ``settled`` holds the rooms that, at the last poll, were drained here or
+    fenced here (held for a writer that stopped beating, which may never come
+    back): what is left of them waits on a fence, here or on another rank."""
 
     by_room = True  # drain rows carry no handle index
 
-    def __init__(self, run: RankRun) -> None:
-        self.run = run
+    def __init__(self, draining: dict[int, tuple[Any, Any, Any]]) -> None:
+        self.draining = draining
+        self.settled: set[int] = set()
 
     def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
-        d = self.run.draining
-        return np.array(
-            [S if getattr(d[r][0], "drained", True) else T for r in rooms.tolist()], dtype=np.int8
-        )
+        out = np.empty(rooms.size, dtype=np.int8)
+        settled = set()
+        for i, r in enumerate(rooms.tolist()):
+            h = self.draining[r][0]
+            drained = getattr(h, "drained", True)
+            out[i] = S if drained else T
+            if drained or getattr(h, "fenced", False):
+                settled.add(r)
+        self.settled = settled
+        return out
 
     def failure_reasons(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
         return np.full(rooms.size, FailureReason.UNKNOWN, dtype=np.int8)

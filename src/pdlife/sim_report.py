@@ -93,12 +93,17 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
             f"with {unfinished} request(s) unfinished: raise --max-steps, or look at the "
             "stuck reports in the trace" + where
         )
-    if run.draining:
+    # held only by a fence, here or on another rank of the group (see DrainPoller)
+    fence = {r: e for r, e in run.draining.items() if r in run.drain_poller.settled}
+    pinned = [r for r in run.draining if r not in fence]
+    if pinned:
         problems.append(
-            f"rank {run.rank} ({run.side}): the buffers of {len(run.draining)} failed "
+            f"rank {run.rank} ({run.side}): the buffers of {len(pinned)} failed "
             "request(s) are still pinned (the peer never confirmed it stopped writing), "
-            f"e.g. room {next(iter(run.draining))}"
+            f"e.g. room {pinned[0]}{_wire(run, pinned[0])}"
         )
+    fenced_slots = sum(s is not None for _, s, _ in fence.values())
+    fenced_pages = sum(p.size for _, _, p in fence.values() if p is not None)
     if run.moves_bytes:
         meta = ("drop_metadata", "corrupt_metadata")
         others = tuple(k for k in KINDS if k not in meta)
@@ -121,8 +126,12 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "problems": problems,
         "unfired_faults": unfired if error is None else [],
         "disagreements": run.disagreements,
-        "leaked_slots": run.alloc.in_use + run.alloc.quarantined,
-        "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free),
+        # fenced buffers are not leaks: they wait for a writer that stopped
+        # beating (a killed rank's never come back), and are counted apart
+        "leaked_slots": run.alloc.in_use + run.alloc.quarantined - fenced_slots,
+        "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free) - fenced_pages,
+        "fenced_slots": fenced_slots,
+        "fenced_kv_pages": fenced_pages,
         # what of that requests not finished (or still draining) hold: a rank
         # that stopped on an error keeps those, and should hold nothing else
         "held_slots": len(run._slot) + sum(s is not None for _, s, _ in run.draining.values()),
@@ -149,3 +158,9 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         "backend_error": None if backend_error is None else repr(backend_error)[:300],
         "error": error,
     }
+
+
+def _wire(run: RankRun, room: int) -> str:
+    """Where ``room`` stands with the transport, when it can say (else nothing)."""
+    describe = getattr(run.manager, "describe", None)
+    return "" if describe is None else f" ({describe(room)})"

@@ -126,6 +126,12 @@ def release(
     h.clear()
 
 
+def fenced_pages(draining: dict[int, Any], settled: set[int]) -> int:
+    """KV pages of draining requests held only by a fence (here or on another
+    rank of the group): their writer stopped beating."""
+    return sum(e[2].size for r, e in draining.items() if r in settled and e[2] is not None)
+
+
 def drain(run: RankRun) -> StepResult:
     """Release quarantined buffers once every rank's peer has stopped writing.
 
@@ -145,4 +151,6 @@ def drain(run: RankRun) -> StepResult:
         run.drain_failed += 1
         run.trace.event(kind="drain_failed", step=run.step_no, room=room)
         release(run, room, h, slot, pages, quarantined=True)
+    if run.metrics is not None:
+        run.metrics.fenced.set(fenced_pages(run.draining, run.drain_poller.settled))
     return res

@@ -119,6 +119,8 @@ def summarize(
         # a rank that stopped on an error cannot have cleaned up: count the others
         "leaked_slots": sum(r["leaked_slots"] for r in ranks.values() if not r["error"]),
         "leaked_kv_pages": sum(r["leaked_kv_pages"] for r in ranks.values() if not r["error"]),
+        # kept out of reuse for a writer that stopped beating and never came back
+        "fenced_kv_pages": sum(r.get("fenced_kv_pages", 0) for r in ranks.values()),
         "drain_failed": sum(r.get("drain_failed", 0) for r in ranks.values()),
         "kv_bytes_verified": sum(r.get("bytes_checked", 0) for r in ranks.values()),
         "stuck": requests - len(final),
@@ -253,6 +255,8 @@ def print_table(s: dict[str, Any]) -> None:
         ("aborted", s["aborted"]),
         ("disagreements", s["disagreements"]),
         ("leaked slots", s["leaked_slots"]),
+        ("leaked KV pages", s["leaked_kv_pages"]),
+        ("fenced KV pages", s.get("fenced_kv_pages", 0)),
         ("stuck", s["stuck"]),
         ("steps", s["steps"]),
         (

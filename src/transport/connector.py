@@ -84,7 +84,8 @@ class Connector(StatusArrays):
             )
             self.staging = Staging(kv_args, slots, c.staging_pages)
         #: what this rank moved: bytes and writes issued (prefill)
-        self.stats = {"bytes_written": 0, "writes": 0}
+        #: requests ever fenced on a silent writer, and ever asked again when it spoke
+        self.stats = {"bytes_written": 0, "writes": 0, "fenced": 0, "unfenced": 0}
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
@@ -228,6 +229,10 @@ class Connector(StatusArrays):
                     self._cleared.clear()
                     self._abandoned.clear()
 
+    def fenced(self) -> tuple[int, int]:
+        """(requests, KV pages) held fenced on writers that stopped beating."""
+        return live.fenced(self)
+
     def describe(self, room: int) -> str:
         """Where a live request stands on the wire, with each peer (one line)."""
         with self._lock:
@@ -271,7 +276,7 @@ class Connector(StatusArrays):
     def _handle(self, msg: dict[str, Any], store: Any) -> None:
         room, kind = msg["room"], msg["kind"]
         if "from" in msg:
-            live.heard(self, int(msg["from"]))
+            live.heard(self, int(msg["from"]), store)
         with self._lock:
             req = self._reqs.get(room)
             if req is None:

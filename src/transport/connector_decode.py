@@ -11,7 +11,8 @@ decode rank's page list for the request is in. It is Done when every sender said
 scattered a bounded amount per scheduler step (the staging gate holds its
 Success meanwhile). A failed request tells every leg to stop and stays
 Aborted until every sender stopped (Drained), or the drain timeout passed
-(Drained; PeerDead when it failed for a peer that stopped beating).
+(Drained; Fenced while the writer it failed for stopped beating, see
+:mod:`transport.liveness`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from transport.topology import Topology, TopologyError
 if TYPE_CHECKING:
     from transport.connector import Connector
 
-__all__ = ["fail", "on_message", "steps", "tell_owed", "tell_pages", "advance"]
+__all__ = ["fail", "stop_all", "on_message", "steps", "tell_owed", "tell_pages", "advance"]
 
 logger = logging.getLogger(__name__)
 
 
-def _stop_all(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
+def stop_all(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
+    """Ask every leg that has not stopped yet to stop writing ``req``."""
     msg: dict[str, Any] = {"kind": "abort", "room": req.room, "reason": int(reason)}
     if req.why is not None:
         msg["why"] = req.why
@@ -48,7 +50,7 @@ def _stop_all(m: Connector, req: Request, reason: FailureReason, store: Any) -> 
 
 
 def _drain_if_stopped(m: Connector, req: Request) -> None:
-    if m._phase(req) == Phase.Aborted and all(leg.stopped for leg in req.senders()):
+    if m._phase(req) in (Phase.Aborted, Phase.Fenced) and all(leg.stopped for leg in req.senders()):
         m._fire(req, "drain")
 
 
@@ -65,7 +67,7 @@ def fail(m: Connector, req: Request, reason: FailureReason, store: Any) -> None:
     if req.want_register and not _plan(m, req, store, failing=True):
         with m._lock:
             m.owed.append(req)
-    _stop_all(m, req, reason, store)
+    stop_all(m, req, reason, store)
     if before < Phase.Metadata:  # no page list was sent: nothing can land
         for leg in req.legs.values():
             leg.stopped = True
@@ -81,7 +83,7 @@ def tell_owed(m: Connector, store: Any) -> None:
     later = []
     for req in owed:
         if _plan(m, req, store, failing=True):
-            _stop_all(m, req, req.reason, store)
+            stop_all(m, req, req.reason, store)
         else:
             later.append(req)
     if later:
@@ -106,7 +108,7 @@ def on_message(m: Connector, req: Request, msg: dict[str, Any], store: Any) -> N
         if leg.stopped and all(x.stopped for x in req.senders()):
             _ = m._fire(req, "peer_failed", reason) or m._fire(req, "drain")
         elif m._fire(req, "abort", reason):
-            _stop_all(m, req, reason, store)
+            stop_all(m, req, reason, store)
     elif kind == "stopped":  # a sender acknowledged our abort: nothing more from it
         leg.stopped = True
         _drain_if_stopped(m, req)
@@ -206,6 +208,7 @@ def tell_pages(
             # its pages released already, so no page list may go out
             return
         m.waited[req.index] = time.monotonic()
+        req.num_pages = int(pages.size)  # what a fence on its writer holds
         if blocks:
             req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
             m.scatter_left[req.index] = pages.size

@@ -15,10 +15,14 @@ Failure is two phases, because a request that failed may still have writes
 in flight towards its pages: Aborted quarantines it until nothing more can
 land, then Drained releases it. A peer whose heartbeat stopped fails its
 requests the same way (reason peer dead): it may only be paused and write
-again when it resumes, so they stay Aborted until it says it stopped, or
-until the drain timeout, when they are released on its silence (PeerDead).
-Done, Drained and PeerDead are terminal, and exactly the phases whose memory
-may be reused.
+again when it resumes, so they stay Aborted until it says it stopped. If it
+is still silent at the drain timeout, decode's request is Fenced: its pages
+and metadata row stay out of reuse (and are counted) for as long as that
+writer is silent; once the writer speaks again it is asked again to stop
+(Aborted, with a fresh drain timeout), and its word, or that timeout, drains
+it. A writer that never comes back keeps its requests' pages fenced rather
+than risk its writes landing in another request's. Done and Drained are
+terminal, and exactly the phases whose memory may be reused.
 
 Each edge names the :class:`KVPoll` it implies (``poll``): the scheduler's
 status is raised to it (never lowered), and a Failed latches with the
@@ -83,7 +87,7 @@ class Phase(enum.IntEnum):
     Done = 5
     Aborted = 6
     Drained = 7
-    PeerDead = 8
+    Fenced = 8
 
 
 #: the two sides, in the order of the per-role tables' first axis
@@ -162,7 +166,11 @@ EDGES: tuple[ProtocolEdge, ...] = (
         "abort", _LIVE, P.Aborted, KVPoll.Failed, "failed here; writes may still be in flight"
     ),
     ProtocolEdge(
-        "drain", (P.Aborted,), P.Drained, None, "nothing more can land: memory may be reused"
+        "drain",
+        (P.Aborted, P.Fenced),
+        P.Drained,
+        None,
+        "nothing more can land: memory may be reused",
     ),
     ProtocolEdge(
         "peer_failed",
@@ -174,16 +182,23 @@ EDGES: tuple[ProtocolEdge, ...] = (
     ProtocolEdge(
         "peer_dead",
         (P.Aborted,),
-        P.PeerDead,
+        P.Fenced,
         None,
-        "failed for a peer whose heartbeat stopped, which never said it stopped "
-        "writing: released on its silence at the drain timeout",
+        "decode: failed for a writer still silent at the drain timeout, which never "
+        "said it stopped: its pages stay fenced while it is silent",
+    ),
+    ProtocolEdge(
+        "peer_back",
+        (P.Fenced,),
+        P.Aborted,
+        KVPoll.Failed,
+        "the fenced writer speaks again: asked again to stop, with a fresh drain timeout",
     ),
 )
 
 TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
 TRIGGER_ID: dict[str, int] = {t: i for i, t in enumerate(TRIGGERS)}
-TERMINAL: frozenset[Phase] = frozenset({P.Done, P.Drained, P.PeerDead})
+TERMINAL: frozenset[Phase] = frozenset({P.Done, P.Drained})
 
 
 def compile_polls(edges: tuple[ProtocolEdge, ...]) -> NDArray[np.int8]:

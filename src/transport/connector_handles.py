@@ -45,6 +45,14 @@ class _Handle(StatusHandle):
         req = self._req
         return req.released or bool(IS_TERMINAL[self.manager._phase(req)])
 
+    @property
+    def fenced(self) -> bool:
+        """Failed for a writer that stopped beating and never said it stopped:
+        its pages stay out of reuse while that writer is silent (they are
+        released once it speaks again and stops, see :mod:`transport.liveness`)."""
+        req = self._req
+        return not req.released and self.manager._phase(req) == Phase.Fenced
+
     def clear(self) -> None:
         if self._detach():
             self.manager._clear(self._req)

@@ -4,8 +4,12 @@ waiting and drain timeouts, and what a closing connector still owes.
 A silent peer may only be paused (a long GC, a starved host) and write again
 once it resumes, so its requests fail on the usual path: every leg is told,
 the silent one too, and their memory stays quarantined until each sender
-said it stopped, or the drain timeout passed. A peer that beats again is live
-again for new requests.
+said it stopped, or the drain timeout passed. A decode request whose writer
+is still silent at the drain timeout is Fenced instead of released: its
+memory stays out of reuse while that writer is silent (:func:`fenced` counts
+it). When the writer speaks again, every request fenced on it is asked again
+to stop and gets a fresh drain timeout. A peer that beats again is live again
+for new requests.
 """
 
 from __future__ import annotations
@@ -16,15 +20,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lifecycle.reasons import FailureReason
+from transport import connector_decode as dec
 from transport import connector_prefill as pre
 from transport.connector_graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
 
 if TYPE_CHECKING:
     from transport.connector import Connector
 
-__all__ = ["check_peers", "heard", "timeouts", "owing"]
+__all__ = ["check_peers", "fenced", "heard", "timeouts", "owing"]
 
 logger = logging.getLogger(__name__)
+
+#: the failure reasons whose writer may come back: a decode request failed for
+#: one of them, whose writer is still silent at the drain timeout, is Fenced
+#: instead of released (a paused process resumes and finishes its writes)
+FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
 
 
 def check_peers(m: Connector, store: Any) -> None:
@@ -37,19 +47,56 @@ def check_peers(m: Connector, store: Any) -> None:
         logger.warning("rank %d: peer rank %d has not beaten for %.1f s", m.rank, p, limit)
     for p in sorted(m._peer_dead - silent):
         logger.warning("rank %d: peer rank %d beats again", m.rank, p)
+    back = m._peer_dead - silent
     m._peer_dead = silent
     for r in reqs:
         if silent.intersection(r.legs or m.expected):
             m._fail(r, FailureReason.PEER_DEAD, store)
+    if back:
+        unfence(m, back, store)
 
 
-def heard(m: Connector, peer: int) -> None:
-    """A message from ``peer`` arrived (on the loop's thread): it is alive, even
-    before its next heartbeat is seen, and serves new requests again."""
+def unfence(m: Connector, peers: set[int], store: Any) -> None:
+    """Writers in ``peers`` speak again: every request fenced on one of them is
+    asked again to stop, and its drain timeout starts afresh."""
+    with m._lock:
+        fenced_reqs = [
+            r
+            for r in m._reqs.values()
+            if not r.released and m.phase[r.index] == Phase.Fenced and peers.intersection(r.legs)
+        ]
+    if not fenced_reqs:
+        return
+    moved = m._fire_many(fenced_reqs, "peer_back")  # (a Failed again: its clock restarts)
+    m.stats["unfenced"] += int(moved.sum())
+    for r, ok in zip(fenced_reqs, moved.tolist()):
+        if ok:
+            dec.stop_all(m, r, r.reason, store)
+    logger.warning(
+        "rank %d: %d request(s) fenced on rank(s) %s asked again to stop",
+        m.rank,
+        int(moved.sum()),
+        sorted(peers),
+    )
+
+
+def fenced(m: Connector) -> tuple[int, int]:
+    """(requests, pages) this rank holds fenced on writers that stopped beating:
+    memory kept out of reuse while they are silent."""
+    with m._lock:
+        held = [r for r in m._reqs.values() if not r.released and m.phase[r.index] == Phase.Fenced]
+        return len(held), sum(max(r.num_pages, 0) for r in held)
+
+
+def heard(m: Connector, peer: int, store: Any) -> None:
+    """A message from ``peer`` arrived: it is alive, even before its next
+    heartbeat is seen, and serves new requests again."""
     m.mail.heard(peer)
     if peer in m._peer_dead:
         m._peer_dead = m._peer_dead - {peer}
         logger.warning("rank %d: peer rank %d speaks again", m.rank, peer)
+        if m.config.role == "decode":
+            unfence(m, {peer}, store)
 
 
 def timeouts(m: Connector, now: float, store: Any) -> None:
@@ -79,9 +126,17 @@ def timeouts(m: Connector, now: float, store: Any) -> None:
             req.abandoned = True
             for leg in req.legs.values():
                 m._send(leg.peer, pre.gave_up(req.room, req.reason), store)
-    dead = stale & (m.reason[idx] == FailureReason.PEER_DEAD)
-    m._fire_many([reqs[i] for i in np.flatnonzero(dead)], "peer_dead")
-    m._fire_many([reqs[i] for i in np.flatnonzero(stale & ~dead)], "drain")
+    # decode: a writer still silent may resume and write: fenced, not released
+    fence = np.zeros(idx.size, dtype=bool)
+    if cfg.role == "decode":
+        dead = m._peer_dead
+        fence = stale & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
+        for i in np.flatnonzero(fence):
+            fence[i] = bool(dead.intersection(reqs[i].legs))
+    m.stats["fenced"] += int(
+        m._fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum()
+    )
+    m._fire_many([reqs[i] for i in np.flatnonzero(stale & ~fence)], "drain")
 
 
 def owing(m: Connector) -> bool:

@@ -29,6 +29,9 @@ pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.network,
     pytest.mark.timeout(120),
+    # under pytest-xdist, one worker runs these one after another: each makes
+    # namespaces and spawns two whole jobs
+    pytest.mark.xdist_group("netns"),
 ]
 
 RDZV_PORT = 29400  # inside fresh namespaces every port is free

@@ -241,3 +241,58 @@ def test_a_paused_rank_costs_only_requests_in_flight(run_sim, backend, who):
     decode = [r for r in ranks if r["side"] == "decode"]
     assert len(decode[0]["outcome"]) == n
     assert s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == n
+
+
+#: past decode's heartbeat deadline (2 s) and its drain timeout after that (3 s)
+LONG_PAUSE_S = 8
+
+
+@pytest.mark.timeout(150)
+def test_sglang_24527_a_prefill_paused_past_the_drain_timeout_never_writes_into_reused_pages(
+    run_sim, backend
+):
+    # SGLang #24527's silent corruption, by way of a pause: a prefill process
+    # stops for 8 s with writes queued, then resumes. Decode fails its requests
+    # in flight (peer dead) and, once its drain timeout passes with prefill
+    # still silent, fences their pages and rows instead of releasing them (the
+    # connector's unit test shows the late write landing, with its negative
+    # control). When prefill speaks again the fenced requests are asked again
+    # to stop and released on its word. A 14 s soak, paced by prefill: requests
+    # keep arriving after the resume, over 64 metadata rows, so the rows and
+    # pages the fence held are reused, and every committed page and row is
+    # checked byte for byte. Every request admitted after the resume succeeds
+    seed, abort = 11, 0.02
+    proc, s, out = run_sim(
+        backend,
+        "long-pause",
+        *("--soak", "14", "--seed", str(seed), "--abort-prob", str(abort), "--fail-prob", "0"),
+        *("--pg-timeout", "20", "--prefill-tp", "1", "--decode-tp", "1"),
+        *("--pause-rank", "0", "--pause-step", "5", "--pause-seconds", str(LONG_PAUSE_S)),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert s["unfired_faults"] == []  # the pause happened
+    assert s["invariant_violations"] == [] and s["problems"] == [] and s["rank_errors"] == []
+    assert (s["hung_ranks"], s["crashed_ranks"], s["stuck"]) == ([], [], 0)
+    assert (s["leaked_slots"], s["leaked_kv_pages"], s["disagreements"]) == (0, 0, 0)
+    assert s["fenced_kv_pages"] == 0  # prefill came back: nothing stays fenced
+    _, decode = _ranks(out, s)
+    stats = decode["transport_stats"]
+    assert stats["fenced"] > 0, stats  # the drain timeout passed while prefill was silent
+    assert stats["unfenced"] == stats["fenced"]  # every fence lifted once it spoke again
+    # admission order: every request after the last one the pause failed succeeds
+    # (or was aborted by its client), and there are enough of them to reuse rows
+    work = Workload(SimConfig(requests=2**31 - 1, seed=seed, abort_prob=abort))
+    outcome = decode["outcome"]
+    order = [str(work[i]) for i in range(len(outcome))]
+    assert set(order) == set(outcome)
+    dead = [
+        i
+        for i, room in enumerate(order)
+        if outcome[room][0] == "Failed" and outcome[room][1] == FailureReason.PEER_DEAD
+    ]
+    assert dead, "the pause failed no request: it did not test anything"
+    after = [outcome[room][:2] for room in order[dead[-1] + 1 :]]
+    assert len(after) > 64, (len(after), dead)  # more than the metadata rows
+    ok = [["Success", FailureReason.NONE], ["Failed", FailureReason.ABORTED]]
+    assert all(o in ok for o in after), after
+    assert s["kv_bytes_verified"] > 0

@@ -48,11 +48,12 @@ def test_tables_and_machine_agree_on_every_pair(trigger, phase):
 
 
 def test_terminal_phases_latch_and_are_the_reusable_ones():
-    assert set(TERMINAL) == {Phase.Done, Phase.Drained, Phase.PeerDead}
+    assert set(TERMINAL) == {Phase.Done, Phase.Drained}
     for p in TERMINAL:
         assert (DEST[:, p] == -1).all()
         assert IS_TERMINAL[p]
     assert not IS_TERMINAL[Phase.Aborted]  # quarantined: writes may still land
+    assert not IS_TERMINAL[Phase.Fenced]  # its writer may resume: never reused
 
 
 def test_fire_moves_a_batch_and_flags_only_illegal_rows():
@@ -80,6 +81,8 @@ def test_edges_name_the_status_they_imply():
             assert POLL[role, TRIGGER_ID[t]] == KVPoll.Failed
         # releases: the status is Failed already, with its reason
         assert POLL[role, TRIGGER_ID["drain"]] == POLL[role, TRIGGER_ID["peer_dead"]] == -1
+        # a fenced writer back: Failed again, so its drain timeout starts afresh
+        assert POLL[role, TRIGGER_ID["peer_back"]] == KVPoll.Failed
     assert {"prefill": Phase.Metadata, "decode": Phase.Handshaken} == READY
 
 
@@ -129,14 +132,21 @@ def test_the_import_check_refuses_prefill_ready_at_the_handshake(monkeypatch):
     _check_with(monkeypatch, EDGES)  # the declared table passes
 
 
-def test_a_dead_peer_quarantines_before_it_releases():
-    # a silent peer may only be paused: its requests are not reusable until the
-    # drain timeout, reached only through Aborted
+def test_a_dead_peer_quarantines_then_fences_and_never_releases_on_silence():
+    # a silent peer may only be paused: its requests are quarantined (Aborted),
+    # then fenced at the drain timeout; only its word or its return leads on
     live = [Phase.Bootstrap, Phase.Handshaken, Phase.Metadata, Phase.Writing, Phase.RoomWritten]
     _, illegal = fire(np.array(live, dtype=np.int8), "peer_dead")
     assert illegal.all()
     new, illegal = fire(np.array([Phase.Aborted], dtype=np.int8), "peer_dead")
-    assert (new.tolist(), illegal.tolist()) == ([Phase.PeerDead], [False])
+    assert (new.tolist(), illegal.tolist()) == ([Phase.Fenced], [False])
+    # out of Fenced: drained on the writer's word, or back to Aborted when it speaks
+    for trigger, dest in (("drain", Phase.Drained), ("peer_back", Phase.Aborted)):
+        new, illegal = fire(np.array([Phase.Fenced], dtype=np.int8), trigger)
+        assert (new.tolist(), illegal.tolist()) == ([dest], [False])
+    others = [t for t in TRIGGERS if t not in ("drain", "peer_back")]
+    for t in others:
+        assert fire(np.array([Phase.Fenced], dtype=np.int8), t)[1].all(), t
 
 
 def test_protocol_error_names_request_phase_and_what_is_allowed():

@@ -1,9 +1,11 @@
 """Heartbeats and a peer that only pauses: a rank judges a peer by when it
 last saw its heartbeat change, on its own clock; a silent peer's requests fail
 on both sides with reason peer dead and stay quarantined until it says it
-stopped (or the drain timeout); a peer that beats again serves new requests."""
+stopped (a writer still silent at the drain timeout keeps them fenced); a peer
+that beats again serves new requests."""
 
 import contextlib
+import ctypes
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from stub_engine import CopyConnector, handshaken, wait_for
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from transport import liveness
 from transport.connector import ConnectorConfig
 from transport.connector_graph import Phase
 from transport.layout import kv_args_for
@@ -170,16 +173,101 @@ def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
     _succeeds(p, d, 8)  # it beats again: live for new requests
 
 
+class HeldConnector(CopyConnector):
+    """Its writes stay in the engine (a paused process's queue) until ``let_go``,
+    then land: the bytes are copied at that moment."""
+
+    def _start_engine(self):
+        self.held = []
+        return super()._start_engine()
+
+    def _write(self, info, src, dst, lens, notif):
+        self.writes.append(lens.tolist())
+        token = [src.copy(), dst.copy(), lens.copy(), 0]
+        self.held.append(token)
+        return token
+
+    def _check(self, token):
+        return token[3]
+
+    def let_go(self):
+        for token in self.held:
+            src, dst, lens, _ = token
+            for a, b, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+                ctypes.memmove(b, a, n)
+            token[3] = 1
+        self.held.clear()
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control"])
+def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkeypatch, fence):
+    # SGLang #24527 by way of a pause: decode declares prefill dead while a write
+    # of room 7 sits in prefill's engine. Past decode's drain timeout (1 s) its
+    # pages stay fenced while prefill is silent; prefill resumes, the write
+    # lands in those pages (still fenced), prefill hears the abort and says it
+    # stopped, and only then are they released. Negative control: with no reason
+    # fenced (the rule switched off), decode releases the pages on silence, and
+    # the resumed write lands in pages the scheduler could have given to another
+    # request
+    if not fence:
+        monkeypatch.setattr(liveness, "FENCE_REASONS", frozenset())
+    sides = _make_pair(HeldConnector, drain=(30.0, 1.0))
+    p, d = sides["prefill"], sides["decode"]
+    kv_p, kv_d = sides["prefill buffers"][0][0], sides["decode buffers"][0][0]
+    try:
+        s, r = _paired(p, d, 7)
+        kv_p[0] = 0xAB
+        s.send([0])
+        wait_for(lambda: p.held, "prefill's write sits in its engine")
+        with paused(p):
+            wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
+            assert r.failure_reason() == FailureReason.PEER_DEAD
+            t0 = time.monotonic()
+            if fence:
+                wait_for(lambda: r.fenced, "fenced at decode's drain timeout")
+                assert time.monotonic() - t0 > 0.5  # the drain timeout, not at once
+                time.sleep(0.3)
+                assert not r.drained and r.fenced
+                assert d.fenced() == (1, 1)  # the gauge: one request, one page
+            else:
+                wait_for(lambda: r.drained, "released on prefill's silence")
+            p.let_go()  # the paused process's queued write goes out as it resumes
+        assert bytes(kv_d[1].tolist()) == b"\xab" * 64  # it landed in decode's page 1
+        if fence:
+            # the page held the late write: only now, told prefill stopped, is it free
+            wait_for(lambda: r.drained, "released on prefill's word")
+            assert d.phase[r.index] == Phase.Drained and d.fenced() == (0, 0)
+        else:  # released before the write landed: another request's page by then
+            assert d.phase[r.index] == Phase.Drained
+        for h in (s, r):
+            h.clear()
+        kv_p[0] = 0x11
+        s2, r2 = _paired(p, d, 8)  # admitted after the resume: it succeeds
+        s2.send([0])
+        wait_for(lambda: p.held, "the new write is issued")
+        p.let_go()
+        wait_for(lambda: r2.poll() == KVPoll.Success == s2.poll(), "room 8 succeeds")
+        assert bytes(kv_d[1].tolist()) == b"\x11" * 64
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)
+
+
 @pytest.mark.parametrize("pair", [(30.0, 1.0)], indirect=True)
-def test_a_prefill_that_never_resumes_is_released_at_the_drain_timeout(pair):
+def test_a_prefill_that_never_resumes_keeps_decode_fenced(pair):
     p, d = pair["prefill"], pair["decode"]
     s, r = _paired(p, d, 7)
     with paused(p):
         wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
         t0 = time.monotonic()
-        wait_for(lambda: r.drained, "released on prefill's silence")
-        assert time.monotonic() - t0 > 0.5  # the drain timeout (1 s), not at once
-        assert d.phase[r.index] == Phase.PeerDead
+        wait_for(lambda: r.fenced, "fenced on prefill's silence")
+        assert time.monotonic() - t0 > 0.5  # at the drain timeout (1 s), not at once
+        assert d.phase[r.index] == Phase.Fenced and not r.drained
+        time.sleep(1.5)  # longer than the drain timeout again: still fenced
+        assert r.fenced and d.fenced() == (1, 1)
+        r.clear()  # the scheduler lets go of its handle: the fence holds all the same
+        assert d.fenced() == (1, 1)
+        d.close(wait=0)  # closing does not wait for a peer that is gone
 
 
 def test_a_paused_decode_hears_why_once_it_resumes(pair):
@@ -208,7 +296,8 @@ def test_writes_given_up_keep_decode_quarantined_until_its_own_drain_timeout():
         wait_for(lambda: p.writes, "prefill's write issued")
         with paused(d):
             wait_for(lambda: s.poll() == KVPoll.Failed, "prefill finds decode silent")
-            wait_for(lambda: p._phase(s._req) == Phase.PeerDead, "prefill gives the write up")
+            wait_for(lambda: p._phase(s._req) == Phase.Drained, "prefill gives the write up")
+            assert s._req.abandoned
         wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of it")
         assert r.failure_reason() == FailureReason.PEER_DEAD
         t0 = time.monotonic()
