@@ -97,7 +97,7 @@ def _collective(
     With ``pipeline`` (a PP process group, this stage, the number of stages),
     the first stage reduces over ``groups`` and every stage applies its result
     (:class:`~lifecycle.pipeline.PipelineForward`)."""
-    key = tuple(id(g) for g in groups)
+    key = tuple(map(id, groups))
     if pipeline is not None:
         key += (id(pipeline[0]), pipeline[1], pipeline[2])
     kept = _collectives.get(key)
@@ -186,13 +186,18 @@ def run_consensus(
     return statuses
 
 
+_group_types: list[type] = []
+
+
 def _check_group(group: Any, name: str) -> None:
     """None (the default group) or a torch.distributed process group."""
     if group is None:
         return
-    from torch.distributed import ProcessGroup
+    if not _group_types:
+        from torch.distributed import ProcessGroup
 
-    if not isinstance(group, ProcessGroup):
+        _group_types.append(ProcessGroup)
+    if not isinstance(group, _group_types[0]):
         raise TypeError(
             f"{name} must be a torch.distributed ProcessGroup (a gloo group) or None, "
             f"not {type(group).__name__}"

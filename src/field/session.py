@@ -240,7 +240,8 @@ class Session:
         """How many leading entries of the list are live rows (the others left the
         table here); None when the list is not live rows, in order, then new ones."""
         refs, m = self._refs, len(self._refs)
-        if len(ident) >= m and _same(ident[:m], refs):
+        n = len(ident)
+        if n >= m and _same(ident if n == m else ident[:m], refs):
             return m
         # some rows left the list: match by identity
         old = np.fromiter(map(id, refs), np.int64, m)

@@ -11,6 +11,12 @@ alternating order:
   end to end by the lifecycle: decode receiver ``init`` + ``send_metadata``,
   prefill sender ``init`` + ``send``, both sides stepping a :class:`Stepper`
   until the agreed Success, metadata row included.
+
+The buffer is ``buffers`` KV buffers (a model's layers) of equal size. With
+``shuffle`` decode's destination pages are a fixed permutation of prefill's,
+so no two pages are adjacent on both sides: every page of every buffer is a
+run of its own, in both the raw write (one descriptor per page, as a
+connector that sends per page does) and the lifecycle-driven one.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def _side(
     reps: int,
     q: Any,
     quiet: bool = True,
+    buffers: int = 1,
+    shuffle: bool = False,
 ) -> None:
     if quiet:
         divert(None)  # the engine's own lines; --verbose keeps them
@@ -52,8 +60,8 @@ def _side(
     from transport.registry import get_backend
 
     page = page_kib * 1024
-    pages = total_mib * 1024 * 1024 // page
-    kv = [torch.zeros((pages, page), dtype=torch.uint8)]
+    pages = total_mib * 1024 * 1024 // page // buffers
+    kv = [torch.zeros((pages, page), dtype=torch.uint8) for _ in range(buffers)]
     meta = MetadataBuffers(
         4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     )
@@ -66,18 +74,22 @@ def _side(
     store.wait([f"bench/{peer}/0/endpoint"])
     info = mgr._peer_info(0, store)  # the record the connector writes with (connected)
     # a pattern both sides can compute: decode checks every byte it received
-    pattern = (torch.arange(kv[0].numel()) % 251).to(torch.uint8).view_as(kv[0])
+    pattern = [((torch.arange(t.numel()) + b) % 251).to(torch.uint8).view_as(t) for b, t in enumerate(kv)]  # fmt: skip
     if role == "prefill":
-        kv[0].copy_(pattern)
+        for t, want in zip(kv, pattern):
+            t.copy_(want)
     verified = True
     raw_t: list[float] = []
     life_t: list[float] = []
     hand_t: list[float] = []
     idx = np.arange(pages, dtype=np.int64)
+    dst = np.random.default_rng(0).permutation(pages) if shuffle else idx
+    raw = _raw_runs(kv, info["kv_ptrs"], dst, page, shuffle)
     for rep in range(reps):
         for what in ("raw", "life") if rep % 2 == 0 else ("life", "raw"):
             if role == "decode" and what == "life":
-                kv[0].zero_()  # so only this transfer can put the bytes back
+                for t in kv:
+                    t.zero_()  # so only this transfer can put the bytes back
             store.add(f"sync/{rep}/{what}", 1)
             if role == "decode":
                 store.wait([f"go/{rep}/{what}"])
@@ -88,9 +100,8 @@ def _side(
             room = 1000 + rep * 2 + (what == "life")
             if what == "raw":
                 if role == "prefill":
-                    one = [np.array([v], dtype=np.int64) for v in (kv[0].data_ptr(), info["kv_ptrs"][0], kv[0].nbytes)]  # fmt: skip
                     t0 = time.perf_counter()
-                    token = mgr._write(info, *one, b"")  # the engine's own write and poll
+                    token = mgr._write(info, *raw, b"")  # the engine's own write and poll
                     while mgr._check(token) == 0:
                         time.sleep(0.0002)
                     raw_t.append(time.perf_counter() - t0)
@@ -108,7 +119,7 @@ def _side(
                     res = stepper.step(SingleRank())
                     if not sent and res.statuses[0] == 2:
                         t1 = time.perf_counter()  # handshake done: decode says where to write
-                        r.send_metadata(idx, 1)
+                        r.send_metadata(dst, 1)
                         sent = True
                     if res.statuses[0] in (0, 4):
                         break
@@ -120,7 +131,9 @@ def _side(
                     raise RuntimeError(
                         f"lifecycle transfer of room {room} failed: {res.failures()}"
                     )
-                verified &= bool(torch.equal(kv[0], pattern)) and meta.room_of(1) == room
+                rows = torch.from_numpy(dst)
+                verified &= all(torch.equal(t[rows], want) for t, want in zip(kv, pattern))
+                verified &= meta.room_of(1) == room
                 r.clear()
                 meta.clear_room(1)
             else:
@@ -148,12 +161,28 @@ def _side(
     mgr.close()
 
 
+def _raw_runs(
+    kv: list[Any], dst_ptrs: list[int], dst: Any, page: int, shuffle: bool
+) -> tuple[Any, Any, Any]:
+    """The raw engine's descriptors for the same bytes: one per buffer when the
+    pages line up, one per page of every buffer when they are shuffled."""
+    if not shuffle:
+        cols = [(t.data_ptr(), d, t.nbytes) for t, d in zip(kv, dst_ptrs)]
+        return tuple(np.array(c, dtype=np.int64) for c in zip(*cols))  # type: ignore[return-value]
+    n = dst.size
+    src = np.concatenate([t.data_ptr() + np.arange(n, dtype=np.int64) * page for t in kv])
+    to = np.concatenate([d + dst.astype(np.int64) * page for d in dst_ptrs])
+    return src, to, np.full(src.size, page, dtype=np.int64)
+
+
 def run_transfer_bench(
     total_mib: int = 64,
     page_kib: int = 256,
     reps: int = 6,
     backend: str = "mooncake",
     verbose: bool = False,
+    buffers: int = 1,
+    shuffle: bool = False,
 ) -> dict[str, Any]:
     from lifecycle.testing.spawn import store_server
 
@@ -163,7 +192,10 @@ def run_transfer_bench(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_side, args=(backend, r, port, total_mib, page_kib, reps, q, quiet))
+        ctx.Process(
+            target=_side,
+            args=(backend, r, port, total_mib, page_kib, reps, q, quiet, buffers, shuffle),
+        )
         for r in ("prefill", "decode")
     ]
     for p in procs:
@@ -184,6 +216,10 @@ def run_transfer_bench(
         "backend": backend,
         "bytes": nbytes,
         "page_kib": page_kib,
+        "buffers": buffers,
+        "shuffled": shuffle,
+        # separate runs per page and buffer (the raw write's descriptors)
+        "runs": buffers * (nbytes // buffers // (page_kib * 1024)) if shuffle else buffers,
         "reps": reps,
         "raw_median_s": raw,
         "lifecycle_median_s": life,
@@ -209,11 +245,18 @@ def check_args(args: argparse.Namespace) -> None:
     from transport.errors import TransportError
     from transport.registry import get_backend
 
-    if args.page_kib > args.mib * 1024 or (args.mib * 1024) % args.page_kib:
+    each = args.mib * 1024 // args.buffers  # KiB per KV buffer
+    if args.buffers > args.mib * 1024 or (args.mib * 1024) % args.buffers:
+        raise UsageError(
+            f"--buffers {args.buffers}",
+            f"the {args.mib} MiB must split into equal buffers: give a count that divides "
+            f"{args.mib * 1024} KiB",
+        )
+    if args.page_kib > each or each % args.page_kib:
         raise UsageError(
             f"--page-kib {args.page_kib}",
-            f"the {args.mib} MiB buffer must be a whole number of pages: give a page size "
-            f"that divides {args.mib * 1024} KiB",
+            f"each of the {args.buffers} buffer(s) of {each} KiB must be a whole number of "
+            f"pages: give a page size that divides {each} KiB",
         )
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
     if 4 * args.mib > phys // 2:
@@ -242,10 +285,16 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     check_args(args)
-    res = run_transfer_bench(args.mib, args.page_kib, args.reps, args.backend, args.verbose)
+    res = run_transfer_bench(
+        args.mib, args.page_kib, args.reps, args.backend, args.verbose, args.buffers, args.shuffle
+    )
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
+    shape = f"{args.buffers} buffer(s) of {args.page_kib} KiB pages" + (
+        f", destination pages shuffled ({res['runs']} runs)" if args.shuffle else ""
+    )
     print(
-        f"{res['bytes'] >> 20} MiB over {over} on 127.0.0.1: raw engine {res['raw_gbps']:.2f} GB/s, "
+        f"{res['bytes'] >> 20} MiB ({shape}) over {over} on 127.0.0.1: "
+        f"raw engine {res['raw_gbps']:.2f} GB/s, "
         f"lifecycle-driven {res['lifecycle_gbps']:.2f} GB/s "
         f"({100 * res['lifecycle/raw']:.0f}% of raw; medians of {res['reps']}); "
         f"the handshake before it took {1e3 * res['handshake_median_s']:.1f} ms; "
@@ -266,6 +315,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mib", type=positive_int, default=64)
     p.add_argument("--page-kib", type=positive_int, default=256)
     p.add_argument("--reps", type=positive_int, default=6)
+    p.add_argument("--buffers", type=positive_int, default=1, help="KV buffers (layers)")
+    p.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="decode's pages a permutation of prefill's: a run per page (scattered pages)",
+    )
     p.add_argument("--json")
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")
     p.set_defaults(func=_run)

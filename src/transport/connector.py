@@ -84,8 +84,8 @@ class Connector(StatusArrays):
             )
             self.staging = Staging(kv_args, slots, c.staging_pages)
         #: what this rank moved: bytes and writes issued (prefill)
-        #: requests ever fenced on a silent writer, and ever asked again when it spoke
-        self.stats = {"bytes_written": 0, "writes": 0, "fenced": 0, "unfenced": 0}
+        #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
+        self.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
@@ -275,8 +275,8 @@ class Connector(StatusArrays):
 
     def _handle(self, msg: dict[str, Any], store: Any) -> None:
         room, kind = msg["room"], msg["kind"]
-        if "from" in msg:
-            live.heard(self, int(msg["from"]), store)
+        if "from" in msg and not live.received(self, msg, store):
+            return  # from an old incarnation of a restarted peer: refused
         with self._lock:
             req = self._reqs.get(room)
             if req is None:

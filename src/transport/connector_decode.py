@@ -168,6 +168,7 @@ def steps(m: Connector, req: Request, store: Any) -> bool:
         if all(m._peer_info(p, store) is not None for p in req.legs):
             c = m.config
             for leg in req.legs.values():
+                leg.inc = (m._peer_info(leg.peer, store) or {}).get("inc")  # whom it registers with
                 msg = {"kind": "register", "room": req.room, "decode_tp": c.tp_size}
                 msg.update(dp=c.dp_rank, kv_heads=m.kv_heads, mla=c.mla, slice=leg.slice)
                 msg.update(state=m.state_geom, state_leg=leg.state)

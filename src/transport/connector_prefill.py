@@ -118,7 +118,7 @@ def on_message(m: Connector, req: Request, msg: dict[str, Any], store: Any) -> N
                 f"{None if leg is None else (leg.slice, leg.state)}",
             )
             return
-        leg.registered = True
+        leg.registered, leg.inc = True, msg.get("inc")
         if all(x.registered for x in req.legs.values()):
             m._fire(req, "handshake")
         for held in [h for h in req.held if int(h["from"]) == peer]:

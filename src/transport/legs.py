@@ -37,6 +37,8 @@ class Leg:
     dst_head: int = 0
     count: int = 0
     registered: bool = False
+    #: the peer's incarnation this leg was registered with (None: not yet)
+    inc: int | None = None
     # prefill: where the decode rank said to write, once told
     told: bool = False
     dst_pages: NDArray[np.int64] | None = None

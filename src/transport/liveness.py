@@ -23,11 +23,12 @@ from lifecycle.reasons import FailureReason
 from transport import connector_decode as dec
 from transport import connector_prefill as pre
 from transport.connector_graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
+from transport.mailbox import NEW, STALE
 
 if TYPE_CHECKING:
     from transport.connector import Connector
 
-__all__ = ["check_peers", "fenced", "heard", "timeouts", "owing"]
+__all__ = ["check_peers", "fenced", "heard", "received", "timeouts", "owing"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def check_peers(m: Connector, store: Any) -> None:
     reqs, _, _ = m._live()
     peers = {p for r in reqs for p in r.legs or m.expected} | m._peer_dead
     silent = m.mail.silent(peers, limit, store)
+    restarted(m, store)  # (a heartbeat names its incarnation)
     for p in sorted(silent - m._peer_dead):
         logger.warning("rank %d: peer rank %d has not beaten for %.1f s", m.rank, p, limit)
     for p in sorted(m._peer_dead - silent):
@@ -86,6 +88,56 @@ def fenced(m: Connector) -> tuple[int, int]:
     with m._lock:
         held = [r for r in m._reqs.values() if not r.released and m.phase[r.index] == Phase.Fenced]
         return len(held), sum(max(r.num_pages, 0) for r in held)
+
+
+def received(m: Connector, msg: dict[str, Any], store: Any) -> bool:
+    """A message from a peer arrived: False if it comes from an old incarnation
+    of a peer that restarted (refused and counted). From a new incarnation,
+    every request whose leg to that peer belongs to the old one fails (its
+    writer is gone: peer dead); then the peer is heard."""
+    peer = int(msg["from"])
+    seen = m.mail.incarnation_of(peer, msg.get("inc"), store)
+    if seen == STALE:
+        m.stats["stale"] += 1
+        logger.warning(
+            "rank %d: a %r from an old incarnation of rank %d refused (room=%s)",
+            m.rank,
+            msg.get("kind"),
+            peer,
+            msg.get("room"),
+        )
+        return False
+    if seen == NEW:
+        restarted(m, store)
+    heard(m, peer, store)
+    return True
+
+
+def restarted(m: Connector, store: Any) -> None:
+    """Peers that restarted (a new incarnation in the store): every request
+    whose leg to one was registered with its old self fails (peer dead)."""
+    peers, m.mail.restarted = m.mail.restarted, set()
+    if not peers:
+        return
+    with m._lock:
+        old = [
+            r
+            for r in m._reqs.values()
+            if not r.released
+            and any(
+                leg.inc is not None and leg.inc != m.mail.incarnation_known(p)
+                for p, leg in r.legs.items()
+                if p in peers
+            )
+        ]
+    logger.warning(
+        "rank %d: rank(s) %s restarted; %d request(s) paired with the old one(s) fail",
+        m.rank,
+        sorted(peers),
+        len(old),
+    )
+    for r in old:
+        m._fail(r, FailureReason.PEER_DEAD, store)
 
 
 def heard(m: Connector, peer: int, store: Any) -> None:

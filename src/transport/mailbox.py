@@ -17,13 +17,17 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "SAME", "NEW", "STALE"]
+
+#: what :meth:`Mailbox.incarnation_of` says of a message's sender
+SAME, NEW, STALE = "same", "new", "stale"
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +61,25 @@ class Mailbox:
         self._beater: threading.Thread | None = None
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="pd-mailbox", daemon=True)
+        #: this process's incarnation of its rank: in its endpoint record and in
+        #: every message, so that a restarted peer's old self is told apart
+        self.incarnation = secrets.randbits(62)
+        #: peers whose record was replaced by a new incarnation's: connect anew
+        self._renewed: set[int] = set()
+        #: and whose requests with the old incarnation are still to be failed
+        self.restarted: set[int] = set()
 
     def client(self, timeout: timedelta = timedelta(seconds=30)) -> Any:
         return _store(*self._addr, timeout)
 
     def publish(self, record: dict[str, Any]) -> None:
         """Publish this rank's endpoint record, then start taking messages."""
-        self.store.set(f"{self._me}/endpoint", json.dumps(record))
+        self.store.set(f"{self._me}/endpoint", json.dumps({**record, "inc": self.incarnation}))
         self._listener.start()
 
     def send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
         msg.setdefault("from", self._rank)
+        msg.setdefault("inc", self.incarnation)
         store.queue_push(f"{self._ns}/q/{self._peer_role}/{peer}", json.dumps(msg).encode())
 
     def _listen(self) -> None:
@@ -94,12 +106,66 @@ class Mailbox:
         """(the peer's endpoint record or None if not published yet, whether it is new)."""
         info = self._peers.get(peer)
         if info is not None:
+            if peer in self._renewed:
+                self._renewed.discard(peer)
+                return info, True
             return info, False
         key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
         if not store.check([key]):
             return None, False
         info = self._peers[peer] = json.loads(store.get(key))
         return info, True
+
+    def incarnation_of(self, peer: int, inc: Any, store: Any) -> str:
+        """Whether a message from ``peer`` carrying incarnation ``inc`` comes from
+        the incarnation this rank knows (SAME), from a newer one that replaced
+        it in the store (NEW: its record is taken, and the next :meth:`peer`
+        says it is new), or from one the store no longer names (STALE: an old
+        self of a restarted peer, resumed; refuse it). A message with no
+        incarnation (an engine's own notification) cannot be told apart: SAME."""
+        if inc is None:
+            return SAME
+        info = self._peers.get(peer)
+        if info is not None and info.get("inc") == inc:
+            return SAME
+        key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
+        try:
+            record = json.loads(store.get(key)) if store.check([key]) else None
+        except Exception:  # the store is going: nothing to tell it by
+            return SAME
+        if record is None:
+            return SAME if info is None else STALE
+        if record.get("inc") != inc:
+            return STALE
+        if info is None:
+            return SAME  # (looked up, and connected to, when first needed)
+        self._renew(peer, record)
+        return NEW
+
+    def incarnation_known(self, peer: int) -> Any:
+        """The incarnation of ``peer`` this rank holds the record of (None: none)."""
+        info = self._peers.get(peer)
+        return None if info is None else info.get("inc")
+
+    def _renew(self, peer: int, record: dict[str, Any]) -> None:
+        self._peers[peer] = record
+        self._renewed.add(peer)
+        self.restarted.add(peer)
+
+    def _beat_inc(self, peer: int, value: bytes, store: Any) -> None:
+        """A heartbeat names its incarnation: one other than the record this rank
+        holds means the peer restarted; its new record is taken once published."""
+        info = self._peers.get(peer)
+        parts = value.split()
+        if info is None or len(parts) < 3 or str(info.get("inc")) == parts[2].decode():
+            return
+        key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
+        try:
+            record = json.loads(store.get(key))
+        except Exception:
+            return
+        if str(record.get("inc")) == parts[2].decode():
+            self._renew(peer, record)
 
     def publish_group(self, dp: int, record: dict[str, Any]) -> None:
         self.store.set(f"{self._ns}/prefill/group{dp}", json.dumps(record))
@@ -116,7 +182,7 @@ class Mailbox:
 
     def beat(self, store: Any) -> None:
         self._beats += 1
-        store.set(f"{self._me}/hb", f"{self._beats} {time.time()!r}")
+        store.set(f"{self._me}/hb", f"{self._beats} {time.time()!r} {self.incarnation}")
 
     def start_beating(self, interval: float) -> None:
         """Beat every ``interval`` seconds on a thread of its own, so that an engine
@@ -159,6 +225,7 @@ class Mailbox:
             seen = self._seen.get(p)
             if seen is None or seen[0] != value:
                 self._seen[p] = (value, 0.0)
+                self._beat_inc(p, value, store)
                 continue
             watched = seen[1] + step
             self._seen[p] = (value, watched)

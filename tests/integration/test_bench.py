@@ -35,3 +35,16 @@ def test_the_bench_reports_every_variant_and_ratio():
         assert sum("skipped, not importable here" in line for line in text.splitlines()) == 1
     else:
         assert all("field/ours" in row["ratios"] for row in res["sizes"].values())
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_bench_transfer_moves_scattered_pages_and_checks_every_byte(backend):
+    # the scattered-pages case, small: 4 buffers of 32 pages of 32 KiB whose
+    # destination pages are shuffled, so every page is a run of its own in the
+    # raw write and in the lifecycle-driven one; decode checks every byte
+    from pdlife.bench_transfer import run_transfer_bench
+
+    res = run_transfer_bench(4, 32, 2, backend, buffers=4, shuffle=True)
+    assert (res["runs"], res["buffers"], res["shuffled"]) == (128, 4, True)
+    assert res["bytes_verified"] and res["raw_gbps"] > 0 and res["lifecycle_gbps"] > 0

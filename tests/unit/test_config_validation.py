@@ -404,6 +404,8 @@ BENCH_BAD = {
     "reps": [["--reps", "0"], ["--reps", "x"], ["--reps", "5000"]],
     "json": [["--json", "{d}/nowhere/x.json"], ["--json", "{d}"]],
     "verbose": [["--verbose=1"]],
+    "buffers": [["--buffers", "0"], ["--buffers", "3"], ["--mib", "1", "--buffers", "2048"]],
+    "shuffle": [["--shuffle=1"]],
 }
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}
 

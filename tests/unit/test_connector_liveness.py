@@ -6,6 +6,7 @@ that beats again serves new requests."""
 
 import contextlib
 import ctypes
+import json
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from transport import liveness
 from transport.connector import ConnectorConfig
 from transport.connector_graph import Phase
 from transport.layout import kv_args_for
-from transport.mailbox import Mailbox
+from transport.mailbox import SAME, Mailbox
 
 # heartbeat_interval x heartbeat_misses: short, yet long enough that a loaded
 # machine's scheduling delays are not taken for silence
@@ -40,6 +41,7 @@ class FakeStore:
 def _mailbox():
     box = object.__new__(Mailbox)  # no store connection: silent() only reads its argument
     box._ns, box._peer_role, box._seen, box._looked = "ns", "decode", {}, None
+    box._peers, box._renewed, box.restarted = {}, set(), set()
     return box
 
 
@@ -307,3 +309,46 @@ def test_writes_given_up_keep_decode_quarantined_until_its_own_drain_timeout():
     finally:
         for role in ("prefill", "decode"):
             sides[role].close(wait=0)
+
+
+def _restart(m):
+    """``m`` comes back as a new incarnation of its rank: a new record in the
+    store, heartbeats that name it, messages that carry it (the object is the
+    same, which lets the test hold the old incarnation's word)."""
+    key = f"{m.mail._me}/endpoint"
+    record = json.loads(m.mail.store.get(key))
+    old = m.mail.incarnation
+    m.mail.incarnation = old + 1
+    m.mail.store.set(key, json.dumps({**record, "inc": old + 1}))
+    return old
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["refused", "negative-control"])
+def test_vllm_49250_a_restarted_prefill_is_a_new_incarnation(pair, monkeypatch, check):
+    # a prefill rank restarts (vLLM #49250 / #45138: state kept across a
+    # re-admission). Decode sees the new incarnation in its heartbeat and its
+    # record: the request paired with the old one fails (peer dead), a request
+    # admitted after it succeeds, and a word in the old incarnation's name
+    # (a resumed old self) is refused and counted, never taken for the new
+    # owner's. Negative control: with incarnations not told apart, a forged
+    # "done" of the old self completes a request whose bytes never came
+    if not check:
+        monkeypatch.setattr(Mailbox, "incarnation_of", lambda *a: SAME)
+    p, d = pair["prefill"], pair["decode"]
+    s, r = _paired(p, d, 7)
+    old = _restart(p)
+    wait_for(lambda: r.poll() == KVPoll.Failed, "decode sees prefill restarted")
+    assert r.failure_reason() == FailureReason.PEER_DEAD
+    wait_for(lambda: r.drained, "released on the new incarnation's word")
+    for h in (s, r):
+        h.clear()
+    s2, r2 = _paired(p, d, 8)  # admitted after the restart: registered with the new one
+    assert r2._req.legs[0].inc == p.mail.incarnation
+    # the old self, resumed, says room 8 is done: no byte of it was written
+    d._on_message({"kind": "done", "room": 8, "from": 0, "inc": old}, d.store)
+    if check:
+        assert d.stats["stale"] == 1 and r2.poll() != KVPoll.Success
+        s2.send([0])
+        wait_for(lambda: r2.poll() == KVPoll.Success == s2.poll(), "room 8 succeeds")
+    else:
+        assert r2.poll() == KVPoll.Success and s2.poll() != KVPoll.Success

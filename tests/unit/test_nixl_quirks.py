@@ -48,7 +48,7 @@ def bare_manager(agent, role="prefill", **cfg):
     m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
     m.expected = frozenset()
-    m.stats = {"bytes_written": 0, "writes": 0, "fenced": 0, "unfenced": 0}
+    m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
     return m
 
 
