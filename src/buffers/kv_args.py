@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from buffers.checks import Checks, int_tuple
+from buffers.checks import Checks, int_tuple, is_int
 from buffers.errors import BadSetting, BadSettingType, GeometryMismatch
 
 __all__ = [
@@ -48,8 +48,49 @@ def _state_type(inst: Any, attr: Any, value: Any) -> None:
         _CHECK.fail(inst, attr.name, value, f"a StateType ({names})", wrong_type=True)
 
 
-def _opt_int_tuple(value: Any) -> Any:
-    return None if value is None else int_tuple(value)
+def _split_dims(value: Any) -> Any:
+    """None, or a tuple whose entries are ints or (a row of TP-split blocks)
+    tuples of ints; anything else is left for the validator to refuse."""
+    if value is None:
+        return None
+    out = int_tuple(value)
+    if isinstance(out, tuple):
+        out = tuple(int_tuple(x) if isinstance(x, list | tuple | range) else x for x in out)
+    return out
+
+
+_SPLIT_EACH = "an integer >= 0 (units; 0: held whole) or a list of integers >= 1 (units per block)"
+
+
+def _split_check(inst: Any, attr: Any, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, tuple):
+        _CHECK.fail(inst, attr.name, value, f"None or a list of {_SPLIT_EACH}", wrong_type=True)
+    for i, x in enumerate(value):
+        if isinstance(x, tuple):
+            if not x:
+                _CHECK.fail(inst, f"{attr.name}[{i}]", x, "at least one block")
+            for j, u in enumerate(x):
+                if not is_int(u):
+                    _CHECK.fail(inst, f"{attr.name}[{i}][{j}]", u, "an integer", wrong_type=True)
+                if u < 1:
+                    _CHECK.fail(inst, f"{attr.name}[{i}][{j}]", u, "units >= 1 per block")
+        elif not is_int(x):
+            _CHECK.fail(inst, f"{attr.name}[{i}]", x, _SPLIT_EACH, wrong_type=True)
+        elif x < 0:
+            _CHECK.fail(inst, f"{attr.name}[{i}]", x, _SPLIT_EACH)
+
+
+def split_blocks(dims: Any, i: int) -> tuple[int, ...]:
+    """Tensor ``i``'s units per TP-split block of its row, in row order (one
+    block for a plain count); () for a tensor held whole."""
+    if dims is None:
+        return ()
+    d = dims[i]
+    if isinstance(d, list | tuple):
+        return tuple(int(u) for u in d)
+    return (int(d),) if d else ()
 
 
 def _states(value: Any) -> Any:
@@ -72,18 +113,19 @@ class StateComponent:
     resharding: ``split_dims[i]`` is how many units of its rows' outermost
     dimension tensor ``i`` holds on this rank (a mamba state's ``heads / tp``,
     say), the rank's share ``[r * units, (r + 1) * units)`` of the whole; 0
-    marks a tensor every rank holds whole. Without split dims every tensor is
-    held whole."""
+    marks a tensor every rank holds whole. A row that TP splits block by block
+    (a conv state ``[q|k|v]``: rank ``r`` holds its share of each block, one
+    after the other) gives a list, the units of each block this rank holds, in
+    row order: ``split_dims=[(q_units, k_units, v_units)]``. Without split dims
+    every tensor is held whole."""
 
     type: StateType = attrs.field(validator=_state_type)
     ptrs: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_PTRS)
     lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
     item_lens: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_LENS)
     #: None: every tensor is held whole
-    split_dims: tuple[int, ...] | None = attrs.field(
-        default=None,
-        converter=_opt_int_tuple,
-        validator=attrs.validators.optional(_CHECK.ints(0)),
+    split_dims: tuple[int | tuple[int, ...], ...] | None = attrs.field(
+        default=None, converter=_split_dims, validator=_split_check
     )
 
     def __attrs_post_init__(self) -> None:
@@ -102,13 +144,14 @@ class StateComponent:
                     f"a whole number of {item}-byte rows (tensor {i} {kind})",
                 )
         for i, (dim, item) in enumerate(zip(self.split_dims or (), self.item_lens)):
-            if dim and item % dim:
+            units = sum(split_blocks(self.split_dims, i))
+            if units and item % units:
                 _CHECK.fail(
                     self,
                     f"split_dims[{i}]",
                     dim,
                     f"a unit count that divides the row: tensor {i} splits its {item}-byte "
-                    f"rows into {dim} units ({comp}; 0: the tensor is held whole)",
+                    f"rows into {units} units ({comp}; 0: the tensor is held whole)",
                 )
 
     @property

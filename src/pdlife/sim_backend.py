@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdlife.sim_config import STATE_SPLIT_UNITS, SimConfig
+from pdlife.sim_config import STATE_SPLIT_BLOCKS, SimConfig
 from pdlife.sim_topology import Place
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def kv_args(run: RankRun) -> Any:
                 lens=[t.nbytes for t in ts],
                 item_lens=[t[0].nbytes for t in ts],
                 split_dims=(
-                    [STATE_SPLIT_UNITS // run.place.tp_size] * len(ts)
+                    [tuple(b // run.place.tp_size for b in bs) for bs in STATE_SPLIT_BLOCKS]
                     if run.cfg.state_split
                     else None
                 ),

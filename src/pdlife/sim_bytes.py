@@ -19,6 +19,7 @@ import torch
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers
+from pdlife.sim_config import STATE_SPLIT_BLOCKS, STATE_SPLIT_UNITS
 from pdlife.sim_topology import HEAD_BYTES
 
 if TYPE_CHECKING:
@@ -105,10 +106,17 @@ def state_pattern(room: int, tensor: int, share: tuple[int, int] = (0, 1)) -> ND
     ``(rank, tp)`` of it a rank of a TP group of size ``tp`` holds."""
     with np.errstate(over="ignore"):
         key = _mix(np.array([room], np.uint64) * _K_ROOM + _U(tensor + 1) * _K_HEAD)
-    row = _bytes(key, STATE_ROW_BYTES[tensor])[0]
+    row: NDArray[np.uint8] = _bytes(key, STATE_ROW_BYTES[tensor])[0]
     rank, tp = share
-    n = row.size // tp
-    out: NDArray[np.uint8] = row[rank * n : (rank + 1) * n]
+    if tp == 1:
+        return row
+    # each block of the row split by TP on its own: this rank's share of each
+    unit, parts, at = row.size // STATE_SPLIT_UNITS, [], 0
+    for units in STATE_SPLIT_BLOCKS[tensor]:
+        n = units // tp
+        parts.append(row[(at + rank * n) * unit : (at + (rank + 1) * n) * unit])
+        at += units
+    out: NDArray[np.uint8] = np.concatenate(parts)
     return out
 
 

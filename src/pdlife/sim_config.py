@@ -26,9 +26,13 @@ PAGE_BYTES = 256
 
 
 #: --state-split: each state row is cut into this many units of its outermost
-#: dimension (a mamba state's heads), of which a rank of a TP group of size tp
-#: holds 16 / tp
+#: dimension (a mamba state's heads), in blocks that TP splits one by one: the
+#: conv tensor's row is [q|k|v] (4, 4 and 8 units), the temporal tensor's one
+#: block; a rank of a TP group of size tp holds block / tp units of each
 STATE_SPLIT_UNITS = 16
+STATE_SPLIT_BLOCKS = ((4, 4, 8), (16,))
+#: the smallest block: both TP sizes must divide it
+STATE_SPLIT_GRAIN = min(min(b) for b in STATE_SPLIT_BLOCKS)
 
 
 #: the most ranks one simulated cluster has
@@ -289,13 +293,13 @@ def check_combinations(cfg: SimConfig) -> None:
         fail(cfg, "kv_heads", cfg.total_heads, f"a head count that fits both TP sizes: {problem}")
     if cfg.state_split and not cfg.state:
         fail(cfg, "state_split", True, "False without state (it splits the state rows by TP)")
-    if cfg.state_split and (STATE_SPLIT_UNITS % cfg.prefill or STATE_SPLIT_UNITS % cfg.decode):
+    if cfg.state_split and (STATE_SPLIT_GRAIN % cfg.prefill or STATE_SPLIT_GRAIN % cfg.decode):
         fail(
             cfg,
             "state_split",
             True,
-            f"False unless both TP sizes ({cfg.prefill} and "
-            f"{cfg.decode}) divide the {STATE_SPLIT_UNITS} units of a state row",
+            f"False unless both TP sizes ({cfg.prefill} and {cfg.decode}) divide the "
+            f"{STATE_SPLIT_GRAIN} units of a state row's smallest block",
         )
     if cfg.max_pages > cfg.kv_pages:
         fail(

@@ -16,7 +16,7 @@ from pdlife import args as a
 from pdlife.args import SimConfigError, UsageError
 from pdlife.plan import FaultPlan, TargetedFault, load_plan
 from pdlife.plan_doc import MAX_PAUSE_S
-from pdlife.sim_config import MAX_WORLD, STATE_SPLIT_UNITS, SimConfig, longest_ask
+from pdlife.sim_config import MAX_WORLD, STATE_SPLIT_GRAIN, SimConfig, longest_ask
 from pdlife.sim_topology import topology_problem
 
 __all__ = [
@@ -144,11 +144,11 @@ def _topology(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.state_split and not args.state:
         raise UsageError("--state-split", "splits the state rows by TP; add --state")
-    if args.state_split and (STATE_SPLIT_UNITS % p or STATE_SPLIT_UNITS % d):
+    if args.state_split and (STATE_SPLIT_GRAIN % p or STATE_SPLIT_GRAIN % d):
         raise UsageError(
             "--state-split",
-            f"the simulated state rows have {STATE_SPLIT_UNITS} units to split; "
-            f"TP sizes {p} and {d} must both divide it",
+            f"the simulated state rows are split in blocks of at least {STATE_SPLIT_GRAIN} "
+            f"units; TP sizes {p} and {d} must both divide it",
         )
     return {
         "prefill_dp": args.prefill_dp,

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from buffers.kv_args import KVArgs, StateComponent
+from buffers.kv_args import KVArgs, StateComponent, split_blocks
 
 __all__ = [
     "runs",
@@ -85,18 +85,18 @@ def state_geometry(state: Sequence[StateComponent]) -> list[list[Any]]:
     """What a peer needs to know of this rank's state rows to write into them:
     per component, its row bytes and split dims (JSON-friendly)."""
     return [
-        [list(c.item_lens), None if c.split_dims is None else list(c.split_dims)] for c in state
+        [list(c.item_lens), None if c.split_dims is None else [_json(d) for d in c.split_dims]]
+        for c in state
     ]
+
+
+def _json(d: int | tuple[int, ...]) -> Any:
+    return list(d) if isinstance(d, tuple) else d
 
 
 def splits_state(state: Sequence[StateComponent]) -> bool:
     """Some tensor of the state is split by TP (a non-zero split dim)."""
-    return any(c.split_dims is not None and any(c.split_dims) for c in state)
-
-
-def _split(dims: Sequence[int] | None, i: int) -> int:
-    """Tensor ``i``'s units of its split (outermost row) dimension; 0: held whole."""
-    return 0 if dims is None else int(dims[i])
+    return any(split_blocks(c.split_dims, i) for c in state for i in range(len(c.split_dims or ())))
 
 
 def state_misfit(
@@ -108,30 +108,51 @@ def state_misfit(
     """Why the two sides' state rows cannot be moved into each other, or None.
 
     A tensor held whole must have rows of the same bytes on both sides. A split
-    tensor must cut the same global rows into units of the same bytes:
-    ``units * tp`` and ``row bytes / units`` equal on both sides."""
+    tensor must cut the same global rows into units of the same bytes: the
+    same blocks, ``units * tp`` equal per block and ``row bytes / units`` equal
+    on both sides."""
     if len(prefill) != len(decode):
         return f"prefill has {len(prefill)} state components, decode {len(decode)}"
     for c, ((pi, pd), (di, dd)) in enumerate(zip(prefill, decode)):
         if len(pi) != len(di):
             return f"state component {c}: prefill has {len(pi)} tensors, decode {len(di)}"
         for i, (p_item, d_item) in enumerate(zip(pi, di)):
-            pu, du = _split(pd, i), _split(dd, i)
-            where = f"state component {c} tensor {i}"
-            if (pu == 0) != (du == 0):
+            where, pb, db = (
+                f"state component {c} tensor {i}",
+                split_blocks(pd, i),
+                split_blocks(dd, i),
+            )
+            if bool(pb) != bool(db):
                 return f"{where}: split on one side only (prefill split dims {pd}, decode {dd})"
-            if pu == 0 and p_item != d_item:
-                return f"{where}: rows of {p_item} bytes on prefill, {d_item} on decode"
-            if pu and (p_item % pu or d_item % du or p_item // pu != d_item // du):
-                return (
-                    f"{where}: prefill cuts {p_item}-byte rows into {pu} units, decode "
-                    f"{d_item}-byte rows into {du}; a unit must have the same bytes on both"
-                )
-            if pu and pu * prefill_tp != du * decode_tp:
-                return (
-                    f"{where}: prefill TP {prefill_tp} x {pu} units is not decode TP "
-                    f"{decode_tp} x {du}: the two sides split different rows"
-                )
+            why = _tensor_misfit(where, (p_item, pb, prefill_tp), (d_item, db, decode_tp))
+            if why is not None:
+                return why
+    return None
+
+
+def _tensor_misfit(
+    where: str, prefill: tuple[int, tuple[int, ...], int], decode: tuple[int, tuple[int, ...], int]
+) -> str | None:
+    (p_item, pb, ptp), (d_item, db, dtp) = prefill, decode
+    if not pb:  # held whole on both sides
+        if p_item != d_item:
+            return f"{where}: rows of {p_item} bytes on prefill, {d_item} on decode"
+        return None
+    if len(pb) != len(db):
+        return f"{where}: prefill splits its rows in {len(pb)} block(s), decode in {len(db)}"
+    pu, du = sum(pb), sum(db)
+    if p_item % pu or d_item % du or p_item // pu != d_item // du:
+        return (
+            f"{where}: prefill cuts {p_item}-byte rows into {pu} units, decode "
+            f"{d_item}-byte rows into {du}; a unit must have the same bytes on both"
+        )
+    for b, (p, d) in enumerate(zip(pb, db)):
+        if p * ptp != d * dtp:
+            block = f" block {b}" if len(pb) > 1 else ""
+            return (
+                f"{where}{block}: prefill TP {ptp} x {p} units is not decode TP "
+                f"{dtp} x {d}: the two sides split different rows"
+            )
     return None
 
 
@@ -163,8 +184,8 @@ def state_writes(
     parts = []
     for c, (comp, far_ptrs, sr, dr) in enumerate(zip(local.state, peer_state, src_rows, dst_rows)):
         for i, (base, far, item) in enumerate(zip(comp.ptrs, far_ptrs, comp.item_lens)):
-            units = 0 if share is None else _split(comp.split_dims, i)
-            if units == 0:
+            blocks = () if share is None else split_blocks(comp.split_dims, i)
+            if not blocks:
                 if share is None or share.whole:
                     parts.append(
                         coalesce(
@@ -173,15 +194,17 @@ def state_writes(
                     )
                 continue
             assert share is not None
-            far_item, far_units = int(share.peer[c][0][i]), _split(share.peer[c][1], i)
-            mine, theirs = share.prefill * units, share.decode * far_units
-            lo, hi = max(mine, theirs), min(mine + units, theirs + far_units)
-            if hi <= lo:
-                continue
-            unit = item // units
-            s = base + sr * item + (lo - mine) * unit
-            d = far + dr * far_item + (lo - theirs) * unit
-            parts.append((s, d, np.full(sr.size, (hi - lo) * unit, np.int64)))
+            far_item, far_blocks = int(share.peer[c][0][i]), split_blocks(share.peer[c][1], i)
+            unit = item // sum(blocks)
+            at = far_at = 0  # where the block starts in this rank's row and in the peer's
+            for units, far_units in zip(blocks, far_blocks):
+                mine, theirs = share.prefill * units, share.decode * far_units
+                lo, hi = max(mine, theirs), min(mine + units, theirs + far_units)
+                if hi > lo:
+                    s = base + sr * item + (at + lo - mine) * unit
+                    d = far + dr * far_item + (far_at + lo - theirs) * unit
+                    parts.append((s, d, np.full(sr.size, (hi - lo) * unit, np.int64)))
+                at, far_at = at + units, far_at + far_units
     if not parts:
         e = np.empty(0, dtype=np.int64)
         return e, e, e

@@ -175,13 +175,22 @@ STATE_BAD = {
     "ptrs": int_list(0),
     "lens": int_list(1),
     "item_lens": int_list(1),
-    "split_dims": [(5, True), ([1.5, 1], True), ([-1, 0], False), ([True, 0], True)],
+    "split_dims": [
+        (5, True),
+        ([1.5, 1], True),
+        ([-1, 0], False),
+        ([True, 0], True),
+        ([(2, 0)], False),
+        ([()], False),
+        ([(1.5, 2)], True),
+    ],
 }
 STATE_MISFITS = [
     (dict(lens=[640]), "lens"),
     (dict(split_dims=[8]), "split_dims"),
     (dict(lens=[100, 640]), "lens"),
     (dict(split_dims=[5, 0]), "split_dims"),
+    (dict(split_dims=[(3, 2)]), "split_dims"),
 ]
 
 SIM = dict(backend="fake")

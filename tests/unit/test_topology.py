@@ -268,3 +268,48 @@ def test_runs_never_span_two_buffers_even_back_to_back_in_memory():
         sa, [[dst[0].data_ptr(), dst[1].data_ptr()]], [np.array([0])], [np.array([0])]
     )
     assert w2[0].size == 2
+
+
+#: a conv state row [q|k|v]: blocks of 4, 4 and 8 units of 3 bytes in the whole
+#: row, each split by TP on its own (rank r holds its share of q, of k, of v)
+QKV = (4, 4, 8)
+
+
+def _qkv_share(full, tp, r):
+    """Rank ``r``'s row of a TP group of ``tp``: its share of each block, in order."""
+    out, at = [], 0
+    for b in QKV:
+        n = b // tp
+        out.append(full[:, (at + r * n) * 3 : (at + (r + 1) * n) * 3])
+        at += b
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "negative-control"])
+@pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 4), (4, 2), (1, 4)])
+def test_sglang_30997_a_state_split_block_by_block_is_resharded_block_by_block(pt, dt, blocks):
+    # SGLang PR #30997: a conv state [q|k|v] whose blocks TP splits one by one
+    # was sliced as one block. Declared by its blocks (split_dims=[(q, k, v)]),
+    # each decode rank's row holds its own share of q, of k and of v, byte for
+    # byte, whatever the two TP sizes. Negative control: the same memory declared
+    # as one block of 16 units is moved as one range, and the rows come out wrong
+    rows, total = 4, sum(QKV)
+    full = np.arange(rows * total * 3, dtype=np.int64).astype(np.uint8).reshape(rows, total * 3)
+
+    def comp(tp, t):
+        dims = [tuple(b // tp for b in QKV)] if blocks else [total // tp]
+        return [StateComponent(StateType.MAMBA, [t.data_ptr()], [t.nbytes], [t[0].nbytes], split_dims=dims)]  # fmt: skip
+
+    src = [torch.from_numpy(_qkv_share(full, pt, p).copy()) for p in range(pt)]
+    dst = [torch.zeros(rows, total // dt * 3, dtype=torch.uint8) for _ in range(dt)]
+    pargs = [kv_args_for([], ([], [], []), p, state=comp(pt, src[p])) for p in range(pt)]
+    dgeom = state_geometry(comp(dt, dst[0]))
+    assert state_misfit(state_geometry(pargs[0].state), pt, dgeom, dt) is None
+    topo = Topology(pt, dt, 8, split_state=True)
+    rows_src, rows_dst = np.arange(rows), np.arange(rows)[::-1].copy()
+    for d in range(dt):
+        for p in topo.state_sources(d):
+            share = StateShare(p, pt, d, dt, False, dgeom)
+            _apply(state_writes(pargs[p], [[dst[d].data_ptr()]], [rows_src], [rows_dst], share))
+    exact = all(np.array_equal(dst[d].numpy()[::-1], _qkv_share(full, dt, d)) for d in range(dt))
+    assert exact is blocks
