@@ -6,30 +6,118 @@ once). A receiver goes Bootstrapping -> WaitingForInput after ``init`` ->
 Success after its metadata was sent. ``abort`` makes either Failed. Terminal
 states latch.
 
+It keeps the real backends' deadlines when given them (:class:`FakeConfig`):
+a request still Bootstrapping after ``bootstrap_timeout`` seconds, or waiting
+for input longer than ``waiting_timeout`` (a sender never given its pages
+among them, SGLang PR #28652), is Failed with that reason when polled. With
+``peer_alive`` (a callable: is the other side up?), a request never reports
+Success while it answers False: every live request is Failed, peer dead.
+
 Statuses live in one numpy array in the :class:`FakeManager`, indexed by the
 request's ``index``; ``poll_many`` is one gather.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+import attrs
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
+from buffers.checks import Checks
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport.connector_config import MAX_SECONDS
+from transport.errors import ConfigError, ConfigTypeError
 from transport.status_arrays import StatusArrays, StatusHandle
 
-__all__ = ["FakeManager", "FakeSender", "FakeReceiver", "FakeBootstrap"]
+__all__ = ["FakeConfig", "FakeManager", "FakeSender", "FakeReceiver", "FakeBootstrap"]
+
+_C = Checks(ConfigError, ConfigTypeError)
+_B, _W, _S, _F = (int(p) for p in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Failed))  # fmt: skip
+
+
+def _callable(inst: Any, attr: Any, value: Any) -> None:
+    if value is not None and not callable(value):
+        _C.fail(inst, attr.name, value, "None or a callable", wrong_type=True)
+
+
+def _clock(inst: Any, attr: Any, value: Any) -> None:
+    if not callable(value):
+        _C.fail(inst, attr.name, value, "a callable giving seconds", wrong_type=True)
+
+
+@attrs.frozen
+class FakeConfig:
+    """The fake backend's deadlines and peer (every field checked here)."""
+
+    #: seconds a request may stay Bootstrapping (None: no deadline)
+    bootstrap_timeout: float | None = attrs.field(
+        default=None, validator=_C.number(0.0, MAX_SECONDS, none="no deadline")
+    )
+    #: seconds a request may wait for input (None: no deadline)
+    waiting_timeout: float | None = attrs.field(
+        default=None, validator=_C.number(0.0, MAX_SECONDS, none="no deadline")
+    )
+    #: is the other side up? (None: always; False fails every live request)
+    peer_alive: Callable[[], bool] | None = attrs.field(default=None, validator=_callable)
+    #: seconds, monotonic (the deadlines' clock)
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, validator=_clock)
 
 
 class FakeManager(StatusArrays):
     """Holds every fake request's status; one per rank."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    #: when each request was taken, and when it began to wait for input
+    COLUMNS: ClassVar[dict[str, tuple[Any, Any]]] = {
+        "born": (np.float64, 0.0),
+        "waited": (np.float64, 0.0),
+    }
+
+    def __init__(self, capacity: int = 1024, config: FakeConfig | None = None) -> None:
         super().__init__(capacity)
+        if config is not None and not isinstance(config, FakeConfig):
+            raise ConfigTypeError("config", config, "None or a FakeConfig", "FakeManager")
+        self.config = config or FakeConfig()
         self.pages_left: dict[int, int] = {}
+        self.born: NDArray[np.float64]
+        self.waited: NDArray[np.float64]
+
+    def peer_dead(self) -> bool:
+        alive = self.config.peer_alive
+        return alive is not None and not alive()
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        c = self.config
+        if c.bootstrap_timeout is not None or c.waiting_timeout is not None or c.peer_alive:
+            self._expire(indices)
+        return super().poll_many(rooms, indices)
+
+    def _expire(self, indices: NDArray[np.int64]) -> None:
+        """Fail the live requests among ``indices`` whose peer is dead or whose
+        deadline passed, before they are read."""
+        c = self.config
+        with self._lock:
+            st = self.status[indices]
+            live = (st != _S) & (st != _F)
+            if not live.any():
+                return
+            now = c.clock()
+            checks: list[tuple[NDArray[np.bool_], FailureReason]] = []
+            if self.peer_dead():
+                checks.append((live, FailureReason.PEER_DEAD))
+            if c.bootstrap_timeout is not None:
+                late = now - self.born[indices] > c.bootstrap_timeout
+                checks.append((live & (st == _B) & late, FailureReason.BOOTSTRAP_TIMEOUT))
+            if c.waiting_timeout is not None:
+                late = now - self.waited[indices] > c.waiting_timeout
+                checks.append((live & (st == _W) & late, FailureReason.WAITING_TIMEOUT))
+            for mask, reason in checks:
+                hit = indices[mask & (self.status[indices] != _F)]
+                self.status[hit], self.reason[hit] = _F, int(reason)
 
     def sender(self, room: int) -> FakeSender:
         return FakeSender(self, room)
@@ -42,10 +130,17 @@ class _FakeRequest(StatusHandle):
     def __init__(self, manager: FakeManager, room: int, initial: KVPoll) -> None:
         super().__init__(manager, room, manager.take(initial))
         self.manager = manager
+        manager.born[self.index] = manager.waited[self.index] = manager.config.clock()
 
     def _move(self, status: KVPoll, reason: FailureReason = FailureReason.NONE) -> None:
-        if not self.detached:  # a cleared handle's slot may be another request's now
-            self.manager.set(self.index, status, reason)
+        if self.detached:  # a cleared handle's slot may be another request's now
+            return
+        m = self.manager
+        if status == KVPoll.Success and m.peer_dead():  # no Success without a peer
+            status, reason = KVPoll.Failed, FailureReason.PEER_DEAD
+        if status == KVPoll.WaitingForInput and not m.terminal(self.index):
+            m.waited[self.index] = m.config.clock()
+        m.set(self.index, status, reason)
 
     def abort(self) -> None:
         self._move(KVPoll.Failed, FailureReason.ABORTED)

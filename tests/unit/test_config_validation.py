@@ -1,7 +1,7 @@
 """Every setting is checked before anything runs.
 
-Each field of ConnectorConfig, Topology, KVArgs (and the StateComponent it
-holds) and SimConfig, given a value of the wrong type, out of range, or not
+Each field of ConnectorConfig, FakeConfig, Topology, KVArgs (and the
+StateComponent it holds) and SimConfig, given a value of the wrong type, out of range, or not
 fitting the others, is refused with a typed error naming the field; each flag
 of ``pdlife simulate`` and ``pdlife bench-transfer`` likewise exits 2 with one
 line naming it. Nothing -- a thread, a socket, a process, an engine -- is
@@ -37,6 +37,7 @@ from pdlife.plan import FaultPlan, TargetedFault
 from pdlife.sim_config import SimConfig
 from transport.connector_config import MAX_SECONDS, ConnectorConfig
 from transport.errors import ConfigError, TransportError
+from transport.fake import FakeConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError, TopologySettingError
 
@@ -251,8 +252,15 @@ SIM_MISFITS = [
 ]
 
 #: class -> (valid fields, bad values per field, combinations, the error it raises)
+FAKE_BAD = {
+    "bootstrap_timeout": [(-1.0, False), ("5", True), (NAN, False), (INF, False)],
+    "waiting_timeout": [(-0.5, False), (True, True), (NAN, False)],
+    "peer_alive": [(True, True), (5, True)],
+    "clock": [(None, True), (3.0, True)],
+}
 CLASSES = {
     ConnectorConfig: (CONNECTOR, CONNECTOR_BAD, CONNECTOR_MISFITS, ConfigError),
+    FakeConfig: ({}, FAKE_BAD, [], ConfigError),
     Topology: (
         TOPOLOGY,
         TOPOLOGY_BAD,
