@@ -39,7 +39,7 @@ from field.conn.backends import KVClassType, TransferBackend, get_kv_class
 from field.consensus import poll_and_all_reduce
 from field.release import set_release
 from lifecycle import KVPoll
-from lifecycle.testing.spawn import free_port, store_server
+from lifecycle.testing.spawn import store_server
 
 POOL_PAGES, PAGE_BYTES, LAYERS = 64, 256, 2
 META_ROWS, HIDDEN = 8, 32
@@ -108,11 +108,17 @@ def build(backend: TransferBackend, mode: DisaggregationMode, server_args: Any) 
 # ---------------------------------------------------------------------------
 
 
-def prefill(backend: TransferBackend, rooms: list[int], server_args: Any) -> dict[str, Any]:
+def prefill(
+    backend: TransferBackend, rooms: list[int], server_args: Any, port_out: Any = None
+) -> dict[str, Any]:
     bootstrap_server_class = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)
     server = None
     if bootstrap_server_class is not None:  # the fake backend has none
+        # port 0: the OS picks one as the server binds it, and decode is told
         server = bootstrap_server_class("127.0.0.1", server_args.disaggregation_bootstrap_port)
+        server_args.disaggregation_bootstrap_port = server.port
+    if port_out is not None:
+        port_out.put(server_args.disaggregation_bootstrap_port)
     kv, metadata_buffers, kv_manager = build(backend, DisaggregationMode.PREFILL, server_args)
     sender_class = get_kv_class(backend, KVClassType.SENDER)
     allocator = ReqToMetadataIdxAllocator(META_ROWS)
@@ -296,7 +302,7 @@ def same(a: Any, b: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def side_main(side: str, backend_name: str, rooms: list[int], store_port: int, out: Any) -> None:
+def side_main(side: str, backend_name: str, rooms: list[int], ports: Any, out: Any) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -311,12 +317,15 @@ def side_main(side: str, backend_name: str, rooms: list[int], store_port: int, o
     backend = TransferBackend(backend_name)
     server_args = types.SimpleNamespace(
         disaggregation_transfer_backend=backend_name,
-        disaggregation_bootstrap_port=store_port,
+        disaggregation_bootstrap_port=0,  # prefill's server binds one, and says which
         host="127.0.0.1",
     )
     try:
-        run = prefill if side == "prefill" else decode
-        out.put(run(backend, rooms, server_args))
+        if side == "prefill":
+            out.put(prefill(backend, rooms, server_args, ports))
+        else:
+            server_args.disaggregation_bootstrap_port = ports.get(timeout=DEADLINE)
+            out.put(decode(backend, rooms, server_args))
     except Exception as e:  # report, so the parent does not wait for nothing
         out.put({"side": side, "error": repr(e)})
         raise
@@ -331,10 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rooms = [1000 + i for i in range(1, a.requests + 1)]
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
+    out, ports = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=side_main, args=(side, a.backend, rooms, port, out))
+        ctx.Process(target=side_main, args=(side, a.backend, rooms, ports, out))
         for side in ("prefill", "decode")
     ]
     for p in procs:

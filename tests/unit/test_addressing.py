@@ -18,10 +18,12 @@ from transport.addressing import (
 from transport.errors import TransportError
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def closed_port() -> socket.socket:
+    """A socket bound and not listening: a connection to its port is refused,
+    and no other process can take the port while it is held."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def test_store_address_from_torchrun_env():
@@ -86,8 +88,9 @@ def test_check_local_names_a_foreign_address(monkeypatch):
 
 
 def test_an_unreachable_store_is_one_typed_error():
-    port = closed_port()
-    with pytest.raises(TransportError) as e:
+    held = closed_port()
+    port = held.getsockname()[1]
+    with held, pytest.raises(TransportError) as e:
         check_store_reachable("127.0.0.1", port, "MooncakeConfig.store_host", timeout=2)
     assert isinstance(e.value, AddressError)
     msg = str(e.value)
