@@ -11,6 +11,7 @@ import numpy as np
 
 from lifecycle.status import KVPoll
 from pdlife.plan import KINDS
+from pdlife.sim_requests import fenced_pages
 from pdlife.sim_soak import sample_rss
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
             f"e.g. room {pinned[0]}{_wire(run, pinned[0])}"
         )
     fenced_slots = sum(s is not None for _, s, _ in fence.values())
-    fenced_pages = sum(p.size for _, _, p in fence.values() if p is not None)
+    fenced = fenced_pages(run.draining, run.drain_poller.settled)
     if run.moves_bytes:
         meta = ("drop_metadata", "corrupt_metadata")
         others = tuple(k for k in KINDS if k not in meta)
@@ -129,9 +130,9 @@ def report(run: RankRun, error: str | None, all_done: bool) -> dict[str, Any]:
         # fenced buffers are not leaks: they wait for a writer that stopped
         # beating (a killed rank's never come back), and are counted apart
         "leaked_slots": run.alloc.in_use + run.alloc.quarantined - fenced_slots,
-        "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free) - fenced_pages,
+        "leaked_kv_pages": run.cfg.kv_pages - len(run.pages_free) - fenced,
         "fenced_slots": fenced_slots,
-        "fenced_kv_pages": fenced_pages,
+        "fenced_kv_pages": fenced,
         # what of that requests not finished (or still draining) hold: a rank
         # that stopped on an error keeps those, and should hold nothing else
         "held_slots": len(run._slot) + sum(s is not None for _, s, _ in run.draining.values()),

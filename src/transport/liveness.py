@@ -116,7 +116,7 @@ def received(m: Connector, msg: dict[str, Any], store: Any) -> bool:
 def restarted(m: Connector, store: Any) -> None:
     """Peers that restarted (a new incarnation in the store): every request
     whose leg to one was registered with its old self fails (peer dead)."""
-    peers, m.mail.restarted = m.mail.restarted, set()
+    peers = m.mail.take_restarted()
     if not peers:
         return
     with m._lock:

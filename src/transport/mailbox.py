@@ -110,11 +110,27 @@ class Mailbox:
                 self._renewed.discard(peer)
                 return info, True
             return info, False
+        info = self._record(peer, store)
+        if info is None:
+            return None, False
+        self._peers[peer] = info
+        return info, True
+
+    def _record(self, peer: int, store: Any) -> dict[str, Any] | None:
+        """The peer's endpoint record as the store holds it now (None: not published)."""
         key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
         if not store.check([key]):
-            return None, False
-        info = self._peers[peer] = json.loads(store.get(key))
-        return info, True
+            return None
+        record: dict[str, Any] = json.loads(store.get(key))
+        return record
+
+    def take_restarted(self) -> set[int]:
+        """The peers seen restarted since the last call (each thread may add to
+        them: taken one by one, none is lost)."""
+        out = set()
+        while self.restarted:
+            out.add(self.restarted.pop())
+        return out
 
     def incarnation_of(self, peer: int, inc: Any, store: Any) -> str:
         """Whether a message from ``peer`` carrying incarnation ``inc`` comes from
@@ -128,9 +144,8 @@ class Mailbox:
         info = self._peers.get(peer)
         if info is not None and info.get("inc") == inc:
             return SAME
-        key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
         try:
-            record = json.loads(store.get(key)) if store.check([key]) else None
+            record = self._record(peer, store)
         except Exception:  # the store is going: nothing to tell it by
             return SAME
         if record is None:
@@ -159,12 +174,11 @@ class Mailbox:
         parts = value.split()
         if info is None or len(parts) < 3 or str(info.get("inc")) == parts[2].decode():
             return
-        key = f"{self._ns}/{self._peer_role}/{peer}/endpoint"
         try:
-            record = json.loads(store.get(key))
-        except Exception:
+            record = self._record(peer, store)
+        except Exception:  # the store is going: the next beat tells again
             return
-        if str(record.get("inc")) == parts[2].decode():
+        if record is not None and str(record.get("inc")) == parts[2].decode():
             self._renew(peer, record)
 
     def publish_group(self, dp: int, record: dict[str, Any]) -> None:
