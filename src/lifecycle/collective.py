@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -176,11 +177,12 @@ def _process_gone(pid: int) -> bool:
 class TorchCollective:
     """``torch.distributed`` over ``group`` (None: the default group).
 
-    Each rank writes its host and process id to the group's rendezvous store
-    when the collective is built, so when a peer stops answering the error
-    can name it: a peer on this host whose process is gone is named dead
+    Each rank writes its host and pid to the group's store when the collective
+    is built, so a failure can name a peer on this host whose process is gone
     (peers on other hosts, or without a store, stay unnamed).
     """
+
+    name_dead_within = 5.0  # seconds a failure waits to see a same-host peer exit
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -238,28 +240,27 @@ class TorchCollective:
     def world_size(self) -> int:
         return self._world
 
-    def dead_peers(self) -> tuple[int, ...]:
-        """Peers known to have exited (same host, process gone); empty if unknown."""
-        if self._store is None:
-            return ()
-        host = socket.gethostname()
-        dead = []
-        for r in self._peers:
-            if r == self._rank:
-                continue
-            key = f"pdlife/pid/{r}"
+    def dead_peers(self, wait: float = 0.0) -> tuple[int, ...]:
+        """Same-host peers whose process is gone, looking for up to ``wait`` s (a
+        peer's sockets close before it is reaped: a survivor can see that first)."""
+        host, mine, deadline = socket.gethostname(), [], time.monotonic() + wait
+        for r in self._peers if self._store is not None else ():
             try:
-                if not self._store.check([key]):
-                    continue
-                peer_host, pid = self._store.get(key).decode().split()
+                if r != self._rank and self._store.check([key := f"pdlife/pid/{r}"]):
+                    peer_host, pid = self._store.get(key).decode().split()
+                    if peer_host == host:
+                        mine.append((r, int(pid)))
             except Exception:  # the store itself is gone: nothing more to learn
                 break
-            if peer_host == host and _process_gone(int(pid)):
-                dead.append(r)
-        return tuple(dead)
+        while not (dead := tuple(r for r, p in mine if _process_gone(p))) and mine:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        return dead
 
     def _failure(self, exc: RuntimeError) -> RankFailure:
-        return RankFailure(self._rank, self.dead_peers(), str(exc).splitlines()[0])
+        dead = self.dead_peers(wait=self.name_dead_within)
+        return RankFailure(self._rank, dead, str(exc).splitlines()[0])
 
     def _launch(self, buf: NDArray[Any], is_async: bool) -> Any:
         """Start a MIN all-reduce of ``buf`` in place; the backend's work handle."""
