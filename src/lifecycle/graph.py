@@ -22,8 +22,9 @@ of the reference executor (:mod:`lifecycle.reference`), the numpy tables of
 the batch executor (:mod:`lifecycle.batch`) and the diagrams
 (:mod:`lifecycle.diagram`). Nothing else names an edge.
 
-Beside the edges stand the two other rule tables of a step, read by
-:mod:`lifecycle.verdicts` and :mod:`lifecycle.gates`:
+Beside the edges stand the two other rule tables of a step, executed by
+:mod:`lifecycle.sources` (where each mask comes from) and
+:mod:`lifecycle.verdicts` (what a mask does):
 
 - :data:`VERDICTS`: every local reason to fail a request, in reason-code
   order, with where its mask comes from. The code *is* the priority: on one
@@ -33,8 +34,10 @@ Beside the edges stand the two other rule tables of a step, read by
 - :data:`GATES`: every gate, in the order they are asked, with the one
   demotion edge it may apply.
 
-Adding a verdict or a gate is one line in these tables (and, for a new
-source, one function where the step computes sources).
+Adding a verdict or a gate is one line in these tables and, for a new
+source, one entry in :data:`lifecycle.sources.SOURCES` or
+:data:`~lifecycle.sources.GATE_SOURCES`; the import-time check there names
+any source one table has and another lacks.
 """
 
 from __future__ import annotations

@@ -9,47 +9,28 @@ reduce spreads to every rank. The group keeps stepping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.config import StepConfig
 from lifecycle.errors import HookError
 from lifecycle.frame import Frame
+from lifecycle.graph import GATES
 from lifecycle.observe import Observation, contained, observe
 from lifecycle.packing import pack, status_words
-from lifecycle.protocols import (
-    BatchPoller,
-    FaultHook,
-    Gate,
-    MetadataSource,
-    StagingGate,
-    StepContext,
-)
+from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.reasons import FailureReason
+from lifecycle.sources import GATE_SOURCES, LATE, SOURCES, Hooks, Inputs, everyone
 from lifecycle.status import I8
 from lifecycle.table import RequestTable
-from lifecycle.verdicts import bool_answer, combine, hold
-
-if TYPE_CHECKING:
-    from lifecycle.step import StepConfig
+from lifecycle.verdicts import GATE_DEST, combine, hold
 
 __all__ = ["LocalStage"]
 
 
-def _ask_gate(gate: Gate, f: Frame, name: str, rank: int) -> NDArray[np.bool_]:
-    return bool_answer(gate.closed(f.rooms, f.hidx), f.n, name, rank)
-
-
 _S_BYTE = bytes([int(I8.S)])
-
-
-def _any(mask: NDArray[np.bool_]) -> bool:
-    # the first True's position: right after a collective (cold caches) far
-    # cheaper than .any(), and no copy
-    return bool(mask.size) and bool(mask[mask.argmax()])
 
 
 class _Lazy:
@@ -67,20 +48,14 @@ class _Lazy:
         return self._mask
 
 
-def _everyone(n: int) -> NDArray[np.bool_]:
-    return np.ones(n, dtype=bool)
-
-
-def _or(a: NDArray[np.bool_] | None, b: NDArray[np.bool_]) -> NDArray[np.bool_]:
-    return b.copy() if a is None else a | b
-
-
 _F = I8.F
 _S = I8.S
 _B = I8.B
 _NONE = np.int8(FailureReason.NONE)
 _NO_ROWS = np.empty(0, dtype=np.int64)
 _NO_ROWS.setflags(write=False)
+#: the sources an empty list can still hit: what observing itself found
+_OBSERVED = ("poll_value", "poll_error", "hook_error")
 
 
 class LocalStage:
@@ -102,6 +77,7 @@ class LocalStage:
         self.metadata = metadata
         self.gates = tuple(gates)
         self.faults = faults
+        self.hooks = Hooks(staging, metadata, self.gates, faults)
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
         self.unfailed: NDArray[np.int8] | None = None
@@ -123,14 +99,6 @@ class LocalStage:
     @property
     def raw_invalid(self) -> dict[int, object]:
         return self.obs.raw_invalid
-
-    def _ask(self, hook: str, fn: Callable[[], Any], rows: NDArray[np.bool_], f: Frame) -> Any:
-        """Run one hook call; if it raises, fail ``rows`` (HOOK_ERROR) and return None."""
-        try:
-            return fn()
-        except Exception as e:
-            self.obs.hook_failed(rows, f.rooms, contained(hook, self.rank, e))
-            return None
 
     def run(
         self,
@@ -157,12 +125,13 @@ class LocalStage:
             self.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
         )
         if early is not None:
-            obs.hook_failed(_everyone(n), f.rooms, contained("staging advance", self.rank, early))
+            obs.hook_failed(everyone(n), f.rooms, contained("staging advance", self.rank, early))
             obs.clean, obs.scan = False, None
         if clock_error is not None:  # no deadline or stamp can be trusted on this rank
-            obs.hook_failed(_everyone(n), f.rooms, clock_error)
+            obs.hook_failed(everyone(n), f.rooms, clock_error)
             obs.clean, obs.scan = False, None
         local, codes = obs.raw, None
+        x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
         masks: dict[str, NDArray[np.bool_] | None] = {}
         hooked = None
         # the common poll (every value live, nothing failed) on a stage no
@@ -176,10 +145,10 @@ class LocalStage:
         )
         if not quiet:
             if n:
-                self._verdicts(t, f, cfg, now, step, masks)
-            masks["poll_value"] = obs.invalid
-            masks["poll_error"] = obs.errors
-            hooked = masks["hook_error"] = obs.hooked
+                masks = {name: src.fn(x) for name, src in SOURCES.items()}
+            else:  # no row for a source to hit: only what observing found
+                masks = {name: SOURCES[name].fn(x) for name in _OBSERVED}
+            hooked = obs.hooked
             codes = combine(n, masks, obs.backend)
             # the backend's codes alone mark exactly the rows it reported
             # Failed: the raw values are the local ones
@@ -199,18 +168,24 @@ class LocalStage:
                 if _S_BYTE in scan:
                     at_success = scan.count(_S_BYTE)
         if at_success:  # gates decide only local Successes
-            closed, corrupt = self._gates(f, local, at_success)
-            if corrupt is not None or obs.hooked is not hooked:
-                if quiet:  # the masks were skipped: build them now
-                    self._verdicts(t, f, cfg, now, step, masks)
-                    masks["poll_value"] = obs.invalid
-                    masks["poll_error"] = obs.errors
-                masks["metadata_row"] = corrupt
-                masks["hook_error"] = obs.hooked
+            x.success, x.at_success = _Lazy(local), at_success
+            # in the table's order, each from its own source, each taking its
+            # own edge (gates that share an edge share one pass)
+            closed: dict[np.int8, NDArray[np.bool_] | None] = {}
+            for rule in GATES:  # masks here are never written to: may be a hook's own
+                dest = GATE_DEST[rule.source]
+                closed[dest] = GATE_SOURCES[rule.source](x, closed.get(dest))
+            if x.corrupt is not None or obs.hooked is not hooked:
+                # what the gates found: the late sources again (every source,
+                # when the quiet step skipped them)
+                for name in SOURCES if quiet else LATE:
+                    masks[name] = SOURCES[name].fn(x)
                 codes = combine(n, masks, obs.backend)
                 if codes is not None:
                     local = np.where(codes != _NONE, _F, obs.raw).astype(np.int8)
-            hold(local, closed)
+            for dest, mask in closed.items():
+                if mask is not None:
+                    hold(local, mask, dest)
         self.values, self.codes = local, codes
         #: ``values`` as this prepare left them, when they hold no Failed
         #: (a local Failed comes from a verdict or a poll: both set ``codes``)
@@ -230,122 +205,6 @@ class LocalStage:
             at = (values[:k] == _F).nonzero()[0]
             self._failed_at = known = (values, k, at)
         return known[2]
-
-    def _verdicts(
-        self,
-        t: RequestTable,
-        f: Frame,
-        cfg: StepConfig,
-        now: float,
-        step: int,
-        masks: dict[str, NDArray[np.bool_] | None],
-    ) -> None:
-        """The verdict sources other than observing, as masks over the active rows."""
-        n, obs = f.n, self.obs
-        # first: a fault hook may request an abort, which this step then carries
-        if self.faults is not None:
-            faults = self.faults
-            # a copy: a hook writing into its view must not reach apply
-            ctx = StepContext(self.rank, step, now, f.rooms, t.state[f.rows], t.added_step[f.rows])
-            masks["fault_hook"] = self._ask(
-                "fault hook",
-                lambda: bool_answer(faults.inject(ctx), n, "fault hook", self.rank),
-                _everyone(n),
-                f,
-            )
-        if t.abort_count:
-            masks["abort_flag"] = t.abort_requested[f.rows]
-        if cfg.bootstrap_timeout is not None:
-            state = t.state[f.rows]
-            masks["bootstrap_deadline"] = (state == _B) & (
-                now - t.entered_time[f.rows] >= cfg.bootstrap_timeout
-            )
-        if cfg.waiting_timeout is not None:
-            with np.errstate(invalid="ignore"):
-                masks["waiting_deadline"] = now - t.metadata_sent_at[f.rows] >= cfg.waiting_timeout
-        if self.metadata is not None and f.meta_bad is not None:
-            size = getattr(self.metadata, "size", "?")
-            for i in np.flatnonzero(f.meta_bad).tolist():
-                obs.exceptions[int(f.rooms[i])] = HookError(
-                    "metadata source",
-                    self.rank,
-                    f"cannot hold room={int(f.rooms[i])}: its metadata slot is outside "
-                    f"the pool of {size} rows",
-                )
-            obs.hooked = _or(obs.hooked, f.meta_bad)
-
-    def _gates(
-        self, f: Frame, local: NDArray[np.int8], at_success: int
-    ) -> tuple[NDArray[np.bool_] | None, NDArray[np.bool_] | None]:
-        """The rows some gate of :data:`GATES` holds closed (None: none), and
-        the corrupt metadata rows. Every gate takes the same demotion edge
-        (checked where the graph is declared), so their union is all the
-        hold needs. A gate decides only rows at Success, so its errors fail
-        those."""
-        n, rank = f.n, self.rank
-        success = _Lazy(local)
-        closed: NDArray[np.bool_] | None = None  # never written to: may be a hook's own
-        corrupt: NDArray[np.bool_] | None = None
-        staging = self.staging
-        if staging is not None:  # source staging_pending
-            try:
-                closed = bool_answer(staging.pending(f.rooms, f.hidx), n, "staging pending", rank)
-            except Exception as e:
-                self.obs.hook_failed(success(), f.rooms, contained("staging pending", rank, e))
-        if self.metadata is not None:  # source metadata_pending: not landed
-            try:
-                landed, bad = self._metadata(f, success, at_success)
-            except Exception as e:
-                # every row the gate decides fails, with a row or not: a row
-                # without one is held by a source that answers, never released
-                self.obs.hook_failed(
-                    success() & ~f.fake, f.rooms, contained("metadata source", rank, e)
-                )
-            else:
-                # closed | ~landed in one pass: for booleans, landed <= closed
-                closed = ~landed if closed is None else np.less_equal(landed, closed)
-                if _any(bad):  # never written to: the arrays may be the source's own
-                    bad = bad & success()
-                    corrupt = bad if _any(bad) else None
-        if self.gates:  # source gate_closed
-            user = np.zeros(n, dtype=bool)
-            for gate in self.gates:
-                name = f"gate {getattr(gate, 'name', '?')!r}"
-                ans = self._ask(name, partial(_ask_gate, gate, f, name, rank), success(), f)
-                if ans is not None:
-                    user |= ans
-            closed = user if closed is None else closed | user
-        return closed, corrupt
-
-    def _metadata(
-        self, f: Frame, success: _Lazy, at_success: int
-    ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-        """(landed, corrupt) per active row; fake-path requests count as
-        landed, a real request without a metadata row never does. The gate
-        decides only rows at local Success, and a read costs a cache line per
-        row: when at most a quarter of the rows are at Success (a queue
-        mostly still transferring), only those are read; otherwise every row
-        is, in one pass (the subset's own gathers would cost more). The
-        caller only reads them."""
-        assert self.metadata is not None
-        m = f.meta_slots.size
-        ask: NDArray[np.int64] | None = None
-        slots, rooms = f.meta_slots, f.meta_rooms  # read-only: the source checks them once
-        if at_success * 4 <= m:
-            mask = success()
-            ask = (mask if f.meta_pos is None else mask[f.meta_pos]).nonzero()[0]
-            slots, rooms, m = slots[ask], rooms[ask], ask.size
-        ok, bad = self.metadata.landed(slots, rooms)
-        ok = bool_answer(ok, m, "metadata source (landed)", self.rank)
-        bad = bool_answer(bad, m, "metadata source (corrupt)", self.rank)
-        if f.meta_pos is None and ask is None:
-            return ok, bad
-        at = f.meta_pos if ask is None else ask if f.meta_pos is None else f.meta_pos[ask]
-        landed = f.fake.copy()
-        landed[at] = ok
-        corrupt = f.zeros.copy()
-        corrupt[at] = bad
-        return landed, corrupt
 
     def words(self, rows: NDArray[np.int64] | None = None) -> NDArray[np.uint8]:
         """This rank's words for all active rows, or for the positions ``rows``

@@ -19,21 +19,22 @@ from lifecycle.errors import HookError
 from lifecycle.graph import GATES, VERDICTS
 from lifecycle.reasons import FailureReason
 
-__all__ = ["MASK_SOURCES", "GATE_SOURCES", "combine", "hold", "bool_answer"]
+__all__ = ["MASK_SOURCES", "GATE_DEST", "combine", "hold", "bool_answer"]
 
 _NONE = np.int8(FailureReason.NONE)
 #: mask sources and the one reason each carries (``backend`` carries codes itself)
 MASK_SOURCES: dict[str, FailureReason] = {
     s: v.reason for v in VERDICTS for s in v.sources if s != "backend"
 }
-GATE_SOURCES: tuple[str, ...] = tuple(g.source for g in GATES)
-#: where every gate's demotion edge leads (one edge for all gates: see graph)
-_HOLD_TO = int(batch.DEST[batch.TRIGGER_ID[GATES[0].trigger], batch.DEMOTE_SOURCE])
-#: the status a gate demotes from (a closed row keeps at most _SOURCE - 1)
+#: each gate source and where its gate's demotion edge leads (from the graph)
+GATE_DEST: dict[str, np.int8] = {
+    g.source: np.int8(batch.DEST[batch.TRIGGER_ID[g.trigger], batch.DEMOTE_SOURCE]) for g in GATES
+}
+#: the status a gate demotes from (the graph declares it; hold() lowers only it)
 _SOURCE = np.int8(batch.DEMOTE_SOURCE)
 _BOOL = np.dtype(np.bool_)
-if _HOLD_TO != batch.DEMOTE_SOURCE - 1:  # hold() lowers by one
-    raise AssertionError("a gate demotes Success to the status just below it")
+if any(not 0 <= d < _SOURCE for d in GATE_DEST.values()):
+    raise AssertionError("a gate demotes Success to a live status below it")
 
 
 def bool_answer(answer: Any, n: int, hook: str, rank: int) -> NDArray[np.bool_]:
@@ -69,14 +70,14 @@ def combine(
     return codes
 
 
-def hold(local: NDArray[np.int8], closed: NDArray[np.bool_] | None) -> None:
-    """Demote, in place, the local Successes where some gate of :data:`GATES`
-    is closed (``closed``: the union of their masks; None, none is). Every
-    gate takes the same edge (Success -> Transferring, checked where the
-    graph is declared), so one pass over the union applies them all:
-    ``min(value, Transferring)`` where closed moves exactly the Successes
-    (values are statuses 0..4 here)."""
-    if closed is not None:
-        # the cap per row, Success or one below it where closed: two passes
-        # (a masked minimum or a table lookup costs several times more)
-        np.minimum(local, np.subtract(_SOURCE, closed.view(np.int8)), out=local)
+def hold(local: NDArray[np.int8], closed: NDArray[np.bool_], dest: np.int8) -> None:
+    """Demote, in place, the local Successes where ``closed`` to ``dest`` (a
+    gate's edge). Only Success is above a gate's destination (the graph's
+    check: a gate demotes Success only, and Success is the top status), so
+    ``min(value, dest)`` where closed moves exactly the Successes."""
+    # the cap per row, Success or dest where closed: two passes (a masked
+    # minimum or a table lookup costs several times more)
+    drop = closed.view(np.int8)
+    if dest != _SOURCE - 1:
+        drop = drop * np.int8(_SOURCE - dest)
+    np.minimum(local, np.subtract(_SOURCE, drop), out=local)

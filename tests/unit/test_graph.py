@@ -10,7 +10,7 @@ from lifecycle import (
     UnknownTrigger,
     batch,
 )
-from lifecycle.graph import TRIGGERS
+from lifecycle.graph import GATES, TRIGGERS
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,
@@ -133,3 +133,66 @@ def test_terminal_states_have_no_progress_or_fail_edges():
     for e in EDGES:
         if e.kind is not EdgeKind.DEMOTE:
             assert not any(s.terminal for s in e.sources)
+
+
+def test_a_misspelt_gate_source_is_named_by_the_import_time_check():
+    """A copy of the tables with one gate's source misspelt: the check that
+    runs at import names it (the step would otherwise never ask that gate)."""
+    import attrs
+
+    from lifecycle.graph import GATES, VERDICTS
+    from lifecycle.sources import GATE_SOURCES, SOURCES, check_sources
+
+    check_sources(VERDICTS, GATES, SOURCES, GATE_SOURCES)  # the real tables agree
+    gates = tuple(
+        attrs.evolve(g, source="metadata_pendng") if g.source == "metadata_pending" else g
+        for g in GATES
+    )
+    with pytest.raises(AssertionError, match=r"GATES name source\(s\) \['metadata_pendng'\]"):
+        check_sources(VERDICTS, gates, SOURCES, GATE_SOURCES)
+
+
+def test_a_misspelt_verdict_source_is_named_too():
+    import attrs
+
+    from lifecycle.graph import GATES, VERDICTS
+    from lifecycle.sources import GATE_SOURCES, SOURCES, check_sources
+
+    verdicts = tuple(
+        attrs.evolve(v, sources=("abort_flg", "backend")) if "abort_flag" in v.sources else v
+        for v in VERDICTS
+    )
+    with pytest.raises(AssertionError) as e:
+        check_sources(verdicts, GATES, SOURCES, GATE_SOURCES)
+    assert "['abort_flg']" in str(e.value) and "['abort_flag']" in str(e.value)
+
+
+def test_gates_are_asked_in_table_order(monkeypatch):
+    """The step asks each gate's source in GATES order, through the registry."""
+    import numpy as np
+
+    from lifecycle import RequestTable, SingleRank, Stepper
+    from lifecycle import sources as src
+    from lifecycle.testing import StatusBoard
+
+    asked = []
+    for name, fn in list(src.GATE_SOURCES.items()):
+        monkeypatch.setitem(
+            src.GATE_SOURCES,
+            name,
+            lambda x, closed, _n=name, _f=fn: asked.append(_n) or _f(x, closed),
+        )
+
+    class Closed:
+        name = "never"
+
+        def closed(self, rooms, hidx):
+            return np.ones(rooms.size, dtype=bool)
+
+    table, board = RequestTable(), StatusBoard()
+    table.add(1)
+    board.set([1], 4)
+    stepper = Stepper(table, 0, poller=board, gates=[Closed()])
+    res = stepper.step(SingleRank())
+    assert asked == [g.source for g in GATES]
+    assert int(res.statuses[0]) == 3  # held at Transferring by the user gate
