@@ -167,13 +167,16 @@ def steps(m: Connector, req: Request, store: Any) -> bool:
     if ph == Phase.Bootstrap and req.want_register and _plan(m, req, store):
         if all(m._peer_info(p, store) is not None for p in req.legs):
             c = m.config
+            # Handshaken before any register leaves: whoever sees a prefill rank
+            # registered then sees decode ready for pages too (not a moment later)
+            if not m._fire(req, "handshake"):
+                return False  # failed or aborted meanwhile: nothing to register
             for leg in req.legs.values():
                 leg.inc = (m._peer_info(leg.peer, store) or {}).get("inc")  # whom it registers with
                 msg = {"kind": "register", "room": req.room, "decode_tp": c.tp_size}
                 msg.update(dp=c.dp_rank, kv_heads=m.kv_heads, mla=c.mla, slice=leg.slice)
                 msg.update(state=m.state_geom, state_leg=leg.state)
                 m._send(leg.peer, msg, store)
-            m._fire(req, "handshake")
         return False
     return m.NOTIFIES and ph == Phase.Metadata
 

@@ -9,7 +9,8 @@ from transport.connector_graph import Phase
 
 
 class CopyConnector(Connector):
-    """Writes land inside the call, in order; ``fail_next`` makes the next one fail."""
+    """Writes land inside the call, in order; ``fail_next`` set on a connector
+    makes its next write fail (on that connector: no other test inherits it)."""
 
     fail_next = False
 
@@ -21,7 +22,7 @@ class CopyConnector(Connector):
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             ctypes.memmove(d, s, n)
         self.writes.append(lens.tolist())
-        failed, CopyConnector.fail_next = CopyConnector.fail_next, False
+        failed, self.fail_next = self.fail_next, False  # this connector only
         return -1 if failed else 1
 
     def _check(self, token):

@@ -60,13 +60,35 @@ def test_one_request_moves_pages_then_the_row_room_last(pair):
     assert p.phase[s.index] == Phase.Done and d.phase[r.index] == Phase.Done
 
 
+def test_decode_is_ready_for_pages_before_its_register_leaves(pair):
+    """Whoever sees prefill registered (the handshake) and then gives decode its
+    pages must find decode ready: decode takes the handshake before it sends
+    any register, never after (that order once lost a CI run to a race)."""
+    p, _, _ = pair["prefill"]
+    d, _, _ = pair["decode"]
+    seen = []
+    send = d._send
+
+    def spy(peer, msg, store):
+        if msg.get("kind") == "register":
+            seen.append(Phase(d._phase(d._reqs[msg["room"]])))
+        send(peer, msg, store)
+
+    d._send = spy
+    s, r = p.sender(5), d.receiver(5)
+    r.init()
+    wait_for(lambda: handshaken(s), "prefill handshake")
+    assert seen == [Phase.Handshaken]
+    r.send_metadata([1], 0)  # no wait in between: never refused
+
+
 def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]
     s, r = p.sender(9), d.receiver(9)
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
-    CopyConnector.fail_next = True
+    p.fail_next = True
     s.init(1, None)
     s.send([0])
     r.send_metadata([1], 0)
