@@ -4,7 +4,7 @@ An engine that calls ``poll_and_all_reduce(pollers, gloo_group, decode_reqs,
 metadata_buffers)`` (SGLang 0.5.23; the seed's trailing ``server_args`` is
 accepted too) imports it from here instead and keeps the same arguments and
 the same answer: one agreed status per poller, a list of ints. Underneath,
-every call is one :class:`~lifecycle.step.Stepper` step on a table kept from
+every call is one :class:`~lifecycle.stepper.Stepper` step on a table kept from
 one call to the next (:mod:`field.session`), so it also gets, with no other
 change:
 
@@ -43,7 +43,7 @@ from field.session import Session
 from lifecycle import faults as _faults
 from lifecycle.collective import Collective, Hierarchical, TorchCollective
 from lifecycle.pipeline import PipelineForward
-from lifecycle.step import Failure
+from lifecycle.result import Failure
 
 __all__ = [
     "FAKE_BOOTSTRAP_HOST",

@@ -36,9 +36,11 @@ from numpy.typing import NDArray
 
 from field.gates import RoomGate, StagingAdapter, is_fake
 from lifecycle.collective import Collective
+from lifecycle.config import StepConfig
 from lifecycle.errors import IllegalTransition
 from lifecycle.protocols import FaultHook
-from lifecycle.step import Failure, StepConfig, Stepper
+from lifecycle.result import Failure
+from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
 
 __all__ = ["Session", "room_of"]

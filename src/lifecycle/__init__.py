@@ -10,6 +10,7 @@ from lifecycle.collective import (
     TorchCollective,
     start_min,
 )
+from lifecycle.config import StepConfig
 from lifecycle.errors import (
     CollectiveMismatch,
     DuplicateRequest,
@@ -32,7 +33,7 @@ from lifecycle.reference import RequestMachine
 from lifecycle.result import Failure, StepResult, StuckReport
 from lifecycle.simulated import SimulatedWorld
 from lifecycle.status import KVPoll, Role
-from lifecycle.step import StepConfig, Stepper
+from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
 
 __version__ = "0.1.0"

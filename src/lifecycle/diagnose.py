@@ -7,66 +7,50 @@ gathers on the same step), or on demand through ``Stepper.diagnose``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective
 from lifecycle.packing import unpack
-from lifecycle.result import StepResult, StuckReport
+from lifecycle.result import LastStep, StepResult, StuckReport
 from lifecycle.status import TERMINAL, KVPoll
 
-if TYPE_CHECKING:
-    from lifecycle.step import Stepper
-
-__all__ = ["diagnose", "stuck_rows", "with_stuck"]
-
-
-def stuck_rows(s: Stepper, result: StepResult, k: int) -> NDArray[np.int64] | None:
-    """Active rows of the last step that have sat at one status for a multiple of k steps."""
-    f = s._frame
-    assert f is not None
-    st = s.table.state[f.rows]
-    age = result.step - s.table.entered_step[f.rows]
-    stuck = ~TERMINAL[st] & (age >= k) & (age % k == 0)
-    return np.flatnonzero(stuck) if stuck.any() else None
+__all__ = ["diagnose", "with_stuck"]
 
 
 def with_stuck(
-    s: Stepper, coll: Collective, result: StepResult, rows: NDArray[np.int64]
+    last: LastStep | None, coll: Collective, result: StepResult, rows: NDArray[np.int64]
 ) -> StepResult:
-    return attrs.evolve(result, stuck=diagnose(s, coll, rows))
+    return attrs.evolve(result, stuck=diagnose(last, coll, rows))
 
 
 def diagnose(
-    s: Stepper, coll: Collective, rows: NDArray[np.int64] | None
+    last: LastStep | None, coll: Collective, rows: NDArray[np.int64] | None
 ) -> tuple[StuckReport, ...]:
     """Reports for ``rows`` (active-row positions of the last step; None: every
     non-terminal one). Every rank must call it with the same rows."""
-    f = s._frame
-    if f is None or s.local.values.size != f.n:
+    if last is None:
         return ()
-    statuses = s.table.state[f.rows]
+    statuses = last.statuses
     if rows is None:
         rows = np.flatnonzero(~TERMINAL[statuses])
-    words = s.local.words()[rows].astype(np.int32)
+    words = last.words[rows].astype(np.int32)
     # the rank travels in front of its words: gathers need not be in rank order
-    buf = np.concatenate([np.array([s.rank], dtype=np.int32), words])
+    buf = np.concatenate([np.array([last.rank], dtype=np.int32), words])
     gathered = coll.all_gather(np.ascontiguousarray(buf, dtype=np.int32))
     ranks = gathered[:, 0].tolist()
     local, _ = unpack(gathered[:, 1:].astype(np.uint8))
-    step = s.table.step_no
+    step = last.step
     reports = []
     for j, i in enumerate(rows.tolist()):
         agreed = int(statuses[i])
         locs = local[:, j].tolist()
         reports.append(
             StuckReport(
-                room=int(f.rooms[i]),
+                room=int(last.rooms[i]),
                 status=KVPoll(agreed),
-                steps=step - int(s.table.entered_step[f.rows[i]]),
+                steps=step - int(last.entered_step[i]),
                 holders=tuple(sorted(r for r, v in zip(ranks, locs) if v == agreed)),
                 local=tuple(sorted((r, KVPoll(v)) for r, v in zip(ranks, locs))),
             )

@@ -37,12 +37,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective, Pending, start_min
+from lifecycle.config import tag_word
+from lifecycle.diagnose import with_stuck
 from lifecycle.errors import InvalidArgument, StepInFlight, TableBusy
 from lifecycle.group_wire import fetch_origins, hello
 from lifecycle.packing import PAD, buffer_size
 from lifecycle.result import StepResult
-from lifecycle.settle import unchanged_result
-from lifecycle.step import Stepper, tag_word
+from lifecycle.step import RawStepper
 from lifecycle.worker import Job, Turn, Worker, take_turn, wait_launches
 
 __all__ = ["StepGroup", "wait_launches"]
@@ -53,12 +54,12 @@ logger = logging.getLogger(__name__)
 class StepGroup:
     """Steps several queues' steppers (same rank) with one reduce per group."""
 
-    def __init__(self, steppers: Iterable[Stepper]) -> None:
+    def __init__(self, steppers: Iterable[RawStepper]) -> None:
         items = tuple(steppers) if isinstance(steppers, Iterable) else None
         if not items:
             raise InvalidArgument("StepGroup steppers", steppers, "at least one Stepper")
         for s in items:
-            if not isinstance(s, Stepper):
+            if not isinstance(s, RawStepper):
                 raise InvalidArgument("StepGroup steppers", s, "a Stepper")
         rank = items[0].rank
         for s in items:
@@ -130,10 +131,8 @@ class StepGroup:
         try:
             out = []
             for s in self.steppers:
-                f = s._frame
-                assert f is not None
-                f.unchanged_words()  # what the check after the reduce compares
-                out.append(unchanged_result(s, f))
+                s._frame_words()  # what the check after the reduce compares
+                out.append(s.unchanged_result())
         except Exception:  # the step builds them itself if it needs them
             return None
         return out
@@ -249,9 +248,9 @@ class StepGroup:
         sizes = [buffer_size(c) for c in caps]
         joint = np.full(sum(sizes), PAD, dtype=np.uint8)
         areas, at = [], 0
-        for s, cap, size in zip(self.steppers, caps, sizes):
+        for s, size in zip(self.steppers, sizes):
             area = joint[at : at + size]
-            s._buffer.place(area, cap)
+            s._place(area)
             areas.append(area)
             at += size
         self._joint, self._caps, self._areas = joint, caps, areas
@@ -276,11 +275,7 @@ class StepGroup:
         try:
             segs = self._split(buf)
             if self._all_unchanged(buf, segs):
-                ready = []
-                for s in self.steppers:
-                    assert s._frame is not None
-                    ready.append(unchanged_result(s, s._frame))
-                self._ready = (step, ready)
+                self._ready = (step, [s.unchanged_result() for s in self.steppers])
         except Exception:  # finish does it all again, and raises what it must
             pass
 
@@ -387,14 +382,10 @@ class StepGroup:
         self._hello_done = True
 
     @staticmethod
-    def _stuck(coll: Collective, s: Stepper, result: StepResult) -> StepResult:
+    def _stuck(coll: Collective, s: RawStepper, result: StepResult) -> StepResult:
         k = s.config.stuck_after
-        if k is None or s._frame is None or not s._frame.n:
-            return result
-        from lifecycle.diagnose import stuck_rows, with_stuck
-
-        rows = stuck_rows(s, result, k)
+        rows = None if k is None else s.stuck_rows(result, k)
         if rows is None:
             return result
         wait_launches()
-        return with_stuck(s, coll, result, rows)
+        return with_stuck(s.last_step(), coll, result, rows)

@@ -11,9 +11,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.collective import Collective
+from lifecycle.config import FIRST_CAPACITY
 from lifecycle.errors import CollectiveMismatch
 from lifecycle.packing import Field, Header, buffer_size, stable_hash, write_field
-from lifecycle.step import FIRST_CAPACITY, Stepper
+from lifecycle.step import RawStepper
 from lifecycle.worker import wait_launches
 
 __all__ = ["fetch_origins", "hello"]
@@ -40,7 +41,7 @@ def fetch_origins(
     return out
 
 
-def hello(steppers: Sequence[Stepper], collective: Collective) -> None:
+def hello(steppers: Sequence[RawStepper], collective: Collective) -> None:
     """Raise on every rank unless every rank steps the same queues, in the same
     order, with the same configurations."""
     shape = "|".join(f"{s.queue}:{s.config.fingerprint:x}" for s in steppers)

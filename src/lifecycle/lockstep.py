@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.config import tag_word
 from lifecycle.errors import InvalidArgument, LifecycleError
-from lifecycle.step import Stepper, StepResult, tag_word
+from lifecycle.result import StepResult
+from lifecycle.stepper import Stepper
 
 __all__ = ["lockstep", "reduce_min"]
 

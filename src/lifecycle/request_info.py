@@ -2,43 +2,43 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
+
+import attrs
+from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll, Role
 
-if TYPE_CHECKING:
-    from lifecycle.table import RequestTable
-
-__all__ = ["RequestInfo"]
+__all__ = ["RequestInfo", "INFO_FIELDS"]
 
 
+@attrs.frozen(repr=False)
 class RequestInfo:
-    """A read-only snapshot of one request's row (for humans and slow paths)."""
+    """A read-only snapshot of one request's row (for humans and slow paths);
+    the table fills it in (:meth:`~lifecycle.table.RequestTable.info`)."""
 
-    __slots__ = (
-        "entered_step",
-        "entered_time",
-        "fake",
-        "metadata_slot",
-        "origin",
-        "reason",
-        "role",
-        "room",
-        "state",
-    )
+    room: int
+    state: KVPoll
+    role: Role
+    reason: FailureReason
+    origin: int
+    entered_step: int
+    entered_time: float
+    fake: bool
+    metadata_slot: int
 
-    def __init__(self, table: RequestTable, slot: int) -> None:
-        self.room = int(table.room[slot])
-        self.state = KVPoll(int(table.state[slot]))
-        self.role = Role(int(table.role[slot]))
-        self.reason = FailureReason(int(table.reason[slot]))
-        self.origin = int(table.origin[slot])
-        self.entered_step = int(table.entered_step[slot])
-        self.entered_time = float(table.entered_time[slot])
-        self.fake = bool(table.fake[slot])
-        self.metadata_slot = int(table.metadata_slot[slot])
+    @classmethod
+    def of(cls, slot: int, *columns: NDArray[Any]) -> RequestInfo:
+        """Row ``slot`` of the table's columns, given in field order."""
+        room, state, role, reason, origin, step, time, fake, meta = (c[slot] for c in columns)
+        return cls(int(room), KVPoll(int(state)), Role(int(role)), FailureReason(int(reason)),
+                   int(origin), int(step), float(time), bool(fake), int(meta))  # fmt: skip
 
     def __repr__(self) -> str:
         extra = f", reason={self.reason.label}, origin={self.origin}" if self.state == 0 else ""
         return f"RequestInfo(room={self.room}, state={self.state.name}{extra})"
+
+
+#: the fields, in order: each is also the name of the table's column it reads
+INFO_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(RequestInfo))

@@ -9,7 +9,7 @@ from numpy.typing import NDArray
 from lifecycle.reasons import FailureReason
 from lifecycle.status import NUM_STATUSES, KVPoll
 
-__all__ = ["Failure", "StuckReport", "StepResult"]
+__all__ = ["Failure", "StuckReport", "StepResult", "LastStep"]
 
 
 @attrs.frozen
@@ -83,3 +83,19 @@ class StepResult:
         """Number of live requests at each agreed status."""
         c = np.bincount(self.statuses, minlength=NUM_STATUSES)
         return {s: int(c[s]) for s in KVPoll}
+
+
+@attrs.frozen(eq=False)
+class LastStep:
+    """One rank's last step over its active rows, frozen (arrays are copies):
+    what a diagnosis gathers and compares across ranks."""
+
+    rank: int
+    #: the table's step number after it
+    step: int
+    rooms: NDArray[np.uint64]
+    #: the agreed status of each row, and the step it entered it
+    statuses: NDArray[np.int8]
+    entered_step: NDArray[np.int64]
+    #: this rank's own word per row (its local status and reason)
+    words: NDArray[np.uint8]

@@ -2,19 +2,22 @@
 
 Every decision here reads reduced data only (the header, the agreed words,
 the agreed table state), so every rank takes the same branch: the same
-error, the same capacity, the same "is an origin fetch needed".
+error, the same "is an origin fetch needed". The functions take plain data:
+the step's frame and header, this rank's :class:`Who` and local stage, the
+table they write.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import attrs
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import batch
+from lifecycle.config import StepConfig
 from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatus
 from lifecycle.frame import Frame, no_origins
+from lifecycle.local import LocalStage
 from lifecycle.packing import (
     HEADER,
     NO_ORIGIN,
@@ -27,11 +30,9 @@ from lifecycle.packing import (
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
 from lifecycle.status import I8, KVPoll
+from lifecycle.table import RequestTable
 
-if TYPE_CHECKING:
-    from lifecycle.step import Stepper
-
-__all__ = ["Settled", "settle", "bucket", "unchanged_result", "commit_unchanged"]
+__all__ = ["Who", "Settled", "settle", "unchanged_result", "result_of"]
 
 _F = I8.F
 #: the smallest word of a status other than Failed
@@ -53,6 +54,15 @@ _FIELD_NAMES = {
     Field.QUEUE: "queue",
     Field.TAG: "tag",
 }
+
+
+@attrs.frozen
+class Who:
+    """Which stepper a step belongs to: what a divergence message names."""
+
+    rank: int
+    queue: str
+    config: StepConfig
 
 
 class Settled:
@@ -95,7 +105,7 @@ class Settled:
         self.planned = False
         self.new: NDArray[np.int8] | None = None
 
-    def plan(self, stepper: Stepper, origins: NDArray[np.int32] | None) -> None:
+    def plan(self, who: Who, local: LocalStage, origins: NDArray[np.int32] | None) -> None:
         """Work out every moving row's move, raising (on every rank alike: from
         agreed data only) before anything changes."""
         f = self.frame
@@ -117,33 +127,28 @@ class Settled:
                 assert origins is not None
                 # both ascending, and every failed row moved: the same order
                 origin[failing] = origins[: self.failed.size]
-            if stepper.config.invalid_status == "raise" and _INVALID in reason.tobytes():
+            if who.config.invalid_status == "raise" and _INVALID in reason.tobytes():
                 i = int(np.flatnonzero(reason == FailureReason.INVALID_STATUS)[0])
                 room = int(f.rooms[moved[i]])
-                raise InvalidStatus(room, int(origin[i]), stepper.local.raw_invalid.get(room))
+                raise InvalidStatus(room, int(origin[i]), local.raw_invalid.get(room))
         # the trigger of each move, the abort rule included (batch.advance's)
         trig = batch.WORD_TRIGGER[was, words]
         if _NO_TRIGGER in trig.tobytes():  # a -1 (no trigger id reaches 255)
             i = int(np.flatnonzero(trig < 0)[0])
             raise IllegalTransition(
-                int(f.rooms[moved[i]]), stepper.rank, int(was[i]), int(to[i]), "advance"
+                int(f.rooms[moved[i]]), who.rank, int(was[i]), int(to[i]), "advance"
             )
         self.new, self.triggers, self.reason, self.origin = to, trig, reason, origin
 
-    def commit(self, stepper: Stepper) -> StepResult:
-        f, t = self.frame, stepper.table
-        now = stepper.local.now
+    def commit(self, t: RequestTable, local: LocalStage, queue: str) -> StepResult:
+        """Write the planned moves into ``t``; the step's result."""
+        f, now = self.frame, local.now
         step = t.step_no + 1
         assert self.planned, "commit() before plan()"
-        cap, floor = stepper.capacity, stepper._floor
-        if cap < floor:  # the agreed floor takes effect from the next step
-            stepper.capacity = floor
-        elif self.hdr.need * 4 < cap and cap > floor:
-            stepper.capacity = max(floor, bucket(self.hdr.need * 2, floor))
         new = self.new
         if new is None:
             t.step_no, t.now = step, now
-            return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+            return unchanged_result(queue, local, f, step)
         moved, was = self.moved, self.was
         slots = f.rows[moved]
         dwell = now - t.entered_time[slots]
@@ -170,52 +175,44 @@ class Settled:
             # the next step builds a new frame, and this one's columns are
             # never written again: the result may hold them as they are
             f.retire()
-        return _result(stepper, f, step, pos, was, self.triggers, dwell)
+        return result_of(queue, local, f, step, pos, was, self.triggers, dwell)
 
 
-def unchanged_result(stepper: Stepper, f: Frame) -> StepResult:
-    """The result of a step whose reduced buffer was this rank's own header
-    and every row's agreed status (what :meth:`Stepper.unchanged` checks),
-    changing nothing (:func:`commit_unchanged` applies it)."""
-    step = stepper.table.step_no + 1
-    return _result(stepper, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
+def unchanged_result(queue: str, local: LocalStage, f: Frame, step: int) -> StepResult:
+    """The result of step ``step`` where nothing moved (the reduced buffer was
+    this rank's own header and every row's agreed status)."""
+    return result_of(queue, local, f, step, _EMPTY_I64, _EMPTY_I8, _EMPTY_I16, _EMPTY_F64)
 
 
-def commit_unchanged(stepper: Stepper, f: Frame, result: StepResult) -> StepResult:
-    """Apply such a step: the same as :meth:`Settled.commit` with nothing
-    moved and ``need == f.n``."""
-    t = stepper.table
-    cap, floor = stepper.capacity, stepper._floor
-    if cap < floor:
-        stepper.capacity = floor
-    elif f.n * 4 < cap and cap > floor:
-        stepper.capacity = max(floor, bucket(f.n * 2, floor))
-    t.step_no, t.now = result.step, stepper.local.now
-    return result
-
-
-def settle(stepper: Stepper, f: Frame, reduced: NDArray[np.uint8]) -> Settled:
+def settle(
+    who: Who,
+    f: Frame,
+    hdr: Header,
+    reduced: NDArray[np.uint8],
+    capacity: int,
+    tag: int,
+    local: LocalStage,
+) -> Settled:
     """Check the header (raising on every rank if the ranks diverged) and work
     out whether this step needs an origin fetch."""
-    hdr = stepper._header(reduced)
     if not hdr.agreed:
-        raise _mismatch(stepper, f, hdr)
-    if hdr.need > stepper.capacity:
+        raise _mismatch(who, tag, f, hdr)
+    if hdr.need > capacity:
         raise RuntimeError("apply(): capacity too small; call resize() and reduce again")
     s = Settled(f, hdr, reduced[HEADER : HEADER + f.n])
     failed = s.failed
     if failed.size:
         if hdr.sole is None:  # several ranks failed rows: which word won where?
-            area = reduced[HEADER + stepper.capacity :]
-            if area.size == slots_size(stepper.capacity):
+            area = reduced[HEADER + capacity :]
+            if area.size == slots_size(capacity):
                 s.known = slot_origins(area, failed, s.words[s.failing])
         if hdr.sole is None and s.known is None:  # some list did not fit: ask
-            mine = stepper.local.words(failed) == s.words[s.failing]
-            s.fetch = np.where(mine, np.int32(stepper.rank), NO_ORIGIN).astype(np.int32)
+            mine = local.words(failed) == s.words[s.failing]
+            s.fetch = np.where(mine, np.int32(who.rank), NO_ORIGIN).astype(np.int32)
     return s
 
 
-def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
+def _mismatch(who: Who, tag: int, f: Frame, hdr: Header) -> CollectiveMismatch:
     fields = hdr.differing()
     differs = tuple(dict.fromkeys(_FIELD_NAMES[x] for x in fields))
     detail = []
@@ -226,17 +223,17 @@ def _mismatch(stepper: Stepper, f: Frame, hdr: Header) -> CollectiveMismatch:
             "that raised on some ranks only)."
         )
     if "queue" in differs:
-        detail.append(f"This rank stepped queue {stepper.queue!r} in this collective.")
+        detail.append(f"This rank stepped queue {who.queue!r} in this collective.")
     if "tag" in differs:
         lo, hi = hdr.bounds(Field.TAG)
         detail.append(
-            f"A rank is on another iteration (local tag {_tag(stepper._tag)}; tags across "
+            f"A rank is on another iteration (local tag {_tag(tag)}; tags across "
             f"ranks {_tag(lo)}..{_tag(hi)}): retry a failed iteration on every rank or on none."
         )
     if "step configuration" in differs:
-        detail.append(f"This rank's config: {stepper.config!r}.")
+        detail.append(f"This rank's config: {who.config!r}.")
     return CollectiveMismatch(
-        stepper.rank,
+        who.rank,
         f.n_all,
         hdr.bounds(Field.LENGTH),
         f.fp,
@@ -250,16 +247,9 @@ def _tag(word: int) -> str:
     return "none" if word == 0 else str(word - 1)
 
 
-def bucket(n: int, floor: int) -> int:
-    """Capacity for ``n`` requests: 1/8 headroom, rounded up to an eighth of a
-    power of two (at most ~25% padding, and few distinct sizes)."""
-    need = max(floor, n + n // 8, 1)
-    grain = max(1, 1 << max(0, need.bit_length() - 3))
-    return -(-need // grain) * grain
-
-
-def _result(
-    stepper: Stepper,
+def result_of(
+    queue: str,
+    local: LocalStage,
     f: Frame,
     step: int,
     pos: NDArray[np.int64],
@@ -270,7 +260,7 @@ def _result(
     statuses, reasons, origins = f.snapshot()
     return StepResult(
         step=step,
-        queue=stepper.queue,
+        queue=queue,
         rooms=f.rooms_all,
         statuses=statuses,
         reasons=reasons,
@@ -280,5 +270,5 @@ def _result(
         previous=previous,
         triggers=triggers,
         dwell=dwell,
-        exceptions=stepper.local.exceptions,
+        exceptions=local.exceptions,
     )

@@ -24,31 +24,31 @@ Per rank, for the ordered list of live requests of one queue, a step is:
    (:mod:`lifecycle.batch`); a move the graph lacks raises before anything
    changes.
 
-Steps 1-3 are :meth:`Stepper.prepare`; :meth:`Stepper.origins` and
-:meth:`Stepper.apply` follow the reduces. :meth:`Stepper.step` (or
-:class:`~lifecycle.group.StepGroup` for several queues in one reduce, and
-``start``/``finish`` to overlap the reduce with the forward pass) composes
-them with a :class:`~lifecycle.collective.Collective`. Nothing here does I/O.
+Steps 1-3 are :meth:`RawStepper.prepare`; :meth:`RawStepper.origins` and
+:meth:`RawStepper.apply` follow the reduces. This is the sans-I/O stepper:
+nothing here does I/O, and nothing here imports what does. The drivers
+compose it with a :class:`~lifecycle.collective.Collective`:
+:class:`~lifecycle.stepper.Stepper` (``step``, ``start``/``finish`` to
+overlap the reduce with the forward pass, ``diagnose``) and
+:class:`~lifecycle.group.StepGroup` (several queues in one reduce).
 
-The buffer has an agreed *capacity*: the first step of a stepper reduces at
-a fixed size (:data:`FIRST_CAPACITY`) whatever its configuration, and every
-later size is computed from reduced headers only, so the sizes of the
-collectives always match across ranks, even when ranks were configured
-differently.
+The buffer has an agreed *capacity* (:mod:`lifecycle.capacity`): the first
+step of a stepper reduces at a fixed size (:data:`FIRST_CAPACITY`) whatever
+its configuration, and every later size is computed from reduced headers
+only, so the sizes of the collectives always match across ranks.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import validate
 from lifecycle.buffer import StepBuffer
-from lifecycle.collective import Collective
+from lifecycle.capacity import Capacity
 from lifecycle.config import (
     FIRST_CAPACITY,
     MAX_CAPACITY,
@@ -63,24 +63,17 @@ from lifecycle.frame import Frame
 from lifecycle.local import LocalStage
 from lifecycle.packing import Header, buffer_size, stable_hash
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
-from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.settle import Settled, bucket, commit_unchanged, settle, unchanged_result
+from lifecycle.result import LastStep, StepResult
+from lifecycle.settle import Settled, Who, settle, unchanged_result
+from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
-__all__ = [
-    "StepConfig",
-    "StepResult",
-    "Failure",
-    "StuckReport",
-    "Stepper",
-    "FIRST_CAPACITY",
-    "MAX_CAPACITY",
-    "tag_word",
-]
+__all__ = ["RawStepper", "FIRST_CAPACITY", "MAX_CAPACITY"]
 
 
-class Stepper:
-    """Steps the requests of one :class:`RequestTable` (one queue) on one rank."""
+class RawStepper:
+    """Steps the requests of one :class:`RequestTable` (one queue) on one rank,
+    sans I/O: it makes the buffer to reduce and applies the reduced one."""
 
     def __init__(
         self,
@@ -138,21 +131,24 @@ class Stepper:
         self._pool = pool if validate.is_integer(pool) else None
         self._by_index = poller is not None and not getattr(poller, "by_room", False)
         #: set only from reduced headers (or by a caller that got it that way)
-        cap = FIRST_CAPACITY if agreed_capacity is None else bucket(0, agreed_capacity)
-        self.capacity = self._floor = cap
-        self._want = bucket(0, self.config.initial_capacity)
+        self._cap = Capacity.first(FIRST_CAPACITY if agreed_capacity is None else agreed_capacity)
+        #: the capacity floor this rank asks for (its reduce agrees the largest)
+        self._want = Capacity.first(self.config.initial_capacity).rows
         self._frame: Frame | None = None
         self._buffer = StepBuffer(rank, self.config.fingerprint, stable_hash(queue))
-        #: the largest capacity floor this rank asked for, as resize() would agree it
-        self._want_floor = min(bucket(0, self._want), MAX_CAPACITY)
+        self._tag = 0
         self._prepared = False
         self._settled: Settled | None = None
         #: (a reduced buffer, its header) of the step in hand
         self._seen: tuple[NDArray[np.uint8], Header] | None = None
-        self._group: Any = None
         #: set by a group between its start() and finish(): the step in flight
         #: owns the stepper, and the hand-driven protocol below refuses
         self.in_flight = False
+
+    @property
+    def capacity(self) -> int:
+        """The rows the step's buffer holds (agreed: the same on every rank)."""
+        return self._cap.rows
 
     def _idle(self, method: str, reduced: object = None) -> None:
         """Refuse a hand-driven call during a step in flight, or (``reduced``
@@ -228,10 +224,11 @@ class Stepper:
         hdr = self._header(reduced)
         if not hdr.agreed:
             return False  # every rank raises in origins()/apply() instead
-        self._floor = max(self._floor, min(bucket(0, hdr.floor), MAX_CAPACITY))
-        if hdr.need <= self.capacity:
+        cap = self._cap = self._cap.with_floor(hdr.floor)
+        grown = cap.grown(hdr.need)
+        if grown is None:
             return False
-        self.capacity = bucket(hdr.need, self._floor)
+        self._cap = grown
         return True
 
     def unchanged(self, reduced: NDArray[np.uint8]) -> bool:
@@ -259,17 +256,26 @@ class Stepper:
 
     def commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         """Apply a step :meth:`unchanged` accepted (what :meth:`apply` would do);
-        ``result``: its :func:`~lifecycle.settle.unchanged_result`, if built."""
+        ``result``: its :meth:`unchanged_result`, if built."""
         self._idle("commit_unchanged")
         return self._commit_unchanged(result)
+
+    def unchanged_result(self) -> StepResult:
+        """The result of the prepared step, should nothing move (reads only)."""
+        f = self._frame
+        assert f is not None
+        return unchanged_result(self.queue, self.local, f, self.table.step_no + 1)
 
     def _commit_unchanged(self, result: StepResult | None = None) -> StepResult:
         f = self._frame
         assert f is not None and self._prepared
-        self._floor = max(self._floor, self._want_floor)
+        result = result or self.unchanged_result()
+        # the header came back as this rank sent it: its own floor was agreed
+        self._cap = self._cap.with_floor(self._want).settled(f.n)
         self._prepared = False
         self._settled = None
-        return commit_unchanged(self, f, result or unchanged_result(self, f))
+        self.table.step_no, self.table.now = result.step, self.local.now
+        return result
 
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
@@ -295,7 +301,11 @@ class Stepper:
         if not self._prepared or self._frame is None:
             raise RuntimeError("origins() before prepare(): a step is prepare, reduce, apply")
         if self._settled is None:
-            self._settled = settle(self, self._frame, reduced)
+            who = Who(self.rank, self.queue, self.config)
+            hdr = self._header(reduced)
+            self._settled = settle(
+                who, self._frame, hdr, reduced, self.capacity, self._tag, self.local
+            )
         return self._settled.fetch
 
     def apply(
@@ -334,7 +344,7 @@ class Stepper:
             raise ReducedBufferMismatch(self.rank, self.queue, method, "origins", want, origins)
         settled = self._settled
         assert settled is not None
-        settled.plan(self, origins)
+        settled.plan(Who(self.rank, self.queue, self.config), self.local, origins)
         return settled
 
     def commit(self, settled: Settled) -> StepResult:
@@ -347,7 +357,8 @@ class Stepper:
             raise RuntimeError("commit(): pass the outcome settle() returned for this step")
         self._prepared = False
         self._settled = None
-        return settled.commit(self)
+        self._cap = self._cap.settled(settled.hdr.need)
+        return settled.commit(self.table, self.local, self.queue)
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:
@@ -356,38 +367,40 @@ class Stepper:
         rooms = self._frame.rooms if self._frame is not None else np.empty(0, np.uint64)
         return rooms, self.local.values, self.local.reasons()
 
-    # -- composed ------------------------------------------------------------
-    def _as_group(self) -> Any:
-        if self._group is None:
-            from lifecycle.group import StepGroup
+    # -- for the drivers ---------------------------------------------------
+    def _frame_words(self) -> None:
+        """Compute (once per frame) the words the check after a reduce compares."""
+        f = self._frame
+        assert f is not None
+        f.unchanged_words()
 
-            self._group = StepGroup([self])
-        return self._group
+    def _place(self, area: NDArray[np.uint8]) -> None:
+        """Pack into ``area`` (this stepper's segment of a group's buffer)."""
+        self._buffer.place(area, self.capacity)
 
-    def step(self, collective: Collective, tag: int | None = None) -> StepResult:
-        """prepare -> MIN all-reduce over ``collective`` -> apply."""
-        result: StepResult = self._as_group().step(collective, tag)[0]
-        return result
+    def stuck_rows(self, result: StepResult, k: int) -> NDArray[np.int64] | None:
+        """Active rows of the last step that have sat at one status for a
+        multiple of ``k`` steps (agreed data: every rank finds the same)."""
+        f = self._frame
+        if f is None or not f.n:
+            return None
+        t = self.table
+        age = result.step - t.entered_step[f.rows]
+        stuck = ~TERMINAL[t.state[f.rows]] & (age >= k) & (age % k == 0)
+        return np.flatnonzero(stuck) if stuck.any() else None
 
-    def start(
-        self, collective: Collective, tag: int | None = None, *, worker: bool = False
-    ) -> None:
-        """Prepare and launch the reduce; the scheduler may run its forward pass
-        until :meth:`finish` (see docs/scheduler-integration.md). ``worker``:
-        prepare and launch on the stepper's own thread (the hooks then run
-        during the forward pass)."""
-        self._as_group().start(collective, tag, worker=worker)
-
-    def finish(self) -> StepResult:
-        result: StepResult = self._as_group().finish()[0]
-        return result
-
-    def diagnose(self, collective: Collective) -> tuple[StuckReport, ...]:
-        """On demand (collectively: every rank must call it): who holds each
-        non-terminal request of the last step back."""
-        self._idle("diagnose")
-        from lifecycle.diagnose import diagnose
-        from lifecycle.group import wait_launches
-
-        wait_launches()  # after the reduces of this thread's earlier worker starts
-        return diagnose(self, collective, None)
+    def last_step(self) -> LastStep | None:
+        """A frozen copy of the last step's active rows: agreed statuses and this
+        rank's own words (None before a step, or if it was left half done)."""
+        f = self._frame
+        if f is None or self.local.values.size != f.n:
+            return None
+        t = self.table
+        return LastStep(
+            rank=self.rank,
+            step=t.step_no,
+            rooms=f.rooms.copy(),
+            statuses=t.state[f.rows],
+            entered_step=t.entered_step[f.rows],
+            words=self.local.words(),
+        )

@@ -5,10 +5,9 @@ requests of one scheduler queue. Every per-request field (state, reason,
 origin, clocks, metadata slot...) is a numpy column indexed by a *slot*
 that never moves while the request lives; ``order`` lists the slots in queue
 order (insertion order, which every rank reproduces by making the same
-calls). Removal is O(1): the slot is marked dead and the order is compacted
-with one array operation the next time it is read. The only Python objects
-kept per request are the optional per-request pollers (``handles``), for
-backends that have no batch poll.
+calls). Removal is O(1): the slot is marked dead, the order compacted on
+its next read. The only Python objects kept per request are the optional
+per-request pollers (``handles``), for backends without a batch poll.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from lifecycle.errors import (
 )
 from lifecycle.packing import room_keys
 from lifecycle.reasons import FailureReason
-from lifecycle.request_info import RequestInfo
+from lifecycle.request_info import INFO_FIELDS, RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
 
 __all__ = ["RequestTable", "RequestInfo"]
@@ -42,10 +41,8 @@ _MAX_INDEX = (1 << 62) - 1
 
 
 class RequestTable:
-    """Live requests of one queue, keyed by bootstrap room.
-
-    ``rank`` is only used to name this rank in error messages.
-    """
+    """Live requests of one queue, keyed by bootstrap room (``rank`` only names
+    this rank in error messages)."""
 
     _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
         ("room", np.uint64, 0),
@@ -125,8 +122,11 @@ class RequestTable:
         except KeyError:
             raise UnknownRequest(room, self.rank) from None
 
+    def _info(self, slot: int) -> RequestInfo:
+        return RequestInfo.of(slot, *[getattr(self, name) for name in INFO_FIELDS])
+
     def info(self, room: int) -> RequestInfo:
-        return RequestInfo(self, self.slot_of(room))
+        return self._info(self.slot_of(room))
 
     def order(self) -> NDArray[np.int64]:
         """Slots of the live requests in queue order (a view; do not keep it)."""
@@ -271,7 +271,7 @@ class RequestTable:
         """Remove one request (O(1)); returns its last row."""
         self._check_idle()
         slot = self.slot_of(room)
-        info = RequestInfo(self, slot)
+        info = self._info(slot)
         del self._index[room]
         self.abort_count -= int(self.abort_requested[slot])
         self.terminal_count -= int(TERMINAL[self.state[slot]])

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from lifecycle.reasons import FailureReason
+from lifecycle.result import StepResult
 from lifecycle.status import KVPoll
-from lifecycle.step import StepResult
 
 __all__ = ["LifecycleMetrics", "serve"]
 

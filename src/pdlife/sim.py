@@ -25,8 +25,8 @@ from buffers import MetadataBuffers, SlotAllocator
 from lifecycle.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.packing import fingerprint
+from lifecycle.result import StepResult
 from lifecycle.status import T as T  # the tests' pollers answer with sim.T
-from lifecycle.step import StepResult
 from pdlife.pause import pause_process
 from pdlife.plan import RankFaults
 from pdlife.sim_backend import connector_config, kv_args

@@ -10,11 +10,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers
+from lifecycle.config import StepConfig
 from lifecycle.errors import PartialPollError
 from lifecycle.protocols import StepContext
 from lifecycle.reasons import FailureReason
 from lifecycle.status import S, T
-from lifecycle.step import StepConfig, Stepper
+from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
 from pdlife.plan import FaultPlan, RankFaults
 

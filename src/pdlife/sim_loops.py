@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.result import StepResult
 from lifecycle.status import B, F, KVPoll, Role, S, T, W
-from lifecycle.step import StepResult
 from pdlife.sim_bytes import (
     fill_pages,
     fill_prefix,

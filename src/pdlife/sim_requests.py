@@ -11,8 +11,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
+from lifecycle.result import StepResult
 from lifecycle.status import KVPoll, Role, S, T
-from lifecycle.step import StepResult
 from pdlife.sim_config import SimConfig
 from pdlife.sim_peer import on_admit, tell
 from pdlife.sim_soak import soak_allowed

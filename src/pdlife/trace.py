@@ -30,7 +30,7 @@ import numpy as np
 from lifecycle import batch
 from lifecycle.graph import TRIGGERS
 from lifecycle.packing import pack, unpack
-from lifecycle.step import StepResult
+from lifecycle.result import StepResult
 
 __all__ = [
     "TraceWriter",

@@ -49,8 +49,9 @@ from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle.errors import LifecycleError
 from lifecycle.lockstep import lockstep, reduce_min
 from lifecycle.reference import RequestMachine
+from lifecycle.result import StepResult
 from lifecycle.status import B, F, Role, S
-from lifecycle.step import Stepper, StepResult
+from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 from lifecycle.testing.invariants import (

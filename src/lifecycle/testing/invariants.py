@@ -11,8 +11,8 @@ from hypothesis import event
 
 from lifecycle.errors import LifecycleError
 from lifecycle.graph import TRIGGERS
+from lifecycle.result import StepResult
 from lifecycle.status import F, KVPoll, S, T
-from lifecycle.step import StepResult
 
 if TYPE_CHECKING:
     from lifecycle.testing.consensus import ConsensusMachine
