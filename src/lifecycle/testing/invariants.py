@@ -4,20 +4,72 @@ from the raw inputs alone, and the checks of one lockstep step's results
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Protocol
 
 import numpy as np
 from hypothesis import event
 
+from buffers import MetadataBuffers
 from lifecycle.errors import LifecycleError
 from lifecycle.graph import TRIGGERS
+from lifecycle.reference import RequestMachine
 from lifecycle.result import StepResult
+from lifecycle.step import RawStepper
 from lifecycle.status import F, KVPoll, S, T
+from lifecycle.table import RequestTable
+from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 
-if TYPE_CHECKING:
-    from lifecycle.testing.consensus import ConsensusMachine
 
-__all__ = ["InvariantViolation", "check", "expected_local", "gates_open", "check_step"]
+class World(Protocol):
+    """What the checks read of a lockstep world: per rank its table, poller,
+    gates, faults, metadata and stepper; per room what was decided for it."""
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def tables(self) -> Sequence[RequestTable]: ...
+
+    @property
+    def boards(self) -> Sequence[StatusBoard]: ...
+
+    @property
+    def gates(self) -> Sequence[SetGate]: ...
+
+    @property
+    def staging(self) -> Sequence[SetStaging]: ...
+
+    @property
+    def faults(self) -> Sequence[ListFaults]: ...
+
+    @property
+    def metas(self) -> Sequence[MetadataBuffers]: ...
+
+    @property
+    def steppers(self) -> Sequence[RawStepper]: ...
+
+    @property
+    def fake(self) -> Mapping[int, bool]: ...
+
+    @property
+    def slot_of(self) -> Mapping[int, int]: ...
+
+    @property
+    def agreed(self) -> MutableMapping[int, int]: ...
+
+    @property
+    def reference(self) -> Mapping[int, RequestMachine]: ...
+
+
+__all__ = [
+    "World",
+    "InvariantViolation",
+    "check",
+    "expected_local",
+    "gates_open",
+    "check_step",
+]
 
 
 class InvariantViolation(AssertionError):
@@ -33,7 +85,7 @@ def check(cond: bool, name: str, detail: str) -> None:
         raise InvariantViolation(name, detail)
 
 
-def expected_local(m: ConsensusMachine, rank: int, room: int) -> int:
+def expected_local(m: World, rank: int, room: int) -> int:
     """What rank ``rank`` should contribute for a live, non-terminal ``room``,
     derived from the raw inputs alone."""
     board, t = m.boards[rank], m.tables[rank]
@@ -55,7 +107,7 @@ def expected_local(m: ConsensusMachine, rank: int, room: int) -> int:
     return S
 
 
-def gates_open(m: ConsensusMachine, rows: list[int]) -> dict[int, bool]:
+def gates_open(m: World, rows: list[int]) -> dict[int, bool]:
     """Per room: was every rank's raw poll Success with all its gates open?"""
     out = {}
     for room in rows:
@@ -76,7 +128,7 @@ def gates_open(m: ConsensusMachine, rows: list[int]) -> dict[int, bool]:
 
 
 def check_step(
-    m: ConsensusMachine,
+    m: World,
     rows: list[int],
     before: dict[int, int],
     opened: dict[int, bool],
