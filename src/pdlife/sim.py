@@ -28,10 +28,10 @@ from lifecycle.packing import fingerprint
 from lifecycle.status import T as T  # the tests' pollers answer with sim.T
 from lifecycle.step import StepResult
 from pdlife.pause import pause_process
-from pdlife.plan import RankFaults
 from pdlife.sim_backend import connector_config, kv_args
 from pdlife.sim_bytes import STATE_ROW_BYTES
 from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
+from pdlife.sim_faults import rank_faults
 from pdlife.sim_hooks import (
     DrainPoller,
     _Queue,
@@ -42,7 +42,7 @@ from pdlife.sim_peer import hear
 from pdlife.sim_report import report
 from pdlife.sim_requests import arrive, client_aborts, drain
 from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_words, who_died
-from pdlife.sim_topology import HEAD_BYTES, dp_faults, heads_of, place, primary_of
+from pdlife.sim_topology import HEAD_BYTES, heads_of, place
 from pdlife.trace import TraceWriter
 
 __all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
@@ -78,18 +78,8 @@ class RankRun:
         self.coll = coll
         self.store = store
         self.work = Workload(cfg)
-        mode = self.mode = cfg.mode
-        self.faults = RankFaults(
-            cfg.plan, rank, self.work, mode, cfg.world, cfg.abort_prob, cfg.seed
-        )
-        # the decode ranks whose metadata-row faults this prefill rank carries out:
-        # those it is the primary sender of, as it writes their metadata row (one
-        # row, so a bad one reaches every decode rank it is the primary of), for
-        # the requests its DP group serves (another group's it never writes)
-        served = dp_faults(cfg, self.place)
-        self.faults_for_decode = [
-            RankFaults(served, r, self.work) for r in primary_of(cfg, self.place)
-        ]
+        self.mode = cfg.mode
+        self.faults, self.faults_for_decode = rank_faults(cfg, rank, self.place, self.work)
         backend = get_backend(cfg.backend)
         self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
         #: the global KV heads this rank holds (MLA: the one latent head, everywhere)

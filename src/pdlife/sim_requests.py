@@ -13,14 +13,14 @@ from numpy.typing import NDArray
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll, Role, S, T
 from lifecycle.step import StepResult
-from pdlife.sim_config import SimConfig
+from pdlife.sim_faults import dp_group_of
 from pdlife.sim_peer import on_admit, tell
 from pdlife.sim_soak import soak_allowed
 
 if TYPE_CHECKING:
     from pdlife.sim import RankRun
 
-__all__ = ["arrive", "dp_group_of", "client_aborts", "finish", "release", "drain"]
+__all__ = ["arrive", "client_aborts", "finish", "release", "drain"]
 
 
 def arrive(run: RankRun) -> None:
@@ -62,13 +62,6 @@ def arrive(run: RankRun) -> None:
         groups=groups if dp > 1 else None,
         rank_group=partial(dp_group_of, run.cfg),
     )
-
-
-def dp_group_of(cfg: SimConfig, rank: int) -> int | None:
-    """The prefill DP group a rank serves; None for a decode rank (it sees all)."""
-    if rank >= cfg.prefill_ranks:
-        return None
-    return rank // cfg.prefill
 
 
 def client_aborts(run: RankRun) -> None:

@@ -20,14 +20,8 @@ from pdlife.sim_bytes import (
     write_first_token,
 )
 from pdlife.sim_config import Workload
-from pdlife.sim_topology import (
-    HEAD_BYTES,
-    dp_faults,
-    heads_of,
-    place,
-    primary_of,
-    topology_problem,
-)
+from pdlife.sim_faults import dp_faults, primary_of
+from pdlife.sim_topology import HEAD_BYTES, heads_of, place, topology_problem
 
 
 @pytest.mark.parametrize(
