@@ -4,19 +4,34 @@ which draw wins, as a function of the seed alone (see :mod:`pdlife.plan`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-if TYPE_CHECKING:
-    from pdlife.plan_doc import FaultPlan
+from lifecycle.status import KVPoll
 
-__all__ = ["PHASES", "Decision", "draw", "phase_decisions"]
+__all__ = ["PHASES", "PHASE_VALUE", "DrawnPlan", "Decision", "draw", "phase_decisions"]
 
-#: the phases a phase-keyed fault may name, in lifecycle order
-PHASES = ("Bootstrapping", "WaitingForInput", "Transferring")
+#: the phases a phase-keyed fault may name, in lifecycle order: every status a
+#: request passes through before it ends
+PHASES = tuple(s.name for s in KVPoll if not s.terminal)
+#: each phase's status value
+PHASE_VALUE = {s.name: int(s) for s in KVPoll if not s.terminal}
+
+
+class DrawnPlan(Protocol):
+    """What the draws read of a fault plan: its probabilistic part."""
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def prob(self) -> float: ...
+
+    @property
+    def prob_ranks(self) -> tuple[int, ...] | None: ...
 
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -57,7 +72,7 @@ class Decision:
 
 
 def phase_decisions(
-    plan: FaultPlan,
+    plan: DrawnPlan,
     abort_prob: float,
     abort_seed: int,
     world: int,

@@ -72,9 +72,8 @@ from numpy.typing import NDArray
 from lifecycle.faults import ProbabilisticFaults
 from lifecycle.protocols import StepContext
 from lifecycle.status import KVPoll
-from pdlife.phase_draws import PHASES, Decision, phase_decisions
+from pdlife.phase_draws import PHASE_VALUE, PHASES, Decision, phase_decisions
 from pdlife.plan_doc import (
-    _PHASE_VALUE,
     KINDS,
     MAX_PAUSE_S,
     MODES,
@@ -181,9 +180,9 @@ class RankFaults:
             if d.rank == self.rank or (d.rank == -1 and aborts_here):
                 self.decisions.append(d)
                 if d.wins and d.kind == "fail":
-                    self.pending_fail[d.room] = _PHASE_VALUE[d.phase]
+                    self.pending_fail[d.room] = PHASE_VALUE[d.phase]
                 elif d.wins:
-                    self.pending_abort[d.room] = _PHASE_VALUE[d.phase]
+                    self.pending_abort[d.room] = PHASE_VALUE[d.phase]
 
     def forget(self, room: int) -> None:
         """The request finished here: drop what was kept for it."""
@@ -210,7 +209,7 @@ class RankFaults:
         for i, f in enumerate(self.mine):
             if f.at is None:
                 continue
-            want = _PHASE_VALUE[f.at]
+            want = PHASE_VALUE[f.at]
             for j, r in enumerate(rooms):
                 if r == self._rooms[i] and reached[j] >= want and reached[j] != KVPoll.Failed:
                     first = self.reached_at.setdefault((i, r), ctx.step)

@@ -11,7 +11,6 @@ from typing import Any
 import attrs
 
 from lifecycle.errors import FaultPlanError
-from lifecycle.status import KVPoll
 from pdlife.phase_draws import PHASES
 
 if sys.version_info >= (3, 11):
@@ -50,12 +49,6 @@ _FIELDS = {"kind", "request", "room", "rank", "step", "steps", "at", "seconds"}
 #: the longest pause_rank: a stall of an hour is a dead rank
 MAX_PAUSE_S = 3600.0
 MODES = ("phase", "step")
-#: the phases a fault or an abort can be keyed to, in lifecycle order
-_PHASE_VALUE = {
-    "Bootstrapping": int(KVPoll.Bootstrapping),
-    "WaitingForInput": int(KVPoll.WaitingForInput),
-    "Transferring": int(KVPoll.Transferring),
-}
 
 
 @attrs.frozen

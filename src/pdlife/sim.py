@@ -1,5 +1,6 @@
-"""One rank of the simulated PD cluster: reference prefill and decode
-scheduler loops (the behaviour of SPEC §3) driven by the consensus step.
+"""One rank of the simulated PD cluster: its parts composed (buffers, ledger,
+queues, requests, soak, stats, the side's scheduler loop of SPEC §3) and
+stepped, one consensus step after another, until the side agrees to stop.
 
 Ranks ``0..P-1`` are the prefill TP group, ``P..P+D-1`` the decode TP group.
 Every rank of a side sees the same requests (same seed), makes the same
@@ -13,36 +14,39 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from numpy.typing import NDArray
 
-from buffers import MetadataBuffers, SlotAllocator
+from buffers import SlotAllocator
 from lifecycle.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.packing import fingerprint
 from lifecycle.result import StepResult
 from lifecycle.status import T as T  # the tests' pollers answer with sim.T
 from pdlife.pause import pause_process
-from pdlife.plan import RankFaults
 from pdlife.sim_backend import connector_config, kv_args
-from pdlife.sim_bytes import STATE_ROW_BYTES
-from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
-from pdlife.sim_hooks import (
-    DrainPoller,
-    _Queue,
-    _Reservoir,
+from pdlife.sim_bytes import RankBytes
+from pdlife.sim_config import SIM_LAYOUT, SimConfig, Workload
+from pdlife.sim_faults import rank_faults
+from pdlife.sim_hooks import DrainPoller, Queues, QueueSteps, StepClock
+from pdlife.sim_ledger import Ledger
+from pdlife.sim_loops import DecodeLoop, LoopParts, PrefillLoop
+from pdlife.sim_peer import PeerWord
+from pdlife.sim_report import (
+    close_backend,
+    fault_report,
+    numbers,
+    pinned_problem,
+    standing,
+    stopped_problem,
+    who_died,
 )
-from pdlife.sim_loops import decode_iteration, prefill_iteration
-from pdlife.sim_peer import hear
-from pdlife.sim_report import report
-from pdlife.sim_requests import arrive, client_aborts, drain
-from pdlife.sim_soak import check_slots, sample_rss, soak_agreed, soak_words, who_died
-from pdlife.sim_topology import HEAD_BYTES, dp_faults, heads_of, place, primary_of
+from pdlife.sim_requests import Requests
+from pdlife.sim_soak import Soak
+from pdlife.sim_stats import RankStats
+from pdlife.sim_topology import place
 from pdlife.trace import TraceWriter
 
 __all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
@@ -57,7 +61,7 @@ IDLE_S = 0.01
 
 
 class RankRun:
-    """Scheduler loops for one rank."""
+    """One rank's scheduler: its parts, composed, and the loop that steps them."""
 
     def __init__(
         self,
@@ -74,107 +78,56 @@ class RankRun:
         self.rank = rank
         self.place = place(rank, cfg.prefill, cfg.prefill_dp, cfg.decode)
         self.side = self.place.side
-        self.side_rank = self.place.tp_rank
         self.coll = coll
         self.store = store
         self.work = Workload(cfg)
-        mode = self.mode = cfg.mode
-        self.faults = RankFaults(
-            cfg.plan, rank, self.work, mode, cfg.world, cfg.abort_prob, cfg.seed
-        )
-        # the decode ranks whose metadata-row faults this prefill rank carries out:
-        # those it is the primary sender of, as it writes their metadata row (one
-        # row, so a bad one reaches every decode rank it is the primary of), for
-        # the requests its DP group serves (another group's it never writes)
-        served = dp_faults(cfg, self.place)
-        self.faults_for_decode = [
-            RankFaults(served, r, self.work) for r in primary_of(cfg, self.place)
-        ]
+        self.mode = cfg.mode
+        self.faults, self.faults_for_decode = rank_faults(cfg, rank, self.place, self.work)
         backend = get_backend(cfg.backend)
-        self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
-        #: the global KV heads this rank holds (MLA: the one latent head, everywhere)
-        self.heads = (
-            range(1) if cfg.mla else heads_of(self.place.tp_size, self.side_rank, cfg.total_heads)
-        )
-        # the KV pool: a few layers of pages; real bytes when the backend moves them
-        self.kv = [
-            torch.zeros(
-                (cfg.kv_pages, cfg.page_size, len(self.heads), HEAD_BYTES), dtype=torch.uint8
-            )
-            for _ in range(KV_LAYERS)
-        ]
-        # a mamba-like state component: one row per request, held whole on every
-        # rank, or (--state-split) this rank's share of each row
-        self.state_share = (self.side_rank, self.place.tp_size) if cfg.state_split else (0, 1)
-        self.state_tensors = (
-            [
-                torch.zeros((cfg.metadata_slots, n // self.state_share[1]), dtype=torch.uint8)
-                for n in STATE_ROW_BYTES
-            ]
-            if cfg.state
-            else []
-        )
-        self.state_row_of: dict[int, int] = {}
         self.moves_bytes = cfg.backend != "fake"
+        self.clock = StepClock(wall=self.moves_bytes)
+        # the KV pool, state and metadata rows: real bytes when the backend moves them
+        self.buffers = RankBytes(cfg, self.place, self.moves_bytes)
+        self.meta = self.buffers.meta
         if self.moves_bytes:  # every byte-moving backend is a connector over one config
             self.manager = backend.manager(
-                kv_args(self), connector_config(cfg, self.place, store_addr)
+                kv_args(self.buffers, rank), connector_config(cfg, self.place, store_addr)
             )
         else:
             self.manager = backend.manager()
-        self.alloc = SlotAllocator(cfg.metadata_slots, self.meta)
-        self.step_no = 0
-        self.draining: dict[int, tuple[Any, int | None, NDArray[np.int64] | None]] = {}
-        self.drain_poller = DrainPoller(self.draining)
-        if self.side == "prefill":
-            self.q1 = _Queue("bootstrap", self, self.manager, self.faults)
-            self.q2 = _Queue("inflight", self, self.manager, self.faults)
-        else:
-            self.q1 = _Queue("handshake", self, self.manager, self.faults)
-            staging = self.manager if cfg.staging and self.moves_bytes else None
-            self.q2 = _Queue("transfer", self, self.manager, self.faults, self.meta, staging)
-            # draining is bookkeeping, not a transfer: no faults there
-            self.q3 = _Queue("drain", self, self.drain_poller, None)
-        self.handles: dict[int, Any] = {}
-        # the fake backend's word between the sides (pdlife.sim_peer)
-        self.peer_told: dict[int, int] = {}  # room -> reason the other side gave
-        self.peer_early: dict[int, int] = {}  # the same, for rooms not admitted yet
-        self.peer_group: dict[int, int] = {}  # decode: room -> its prefill DP group
-        self.need: dict[int, int] = {}  # room -> pages, while live
-        self.abort_due: dict[int, list[int]] = {}  # step -> rooms (step mode)
-        self.admitted = 0
-        self.soak_limit: int | None = None
-        self.sent: dict[int, int] = {}
-        self.pages_free: deque[int] = deque(range(cfg.kv_pages))
-        self.pages_of: dict[int, NDArray[np.int64]] = {}
-        self._slot: dict[int, int] = {}
-        self.bytes_checked = 0
-        # decode: bytes asked of prefill (uncached pages of this rank's heads, the
-        # state and metadata rows), in all and for the requests that succeeded, to
-        # hold prefill's bytes_written against
-        self.bytes_asked = self.bytes_due = 0
-        self.row_bytes = sum(self.meta.buf_infos()[2]) + sum(
-            t[0].nbytes for t in self.state_tensors
+        self.ledger = Ledger(cfg.kv_pages, SlotAllocator(cfg.metadata_slots, self.meta))
+        self.drain_poller = DrainPoller(self.ledger.draining)
+        staging = self.manager if cfg.staging and self.moves_bytes else None
+        self.queues = Queues(
+            cfg,
+            rank,
+            self.side,
+            self.manager,
+            self.faults,
+            self.clock,
+            self.ledger.handles,
+            self.meta,
+            self.drain_poller,
+            staging,
         )
-        self.due_of: dict[int, int] = {}
-        self.staged = 0  # decode: requests whose KV landed via the staging buffer
-        self.ready: deque[int] = deque()
-        self.finished = 0
-        # every finished request's (room, status, reason, origin), streamed to disk
-        # so that a soak's memory does not grow with the requests it has finished
+        # the fake backend's word between the sides (pdlife.sim_peer)
+        self.peer = PeerWord(cfg, rank, self.place, store, silent=self.moves_bytes)
+        self.soak = (
+            Soak(cfg.soak, rank, self.place, store, self.work.arrival_rate) if cfg.soak else None
+        )
         (out / "ranks").mkdir(parents=True, exist_ok=True)
-        self._outcomes_path = out / "ranks" / f"rank{rank}.outcomes.jsonl"
-        self._outcomes = self._outcomes_path.open("w")
-        self.violations: list[str] = []
-        self.disagreements = 0
-        self.latency_us = _Reservoir(20_000)
-        self.counts = _Reservoir(4_000)
-        self.failure_steps = _Reservoir(2_000)
-        self.rss = _Reservoir(2_000)
-        self.drain_failed = 0
-        self._start = self._last_rss = time.monotonic()
-        self._decode_allowed = 0
-        self.stuck_reports = 0
+        self.requests = Requests(
+            cfg,
+            self.place,
+            self.work,
+            self.faults,
+            self.manager,
+            self.ledger,
+            self.queues,
+            self.peer,
+            out / "ranks" / f"rank{rank}.outcomes.jsonl",
+        )
+        self.stats = RankStats(cfg.rss_every)
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
         self.metrics: Any = None
         if cfg.metrics_port is not None:
@@ -184,61 +137,28 @@ class RankRun:
             base = cfg.metrics_port
             bound = serve(base + rank if base else 0)
             (out / "ranks" / f"rank{rank}.metrics_port").write_text(f"{bound}\n")
+        steps = QueueSteps(
+            coll, self.side, self.clock, self.manager, self.stats, self.trace, self.metrics
+        )
+        parts = LoopParts(
+            cfg,
+            self.clock,
+            steps,
+            self.queues,
+            self.ledger,
+            self.buffers,
+            self.requests,
+            self.stats,
+        )
+        self.loop: PrefillLoop | DecodeLoop = (
+            PrefillLoop(parts, self.faults_for_decode)
+            if self.side == "prefill"
+            else DecodeLoop(parts, rank, self.faults, self.drain_poller, self.trace, self.metrics)
+        )
 
-    def state_row(self, slot: int) -> int:
-        """The state row a request holding metadata ``slot`` uses: the slot on
-        prefill, mirrored on decode, so that a transfer that confused state rows
-        with metadata slots lands in the wrong row."""
-        return slot if self.side == "prefill" else self.cfg.metadata_slots - 1 - slot
-
-    def serves(self) -> int | None:
-        """How many requests this rank sees in all (None: a soak not yet ended):
-        every one on decode, its DP group's share on prefill."""
-        n = self.work.limit if not self.cfg.soak else self.soak_limit
-        if n is None or self.side == "decode":
-            return n
-        return len(range(self.place.dp_rank, n, self.cfg.prefill_dp))
-
-    def clock(self) -> float:
-        # logical time (one unit per iteration) keeps fake runs reproducible;
-        # a real transport runs on the wall clock, like its heartbeats
-        return time.monotonic() if self.moves_bytes else float(self.step_no)
-
-    # -- request lifecycle -------------------------------------------------------
-    def client_abort(self, room: int) -> None:
-        h = self.handles.get(room)
-        if h is None:
-            return
-        h.abort()
-        for q in (self.q1, self.q2):
-            if room in q.table:
-                q.table.request_abort(room)
-
-    def _step_queue(self, q: _Queue) -> StepResult:
-        q.poller.step = self.step_no
-        q.gate.step = self.step_no
-        t0 = time.perf_counter()
-        res = q.stepper.step(self.coll)
-        self.latency_us.add((time.perf_counter() - t0) * 1e6)
-        _, local, reason = q.stepper.last_local
-        self.trace.step(self.side, q.name, res, local, reason)
-        if self.metrics is not None:
-            self.metrics.observe(f"{self.side}/{q.name}", res)
-        if res.stuck:
-            self.stuck_reports += len(res.stuck)
-            wire = getattr(self.manager, "describe", None)  # the transport's view
-            for s in res.stuck:
-                self.trace.event(
-                    kind="stuck",
-                    step=self.step_no,
-                    room=s.room,
-                    status=s.status.name,
-                    holders=list(s.holders),
-                    **({"wire": wire(s.room)} if wire is not None else {}),
-                )
-        if res.failed.size:
-            self.failure_steps.add(self.step_no)
-        return res
+    def total(self) -> int | None:
+        """The requests of the whole run (None: a soak not yet ended)."""
+        return self.work.limit if self.soak is None else self.soak.limit
 
     # -- the loop ----------------------------------------------------------------
     def _agree_digest(self, results: list[StepResult], done: bool) -> bool:
@@ -248,65 +168,127 @@ class RankRun:
         when time is up, decode's how many requests prefill has admitted."""
         parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
         h = fingerprint(np.concatenate(parts).astype(np.uint64)) & (2**62 - 1) if parts else 0
-        extra = soak_words(self) if self.cfg.soak else (0, 0)
+        extra = (0, 0) if self.soak is None else self.soak.words(self.stats.elapsed())
         mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done), *extra], dtype=np.int32)
         got = self.coll.all_gather(mine)
         if not (got[:, :2] == got[0, :2]).all():
-            self.disagreements += 1
-        if self.cfg.soak:
-            soak_agreed(self, int(got[0, 3]), int(got[0, 4]))
+            self.stats.disagreements += 1
+        if self.soak is not None:
+            self.soak.agreed(int(got[0, 3]), int(got[0, 4]), self.requests.admitted)
         return bool(got[:, 2].all())
 
     def run(self) -> dict[str, Any]:
-        self._start = self._last_rss = time.monotonic()
-        sample_rss(self, force=True)
+        stats, requests, clock = self.stats, self.requests, self.clock
+        stats.begin()
+        stats.sample_rss(requests.finished, force=True)
         error = None
         all_done = False
+        leads = self.rank in (0, self.cfg.prefill_ranks)  # the side's first rank
         try:
-            while self.step_no < self.cfg.max_steps:
-                self.step_no += 1
-                if self.faults.kill_at(self.step_no):
-                    self.trace.event(kind="killed", step=self.step_no)
+            while clock.step < self.cfg.max_steps:
+                clock.step += 1
+                step = clock.step
+                if self.faults.kill_at(step):
+                    self.trace.event(kind="killed", step=step)
                     self.trace.close()
                     os._exit(17)
-                paused = self.faults.pause_at(self.step_no)
+                paused = self.faults.pause_at(step)
                 if paused:
-                    self.trace.event(kind="paused", step=self.step_no, seconds=paused)
+                    self.trace.event(kind="paused", step=step, seconds=paused)
                     pause_process(paused)
-                self.store.set(f"hb/{self.rank}", str(self.step_no))
-                arrive(self)
-                client_aborts(self)
-                hear(self)
-                results = (
-                    prefill_iteration(self) if self.side == "prefill" else decode_iteration(self)
-                )
-                if self.side == "decode":
-                    results.append(drain(self))
-                total = self.work.limit if not self.cfg.soak else self.soak_limit
+                self.store.set(f"hb/{self.rank}", str(step))
+                requests.arrive(step, None if self.soak is None else self.soak.upto(step))
+                requests.client_aborts(step)
+                self.peer.hear(self.ledger.handles)
+                results = self.loop.iteration()
+                total = self.total()
                 done = (
                     total is not None
-                    and self.admitted >= total
-                    and self.finished == self.serves()
-                    and self.drain_poller.settled.issuperset(self.draining)
+                    and requests.admitted >= total
+                    and requests.finished == requests.serves(total)
+                    and self.drain_poller.settled.issuperset(self.ledger.draining)
                 )
                 all_done = self._agree_digest(results, done)
                 if not all_done and self.moves_bytes and not any(r.changed.size for r in results):
                     time.sleep(IDLE_S)  # (the side's ranks agree on it: they sleep alike)
-                states = np.concatenate([self.q1.table.states(), self.q2.table.states()])
-                self.counts.add([*np.bincount(states, minlength=5).tolist(), self.finished])
-                check_slots(self)
-                sample_rss(self)
-                if self.rank in (0, self.cfg.prefill_ranks) and self.step_no % 10 == 0:
-                    self.store.set(f"progress/{self.side}", str(self.finished))
+                q1, q2 = self.queues.q1, self.queues.q2
+                states = np.concatenate([q1.table.states(), q2.table.states()])
+                stats.counts.add([*np.bincount(states, minlength=5).tolist(), requests.finished])
+                stats.violations += [f"step {step}: {p}" for p in self.ledger.slot_problems()]
+                stats.sample_rss(requests.finished)
+                if leads and step % 10 == 0:
+                    self.store.set(f"progress/{self.side}", str(requests.finished))
                 if all_done:
-                    if self.rank in (0, self.cfg.prefill_ranks):
-                        self.store.set(f"progress/{self.side}", str(self.finished))
+                    if leads:
+                        self.store.set(f"progress/{self.side}", str(requests.finished))
                     break
         except RankFailure as e:
-            error = who_died(self, e)
+            error = who_died(self.store, self.rank, self.place, clock.step, e)
         except LifecycleError as e:
-            self.violations.append(f"step {self.step_no}: {type(e).__name__}: {e}")
-        return report(self, error, all_done)
+            stats.violations.append(f"step {clock.step}: {type(e).__name__}: {e}")
+        return self.report(error, all_done)
+
+    def report(self, error: str | None, all_done: bool) -> dict[str, Any]:
+        """Close the rank's files and backend; its outcomes, problems and samples."""
+        stats, requests, side = self.stats, self.requests, self.side
+        stats.sample_rss(requests.finished, force=True)
+        self.trace.close()
+        outcome = requests.close()
+        backend_error = getattr(self.manager, "last_error", None)
+        stands = ""
+        if error is None and not all_done:  # before the backend closes
+            stands = standing(self.ledger.handles, self.queues, self.manager)
+        close_backend(self.cfg, self.rank, side, self.store, self.manager, self.moves_bytes)
+        serves = requests.serves(self.total())
+        # a soak that never agreed on its end: what it admitted so far
+        seen = requests.serves(requests.admitted) if serves is None else serves
+        assert seen is not None
+        unfinished = seen - requests.finished
+        problems: list[str] = []
+        if error is None and not all_done and not stats.violations:
+            problems.append(
+                stopped_problem(self.rank, side, self.cfg.max_steps, unfinished, stands)
+            )
+        # held only by a fence, here or on another rank of the group (see DrainPoller)
+        settled = self.drain_poller.settled
+        pinned = self.ledger.pinned(settled)
+        if pinned:
+            problems.append(pinned_problem(self.rank, side, pinned, self.manager))
+        faults = fault_report(self.faults, self.faults_for_decode, side, self.moves_bytes)
+        return {
+            "rank": self.rank,
+            "side": side,
+            "group": self.place.name,  # its TP group: the side, or a prefill DP group
+            # the transport's own counters (e.g. bytes_written), to hold against the layout
+            "transport_stats": numbers(getattr(self.manager, "stats", None) or {}),
+            "steps": self.clock.step,
+            "requests": serves,
+            "outcome": outcome,
+            "unfinished": unfinished,
+            "violations": stats.violations,
+            "problems": problems,
+            "unfired_faults": faults["unfired_faults"] if error is None else [],
+            "disagreements": stats.disagreements,
+            **self.ledger.report(settled),
+            "drain_failed": stats.drain_failed,
+            "bytes_checked": stats.bytes_checked,
+            "bytes_asked": stats.bytes_asked,
+            "bytes_due": stats.bytes_due,
+            "staged": stats.staged,
+            "latency_us": stats.latency_us.items,
+            "counts": stats.counts.items,
+            "counts_stride": stats.counts.stride,
+            "failure_steps": stats.failure_steps.items,
+            "stuck_reports": stats.stuck_reports,
+            "faults_fired": faults["faults_fired"],
+            "fault_mode": self.mode,
+            "decisions": faults["decisions"],
+            "fired": faults["fired"],
+            "rss_mb": stats.rss.items,
+            # an exception the backend's own thread caught (it fails that rank's live requests)
+            "backend_error": None if backend_error is None else repr(backend_error)[:300],
+            "error": error,
+        }
 
 
 def run_rank(

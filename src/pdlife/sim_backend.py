@@ -3,13 +3,11 @@ configuration and the KV, state and metadata buffers it registers."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pdlife.sim_bytes import RankBytes
 from pdlife.sim_config import STATE_SPLIT_BLOCKS, SimConfig
 from pdlife.sim_topology import Place
-
-if TYPE_CHECKING:
-    from pdlife.sim import RankRun
 
 __all__ = ["DRAIN_TIMEOUT_S", "connector_config", "kv_args"]
 
@@ -41,13 +39,15 @@ def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) 
     )
 
 
-def kv_args(run: RankRun) -> Any:
+def kv_args(buffers: RankBytes, rank: int) -> Any:
+    """The KV, state and metadata buffers global rank ``rank`` registers."""
     from buffers.kv_args import StateComponent, StateType
     from transport.layout import kv_args_for
 
     state: tuple[StateComponent, ...] = ()
-    if run.state_tensors:
-        ts = run.state_tensors
+    if buffers.state_tensors:
+        ts = buffers.state_tensors
+        tp = buffers.where.tp_size
         state = (
             StateComponent(
                 type=StateType.MAMBA,
@@ -55,17 +55,17 @@ def kv_args(run: RankRun) -> Any:
                 lens=[t.nbytes for t in ts],
                 item_lens=[t[0].nbytes for t in ts],
                 split_dims=(
-                    [tuple(b // run.place.tp_size for b in bs) for bs in STATE_SPLIT_BLOCKS]
-                    if run.cfg.state_split
+                    [tuple(b // tp for b in bs) for bs in STATE_SPLIT_BLOCKS]
+                    if buffers.state_split
                     else None
                 ),
             ),
         )
     return kv_args_for(
-        run.kv,
-        run.meta.buf_infos(),
-        run.rank,
-        page_size=run.cfg.page_size,
-        kv_head_num=len(run.heads),
+        buffers.kv,
+        buffers.meta.buf_infos(),
+        rank,
+        page_size=buffers.page_size,
+        kv_head_num=len(buffers.heads),
         state=state,
     )

@@ -12,18 +12,20 @@ caught to the byte. Under MLA every rank holds the same head 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers
-from pdlife.sim_config import STATE_SPLIT_BLOCKS, STATE_SPLIT_UNITS
-from pdlife.sim_topology import HEAD_BYTES
-
-if TYPE_CHECKING:
-    from pdlife.sim import RankRun
+from pdlife.sim_config import (
+    KV_LAYERS,
+    SIM_LAYOUT,
+    STATE_SPLIT_BLOCKS,
+    STATE_SPLIT_UNITS,
+    SimConfig,
+)
+from pdlife.sim_topology import HEAD_BYTES, Place, heads_of
 
 __all__ = [
     "STATE_ROW_BYTES",
@@ -32,12 +34,7 @@ __all__ = [
     "state_pattern",
     "row_pattern",
     "row_difference",
-    "fill_pages",
-    "fill_prefix",
-    "fill_state",
-    "write_first_token",
-    "verify_pages",
-    "simulate_remote_write",
+    "RankBytes",
 ]
 
 #: the simulated mamba-like state: two tensors (conv and temporal), one row per request
@@ -157,74 +154,110 @@ def _write_row(meta: MetadataBuffers, slot: int, room: int, owner: int) -> None:
     meta.write(slot, owner, {})  # the room column last, as a real row is written
 
 
-def fill_pages(run: RankRun, room: int, pages: NDArray[np.int64]) -> None:
-    """Prefill: the request's KV, for the heads this rank holds."""
-    for layer, t in enumerate(run.kv):
-        t.numpy()[pages] = kv_pattern(room, layer, 0, pages.size, run.cfg.page_size, run.heads)
+class RankBytes:
+    """One rank's KV pool (a few layers of pages, for the heads it holds), its
+    state tensors and its metadata rows; ``moves_bytes``: a backend moves them
+    (else the fake backend moves nothing, and only metadata rows are checked)."""
 
-
-def fill_prefix(run: RankRun, room: int, pages: NDArray[np.int64]) -> None:
-    """Decode: the cached prefix (the first ``pages.size`` pages), already held here."""
-    fill_pages(run, room, pages)
-
-
-def fill_state(run: RankRun, room: int, row: int) -> None:
-    for i, t in enumerate(run.state_tensors):
-        t.numpy()[row] = state_pattern(room, i, run.state_share)
-
-
-def write_first_token(run: RankRun, room: int, slot: int) -> None:
-    """The prefill's metadata row (sent to decode): the plan may drop or corrupt it."""
-    # every decode rank's plan is asked, so that each of its faults fires
-    kinds = [f.metadata_fault(room) for f in run.faults_for_decode]
-    fault = next((k for k in kinds if k is not None), None)
-    if fault == "drop_metadata":
-        run.meta.clear_room(slot)
-        run.meta.tensors["output_ids"][slot, 0] = room % 50000
-        return
-    owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
-    _write_row(run.meta, slot, room, owner)
-
-
-def verify_pages(run: RankRun, room: int) -> None:
-    """Decode, at Success: every page (the cached prefix too), the state row and
-    the metadata row, byte for byte; a difference is an invariant violation."""
-    pages = run.pages_of[room]
-    checked = 0
-    problem = None
-    for layer, t in enumerate(run.kv if run.moves_bytes else ()):
-        got = t.numpy()[pages]
-        problem = kv_difference(got, room, layer, 0, run.heads)
-        if problem is not None:
-            break
-        checked += got.nbytes
-    if problem is None and run.state_tensors and run.moves_bytes:
-        row = run.state_row_of[room]
-        for i, t in enumerate(run.state_tensors):
-            got = t.numpy()[row]
-            want = state_pattern(room, i, run.state_share)
-            if not np.array_equal(got, want):
-                b = int(np.flatnonzero(got != want)[0])
-                problem = f"state tensor {i} row {row} byte {b}: holds {got[b]}, expected {want[b]}"
-                break
-            checked += got.nbytes
-    if problem is None:
-        slot = run._slot[room]
-        problem = row_difference(run.meta, slot, room)
-        checked += sum(b.nbytes for _, b in row_pattern(run.meta, room))
-    if problem is not None:
-        run.violations.append(
-            f"step {run.step_no}: room {room} on decode rank {run.rank}: {problem} "
-            "(decode bytes differ from what prefill wrote)"
+    def __init__(self, cfg: SimConfig, where: Place, moves_bytes: bool) -> None:
+        self.where = where
+        self.moves_bytes = moves_bytes
+        self.page_size = cfg.page_size
+        self.state_split = cfg.state_split
+        self.slots = cfg.metadata_slots
+        self.meta = MetadataBuffers(cfg.metadata_slots, SIM_LAYOUT)
+        #: the global KV heads this rank holds (MLA: the one latent head, everywhere)
+        self.heads = (
+            range(1) if cfg.mla else heads_of(where.tp_size, where.tp_rank, cfg.total_heads)
         )
-        return
-    run.bytes_checked += checked
+        self.kv = [
+            torch.zeros(
+                (cfg.kv_pages, cfg.page_size, len(self.heads), HEAD_BYTES), dtype=torch.uint8
+            )
+            for _ in range(KV_LAYERS)
+        ]
+        # a mamba-like state component: one row per request, held whole on every
+        # rank, or (--state-split) this rank's share of each row
+        self.state_share = (where.tp_rank, where.tp_size) if cfg.state_split else (0, 1)
+        self.state_tensors = (
+            [
+                torch.zeros((cfg.metadata_slots, n // self.state_share[1]), dtype=torch.uint8)
+                for n in STATE_ROW_BYTES
+            ]
+            if cfg.state
+            else []
+        )
+        #: bytes of one request's metadata and state rows
+        self.row_bytes = sum(self.meta.buf_infos()[2]) + sum(
+            t[0].nbytes for t in self.state_tensors
+        )
+        #: bytes of one KV page over every layer
+        self.page_bytes = sum(t[0].nbytes for t in self.kv)
 
+    def state_row(self, slot: int) -> int:
+        """The state row a request holding metadata ``slot`` uses: the slot on
+        prefill, mirrored on decode, so that a transfer that confused state rows
+        with metadata slots lands in the wrong row."""
+        return slot if self.where.side == "prefill" else self.slots - 1 - slot
 
-def simulate_remote_write(run: RankRun, room: int, slot: int) -> None:
-    """What prefill's metadata write would land (the fake backend moves no bytes)."""
-    fault = run.faults.metadata_fault(room)
-    if fault == "drop_metadata":
-        return
-    owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
-    _write_row(run.meta, slot, room, owner)
+    def fill_pages(self, room: int, pages: NDArray[np.int64]) -> None:
+        """Prefill: the request's KV, for the heads this rank holds."""
+        for layer, t in enumerate(self.kv):
+            t.numpy()[pages] = kv_pattern(room, layer, 0, pages.size, self.page_size, self.heads)
+
+    def fill_prefix(self, room: int, pages: NDArray[np.int64]) -> None:
+        """Decode: the cached prefix (the first ``pages.size`` pages), already held here."""
+        self.fill_pages(room, pages)
+
+    def fill_state(self, room: int, row: int) -> None:
+        for i, t in enumerate(self.state_tensors):
+            t.numpy()[row] = state_pattern(room, i, self.state_share)
+
+    def write_first_token(self, room: int, slot: int, fault: str | None) -> None:
+        """The prefill's metadata row (sent to decode), as the plan's ``fault``
+        (if any) drops or corrupts it."""
+        if fault == "drop_metadata":
+            self.meta.clear_room(slot)
+            self.meta.tensors["output_ids"][slot, 0] = room % 50000
+            return
+        owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
+        _write_row(self.meta, slot, room, owner)
+
+    def simulate_remote_write(self, room: int, slot: int, fault: str | None) -> None:
+        """What prefill's metadata write would land (the fake backend moves no
+        bytes), as the plan's ``fault`` (if any) drops or corrupts it."""
+        if fault == "drop_metadata":
+            return
+        owner = room if fault is None else (room ^ 0x5A5A5A5A) or 1
+        _write_row(self.meta, slot, room, owner)
+
+    def verify(
+        self, room: int, pages: NDArray[np.int64], slot: int, row: int | None
+    ) -> tuple[str | None, int]:
+        """Decode, at Success: every page (the cached prefix too), the state row
+        and the metadata row, byte for byte. The first difference (None if there
+        is none), and the bytes found right (none if there is a difference)."""
+        checked = 0
+        problem = None
+        for layer, t in enumerate(self.kv if self.moves_bytes else ()):
+            got = t.numpy()[pages]
+            problem = kv_difference(got, room, layer, 0, self.heads)
+            if problem is not None:
+                return problem, 0
+            checked += got.nbytes
+        if self.state_tensors and self.moves_bytes:
+            assert row is not None
+            for i, t in enumerate(self.state_tensors):
+                got = t.numpy()[row]
+                want = state_pattern(room, i, self.state_share)
+                if not np.array_equal(got, want):
+                    b = int(np.flatnonzero(got != want)[0])
+                    return (
+                        f"state tensor {i} row {row} byte {b}: holds {got[b]}, expected {want[b]}",
+                        0,
+                    )
+                checked += got.nbytes
+        problem = row_difference(self.meta, slot, room)
+        if problem is not None:
+            return problem, 0
+        return None, checked + sum(b.nbytes for _, b in row_pattern(self.meta, room))

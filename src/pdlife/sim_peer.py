@@ -13,14 +13,14 @@ different step; the step's reduce makes them agree, as with a real backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from lifecycle.reasons import FailureReason
+from pdlife.sim_config import SimConfig
+from pdlife.sim_topology import Place
 
-if TYPE_CHECKING:
-    from pdlife.sim import RankRun
-
-__all__ = ["tell", "hear", "on_admit"]
+__all__ = ["PeerWord"]
 
 _MOST = 4096  # notices taken per step (the rest wait for the next)
 _EARLY = 100_000  # notices held for rooms not admitted yet (the oldest go first)
@@ -30,41 +30,56 @@ def _key(rank: int) -> str:
     return f"fakepeer/{rank}"
 
 
-def tell(run: RankRun, room: int, reason: int) -> None:
-    """``room`` failed here, for ``reason``: tell the other side (fake backend)."""
-    if run.moves_bytes or run.side_rank != 0 or run.peer_told.pop(room, None) is not None:
-        return  # a real backend tells it; another rank of the side does; it told us
-    cfg = run.cfg
-    if run.side == "prefill":
-        targets = range(cfg.prefill_ranks, cfg.world)
-    else:
-        g = run.peer_group.get(room, 0)
-        targets = range(g * cfg.prefill, (g + 1) * cfg.prefill)
-    word = f"{room} {int(reason)}".encode()
-    for r in targets:
-        run.store.queue_push(_key(r), word)
+class PeerWord:
+    """What global rank ``rank`` (at ``where``) tells the other side and hears
+    from it over ``store``; ``silent``: a byte-moving backend carries the word."""
 
+    def __init__(self, cfg: SimConfig, rank: int, where: Place, store: Any, silent: bool) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.where = where
+        self.store = store
+        self.silent = silent
+        self.told: dict[int, int] = {}  # room -> reason the other side gave
+        self.early: dict[int, int] = {}  # the same, for rooms not admitted yet
+        self.group: dict[int, int] = {}  # decode: room -> its prefill DP group
 
-def hear(run: RankRun) -> None:
-    """Fail every live request the other side said it failed (fake backend)."""
-    if run.moves_bytes:
-        return
-    key = _key(run.rank)
-    for _ in range(min(int(run.store.queue_len(key)), _MOST)):
-        room, reason = (int(x) for x in bytes(run.store.queue_pop(key)).split())
-        h = run.handles.get(room)
-        if h is None:  # not admitted here yet (or failed here too, and finished)
-            if len(run.peer_early) >= _EARLY:
-                run.peer_early.pop(next(iter(run.peer_early)))
-            run.peer_early[room] = reason
-            continue
-        run.peer_told[room] = reason
-        h.fail(FailureReason(reason))
+    def tell(self, room: int, reason: int) -> None:
+        """``room`` failed here, for ``reason``: tell the other side (fake backend)."""
+        if self.silent or self.where.tp_rank != 0 or self.told.pop(room, None) is not None:
+            return  # a real backend tells it; another rank of the side does; it told us
+        cfg = self.cfg
+        if self.where.side == "prefill":
+            targets = range(cfg.prefill_ranks, cfg.world)
+        else:
+            g = self.group.get(room, 0)
+            targets = range(g * cfg.prefill, (g + 1) * cfg.prefill)
+        word = f"{room} {int(reason)}".encode()
+        for r in targets:
+            self.store.queue_push(_key(r), word)
 
+    def hear(self, handles: Mapping[int, Any]) -> None:
+        """Fail every live request (``handles``, by room) the other side said it
+        failed (fake backend)."""
+        if self.silent:
+            return
+        key = _key(self.rank)
+        for _ in range(min(int(self.store.queue_len(key)), _MOST)):
+            room, reason = (int(x) for x in bytes(self.store.queue_pop(key)).split())
+            h = handles.get(room)
+            if h is None:  # not admitted here yet (or failed here too, and finished)
+                if len(self.early) >= _EARLY:
+                    self.early.pop(next(iter(self.early)))
+                self.early[room] = reason
+                continue
+            self.told[room] = reason
+            h.fail(FailureReason(reason))
 
-def on_admit(run: RankRun, room: int, h: Any) -> None:
-    """A room the other side failed before this rank admitted it fails now."""
-    reason = run.peer_early.pop(room, None)
-    if reason is not None:
-        run.peer_told[room] = reason
-        h.fail(FailureReason(reason))
+    def on_admit(self, room: int, h: Any) -> None:
+        """A room the other side failed before this rank admitted it fails now."""
+        if not self.early:
+            return
+        reason = self.early.pop(room, None)
+        if reason is not None:
+            self.told[room] = reason
+            h.fail(FailureReason(reason))

@@ -11,21 +11,13 @@ bytes decode checks say what the layout should be, not what the connector did.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
-
-if TYPE_CHECKING:
-    from pdlife.plan import FaultPlan
-    from pdlife.sim_config import SimConfig
 
 __all__ = [
     "HEAD_BYTES",
     "Place",
-    "dp_faults",
     "heads_of",
     "place",
-    "primary_of",
     "topology_problem",
 ]
 
@@ -86,41 +78,3 @@ def place(rank: int, prefill_tp: int, prefill_dp: int, decode_tp: int) -> Place:
         raise ValueError(f"rank {rank} is not in a cluster of {n_prefill + decode_tp} ranks")
     group = tuple(range(n_prefill, n_prefill + decode_tp))
     return Place("decode", 0, rank - n_prefill, decode_tp, group)
-
-
-def primary_of(cfg: SimConfig, where: Place) -> list[int]:
-    """The global decode ranks whose metadata row the rank at ``where`` writes
-    (it is their primary sender, as the transport pairs them); a decode rank:
-    itself."""
-    from transport.topology import Topology
-
-    if where.side == "decode":
-        return [cfg.prefill_ranks + where.tp_rank]
-    topo = Topology(cfg.prefill, cfg.decode, 1 if cfg.mla else cfg.total_heads, cfg.mla)
-    return [
-        cfg.prefill_ranks + d
-        for d in range(cfg.decode)
-        if topo.senders(d)[0].prefill == where.tp_rank
-    ]
-
-
-def dp_faults(cfg: SimConfig, where: Place) -> FaultPlan:
-    """The plan's targeted faults of the requests the rank at ``where`` sees:
-    under prefill DP a prefill rank sees its group's share only (a fault naming
-    a room of no request stays with group 0, which reports it unfired)."""
-    if where.side != "prefill" or cfg.prefill_dp == 1:
-        return cfg.plan
-    from pdlife.sim_config import Workload
-
-    limit = Workload(cfg).limit  # a soak's requests never end: undo the room instead
-
-    def group(request: int | None, room: int | None) -> int:
-        i = request
-        if i is None:
-            i = Workload.index_of(cfg.seed, room or 0)
-            if i is None or (limit is not None and i >= limit):
-                i = 0
-        return i % cfg.prefill_dp
-
-    kept = tuple(f for f in cfg.plan.faults if group(f.request, f.room) == where.dp_rank)
-    return attrs.evolve(cfg.plan, faults=kept)

@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
 def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None, quiet: bool = True) -> int:
     import torch.distributed as dist
 
-    from pdlife import multinode
+    import pdlife.multinode as multinode
     from transport.addressing import advertised_host, store_address
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

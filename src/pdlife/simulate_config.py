@@ -12,8 +12,7 @@ from typing import Any
 import attrs
 
 from lifecycle.errors import FaultPlanError
-from pdlife import args as a
-from pdlife.args import SimConfigError, UsageError
+from pdlife.args import SimConfigError, UsageError, writable_dir
 from pdlife.plan import FaultPlan, TargetedFault, load_plan
 from pdlife.plan_doc import MAX_PAUSE_S
 from pdlife.sim_config import MAX_WORLD, STATE_SPLIT_GRAIN, SimConfig, longest_ask
@@ -326,7 +325,7 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     cfg = _build(args, plan, "mooncake" if requested == "auto" else requested)
     if args.metrics_port:  # (0: each rank binds a port the OS picks)
         _check_ports(args.metrics_port, world)
-    a.writable_dir(Path(args.out), "--out")
+    writable_dir(Path(args.out), "--out")
     # last: loading an engine's library may open its own sockets
     backend, why = pick_backend(args.backend)
     return attrs.evolve(cfg, backend=backend), why

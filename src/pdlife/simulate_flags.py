@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdlife import args as a
+from pdlife.args import nonneg_int, port, positive_int, probability, seconds
 from pdlife.plan import MODES
 from pdlife.plan_doc import MAX_PAUSE_S
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-tp",
         "--prefill",
         dest="prefill",
-        type=a.positive_int,
+        type=positive_int,
         default=2,
         help="prefill TP size: ranks per prefill DP group",
     )
@@ -36,23 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-tp",
         "--decode",
         dest="decode",
-        type=a.positive_int,
+        type=positive_int,
         default=2,
         help="decode TP size (ranks)",
     )
     p.add_argument(
         "--prefill-dp",
-        type=a.positive_int,
+        type=positive_int,
         default=1,
         help="prefill DP groups, each its own TP group; request i goes to group i %% N",
     )
     p.add_argument("--mla", action="store_true", help="MLA: one latent KV head on every rank")
     p.add_argument(
         "--kv-heads",
-        type=a.positive_int,
+        type=positive_int,
         help="the model's KV heads, split over each side's TP ranks (default 2 x the larger TP)",
     )
-    p.add_argument("--page-size", type=a.positive_int, default=1, help="tokens per KV page")
+    p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page")
     p.add_argument(
         "--state",
         action="store_true",
@@ -72,33 +72,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--staging-pages",
-        type=a.positive_int,
+        type=positive_int,
         help="pages per staging region (default: the largest request)",
     )
     p.add_argument(
         "--prefix-pages",
-        type=a.nonneg_int,
+        type=nonneg_int,
         default=0,
         metavar="K",
         help="decode already holds the first K pages of every longer request (a cached prefix)",
     )
     p.add_argument(
         "--max-pages-per-request",
-        type=a.positive_int,
+        type=positive_int,
         default=32,
         help="requests have 1..this many pages",
     )
-    p.add_argument("--requests", type=a.positive_int, default=200, action=RequestsAction)
-    p.add_argument("--seed", type=a.nonneg_int, default=0)
+    p.add_argument("--requests", type=positive_int, default=200, action=RequestsAction)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
         "--fail-prob",
-        type=a.probability,
+        type=probability,
         default=0.0,
         help="per rank and request (phase mode) or per rank, request and step (step mode)",
     )
-    p.add_argument(
-        "--abort-prob", type=a.probability, default=0.02, help="client aborts per request"
-    )
+    p.add_argument("--abort-prob", type=probability, default=0.02, help="client aborts per request")
     p.add_argument(
         "--fault-mode",
         choices=MODES,
@@ -107,32 +105,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and backend; step: drawn per step (soak-style noise). A plan's mode wins",
     )
     p.add_argument("--plan", help="fault plan (.json or .toml)")
-    p.add_argument("--kill-rank", type=a.nonneg_int, help="kill this rank (a targeted fault)")
-    p.add_argument("--kill-step", type=a.positive_int, help="with --kill-rank; default 5")
+    p.add_argument("--kill-rank", type=nonneg_int, help="kill this rank (a targeted fault)")
+    p.add_argument("--kill-step", type=positive_int, help="with --kill-rank; default 5")
     p.add_argument(
         "--pause-rank",
-        type=a.nonneg_int,
+        type=nonneg_int,
         help="stop this rank's whole process for --pause-seconds at --pause-step (a "
         "targeted fault: a long GC pause or a starved host; its heartbeats stop too)",
     )
-    p.add_argument("--pause-step", type=a.positive_int, help="default 5")
-    p.add_argument("--pause-seconds", type=a.seconds, help=f"default 3, at most {MAX_PAUSE_S:g}")
+    p.add_argument("--pause-step", type=positive_int, help="default 5")
+    p.add_argument("--pause-seconds", type=seconds, help=f"default 3, at most {MAX_PAUSE_S:g}")
     p.add_argument("--backend", default="auto", help="auto | fake | mooncake | nixl")
-    p.add_argument("--max-steps", type=a.positive_int, default=MAX_STEPS)
+    p.add_argument("--max-steps", type=positive_int, default=MAX_STEPS)
     p.add_argument(
         "--soak",
-        type=a.seconds,
+        type=seconds,
         metavar="SECONDS",
         help="keep admitting requests this long; samples RSS per rank into summary.json",
     )
-    p.add_argument(
-        "--timeout", type=a.seconds, default=110.0, help="wall-clock limit (after --soak)"
-    )
-    p.add_argument("--pg-timeout", type=a.seconds, default=15.0, help="collective timeout per rank")
+    p.add_argument("--timeout", type=seconds, default=110.0, help="wall-clock limit (after --soak)")
+    p.add_argument("--pg-timeout", type=seconds, default=15.0, help="collective timeout per rank")
     p.add_argument("--out", default="pdlife-out")
     p.add_argument(
         "--metrics-port",
-        type=a.port,
+        type=port,
         help="serve Prometheus metrics: rank r on this port + r; 0: each on a free port, "
         "written to OUT/ranks/rankR.metrics_port",
     )

@@ -6,28 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from lifecycle import SingleRank
 from pdlife.plan import FaultPlan, TargetedFault
-from pdlife.sim import RankRun, SimConfig
 from pdlife.sim_bytes import (
-    fill_pages,
-    fill_state,
+    RankBytes,
     kv_difference,
     kv_pattern,
     row_difference,
     state_pattern,
-    verify_pages,
-    write_first_token,
 )
-from pdlife.sim_config import Workload
-from pdlife.sim_topology import (
-    HEAD_BYTES,
-    dp_faults,
-    heads_of,
-    place,
-    primary_of,
-    topology_problem,
-)
+from pdlife.sim_config import SimConfig, Workload
+from pdlife.sim_faults import dp_faults, primary_of
+from pdlife.sim_topology import HEAD_BYTES, heads_of, place, topology_problem
 
 
 @pytest.mark.parametrize(
@@ -128,19 +117,14 @@ def test_state_rows_differ_by_room_and_tensor_and_shares_tile_the_row():
         assert np.array_equal(np.concatenate(shares), state_pattern(5, 1))
 
 
-class _Store:
-    def set(self, k, v):
-        pass
+def _buffers(rank):
+    cfg = SimConfig(prefill=2, decode=4, backend="fake", state=True, page_size=2)
+    where = place(rank, cfg.prefill, cfg.prefill_dp, cfg.decode)
+    # check bytes as a byte-moving backend's run does
+    return RankBytes(cfg, where, moves_bytes=True)
 
 
-def _run(tmp_path, rank, **kw):
-    cfg = SimConfig(prefill=2, decode=4, backend="fake", state=True, page_size=2, **kw)
-    run = RankRun(cfg, rank, tmp_path / str(rank), SingleRank(), _Store())
-    run.moves_bytes = True  # check bytes as a byte-moving backend's run does
-    return run
-
-
-def _land(prefills, decode, room, n_pages, d_pages):
+def _land(prefills, decode, slot, row, n_pages, d_pages):
     """What the connector should do: each decode head from the prefill rank that holds it."""
     for layer, t in enumerate(decode.kv):
         for j, h in enumerate(decode.heads):
@@ -148,44 +132,43 @@ def _land(prefills, decode, room, n_pages, d_pages):
             k = list(src.heads).index(h)
             t.numpy()[d_pages, :, j] = src.kv[layer].numpy()[np.arange(n_pages), :, k]
     for i, t in enumerate(decode.state_tensors):
-        t.numpy()[decode.state_row_of[room]] = prefills[0].state_tensors[i].numpy()[0]
+        t.numpy()[row] = prefills[0].state_tensors[i].numpy()[0]
     for name, tensor in decode.meta.tensors.items():
-        tensor[decode._slot[room]] = prefills[0].meta.tensors[name][0]
+        tensor[slot] = prefills[0].meta.tensors[name][0]
 
 
-def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte(tmp_path):
-    prefills = [_run(tmp_path, r) for r in range(2)]
-    decode = _run(tmp_path, 3)  # decode TP rank 1 of 4: heads 2 and 3 of 8
+def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte():
+    prefills = [_buffers(r) for r in range(2)]
+    decode = _buffers(3)  # decode TP rank 1 of 4: heads 2 and 3 of 8
     assert list(decode.heads) == [2, 3] and [list(p.heads) for p in prefills] == [
         [0, 1, 2, 3],
         [4, 5, 6, 7],
     ]
     room, n = 99, 3
     for p in prefills:
-        fill_pages(p, room, np.arange(n))
-        write_first_token(p, room, 0)
-        fill_state(p, room, 0)
-    d_pages = np.array([7, 3, 5])
-    decode.pages_of[room], decode._slot[room] = d_pages, 4
-    decode.state_row_of[room] = decode.state_row(4)
-    assert decode.state_row_of[room] != 4  # state rows are not metadata slots
-    _land(prefills, decode, room, n, d_pages)
-    verify_pages(decode, room)
-    assert decode.violations == [] and decode.bytes_checked > n * 2 * 2 * 2 * HEAD_BYTES
-    row = decode.state_row_of[room]
-    for buf, at in (
-        (decode.kv[1].numpy(), (5, 1, 0, 3)),  # page 2, token 5, head 2
-        (decode.state_tensors[1].numpy(), (row, 9)),
-        (decode.meta.tensors["output_hidden_states"].view(torch.uint8).numpy(), (4, 2)),
+        p.fill_pages(room, np.arange(n))
+        p.write_first_token(room, 0, None)
+        p.fill_state(room, 0)
+    d_pages, slot = np.array([7, 3, 5]), 4
+    row = decode.state_row(slot)
+    assert row != slot  # state rows are not metadata slots
+    _land(prefills, decode, slot, row, n, d_pages)
+    problem, checked = decode.verify(room, d_pages, slot, row)
+    assert problem is None and checked > n * 2 * 2 * 2 * HEAD_BYTES
+    for buf, at, where in (
+        (decode.kv[1].numpy(), (5, 1, 0, 3), "layer 1 page 2 token 5 head 2"),
+        (decode.state_tensors[1].numpy(), (row, 9), f"state tensor 1 row {row} byte 9"),
+        (
+            decode.meta.tensors["output_hidden_states"].view(torch.uint8).numpy(),
+            (4, 2),
+            "metadata field output_hidden_states byte 2",
+        ),
     ):
-        _land(prefills, decode, room, n, d_pages)
+        _land(prefills, decode, slot, row, n, d_pages)
         buf[at] ^= 1
-        before = decode.bytes_checked
-        verify_pages(decode, room)
-        assert len(decode.violations) == 1, decode.violations
-        assert f"room {room}" in decode.violations[0]
-        assert decode.bytes_checked == before  # a bad request counts nothing verified
-        decode.violations.clear()
+        problem, checked = decode.verify(room, d_pages, slot, row)
+        assert problem is not None and problem.startswith(where), problem
+        assert checked == 0  # a bad request counts nothing verified
     assert row_difference(decode.meta, 4, room + 1) is not None
 
 

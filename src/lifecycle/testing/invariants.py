@@ -15,8 +15,8 @@ from lifecycle.errors import LifecycleError
 from lifecycle.graph import TRIGGERS
 from lifecycle.reference import RequestMachine
 from lifecycle.result import StepResult
-from lifecycle.step import RawStepper
 from lifecycle.status import F, KVPoll, S, T
+from lifecycle.step import RawStepper
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 
