@@ -1,6 +1,6 @@
-"""A request's handles on a :class:`~transport.connector.Connector`: the
-prefill sender and decode receiver the scheduler holds (the field's
-``KVSender``/``KVReceiver`` calls)."""
+"""A request's handles on a connector: the prefill sender and decode receiver
+the scheduler holds (the field's ``KVSender``/``KVReceiver`` calls). A handle
+reaches its connector through the :class:`~transport.connector_port.Port`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from numpy.typing import ArrayLike
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport import connector_decode
-from transport.connector import Connector
 from transport.connector_graph import IS_TERMINAL, Phase, ProtocolError
-from transport.legs import rows_of
+from transport.connector_port import Port
+from transport.legs import Request, rows_of
 from transport.status_arrays import StatusHandle
 
 __all__ = ["ConnectorSender", "ConnectorReceiver"]
@@ -23,9 +22,9 @@ T = int(KVPoll.Transferring)
 
 
 class _Handle(StatusHandle):
-    def __init__(self, manager: Connector, room: int) -> None:
+    def __init__(self, manager: Port, room: int) -> None:
         self.manager = manager
-        self._req = manager._take(room)
+        self._req = manager._take(room, Request)
         super().__init__(manager, room, self._req.index)
 
     def abort(self) -> None:
@@ -159,7 +158,7 @@ class ConnectorReceiver(_Handle):
                 f"number of {ps}-token pages; only whole cached pages can be skipped"
             )
         rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
-        st = m.staging
+        st = m.side.staging
         if (req.staged and st is not None) and (
             not 0 <= metadata_slot < st.slots or pages.size > st.pages
         ):
@@ -168,4 +167,4 @@ class ConnectorReceiver(_Handle):
                 f"slots; got {pages.size} pages for slot {metadata_slot} "
                 "(raise ConnectorConfig.staging_pages)"
             )
-        connector_decode.tell_pages(m, req, pages, metadata_slot, rows, decode_prefix_len // ps)
+        m.side.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)

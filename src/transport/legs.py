@@ -4,7 +4,9 @@ On decode, a leg per prefill rank the request was registered with (its
 senders, and the idle prefill ranks it informs; see :mod:`transport.topology`).
 On prefill, a leg per decode rank that registers the request: where that rank
 said to write, and how far this rank has written there. A :class:`Request`
-holds a request's legs and the rest of its bookkeeping.
+holds a request's legs and the rest of its bookkeeping. What moves along a
+leg (:func:`kv_writes`) is checked first to name only rows and pages the
+buffers at both ends hold (:func:`refs_misfit`, :func:`rows_misfit`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from transport.topology import Slice
 if TYPE_CHECKING:
     from transport.staging import Scatter
 
-__all__ = ["Leg", "Request", "describe", "leg_of", "kv_writes", "rows_of"]
+__all__ = [
+    "Leg",
+    "Request",
+    "describe",
+    "leg_of",
+    "kv_writes",
+    "rows_of",
+    "refs_misfit",
+    "rows_misfit",
+]
 
 
 @attrs.define(eq=False)
@@ -130,6 +141,66 @@ def rows_of(
     if any((r < 0).any() for r in rows):
         raise ValueError(f"room={room}: {what} holds a negative row")
     return rows
+
+
+def _count(lens: Any, items: Any) -> int | None:
+    """How many pages (or rows) every buffer holds; None if not known (an older peer)."""
+    if not lens or not items:
+        return None
+    return min(int(b) // int(i) for b, i in zip(lens, items))
+
+
+def refs_misfit(
+    local: KVArgs, rank: int, req: Request, leg: Leg, info: dict[str, Any], new: NDArray[np.int64]
+) -> str | None:
+    """Why a page or metadata row named for ``leg`` lies outside the buffers it
+    indexes on prefill rank ``rank`` (``new``: the pages about to go) or on the
+    leg's decode rank (``info``: its endpoint record), or None. A stale,
+    consumed or unknown reference is never written."""
+    here = f"prefill rank {rank}"
+    refs = [
+        ("page", new, _count(local.kv_data_lens, local.kv_item_lens), here),
+        (
+            "metadata slot",
+            np.array([req.local_slot]),
+            _count(local.aux_data_lens, local.aux_item_lens),
+            here,
+        ),
+    ]
+    there = f"decode rank {leg.peer}"
+    if leg.issued == 0 and leg.dst_pages is not None and leg.dst_ptrs is None and leg.sends:
+        refs.append(
+            ("page", leg.dst_pages, _count(info.get("kv_lens"), info["kv_item_lens"]), there)
+        )
+    if leg.primary:
+        rows = _count(info.get("aux_lens"), info["aux_item_lens"])
+        refs.append(("metadata slot", np.array([leg.dst_slot]), rows, there))
+    for what, named, count, who in refs:
+        bad = named[
+            (named < -1) | (named >= (count if count is not None else np.iinfo(np.int64).max))
+        ]
+        if what == "page":
+            bad = np.concatenate((bad, named[named == -1]))
+        if bad.size:
+            return (
+                f"{what} {int(bad[0])} is outside the {count} that {who} holds "
+                "(a stale or unknown reference); nothing of the request is written"
+            )
+    return None
+
+
+def rows_misfit(req: Request, leg: Leg) -> str | None:
+    """Why the state rows handed to send() do not pair one to one with those the
+    leg's decode rank gave, or None (more rows would run past decode's own)."""
+    if not leg.state or req.src_state is None or leg.dst_state is None:
+        return None
+    for c, (src, dst) in enumerate(zip(req.src_state, leg.dst_state)):
+        if src.size != dst.size:
+            return (
+                f"{src.size} state rows of component {c} were handed to send(), but decode "
+                f"rank {leg.peer} gave {dst.size}; give both sides one row per state row"
+            )
+    return None
 
 
 _FLAGS = ("registered", "told", "done", "stopped", "asked_stop")

@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
+from transport.connector import SIDES
 from transport.connector_graph import Phase
 from transport.legs import Request
 from transport.nixl import NixlConfig, NixlManager
@@ -47,7 +48,7 @@ def bare_manager(agent, role="prefill", **cfg):
     m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
-    m.expected = frozenset()
+    m.side = SIDES[role](m)
     m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
     return m
 
