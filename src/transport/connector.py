@@ -49,7 +49,7 @@ __all__ = ["ConnectorConfig", "Connector"]
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
 logger = logging.getLogger(__name__)
-R = TypeVar("R", bound=Request)
+R = TypeVar("R", bound="Request[Any]")
 
 #: each role's part of the protocol
 SIDES: dict[str, Callable[[Port], Side[Any]]] = {"prefill": PrefillSide, "decode": DecodeSide}
@@ -102,7 +102,7 @@ class Connector(StatusArrays):
         self.state_geom = state_geometry(a.state)
         self.split_state = splits_state(a.state)
         info.update(state_geom=self.state_geom)
-        self._reqs: dict[int, Request] = {}  # room -> request
+        self._reqs: dict[int, Request[Any]] = {}  # room -> request
         self._early: dict[int, list[dict[str, Any]]] = {}
         #: rooms released here -> their failure reason (told to a late register)
         self._cleared: dict[int, int] = {}
@@ -164,7 +164,7 @@ class Connector(StatusArrays):
         return req
 
     def _fire_many(
-        self, reqs: Sequence[Request], trigger: str, reason: FailureReason = FailureReason.NONE
+        self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> NDArray[np.bool_]:
         """Move ``reqs`` along ``trigger`` where it is declared; the mask of those moved.
         A released request's slot may be another's already: it never moves."""
@@ -186,14 +186,16 @@ class Connector(StatusArrays):
             out[np.flatnonzero(keep)[~illegal]] = True
             return out
 
-    def _fire(self, req: Request, trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
+    def _fire(
+        self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE
+    ) -> bool:
         return bool(self._fire_many([req], trigger, reason)[0])
 
-    def _phase(self, req: Request) -> int:
+    def _phase(self, req: Request[Any]) -> int:
         with self._lock:
             return int(Phase.Drained) if req.released else int(self.phase[req.index])
 
-    def _fail(self, req: Request, reason: FailureReason, store: Any) -> None:
+    def _fail(self, req: Request[Any], reason: FailureReason, store: Any) -> None:
         """Fail locally and make the peers stop writing."""
         self.side.fail(req, reason, store)
 
@@ -204,7 +206,7 @@ class Connector(StatusArrays):
         except Exception:
             logger.debug("message %s to rank %d not sent", msg.get("kind"), peer, exc_info=True)
 
-    def _clear(self, req: Request) -> None:
+    def _clear(self, req: Request[Any]) -> None:
         with self._lock:
             req.cleared = True
             if IS_TERMINAL[self._phase(req)] and not req.tokens and not req.released:
@@ -312,7 +314,7 @@ class Connector(StatusArrays):
     def _timeouts(self, now: float, store: Any) -> None:
         live.timeouts(self, now, store)
 
-    def _reap(self, req: Request, store: Any) -> None:
+    def _reap(self, req: Request[Any], store: Any) -> None:
         for tok in list(req.tokens):
             s = self._check(tok)
             if s != 0:
@@ -321,7 +323,7 @@ class Connector(StatusArrays):
             if s < 0:
                 self._fail(req, FailureReason.TRANSFER_ERROR, store)
 
-    def _advance(self, req: Request, store: Any) -> bool:
+    def _advance(self, req: Request[Any], store: Any) -> bool:
         """Move one request on; True while it wants close polling (writes in flight)."""
         if req.released:
             return False
@@ -330,7 +332,9 @@ class Connector(StatusArrays):
             self._clear(req)
         return watch or bool(req.tokens)
 
-    def _submit(self, req: Request, info: dict[str, Any], w: Writes, notif: bytes, st: Any) -> None:
+    def _submit(
+        self, req: Request[Any], info: dict[str, Any], w: Writes, notif: bytes, st: Any
+    ) -> None:
         if w[0].size == 0 or self._phase(req) not in (Phase.Metadata, Phase.Writing):
             return
         token = self._write(info, *w, notif)

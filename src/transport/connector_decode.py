@@ -31,7 +31,7 @@ from lifecycle.reasons import FailureReason
 from transport.connector_graph import Phase
 from transport.connector_port import Port
 from transport.layout import state_misfit
-from transport.legs import Leg, Request, leg_of
+from transport.legs import DecodeLeg, DecodeRequest
 from transport.staging import Scatter, Staging
 from transport.topology import Topology, TopologyError
 
@@ -55,12 +55,12 @@ class DecodeSide:
             self.staging = Staging(a, slots, c.staging_pages)
         self.expected: frozenset[int] = frozenset()  # a request waits for no one unplanned
         #: failures to tell prefill ranks whose group's record was not up yet
-        self.owed: list[Request] = []
+        self.owed: list[DecodeRequest] = []
 
     def start(self) -> None:
         """Nothing: decode reads prefill's group record, it publishes none."""
 
-    def ask_stop(self, req: Request, reason: FailureReason, store: Any) -> None:
+    def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
         """Ask every leg that has not stopped yet to stop writing ``req``."""
         msg: dict[str, Any] = {"kind": "abort", "room": req.room, "reason": int(reason)}
         if req.why is not None:
@@ -69,14 +69,14 @@ class DecodeSide:
             if not leg.stopped:
                 self.port._send(leg.peer, msg, store)
 
-    def _drain_if_stopped(self, req: Request) -> None:
+    def _drain_if_stopped(self, req: DecodeRequest) -> None:
         p = self.port
         if p._phase(req) in (Phase.Aborted, Phase.Fenced) and all(
             leg.stopped for leg in req.senders()
         ):
             p._fire(req, "drain")
 
-    def fail(self, req: Request, reason: FailureReason, store: Any) -> None:
+    def fail(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
         """Fail here and make every leg stop writing; Drained once every sender stopped."""
         p = self.port
         with p._lock:  # the phase it leaves, read with the move (tell_pages races it)
@@ -114,7 +114,7 @@ class DecodeSide:
             with self.port._lock:
                 self.owed = later + self.owed
 
-    def on_message(self, req: Request, msg: dict[str, Any], store: Any) -> None:
+    def on_message(self, req: DecodeRequest, msg: dict[str, Any], store: Any) -> None:
         p = self.port
         kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
         if leg is None:
@@ -140,7 +140,7 @@ class DecodeSide:
     def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
         """Nothing: a prefill rank's word about a room released here needs no answer."""
 
-    def _plan(self, req: Request, store: Any, failing: bool = False) -> bool:
+    def _plan(self, req: DecodeRequest, store: Any, failing: bool = False) -> bool:
         """The legs of ``req`` once its prefill DP group is known; False until then."""
         if req.legs:
             return True
@@ -164,7 +164,7 @@ class DecodeSide:
             # refused for a misfit: every rank of the group is told why, at once,
             # instead of waiting for a register that never comes (bootstrap timeout)
             base = req.dp * ptp
-            req.legs = {base + q: Leg(base + q, sends=False) for q in range(ptp)}
+            req.legs = {base + q: DecodeLeg(base + q, sends=False) for q in range(ptp)}
             req.why = f"decode rank {p.rank} refused it: {why}"
             return True
         if why is not None:
@@ -181,13 +181,14 @@ class DecodeSide:
         send = {s.prefill: s for s in topo.senders(c.tp_rank)}
         share = set(topo.state_sources(c.tp_rank))  # the primary alone unless state is split
         req.legs = {
-            base + q: leg_of(base + q, send.get(q), q in share) for q in topo.contacts(c.tp_rank)
+            base + q: DecodeLeg.of(base + q, send.get(q), q in share)
+            for q in topo.contacts(c.tp_rank)
         }
         # TP sizes that differ cut pages into head slices: those land in staging if asked
         req.staged = self.staging is not None and not c.mla and topo.prefill_tp != topo.decode_tp
         return True
 
-    def steps(self, req: Request, store: Any) -> bool:
+    def steps(self, req: DecodeRequest, store: Any) -> bool:
         """Register once the legs and their endpoints are known; True while data is due
         from an engine that notifies completion."""
         p = self.port
@@ -207,12 +208,12 @@ class DecodeSide:
             return False
         return p.NOTIFIES and ph == Phase.Metadata
 
-    def give_up(self, req: Request, store: Any) -> None:
+    def give_up(self, req: DecodeRequest, store: Any) -> None:
         """Nothing: decode issues no writes, and its peers' fate is theirs to tell."""
 
     def tell_pages(
         self,
-        req: Request,
+        req: DecodeRequest,
         pages: NDArray[np.int64],
         slot: int,
         state: list[NDArray[np.int64]] | None,
@@ -258,7 +259,9 @@ class DecodeSide:
             due = (p.scatter_left[indices] > 0) & (p.phase[indices] == Phase.Done)
             reqs = [p._reqs.get(int(r)) for r in rooms[due].tolist()]
         for req in reqs:
-            if req is None or req.scatter is None or p._phase(req) != Phase.Done:
+            if not isinstance(req, DecodeRequest):
+                continue  # released meanwhile: the room is gone
+            if req.scatter is None or p._phase(req) != Phase.Done:
                 continue
             self.staging.scatter(req.scatter, p.config.scatter_pages)
             with p._lock:

@@ -4,7 +4,7 @@ reaches its connector through the :class:`~transport.connector_port.Port`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -13,19 +13,20 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.connector_graph import IS_TERMINAL, Phase, ProtocolError
 from transport.connector_port import Port
-from transport.legs import Request, rows_of
+from transport.legs import DecodeRequest, PrefillRequest, Request, rows_of
 from transport.status_arrays import StatusHandle
 
 __all__ = ["ConnectorSender", "ConnectorReceiver"]
 
 T = int(KVPoll.Transferring)
+Q = TypeVar("Q", bound="Request[Any]")
 
 
-class _Handle(StatusHandle):
-    def __init__(self, manager: Port, room: int) -> None:
+class _Handle(StatusHandle, Generic[Q]):
+    def __init__(self, manager: Port, req: Q) -> None:
         self.manager = manager
-        self._req = manager._take(room, Request)
-        super().__init__(manager, room, self._req.index)
+        self._req = req
+        super().__init__(manager, req.room, req.index)
 
     def abort(self) -> None:
         self.fail(FailureReason.ABORTED)
@@ -57,7 +58,10 @@ class _Handle(StatusHandle):
             self.manager._clear(self._req)
 
 
-class ConnectorSender(_Handle):
+class ConnectorSender(_Handle[PrefillRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, PrefillRequest))
+
     def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
         """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
         ``metadata_slot``. ``first_page``: those pages start at this page of the
@@ -116,7 +120,10 @@ class ConnectorSender(_Handle):
             m._wake.set()
 
 
-class ConnectorReceiver(_Handle):
+class ConnectorReceiver(_Handle[DecodeRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, DecodeRequest))
+
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once
         that group and its ranks are known."""

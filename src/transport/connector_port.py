@@ -30,8 +30,8 @@ from transport.status_arrays import Statuses
 
 __all__ = ["Port", "Side"]
 
-R = TypeVar("R", bound=Request)
-Req_contra = TypeVar("Req_contra", bound=Request, contravariant=True)
+R = TypeVar("R", bound="Request[Any]")
+Req_contra = TypeVar("Req_contra", bound="Request[Any]", contravariant=True)
 
 
 class Side(Protocol[Req_contra]):
@@ -108,7 +108,7 @@ class Port(Statuses, Protocol):
     last_error: Exception | None
     side: Side[Any]
     _wake: threading.Event
-    _reqs: dict[int, Request]
+    _reqs: dict[int, Request[Any]]
     _peer_dead: set[int]
     phase: NDArray[np.int8]
     born: NDArray[np.float64]
@@ -124,27 +124,27 @@ class Port(Statuses, Protocol):
     def _take(self, room: int, make: Callable[[int, int], R]) -> R: ...
 
     def _fire_many(
-        self, reqs: Sequence[Request], trigger: str, reason: FailureReason = FailureReason.NONE
+        self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> NDArray[np.bool_]: ...
 
     def _fire(
-        self, req: Request, trigger: str, reason: FailureReason = FailureReason.NONE
+        self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> bool: ...
 
-    def _phase(self, req: Request) -> int: ...
+    def _phase(self, req: Request[Any]) -> int: ...
 
-    def _fail(self, req: Request, reason: FailureReason, store: Any) -> None: ...
+    def _fail(self, req: Request[Any], reason: FailureReason, store: Any) -> None: ...
 
-    def _clear(self, req: Request) -> None: ...
+    def _clear(self, req: Request[Any]) -> None: ...
 
     def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None: ...
 
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None: ...
 
     def _submit(
-        self, req: Request, info: dict[str, Any], w: Writes, notif: bytes, st: Any
+        self, req: Request[Any], info: dict[str, Any], w: Writes, notif: bytes, st: Any
     ) -> None: ...
 
-    def _reap(self, req: Request, store: Any) -> None: ...
+    def _reap(self, req: Request[Any], store: Any) -> None: ...
 
     def _forget(self, token: Any) -> None: ...

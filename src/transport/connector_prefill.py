@@ -31,7 +31,7 @@ from transport.connector_graph import IS_TERMINAL, Phase
 from transport.connector_port import Port
 from transport.errors import TransportError
 from transport.layout import StateShare, row_writes, state_misfit, state_writes
-from transport.legs import Leg, Request, kv_writes, leg_of, refs_misfit, rows_misfit
+from transport.legs import PrefillLeg, PrefillRequest, kv_writes, leg_of, refs_misfit, rows_misfit
 from transport.staging import Staging
 from transport.topology import Topology, TopologyError
 
@@ -66,12 +66,12 @@ class PrefillSide:
         group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
         p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
 
-    def fail(self, req: Request, reason: FailureReason, store: Any = None) -> None:
+    def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
         """Fail here; every leg is told once no write is in flight (see :meth:`steps`)."""
         if self.port._fire(req, "abort", reason):
             req.reason = reason
 
-    def _refuse(self, req: Request, why: str) -> None:
+    def _refuse(self, req: PrefillRequest, why: str) -> None:
         """A peer's message does not fit this rank's topology: fail the request, loudly."""
         p = self.port
         err = TopologyError(f"room={req.room} on prefill rank {p.rank}: {why}")
@@ -79,7 +79,7 @@ class PrefillSide:
         logger.error("%s", err)
         self.fail(req, FailureReason.TRANSFER_ERROR)
 
-    def _plan(self, req: Request, msg: dict[str, Any]) -> bool:
+    def _plan(self, req: PrefillRequest, msg: dict[str, Any]) -> bool:
         """The legs of ``req`` from the first register message: every decode rank of
         the registering DP group that the topology pairs with this rank."""
         p, c = self.port, self.port.config
@@ -109,7 +109,7 @@ class PrefillSide:
         self.expected = frozenset(req.legs)
         return True
 
-    def on_message(self, req: Request, msg: dict[str, Any], store: Any) -> None:
+    def on_message(self, req: PrefillRequest, msg: dict[str, Any], store: Any) -> None:
         p = self.port
         kind, peer = msg["kind"], int(msg["from"])
         if kind == "abort":  # a decode rank gave up: stop writing, say so once drained
@@ -121,7 +121,7 @@ class PrefillSide:
                 logger.error("%s", p.last_error)
             leg = req.legs.get(peer)
             if leg is None and not req.legs:  # before any register: it is told once drained
-                leg = req.legs[peer] = Leg(peer, sends=False)
+                leg = req.legs[peer] = PrefillLeg(peer, sends=False)
             if leg is not None:
                 leg.asked_stop = True
             if p._fire(req, "abort", reason):
@@ -181,7 +181,7 @@ class PrefillSide:
         elif kind == "register":  # it failed and was cleared before this rank knew
             send(int(msg["from"]), {"kind": "failed", "room": room, "reason": reason}, store)
 
-    def steps(self, req: Request, store: Any) -> bool:
+    def steps(self, req: PrefillRequest, store: Any) -> bool:
         p = self.port
         before = -1  # a write that landed at once lets the next step go in the same pass
         while p._phase(req) != before:
@@ -198,14 +198,14 @@ class PrefillSide:
                 p._fire(req, "drain")
         return False  # no engine notifies prefill: its writes are polled
 
-    def tell_legs(self, req: Request, store: Any) -> None:
+    def tell_legs(self, req: PrefillRequest, store: Any) -> None:
         """Tell every leg why the request failed ("stopped" to one that asked), a
         silent one too: it may only be paused."""
         for leg in req.legs.values():
             told = {"kind": "stopped"} if leg.asked_stop else {"kind": "failed"}
             self.port._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
 
-    def give_up(self, req: Request, store: Any) -> None:
+    def give_up(self, req: PrefillRequest, store: Any) -> None:
         """Released at the drain timeout with writes the engine never finished:
         every leg hears so (they may still land: a decode rank keeps its pages
         until its own drain timeout)."""
@@ -219,7 +219,7 @@ class PrefillSide:
     def every_pass(self, store: Any) -> None:
         """Nothing: prefill owes no word beyond its requests' own."""
 
-    def ask_stop(self, req: Request, reason: FailureReason, store: Any) -> None:
+    def ask_stop(self, req: PrefillRequest, reason: FailureReason, store: Any) -> None:
         """Nothing: no peer writes into prefill's memory."""
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
@@ -227,7 +227,7 @@ class PrefillSide:
 
     def tell_pages(
         self,
-        req: Request,
+        req: PrefillRequest,
         pages: NDArray[np.int64],
         slot: int,
         state: list[NDArray[np.int64]] | None,
@@ -238,7 +238,7 @@ class PrefillSide:
             "a page list is a decode receiver's to send"
         )
 
-    def _issue_leg(self, req: Request, leg: Leg, store: Any) -> bool:
+    def _issue_leg(self, req: PrefillRequest, leg: PrefillLeg, store: Any) -> bool:
         """Write what ``leg`` has not had yet; False if the request failed."""
         p = self.port
         info = p._peer_info(leg.peer, store)
@@ -317,7 +317,9 @@ class PrefillSide:
             leg.fields_out = True
         return True
 
-    def _state_out(self, req: Request, leg: Leg, info: dict[str, Any], store: Any) -> bool:
+    def _state_out(
+        self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any], store: Any
+    ) -> bool:
         """The state rows this leg owes, once every page is handed over: whole rows
         on the primary leg, and with split state this rank's share of the decode
         rank's. False if only one side named rows (the request is refused: decode
@@ -344,7 +346,7 @@ class PrefillSide:
             p._submit(req, info, w, b"", store)
         return True
 
-    def _issue(self, req: Request, store: Any) -> None:
+    def _issue(self, req: PrefillRequest, store: Any) -> None:
         p = self.port
         for leg in req.legs.values():
             if not leg.sends and not leg.state:

@@ -1,18 +1,23 @@
-"""One request's peers on the connector: a :class:`Leg` per peer rank.
+"""One request's peers on the connector: a :class:`Leg` per peer rank, and
+the :class:`Request` that holds them with the rest of its bookkeeping.
 
-On decode, a leg per prefill rank the request was registered with (its
-senders, and the idle prefill ranks it informs; see :mod:`transport.topology`).
-On prefill, a leg per decode rank that registers the request: where that rank
-said to write, and how far this rank has written there. A :class:`Request`
-holds a request's legs and the rest of its bookkeeping. What moves along a
-leg (:func:`kv_writes`) is checked first to name only rows and pages the
-buffers at both ends hold (:func:`refs_misfit`, :func:`rows_misfit`).
+What both sides keep is in :class:`Leg` and :class:`Request`; what only one
+side keeps is in its own subclass. On prefill, a :class:`PrefillLeg` per
+decode rank that registers the request: where that rank said to write, and
+how far this rank has written there (a :class:`PrefillRequest` holds the
+pages and rows handed to ``send()``). On decode, a :class:`DecodeLeg` per
+prefill rank the request was registered with: its senders, and the idle
+prefill ranks it informs (see :mod:`transport.topology`); a
+:class:`DecodeRequest` knows its prefill DP group and its staging. What moves
+along a prefill leg (:func:`kv_writes`) is checked first to name only rows
+and pages the buffers at both ends hold (:func:`refs_misfit`,
+:func:`rows_misfit`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 import numpy as np
@@ -28,7 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Leg",
+    "PrefillLeg",
+    "DecodeLeg",
     "Request",
+    "PrefillRequest",
+    "DecodeRequest",
     "describe",
     "leg_of",
     "kv_writes",
@@ -36,6 +45,8 @@ __all__ = [
     "refs_misfit",
     "rows_misfit",
 ]
+
+L = TypeVar("L", bound="Leg")
 
 
 @attrs.define(eq=False)
@@ -47,11 +58,28 @@ class Leg:
     src_head: int = 0
     dst_head: int = 0
     count: int = 0
-    registered: bool = False
     #: the peer's incarnation this leg was registered with (None: not yet)
     inc: int | None = None
-    # prefill: where the decode rank said to write, once told
-    told: bool = False
+
+    @property
+    def slice(self) -> list[int] | None:
+        return [self.src_head, self.dst_head, self.count] if self.sends else None
+
+    @classmethod
+    def of(cls: type[L], peer: int, s: Slice | None, state: bool = False) -> L:
+        """A leg to ``peer``: the KV slice it carries (None: no KV), and whether state
+        rows move on it (the primary leg's always do)."""
+        if s is None:
+            return cls(peer, sends=False, state=state)
+        return cls(peer, True, s.primary, state or s.primary, s.src_head, s.dst_head, s.count)
+
+
+@attrs.define(eq=False)
+class PrefillLeg(Leg):
+    """A prefill rank's leg to a decode rank: where it said to write, what went."""
+
+    registered: bool = False
+    told: bool = False  # the decode rank said where to write
     dst_pages: NDArray[np.int64] | None = None
     dst_slot: int = -1
     skip: int = 0  # leading pages decode already holds (a cached prefix)
@@ -61,54 +89,74 @@ class Leg:
     issued: int = 0  # this request's source pages written (or skipped) so far
     fields_out: bool = False
     asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
-    # decode: what this sender said
+
+
+@attrs.define(eq=False)
+class DecodeLeg(Leg):
+    """A decode rank's leg to a prefill rank: what that sender said."""
+
     done: bool = False
     stopped: bool = False  # it can write nothing more here
 
-    @property
-    def slice(self) -> list[int] | None:
-        return [self.src_head, self.dst_head, self.count] if self.sends else None
 
-
-class Request:
+class Request(Generic[L]):
     """One request's bookkeeping; its phase and clocks live in the manager's columns."""
 
     def __init__(self, room: int, index: int) -> None:
         self.room, self.index = room, index
-        self.legs: dict[int, Leg] = {}  # peer rank -> leg, once known
-        self.dp = 0  # decode: the prefill DP group it pairs with
-        self.num_pages = self.local_slot = -1
-        self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
-        #: prefill: the page send()'s pages start at (before it: -1, a prefix never handed)
+        self.legs: dict[int, L] = {}  # peer rank -> leg, once known
+        #: pages of the request (prefill: handed over at most; decode: told to prefill)
+        self.num_pages = -1
+        self.tokens: list[Any] = []  # the engine's handles of writes in flight
+        self.cleared = self.released = False
+        self.reason = FailureReason.NONE  # why it failed here, told to every leg
+
+
+class PrefillRequest(Request[PrefillLeg]):
+    """A request on prefill: the pages and rows handed to ``send()``."""
+
+    def __init__(self, room: int, index: int) -> None:
+        super().__init__(room, index)
+        self.local_slot = -1  # its metadata row here
+        self.src = np.empty(0, dtype=np.int64)  # pages handed to send() so far
+        #: the page send()'s pages start at (before it: -1, a prefix never handed)
         self.first_page = 0
         self.src_state: list[NDArray[np.int64]] | None = None
-        self.sent = False  # prefill: send() was called (init(0)'s state rows come with it)
-        self.decode_tp = 0  # prefill: the registering decode group's TP size
-        self.tokens: list[Any] = []  # the engine's handles of writes in flight
-        self.want_register = self.cleared = self.released = False
-        self.staged = False  # decode: lands in staging, then scatters
-        self.scatter: Scatter | None = None
-        self.reason = FailureReason.NONE  # why it failed here, told to every leg
-        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
-        self.why: str | None = None  # decode: a misfit it was refused for, told to prefill
-        #: prefill: released at the drain timeout with writes the engine never finished
+        self.sent = False  # send() was called (init(0)'s state rows come with it)
+        self.decode_tp = 0  # the registering decode group's TP size
+        self.held: list[dict[str, Any]] = []  # page lists that overtook a register
+        #: released at the drain timeout with writes the engine never finished
         self.abandoned = False
 
-    def senders(self) -> list[Leg]:
+
+class DecodeRequest(Request[DecodeLeg]):
+    """A request on decode: the prefill DP group it pairs with, and its staging."""
+
+    def __init__(self, room: int, index: int) -> None:
+        super().__init__(room, index)
+        self.dp = 0  # the prefill DP group it pairs with
+        self.want_register = False  # init() named the group: register once it is known
+        self.staged = False  # lands in staging, then scatters
+        self.scatter: Scatter | None = None
+        self.why: str | None = None  # a misfit it was refused for, told to prefill
+
+    def senders(self) -> list[DecodeLeg]:
         """The legs data comes from: KV, or a share of split state."""
         return [leg for leg in self.legs.values() if leg.sends or leg.state]
 
 
-def leg_of(peer: int, s: Slice | None, state: bool = False) -> Leg:
-    """A leg to ``peer``: the KV slice it carries (None: no KV), and whether state
-    rows move on it (the primary leg's always do)."""
-    if s is None:
-        return Leg(peer, sends=False, state=state)
-    return Leg(peer, True, s.primary, state or s.primary, s.src_head, s.dst_head, s.count)
+def leg_of(peer: int, s: Slice | None, state: bool = False) -> PrefillLeg:
+    """A prefill rank's leg to decode rank ``peer`` (see :meth:`Leg.of`): what
+    :func:`kv_writes` writes along."""
+    return PrefillLeg.of(peer, s, state)
 
 
 def kv_writes(
-    local: KVArgs, info: dict[str, Any], leg: Leg, src: NDArray[np.int64], dst: NDArray[np.int64]
+    local: KVArgs,
+    info: dict[str, Any],
+    leg: PrefillLeg,
+    src: NDArray[np.int64],
+    dst: NDArray[np.int64],
 ) -> Writes:
     """Local pages ``src`` to the leg's pages ``dst``: whole pages when both sides
     hold exactly the leg's heads in the peer's own KV buffers, head slices else."""
@@ -151,7 +199,12 @@ def _count(lens: Any, items: Any) -> int | None:
 
 
 def refs_misfit(
-    local: KVArgs, rank: int, req: Request, leg: Leg, info: dict[str, Any], new: NDArray[np.int64]
+    local: KVArgs,
+    rank: int,
+    req: PrefillRequest,
+    leg: PrefillLeg,
+    info: dict[str, Any],
+    new: NDArray[np.int64],
 ) -> str | None:
     """Why a page or metadata row named for ``leg`` lies outside the buffers it
     indexes on prefill rank ``rank`` (``new``: the pages about to go) or on the
@@ -189,7 +242,7 @@ def refs_misfit(
     return None
 
 
-def rows_misfit(req: Request, leg: Leg) -> str | None:
+def rows_misfit(req: PrefillRequest, leg: PrefillLeg) -> str | None:
     """Why the state rows handed to send() do not pair one to one with those the
     leg's decode rank gave, or None (more rows would run past decode's own)."""
     if not leg.state or req.src_state is None or leg.dst_state is None:
@@ -206,11 +259,11 @@ def rows_misfit(req: Request, leg: Leg) -> str | None:
 _FLAGS = ("registered", "told", "done", "stopped", "asked_stop")
 
 
-def describe(req: Request, phase: str, status: str) -> str:
+def describe(req: Request[Any], phase: str, status: str) -> str:
     """One line on where a request stands with each peer (for a stuck report)."""
     legs = []
     for leg in req.legs.values():
-        flags = ",".join(f for f in _FLAGS if getattr(leg, f)) or "-"
+        flags = ",".join(f for f in _FLAGS if getattr(leg, f, False)) or "-"
         kind = "primary" if leg.primary else "sends" if leg.sends else "informed"
         legs.append(f"{leg.peer}({kind}: {flags})")
     return (

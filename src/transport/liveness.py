@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
 
 
-def _live(m: Port) -> tuple[list[Request], NDArray[np.int8], NDArray[np.int64]]:
+def _live(m: Port) -> tuple[list[Request[Any]], NDArray[np.int8], NDArray[np.int64]]:
     """The live requests, with their phases and slots."""
     with m._lock:
         reqs = list(m._reqs.values())

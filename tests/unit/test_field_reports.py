@@ -291,15 +291,16 @@ def _stale_connector_state(m, h, old):
         stale.append("status/phase")
     if not m.born[i] > old:
         stale.append("born")
+    kept = vars(req)  # (held, src, local_slot, abandoned and sent: a prefill request's)
     used = {
         "legs": req.legs,
         "tokens": req.tokens,
-        "held": req.held,
-        "src": req.src.size,
+        "held": kept.get("held"),
+        "src": kept.get("src", np.empty(0)).size,
         "reason": req.reason != FailureReason.NONE,
         "num_pages": req.num_pages + 1,
-        "local_slot": req.local_slot + 1,
-        "flags": req.abandoned or req.cleared or req.released or req.sent,
+        "local_slot": kept.get("local_slot", -1) + 1,
+        "flags": kept.get("abandoned") or req.cleared or req.released or kept.get("sent"),
     }
     stale += [f"request.{name}" for name, v in used.items() if v]
     if req.room in m._cleared or m._reqs.get(req.room) is not req:

@@ -8,7 +8,7 @@ pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 from lifecycle import FailureReason, KVPoll
 from transport.connector import SIDES
 from transport.connector_graph import Phase
-from transport.legs import Request
+from transport.legs import DecodeRequest, PrefillRequest
 from transport.nixl import NixlConfig, NixlManager
 from transport.status_arrays import StatusArrays
 
@@ -54,7 +54,8 @@ def bare_manager(agent, role="prefill", **cfg):
 
 
 def request(m, phase, room=9):
-    req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
+    kind = PrefillRequest if m.config.role == "prefill" else DecodeRequest
+    req = kind(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = phase
     m._reqs[room] = req
     return req
