@@ -36,7 +36,8 @@ from transport.connector_config import ConnectorConfig, check_fit
 from transport.connector_decode import DecodeSide
 from transport.connector_graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.connector_handles import ConnectorReceiver, ConnectorSender
-from transport.connector_port import Port, Side
+from transport.connector_messages import Msg, check_words
+from transport.connector_port import Side
 from transport.connector_prefill import PrefillSide
 from transport.errors import DuplicateRoom
 from transport.layout import Writes, splits_state, state_geometry
@@ -52,7 +53,11 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound="Request[Any]")
 
 #: each role's part of the protocol
-SIDES: dict[str, Callable[[Port], Side[Any]]] = {"prefill": PrefillSide, "decode": DecodeSide}
+SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
+    "prefill": PrefillSide,
+    "decode": DecodeSide,
+}
+check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
 
 
 class Connector(StatusArrays):
@@ -84,7 +89,7 @@ class Connector(StatusArrays):
         self.failed_at: NDArray[np.float64]
         self.scatter_left: NDArray[np.int32]
         self.last_error: Exception | None = None
-        self.side = SIDES[c.role](self)  # (its staging is registered with the rest)
+        self.side: Side[Any] = SIDES[c.role](self)  # (its staging is registered with the rest)
         #: what this rank moved: bytes and writes issued (prefill)
         #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
         self.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
@@ -289,7 +294,7 @@ class Connector(StatusArrays):
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, peer in self._notified():
-                    self._on_message({"kind": "done", "room": room, "from": peer}, store)
+                    self._on_message({"kind": Msg.done, "room": room, "from": peer}, store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:

@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from transport.connector_graph import Phase
+from transport.connector_messages import Msg
 from transport.connector_port import Port
 from transport.layout import state_misfit
 from transport.legs import DecodeLeg, DecodeRequest
@@ -44,6 +45,8 @@ class DecodeSide:
     """Decode's part of the protocol on one rank (see the module)."""
 
     RECEIVES: ClassVar[bool] = True  # prefill ranks write into decode's memory
+    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
 
     def __init__(self, port: Port) -> None:
         self.port = port
@@ -62,7 +65,7 @@ class DecodeSide:
 
     def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
         """Ask every leg that has not stopped yet to stop writing ``req``."""
-        msg: dict[str, Any] = {"kind": "abort", "room": req.room, "reason": int(reason)}
+        msg: dict[str, Any] = {"kind": Msg.abort, "room": req.room, "reason": int(reason)}
         if req.why is not None:
             msg["why"] = req.why
         for leg in req.legs.values():
@@ -119,21 +122,21 @@ class DecodeSide:
         kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
-        if kind == "done":  # every write of this sender landed
+        if kind == Msg.done:  # every write of this sender landed
             leg.done = leg.stopped = True
             if all(x.done for x in req.senders()):
                 p._fire(req, "complete")
             self._drain_if_stopped(req)
-        elif kind in ("failed", "gave_up"):
+        elif kind in (Msg.failed, Msg.gave_up):
             # the sender failed it: "failed" once its writes drained; "gave_up" when a
             # write of it may still land (the pages wait for this rank's drain timeout)
-            leg.stopped = leg.stopped or kind == "failed"
+            leg.stopped = leg.stopped or kind == Msg.failed
             reason = FailureReason(int(msg.get("reason", FailureReason.UNKNOWN)))
             if leg.stopped and all(x.stopped for x in req.senders()):
                 _ = p._fire(req, "peer_failed", reason) or p._fire(req, "drain")
             elif p._fire(req, "abort", reason):
                 self.ask_stop(req, reason, store)
-        elif kind == "stopped":  # a sender acknowledged our abort: nothing more from it
+        elif kind == Msg.stopped:  # a sender acknowledged our abort: nothing more from it
             leg.stopped = True
             self._drain_if_stopped(req)
 
@@ -200,7 +203,7 @@ class DecodeSide:
                     leg.inc = (p._peer_info(leg.peer, store) or {}).get(
                         "inc"
                     )  # whom it registers with
-                    msg = {"kind": "register", "room": req.room, "decode_tp": c.tp_size}
+                    msg = {"kind": Msg.register, "room": req.room, "decode_tp": c.tp_size}
                     msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
                     msg.update(state=p.state_geom, state_leg=leg.state)
                     p._send(leg.peer, msg, store)
@@ -224,7 +227,7 @@ class DecodeSide:
         messages = []
         blocks = []
         for leg in req.legs.values():
-            msg: dict[str, Any] = {"kind": "pages", "room": req.room, "skip": skip}
+            msg: dict[str, Any] = {"kind": Msg.pages, "room": req.room, "skip": skip}
             if not leg.sends:
                 msg.update(pages=[], slot=-1, dst_heads=0)
             elif req.staged and self.staging is not None:

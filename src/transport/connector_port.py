@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from transport.connector_config import ConnectorConfig
+from transport.connector_messages import Msg
 from transport.layout import Writes
 from transport.legs import Request
 from transport.mailbox import Mailbox
@@ -45,6 +46,9 @@ class Side(Protocol[Req_contra]):
     #: from its page list to the writers' word, and a request failed for a
     #: writer gone silent is fenced at the drain timeout, not released
     RECEIVES: ClassVar[bool]
+    #: the words of :mod:`transport.connector_messages` this side says, and hears
+    SAYS: ClassVar[frozenset[Msg]]
+    HEARS: ClassVar[frozenset[Msg]]
     #: where head slices land before they are scattered (decode, when staged)
     staging: Staging | None
     #: the peers a request not registered yet is expected from: one of them

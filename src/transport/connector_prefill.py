@@ -28,6 +28,7 @@ from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from transport.connector_graph import IS_TERMINAL, Phase
+from transport.connector_messages import Msg
 from transport.connector_port import Port
 from transport.errors import TransportError
 from transport.layout import StateShare, row_writes, state_misfit, state_writes
@@ -43,13 +44,15 @@ logger = logging.getLogger(__name__)
 def gave_up(room: int, reason: int) -> dict[str, Any]:
     """The word for a leg when this rank released a request whose writes the
     engine never finished: it failed, yet a write of it may still land."""
-    return {"kind": "gave_up", "room": room, "reason": int(reason)}
+    return {"kind": Msg.gave_up, "room": room, "reason": int(reason)}
 
 
 class PrefillSide:
     """Prefill's part of the protocol on one rank (see the module)."""
 
     RECEIVES: ClassVar[bool] = False  # prefill's memory is only read
+    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
 
     def __init__(self, port: Port) -> None:
         self.port = port
@@ -112,7 +115,7 @@ class PrefillSide:
     def on_message(self, req: PrefillRequest, msg: dict[str, Any], store: Any) -> None:
         p = self.port
         kind, peer = msg["kind"], int(msg["from"])
-        if kind == "abort":  # a decode rank gave up: stop writing, say so once drained
+        if kind == Msg.abort:  # a decode rank gave up: stop writing, say so once drained
             reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
             if msg.get("why") and p._phase(req) < Phase.Done:  # a live request: this is why
                 p.last_error = TopologyError(
@@ -129,15 +132,15 @@ class PrefillSide:
             elif req.abandoned:  # released with writes the engine never finished
                 p._send(peer, gave_up(req.room, req.reason), store)
             elif IS_TERMINAL[p._phase(req)] or leg is None:
-                p._send(peer, {"kind": "stopped", "room": req.room}, store)
+                p._send(peer, {"kind": Msg.stopped, "room": req.room}, store)
             return
         if p._phase(req) >= Phase.Aborted:  # failed here already: the leg hears why
-            if kind == "register":
+            if kind == Msg.register:
                 p._send(
-                    peer, {"kind": "failed", "room": req.room, "reason": int(req.reason)}, store
+                    peer, {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}, store
                 )
             return
-        if kind == "register":
+        if kind == Msg.register:
             if not req.legs and not self._plan(req, msg):
                 return
             leg = req.legs.get(peer)
@@ -155,7 +158,7 @@ class PrefillSide:
             for held in [h for h in req.held if int(h["from"]) == peer]:
                 req.held.remove(held)
                 self.on_message(req, held, store)
-        elif kind == "pages":
+        elif kind == Msg.pages:
             leg = req.legs.get(peer)
             if leg is None or not leg.registered:
                 # decode's scheduler sends this on another connection than its loop's
@@ -174,12 +177,12 @@ class PrefillSide:
     def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
         """A decode rank's word about a room released here: nothing more is written."""
         kind, send = msg["kind"], self.port._send
-        if kind == "abort" and room in self.abandoned:
+        if kind == Msg.abort and room in self.abandoned:
             send(int(msg["from"]), gave_up(room, reason), store)
-        elif kind == "abort":  # finished and drained here
-            send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
-        elif kind == "register":  # it failed and was cleared before this rank knew
-            send(int(msg["from"]), {"kind": "failed", "room": room, "reason": reason}, store)
+        elif kind == Msg.abort:  # finished and drained here
+            send(int(msg["from"]), {"kind": Msg.stopped, "room": room}, store)
+        elif kind == Msg.register:  # it failed and was cleared before this rank knew
+            send(int(msg["from"]), {"kind": Msg.failed, "room": room, "reason": reason}, store)
 
     def steps(self, req: PrefillRequest, store: Any) -> bool:
         p = self.port
@@ -192,7 +195,7 @@ class PrefillSide:
             elif ph == Phase.RoomWritten and not req.tokens:
                 if p._fire(req, "complete"):  # (close() may have failed it meanwhile)
                     for peer in req.legs:
-                        p._send(peer, {"kind": "done", "room": req.room}, store)
+                        p._send(peer, {"kind": Msg.done, "room": req.room}, store)
             elif ph == Phase.Aborted and not req.tokens:
                 self.tell_legs(req, store)
                 p._fire(req, "drain")
@@ -202,7 +205,7 @@ class PrefillSide:
         """Tell every leg why the request failed ("stopped" to one that asked), a
         silent one too: it may only be paused."""
         for leg in req.legs.values():
-            told = {"kind": "stopped"} if leg.asked_stop else {"kind": "failed"}
+            told = {"kind": Msg.stopped} if leg.asked_stop else {"kind": Msg.failed}
             self.port._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
 
     def give_up(self, req: PrefillRequest, store: Any) -> None:
