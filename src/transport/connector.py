@@ -3,9 +3,13 @@
 Control plane in :mod:`transport.mailbox` (rendezvous, queues, heartbeats);
 who sends which heads to whom in :mod:`transport.topology`; where writes go in
 :mod:`transport.layout`; each side's part of the protocol in
-:mod:`transport.connector_prefill` and :mod:`transport.connector_decode`; an
-engine subclass (Mooncake, NIXL) registers memory, issues writes and reads
-their completion. Each request moves along the protocol of
+:mod:`transport.connector_prefill` and :mod:`transport.connector_decode` (the
+one this rank plays is picked once, as it is built); the clocks in
+:mod:`transport.liveness`; a request's handles in
+:mod:`transport.connector_handles`. Each of these parts reaches the connector
+through the :class:`~transport.connector_port.Port` it implements. An engine
+subclass (Mooncake, NIXL) registers memory, issues writes and reads their
+completion. Each request moves along the protocol of
 :mod:`transport.connector_graph` (the ``phase`` column, fired through its
 tables; in batches for timeouts and dead peers), with a :class:`~transport.legs.Leg`
 per peer rank. A failed request stays quarantined (Aborted) until no write for
@@ -17,8 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -26,27 +30,34 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport import connector_decode as dec
-from transport import connector_prefill as pre
 from transport import liveness as live
 from transport.addressing import engine_host
 from transport.connector_config import ConnectorConfig, check_fit
+from transport.connector_decode import DecodeSide
 from transport.connector_graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
+from transport.connector_handles import ConnectorReceiver, ConnectorSender
+from transport.connector_messages import Msg, check_words
+from transport.connector_port import Side
+from transport.connector_prefill import PrefillSide
 from transport.errors import DuplicateRoom
 from transport.layout import Writes, splits_state, state_geometry
 from transport.legs import Request, describe
 from transport.mailbox import Mailbox
-from transport.staging import Staging
 from transport.status_arrays import StatusArrays
-
-if TYPE_CHECKING:
-    from transport.connector_handles import ConnectorReceiver, ConnectorSender
 
 __all__ = ["ConnectorConfig", "Connector"]
 
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound="Request[Any]")
+
+#: each role's part of the protocol
+SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
+    "prefill": PrefillSide,
+    "decode": DecodeSide,
+}
+check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
 
 
 class Connector(StatusArrays):
@@ -77,12 +88,8 @@ class Connector(StatusArrays):
         self.waited: NDArray[np.float64]
         self.failed_at: NDArray[np.float64]
         self.scatter_left: NDArray[np.int32]
-        self.staging: Staging | None = None
-        if c.role == "decode" and c.staging:
-            slots = (
-                kv_args.aux_data_lens[0] // kv_args.aux_item_lens[0] if kv_args.aux_data_lens else 0
-            )
-            self.staging = Staging(kv_args, slots, c.staging_pages)
+        self.last_error: Exception | None = None
+        self.side: Side[Any] = SIDES[c.role](self)  # (its staging is registered with the rest)
         #: what this rank moved: bytes and writes issued (prefill)
         #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
         self.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
@@ -100,21 +107,12 @@ class Connector(StatusArrays):
         self.state_geom = state_geometry(a.state)
         self.split_state = splits_state(a.state)
         info.update(state_geom=self.state_geom)
-        self._reqs: dict[int, Request] = {}  # room -> request
+        self._reqs: dict[int, Request[Any]] = {}  # room -> request
         self._early: dict[int, list[dict[str, Any]]] = {}
         #: rooms released here -> their failure reason (told to a late register)
         self._cleared: dict[int, int] = {}
-        #: cleared rooms released with writes the engine never finished (prefill)
-        self._abandoned: set[int] = set()
-        #: prefill: the decode ranks the last registered request paired with; a request
-        #: not registered yet is expected from them (a dead one fails it: peer dead)
-        self.expected: frozenset[int] = frozenset()
         self._peer_dead: set[int] = set()
-        self.owed: list[Request] = []  # decode: failures to tell (connector_decode.tell_owed)
-        self.last_error: Exception | None = None
-        if c.role == "prefill":
-            group = {"tp_size": c.tp_size, "kv_heads": self.kv_heads, "mla": c.mla}
-            self.mail.publish_group(c.dp_rank, {**group, "state": self.state_geom})
+        self.side.start()
         self.mail.publish(info)
         self.mail.start_beating(c.heartbeat_interval)
         self._thread = threading.Thread(target=self._loop, name=f"pd-{c.role}", daemon=True)
@@ -128,7 +126,8 @@ class Connector(StatusArrays):
         )
         for comp in a.state:
             out += list(zip(comp.ptrs, comp.lens))
-        return out + (self.staging.regions() if self.staging is not None else [])
+        staging = self.side.staging
+        return out + (staging.regions() if staging is not None else [])
 
     # -- engine hooks ---------------------------------------------------------------------
     def _start_engine(self) -> dict[str, Any]:
@@ -153,12 +152,13 @@ class Connector(StatusArrays):
     def _stop_engine(self) -> None: ...
 
     # -- requests and the protocol ---------------------------------------------------------
-    def _take(self, room: int) -> Request:
+    def _take(self, room: int, make: Callable[[int, int], R]) -> R:
+        """A new request for ``room`` (``make``: its kind, from room and slot)."""
         with self._msg_lock:  # its early messages go before any later one
             with self._lock:
                 if room in self._reqs:
                     raise DuplicateRoom(room, self.config.role, self.rank)
-                req = Request(room, self.take(int(KVPoll.Bootstrapping)))
+                req = make(room, self.take(int(KVPoll.Bootstrapping)))
                 self.phase[req.index] = Phase.Bootstrap
                 self.born[req.index] = NOW()
                 self._reqs[room] = req
@@ -169,7 +169,7 @@ class Connector(StatusArrays):
         return req
 
     def _fire_many(
-        self, reqs: Sequence[Request], trigger: str, reason: FailureReason = FailureReason.NONE
+        self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> NDArray[np.bool_]:
         """Move ``reqs`` along ``trigger`` where it is declared; the mask of those moved.
         A released request's slot may be another's already: it never moves."""
@@ -191,19 +191,18 @@ class Connector(StatusArrays):
             out[np.flatnonzero(keep)[~illegal]] = True
             return out
 
-    def _fire(self, req: Request, trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
+    def _fire(
+        self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE
+    ) -> bool:
         return bool(self._fire_many([req], trigger, reason)[0])
 
-    def _phase(self, req: Request) -> int:
+    def _phase(self, req: Request[Any]) -> int:
         with self._lock:
             return int(Phase.Drained) if req.released else int(self.phase[req.index])
 
-    def _fail(self, req: Request, reason: FailureReason, store: Any) -> None:
+    def _fail(self, req: Request[Any], reason: FailureReason, store: Any) -> None:
         """Fail locally and make the peers stop writing."""
-        if self.config.role == "prefill":
-            pre.fail(self, req, reason)
-        else:
-            dec.fail(self, req, reason, store)
+        self.side.fail(req, reason, store)
 
     def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
         """Best effort: a peer that is gone is caught by heartbeats and timeouts."""
@@ -212,7 +211,7 @@ class Connector(StatusArrays):
         except Exception:
             logger.debug("message %s to rank %d not sent", msg.get("kind"), peer, exc_info=True)
 
-    def _clear(self, req: Request) -> None:
+    def _clear(self, req: Request[Any]) -> None:
         with self._lock:
             req.cleared = True
             if IS_TERMINAL[self._phase(req)] and not req.tokens and not req.released:
@@ -223,11 +222,8 @@ class Connector(StatusArrays):
                 failed = int(self.status[req.index]) == F  # (a Success is never asked about)
                 reason = self.reason[req.index] if failed else FailureReason.ABORTED
                 self._cleared[req.room] = int(reason)
-                if req.abandoned:
-                    self._abandoned.add(req.room)
                 if len(self._cleared) > 100_000:
                     self._cleared.clear()
-                    self._abandoned.clear()
 
     def fenced(self) -> tuple[int, int]:
         """(requests, KV pages) held fenced on writers that stopped beating."""
@@ -242,19 +238,15 @@ class Connector(StatusArrays):
             return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
     def sender(self, room: int) -> ConnectorSender:
-        from transport.connector_handles import ConnectorSender
-
         return ConnectorSender(self, room)
 
     def receiver(self, room: int) -> ConnectorReceiver:
-        from transport.connector_handles import ConnectorReceiver
-
         return ConnectorReceiver(self, room)
 
     # -- the staging gate (decode; see lifecycle.protocols.StagingGate) ----------------------
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Place the next pages of every staged request whose data all landed."""
-        dec.advance(self, rooms, indices)
+        self.side.advance(rooms, indices)
 
     def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
         """True where a request's scatter is not done yet."""
@@ -274,7 +266,7 @@ class Connector(StatusArrays):
             self._handle(msg, store)
 
     def _handle(self, msg: dict[str, Any], store: Any) -> None:
-        room, kind = msg["room"], msg["kind"]
+        room = msg["room"]
         if "from" in msg and not live.received(self, msg, store):
             return  # from an old incarnation of a restarted peer: refused
         with self._lock:
@@ -284,20 +276,10 @@ class Connector(StatusArrays):
                     if len(self._early) > 100_000:  # rooms that never came (a restart)
                         self._early.clear()
                     self._early.setdefault(room, []).append(msg)
-                elif kind == "abort" and room in self._abandoned:
-                    self._send(int(msg["from"]), pre.gave_up(room, self._cleared[room]), store)
-                elif kind == "abort":  # finished and drained here: nothing more is written
-                    self._send(int(msg["from"]), {"kind": "stopped", "room": room}, store)
-                elif kind == "register":  # it failed and was cleared before this rank knew
-                    reason = self._cleared[room]
-                    self._send(
-                        int(msg["from"]), {"kind": "failed", "room": room, "reason": reason}, store
-                    )
+                else:  # released here: the side answers what needs an answer
+                    self.side.late(room, msg, self._cleared[room], store)
                 return
-        if self.config.role == "prefill":
-            pre.on_message(self, req, msg, store)
-        else:
-            dec.on_message(self, req, msg, store)
+        self.side.on_message(req, msg, store)
 
     # -- the background loop --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -312,9 +294,8 @@ class Connector(StatusArrays):
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, peer in self._notified():
-                    self._on_message({"kind": "done", "room": room, "from": peer}, store)
-                if self.owed:
-                    dec.tell_owed(self, store)
+                    self._on_message({"kind": Msg.done, "room": room, "from": peer}, store)
+                self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:
                     reqs = list(self._reqs.values())
@@ -332,19 +313,13 @@ class Connector(StatusArrays):
             self._wake.wait(interval)
             self._wake.clear()
 
-    def _live(self) -> tuple[list[Request], NDArray[np.int8], NDArray[np.int64]]:
-        with self._lock:
-            reqs = list(self._reqs.values())
-            idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))
-            return reqs, self.phase[idx], idx
-
     def _check_peers(self, store: Any) -> None:
         live.check_peers(self, store)
 
     def _timeouts(self, now: float, store: Any) -> None:
         live.timeouts(self, now, store)
 
-    def _reap(self, req: Request, store: Any) -> None:
+    def _reap(self, req: Request[Any], store: Any) -> None:
         for tok in list(req.tokens):
             s = self._check(tok)
             if s != 0:
@@ -353,20 +328,18 @@ class Connector(StatusArrays):
             if s < 0:
                 self._fail(req, FailureReason.TRANSFER_ERROR, store)
 
-    def _advance(self, req: Request, store: Any) -> bool:
+    def _advance(self, req: Request[Any], store: Any) -> bool:
         """Move one request on; True while it wants close polling (writes in flight)."""
         if req.released:
             return False
-        if self.config.role == "prefill":
-            pre.steps(self, req, store)
-            watch = False
-        else:
-            watch = dec.steps(self, req, store)
+        watch = self.side.steps(req, store)
         if req.cleared:
             self._clear(req)
         return watch or bool(req.tokens)
 
-    def _submit(self, req: Request, info: dict[str, Any], w: Writes, notif: bytes, st: Any) -> None:
+    def _submit(
+        self, req: Request[Any], info: dict[str, Any], w: Writes, notif: bytes, st: Any
+    ) -> None:
         if w[0].size == 0 or self._phase(req) not in (Phase.Metadata, Phase.Writing):
             return
         token = self._write(info, *w, notif)

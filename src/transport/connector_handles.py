@@ -1,32 +1,32 @@
-"""A request's handles on a :class:`~transport.connector.Connector`: the
-prefill sender and decode receiver the scheduler holds (the field's
-``KVSender``/``KVReceiver`` calls)."""
+"""A request's handles on a connector: the prefill sender and decode receiver
+the scheduler holds (the field's ``KVSender``/``KVReceiver`` calls). A handle
+reaches its connector through the :class:`~transport.connector_port.Port`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from transport import connector_decode
-from transport.connector import Connector
 from transport.connector_graph import IS_TERMINAL, Phase, ProtocolError
-from transport.legs import rows_of
+from transport.connector_port import Port
+from transport.legs import DecodeRequest, PrefillRequest, Request, rows_of
 from transport.status_arrays import StatusHandle
 
 __all__ = ["ConnectorSender", "ConnectorReceiver"]
 
 T = int(KVPoll.Transferring)
+Q = TypeVar("Q", bound="Request[Any]")
 
 
-class _Handle(StatusHandle):
-    def __init__(self, manager: Connector, room: int) -> None:
+class _Handle(StatusHandle, Generic[Q]):
+    def __init__(self, manager: Port, req: Q) -> None:
         self.manager = manager
-        self._req = manager._take(room)
-        super().__init__(manager, room, self._req.index)
+        self._req = req
+        super().__init__(manager, req.room, req.index)
 
     def abort(self) -> None:
         self.fail(FailureReason.ABORTED)
@@ -58,7 +58,10 @@ class _Handle(StatusHandle):
             self.manager._clear(self._req)
 
 
-class ConnectorSender(_Handle):
+class ConnectorSender(_Handle[PrefillRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, PrefillRequest))
+
     def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
         """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
         ``metadata_slot``. ``first_page``: those pages start at this page of the
@@ -117,7 +120,10 @@ class ConnectorSender(_Handle):
             m._wake.set()
 
 
-class ConnectorReceiver(_Handle):
+class ConnectorReceiver(_Handle[DecodeRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, DecodeRequest))
+
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once
         that group and its ranks are known."""
@@ -159,7 +165,7 @@ class ConnectorReceiver(_Handle):
                 f"number of {ps}-token pages; only whole cached pages can be skipped"
             )
         rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
-        st = m.staging
+        st = m.side.staging
         if (req.staged and st is not None) and (
             not 0 <= metadata_slot < st.slots or pages.size > st.pages
         ):
@@ -168,4 +174,4 @@ class ConnectorReceiver(_Handle):
                 f"slots; got {pages.size} pages for slot {metadata_slot} "
                 "(raise ConnectorConfig.staging_pages)"
             )
-        connector_decode.tell_pages(m, req, pages, metadata_slot, rows, decode_prefix_len // ps)
+        m.side.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)

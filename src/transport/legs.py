@@ -1,16 +1,23 @@
-"""One request's peers on the connector: a :class:`Leg` per peer rank.
+"""One request's peers on the connector: a :class:`Leg` per peer rank, and
+the :class:`Request` that holds them with the rest of its bookkeeping.
 
-On decode, a leg per prefill rank the request was registered with (its
-senders, and the idle prefill ranks it informs; see :mod:`transport.topology`).
-On prefill, a leg per decode rank that registers the request: where that rank
-said to write, and how far this rank has written there. A :class:`Request`
-holds a request's legs and the rest of its bookkeeping.
+What both sides keep is in :class:`Leg` and :class:`Request`; what only one
+side keeps is in its own subclass. On prefill, a :class:`PrefillLeg` per
+decode rank that registers the request: where that rank said to write, and
+how far this rank has written there (a :class:`PrefillRequest` holds the
+pages and rows handed to ``send()``). On decode, a :class:`DecodeLeg` per
+prefill rank the request was registered with: its senders, and the idle
+prefill ranks it informs (see :mod:`transport.topology`); a
+:class:`DecodeRequest` knows its prefill DP group and its staging. What moves
+along a prefill leg (:func:`kv_writes`) is checked first to name only rows
+and pages the buffers at both ends hold (:func:`refs_misfit`,
+:func:`rows_misfit`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 import numpy as np
@@ -24,7 +31,22 @@ from transport.topology import Slice
 if TYPE_CHECKING:
     from transport.staging import Scatter
 
-__all__ = ["Leg", "Request", "describe", "leg_of", "kv_writes", "rows_of"]
+__all__ = [
+    "Leg",
+    "PrefillLeg",
+    "DecodeLeg",
+    "Request",
+    "PrefillRequest",
+    "DecodeRequest",
+    "describe",
+    "leg_of",
+    "kv_writes",
+    "rows_of",
+    "refs_misfit",
+    "rows_misfit",
+]
+
+L = TypeVar("L", bound="Leg")
 
 
 @attrs.define(eq=False)
@@ -36,11 +58,28 @@ class Leg:
     src_head: int = 0
     dst_head: int = 0
     count: int = 0
-    registered: bool = False
     #: the peer's incarnation this leg was registered with (None: not yet)
     inc: int | None = None
-    # prefill: where the decode rank said to write, once told
-    told: bool = False
+
+    @property
+    def slice(self) -> list[int] | None:
+        return [self.src_head, self.dst_head, self.count] if self.sends else None
+
+    @classmethod
+    def of(cls: type[L], peer: int, s: Slice | None, state: bool = False) -> L:
+        """A leg to ``peer``: the KV slice it carries (None: no KV), and whether state
+        rows move on it (the primary leg's always do)."""
+        if s is None:
+            return cls(peer, sends=False, state=state)
+        return cls(peer, True, s.primary, state or s.primary, s.src_head, s.dst_head, s.count)
+
+
+@attrs.define(eq=False)
+class PrefillLeg(Leg):
+    """A prefill rank's leg to a decode rank: where it said to write, what went."""
+
+    registered: bool = False
+    told: bool = False  # the decode rank said where to write
     dst_pages: NDArray[np.int64] | None = None
     dst_slot: int = -1
     skip: int = 0  # leading pages decode already holds (a cached prefix)
@@ -50,54 +89,74 @@ class Leg:
     issued: int = 0  # this request's source pages written (or skipped) so far
     fields_out: bool = False
     asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
-    # decode: what this sender said
+
+
+@attrs.define(eq=False)
+class DecodeLeg(Leg):
+    """A decode rank's leg to a prefill rank: what that sender said."""
+
     done: bool = False
     stopped: bool = False  # it can write nothing more here
 
-    @property
-    def slice(self) -> list[int] | None:
-        return [self.src_head, self.dst_head, self.count] if self.sends else None
 
-
-class Request:
+class Request(Generic[L]):
     """One request's bookkeeping; its phase and clocks live in the manager's columns."""
 
     def __init__(self, room: int, index: int) -> None:
         self.room, self.index = room, index
-        self.legs: dict[int, Leg] = {}  # peer rank -> leg, once known
-        self.dp = 0  # decode: the prefill DP group it pairs with
-        self.num_pages = self.local_slot = -1
-        self.src = np.empty(0, dtype=np.int64)  # prefill: pages handed to send() so far
-        #: prefill: the page send()'s pages start at (before it: -1, a prefix never handed)
+        self.legs: dict[int, L] = {}  # peer rank -> leg, once known
+        #: pages of the request (prefill: handed over at most; decode: told to prefill)
+        self.num_pages = -1
+        self.tokens: list[Any] = []  # the engine's handles of writes in flight
+        self.cleared = self.released = False
+        self.reason = FailureReason.NONE  # why it failed here, told to every leg
+
+
+class PrefillRequest(Request[PrefillLeg]):
+    """A request on prefill: the pages and rows handed to ``send()``."""
+
+    def __init__(self, room: int, index: int) -> None:
+        super().__init__(room, index)
+        self.local_slot = -1  # its metadata row here
+        self.src = np.empty(0, dtype=np.int64)  # pages handed to send() so far
+        #: the page send()'s pages start at (before it: -1, a prefix never handed)
         self.first_page = 0
         self.src_state: list[NDArray[np.int64]] | None = None
-        self.sent = False  # prefill: send() was called (init(0)'s state rows come with it)
-        self.decode_tp = 0  # prefill: the registering decode group's TP size
-        self.tokens: list[Any] = []  # the engine's handles of writes in flight
-        self.want_register = self.cleared = self.released = False
-        self.staged = False  # decode: lands in staging, then scatters
-        self.scatter: Scatter | None = None
-        self.reason = FailureReason.NONE  # why it failed here, told to every leg
-        self.held: list[dict[str, Any]] = []  # prefill: page lists that overtook a register
-        self.why: str | None = None  # decode: a misfit it was refused for, told to prefill
-        #: prefill: released at the drain timeout with writes the engine never finished
+        self.sent = False  # send() was called (init(0)'s state rows come with it)
+        self.decode_tp = 0  # the registering decode group's TP size
+        self.held: list[dict[str, Any]] = []  # page lists that overtook a register
+        #: released at the drain timeout with writes the engine never finished
         self.abandoned = False
 
-    def senders(self) -> list[Leg]:
+
+class DecodeRequest(Request[DecodeLeg]):
+    """A request on decode: the prefill DP group it pairs with, and its staging."""
+
+    def __init__(self, room: int, index: int) -> None:
+        super().__init__(room, index)
+        self.dp = 0  # the prefill DP group it pairs with
+        self.want_register = False  # init() named the group: register once it is known
+        self.staged = False  # lands in staging, then scatters
+        self.scatter: Scatter | None = None
+        self.why: str | None = None  # a misfit it was refused for, told to prefill
+
+    def senders(self) -> list[DecodeLeg]:
         """The legs data comes from: KV, or a share of split state."""
         return [leg for leg in self.legs.values() if leg.sends or leg.state]
 
 
-def leg_of(peer: int, s: Slice | None, state: bool = False) -> Leg:
-    """A leg to ``peer``: the KV slice it carries (None: no KV), and whether state
-    rows move on it (the primary leg's always do)."""
-    if s is None:
-        return Leg(peer, sends=False, state=state)
-    return Leg(peer, True, s.primary, state or s.primary, s.src_head, s.dst_head, s.count)
+def leg_of(peer: int, s: Slice | None, state: bool = False) -> PrefillLeg:
+    """A prefill rank's leg to decode rank ``peer`` (see :meth:`Leg.of`): what
+    :func:`kv_writes` writes along."""
+    return PrefillLeg.of(peer, s, state)
 
 
 def kv_writes(
-    local: KVArgs, info: dict[str, Any], leg: Leg, src: NDArray[np.int64], dst: NDArray[np.int64]
+    local: KVArgs,
+    info: dict[str, Any],
+    leg: PrefillLeg,
+    src: NDArray[np.int64],
+    dst: NDArray[np.int64],
 ) -> Writes:
     """Local pages ``src`` to the leg's pages ``dst``: whole pages when both sides
     hold exactly the leg's heads in the peer's own KV buffers, head slices else."""
@@ -132,14 +191,79 @@ def rows_of(
     return rows
 
 
+def _count(lens: Any, items: Any) -> int | None:
+    """How many pages (or rows) every buffer holds; None if not known (an older peer)."""
+    if not lens or not items:
+        return None
+    return min(int(b) // int(i) for b, i in zip(lens, items))
+
+
+def refs_misfit(
+    local: KVArgs,
+    rank: int,
+    req: PrefillRequest,
+    leg: PrefillLeg,
+    info: dict[str, Any],
+    new: NDArray[np.int64],
+) -> str | None:
+    """Why a page or metadata row named for ``leg`` lies outside the buffers it
+    indexes on prefill rank ``rank`` (``new``: the pages about to go) or on the
+    leg's decode rank (``info``: its endpoint record), or None. A stale,
+    consumed or unknown reference is never written."""
+    here = f"prefill rank {rank}"
+    refs = [
+        ("page", new, _count(local.kv_data_lens, local.kv_item_lens), here),
+        (
+            "metadata slot",
+            np.array([req.local_slot]),
+            _count(local.aux_data_lens, local.aux_item_lens),
+            here,
+        ),
+    ]
+    there = f"decode rank {leg.peer}"
+    if leg.issued == 0 and leg.dst_pages is not None and leg.dst_ptrs is None and leg.sends:
+        refs.append(
+            ("page", leg.dst_pages, _count(info.get("kv_lens"), info["kv_item_lens"]), there)
+        )
+    if leg.primary:
+        rows = _count(info.get("aux_lens"), info["aux_item_lens"])
+        refs.append(("metadata slot", np.array([leg.dst_slot]), rows, there))
+    for what, named, count, who in refs:
+        bad = named[
+            (named < -1) | (named >= (count if count is not None else np.iinfo(np.int64).max))
+        ]
+        if what == "page":
+            bad = np.concatenate((bad, named[named == -1]))
+        if bad.size:
+            return (
+                f"{what} {int(bad[0])} is outside the {count} that {who} holds "
+                "(a stale or unknown reference); nothing of the request is written"
+            )
+    return None
+
+
+def rows_misfit(req: PrefillRequest, leg: PrefillLeg) -> str | None:
+    """Why the state rows handed to send() do not pair one to one with those the
+    leg's decode rank gave, or None (more rows would run past decode's own)."""
+    if not leg.state or req.src_state is None or leg.dst_state is None:
+        return None
+    for c, (src, dst) in enumerate(zip(req.src_state, leg.dst_state)):
+        if src.size != dst.size:
+            return (
+                f"{src.size} state rows of component {c} were handed to send(), but decode "
+                f"rank {leg.peer} gave {dst.size}; give both sides one row per state row"
+            )
+    return None
+
+
 _FLAGS = ("registered", "told", "done", "stopped", "asked_stop")
 
 
-def describe(req: Request, phase: str, status: str) -> str:
+def describe(req: Request[Any], phase: str, status: str) -> str:
     """One line on where a request stands with each peer (for a stuck report)."""
     legs = []
     for leg in req.legs.values():
-        flags = ",".join(f for f in _FLAGS if getattr(leg, f)) or "-"
+        flags = ",".join(f for f in _FLAGS if getattr(leg, f, False)) or "-"
         kind = "primary" if leg.primary else "sends" if leg.sends else "informed"
         legs.append(f"{leg.peer}({kind}: {flags})")
     return (

@@ -15,18 +15,16 @@ for new requests.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from transport import connector_decode as dec
-from transport import connector_prefill as pre
 from transport.connector_graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
+from transport.connector_port import Port
+from transport.legs import Request
 from transport.mailbox import NEW, STALE
-
-if TYPE_CHECKING:
-    from transport.connector import Connector
 
 __all__ = ["check_peers", "fenced", "heard", "received", "timeouts", "owing"]
 
@@ -38,11 +36,20 @@ logger = logging.getLogger(__name__)
 FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
 
 
-def check_peers(m: Connector, store: Any) -> None:
+def _live(m: Port) -> tuple[list[Request[Any]], NDArray[np.int8], NDArray[np.int64]]:
+    """The live requests, with their phases and slots."""
+    with m._lock:
+        reqs = list(m._reqs.values())
+        idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))
+        return reqs, m.phase[idx], idx
+
+
+def check_peers(m: Port, store: Any) -> None:
     """Fail the live requests paired with a peer whose heartbeat stopped."""
     limit = m.config.heartbeat_interval * m.config.heartbeat_misses
-    reqs, _, _ = m._live()
-    peers = {p for r in reqs for p in r.legs or m.expected} | m._peer_dead
+    reqs, _, _ = _live(m)
+    expected = m.side.expected
+    peers = {p for r in reqs for p in r.legs or expected} | m._peer_dead
     silent = m.mail.silent(peers, limit, store)
     restarted(m, store)  # (a heartbeat names its incarnation)
     for p in sorted(silent - m._peer_dead):
@@ -52,13 +59,13 @@ def check_peers(m: Connector, store: Any) -> None:
     back = m._peer_dead - silent
     m._peer_dead = silent
     for r in reqs:
-        if silent.intersection(r.legs or m.expected):
+        if silent.intersection(r.legs or expected):
             m._fail(r, FailureReason.PEER_DEAD, store)
     if back:
         unfence(m, back, store)
 
 
-def unfence(m: Connector, peers: set[int], store: Any) -> None:
+def unfence(m: Port, peers: set[int], store: Any) -> None:
     """Writers in ``peers`` speak again: every request fenced on one of them is
     asked again to stop, and its drain timeout starts afresh."""
     with m._lock:
@@ -73,7 +80,7 @@ def unfence(m: Connector, peers: set[int], store: Any) -> None:
     m.stats["unfenced"] += int(moved.sum())
     for r, ok in zip(fenced_reqs, moved.tolist()):
         if ok:
-            dec.stop_all(m, r, r.reason, store)
+            m.side.ask_stop(r, r.reason, store)
     logger.warning(
         "rank %d: %d request(s) fenced on rank(s) %s asked again to stop",
         m.rank,
@@ -82,7 +89,7 @@ def unfence(m: Connector, peers: set[int], store: Any) -> None:
     )
 
 
-def fenced(m: Connector) -> tuple[int, int]:
+def fenced(m: Port) -> tuple[int, int]:
     """(requests, pages) this rank holds fenced on writers that stopped beating:
     memory kept out of reuse while they are silent."""
     with m._lock:
@@ -90,7 +97,7 @@ def fenced(m: Connector) -> tuple[int, int]:
         return len(held), sum(max(r.num_pages, 0) for r in held)
 
 
-def received(m: Connector, msg: dict[str, Any], store: Any) -> bool:
+def received(m: Port, msg: dict[str, Any], store: Any) -> bool:
     """A message from a peer arrived: False if it comes from an old incarnation
     of a peer that restarted (refused and counted). From a new incarnation,
     every request whose leg to that peer belongs to the old one fails (its
@@ -113,7 +120,7 @@ def received(m: Connector, msg: dict[str, Any], store: Any) -> bool:
     return True
 
 
-def restarted(m: Connector, store: Any) -> None:
+def restarted(m: Port, store: Any) -> None:
     """Peers that restarted (a new incarnation in the store): every request
     whose leg to one was registered with its old self fails (peer dead)."""
     peers = m.mail.take_restarted()
@@ -140,27 +147,27 @@ def restarted(m: Connector, store: Any) -> None:
         m._fail(r, FailureReason.PEER_DEAD, store)
 
 
-def heard(m: Connector, peer: int, store: Any) -> None:
+def heard(m: Port, peer: int, store: Any) -> None:
     """A message from ``peer`` arrived: it is alive, even before its next
     heartbeat is seen, and serves new requests again."""
     m.mail.heard(peer)
     if peer in m._peer_dead:
         m._peer_dead = m._peer_dead - {peer}
         logger.warning("rank %d: peer rank %d speaks again", m.rank, peer)
-        if m.config.role == "decode":
+        if m.side.RECEIVES:  # (only a side written into holds fenced requests)
             unfence(m, {peer}, store)
 
 
-def timeouts(m: Connector, now: float, store: Any) -> None:
-    cfg = m.config
-    reqs, ph, idx = m._live()
+def timeouts(m: Port, now: float, store: Any) -> None:
+    cfg, side = m.config, m.side
+    reqs, ph, idx = _live(m)
     late = np.zeros(idx.size, dtype=bool)
     if cfg.bootstrap_timeout is not None:  # every phase this side reports Bootstrapping in
         booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
         late = booting & (now - m.born[idx] > cfg.bootstrap_timeout)
     for i in np.flatnonzero(late):
         m._fail(reqs[i], FailureReason.BOOTSTRAP_TIMEOUT, store)
-    if cfg.waiting_timeout is not None and cfg.role == "decode":
+    if cfg.waiting_timeout is not None and side.RECEIVES:
         late = (ph == Phase.Metadata) & (now - m.waited[idx] > cfg.waiting_timeout)
         for i in np.flatnonzero(late):
             m._fail(reqs[i], FailureReason.WAITING_TIMEOUT, store)
@@ -174,13 +181,10 @@ def timeouts(m: Connector, now: float, store: Any) -> None:
         for tok in req.tokens:
             m._forget(tok)
         req.tokens.clear()
-        if cfg.role == "prefill":
-            req.abandoned = True
-            for leg in req.legs.values():
-                m._send(leg.peer, pre.gave_up(req.room, req.reason), store)
-    # decode: a writer still silent may resume and write: fenced, not released
+        side.give_up(req, store)
+    # on a side written into, a writer still silent may resume and write: fenced, not released
     fence = np.zeros(idx.size, dtype=bool)
-    if cfg.role == "decode":
+    if side.RECEIVES:
         dead = m._peer_dead
         fence = stale & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
         for i in np.flatnonzero(fence):
@@ -191,7 +195,7 @@ def timeouts(m: Connector, now: float, store: Any) -> None:
     m._fire_many([reqs[i] for i in np.flatnonzero(stale & ~fence)], "drain")
 
 
-def owing(m: Connector) -> bool:
+def owing(m: Port) -> bool:
     """Whether a request still owes a live peer a word (or has writes in flight)."""
     with m._lock:
         reqs = [r for r in m._reqs.values() if not r.released]

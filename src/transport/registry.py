@@ -107,15 +107,15 @@ def _from_module(name: str, mod: ModuleType) -> Backend:
 def _check_shapes(b: Backend) -> None:
     """Every class has the methods of its protocol (:mod:`transport.protocols`),
     so a plugin that lacks one fails here, naming it, not mid-transfer."""
-    from transport import protocols
+    from transport.protocols import BootstrapService, KVManager, KVReceiver, KVSender
 
     pairs = [
-        ("MANAGER", b.manager, protocols.KVManager),
-        ("SENDER", b.sender, protocols.KVSender),
-        ("RECEIVER", b.receiver, protocols.KVReceiver),
+        ("MANAGER", b.manager, KVManager),
+        ("SENDER", b.sender, KVSender),
+        ("RECEIVER", b.receiver, KVReceiver),
     ]
     if b.bootstrap is not None:
-        pairs.append(("BOOTSTRAP", b.bootstrap, protocols.BootstrapService))
+        pairs.append(("BOOTSTRAP", b.bootstrap, BootstrapService))
     for what, cls, proto in pairs:
         need = [m for m in _methods(proto) if not callable(getattr(cls, m, None))]
         if need:

@@ -9,7 +9,7 @@ writing into an array that :meth:`take` has just copied would be lost."""
 from __future__ import annotations
 
 import threading
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -18,10 +18,17 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.errors import TransferFailed
 
-__all__ = ["StatusArrays", "StatusHandle"]
+__all__ = ["Statuses", "StatusArrays", "StatusHandle"]
 
 _F = int(KVPoll.Failed)
 _S = int(KVPoll.Success)
+
+
+class Statuses(Protocol):
+    """What a handle reads of its manager: a status and a reason per slot."""
+
+    status: NDArray[np.int8]
+    reason: NDArray[np.int8]
 
 
 class StatusArrays:
@@ -93,7 +100,7 @@ class StatusHandle:
     already belong to another request, which a stale reference must neither
     read nor move."""
 
-    def __init__(self, arrays: StatusArrays, room: int, index: int) -> None:
+    def __init__(self, arrays: Statuses, room: int, index: int) -> None:
         self._arrays = arrays
         self.bootstrap_room = room
         self.index = index

@@ -173,3 +173,23 @@ def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
             )
             assert edge in out
     assert len(TRIGGERS) == len(EDGES)
+
+
+def test_each_word_is_said_by_one_side_and_heard_by_the_other():
+    import json
+
+    from transport.connector import SIDES
+    from transport.connector_messages import MESSAGES, Msg, check_words
+
+    assert set(MESSAGES) == set(Msg)
+    for role, side in SIDES.items():
+        assert all(MESSAGES[m].by == role for m in side.SAYS)
+        assert all(MESSAGES[m].by != role for m in side.HEARS)
+    assert json.dumps({"kind": Msg.gave_up}) == '{"kind": "gave_up"}'  # the wire is unchanged
+    words = {role: (side.SAYS, side.HEARS) for role, side in SIDES.items()}
+    check_words(words)
+    (pre_says, pre_hears), (dec_says, dec_hears) = words["prefill"], words["decode"]
+    with pytest.raises(AssertionError, match="prefill says"):  # a word of decode's
+        check_words({**words, "prefill": (pre_says | {Msg.abort}, pre_hears)})
+    with pytest.raises(AssertionError, match="decode hears"):  # a word no one hears
+        check_words({**words, "decode": (dec_says, dec_hears - {Msg.gave_up})})

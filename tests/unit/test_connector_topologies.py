@@ -435,8 +435,8 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     register had looked for held ones: lost, the request waiting for ever."""
     import threading
 
-    from transport import connector_prefill
     from transport.connector_graph import Phase
+    from transport.connector_prefill import PrefillSide
 
     pre, _ = cluster(1, 1, heads=2)
     m = pre[0].m
@@ -445,17 +445,17 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     register = {"kind": "register", "room": 23, "from": 0, "decode_tp": 1, "dp": 0}
     register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
     log, inside, go = [], threading.Event(), threading.Event()
-    real = connector_prefill.on_message
+    real = PrefillSide.on_message
 
-    def slow(m_, req, msg, store):
+    def slow(side, req, msg, store):
         log.append(("in", msg["kind"]))
         if msg["kind"] == "register":
             inside.set()
             go.wait(5)
-        real(m_, req, msg, store)
+        real(side, req, msg, store)
         log.append(("out", msg["kind"]))
 
-    monkeypatch.setattr(connector_prefill, "on_message", slow)
+    monkeypatch.setattr(PrefillSide, "on_message", slow)
     m._on_message(register, m.store)  # no request yet: kept for the scheduler
     taker = threading.Thread(target=lambda: m.sender(23))
     taker.start()
@@ -513,7 +513,7 @@ def test_a_decode_failure_before_prefill_is_up_reaches_it_once_it_is(store, requ
         assert {s.failure_reason() for s in senders} == {FailureReason.INJECTED_FAULT}
         wait_for(lambda: all(s.drained for s in senders), "prefill drained")
         # every decode rank told its word (prefill may have heard one first)
-        wait_for(lambda: not any(d.m.owed for d in made[:dt]), "every owed word told")
+        wait_for(lambda: not any(d.m.side.owed for d in made[:dt]), "every owed word told")
     finally:
         for r in made:
             r.m.close(wait=0)

@@ -170,14 +170,14 @@ def test_sglang_34208_negative_control_told_before_the_drain(make_pair, monkeypa
     """Negative control: prefill tells decode at once (not after its writes
     drained): decode releases its pages while prefill's writes may still land,
     which the check above catches."""
-    real = pre.steps
+    real = pre.PrefillSide.steps
 
-    def eager(m, req, store):
-        if m._phase(req) == Phase.Aborted:
-            pre.tell_legs(m, req, store)
-        real(m, req, store)
+    def eager(side, req, store):
+        if side.port._phase(req) == Phase.Aborted:
+            side.tell_legs(req, store)
+        return real(side, req, store)
 
-    monkeypatch.setattr(pre, "steps", eager)
+    monkeypatch.setattr(pre.PrefillSide, "steps", eager)
     p, d, s, r, log = _abort_after_metadata_landed(make_pair, 34209)
     wait_for(lambda: r.drained, "decode drained while the writes are held")
     p.hold = False
@@ -291,15 +291,16 @@ def _stale_connector_state(m, h, old):
         stale.append("status/phase")
     if not m.born[i] > old:
         stale.append("born")
+    kept = vars(req)  # (held, src, local_slot, abandoned and sent: a prefill request's)
     used = {
         "legs": req.legs,
         "tokens": req.tokens,
-        "held": req.held,
-        "src": req.src.size,
+        "held": kept.get("held"),
+        "src": kept.get("src", np.empty(0)).size,
         "reason": req.reason != FailureReason.NONE,
         "num_pages": req.num_pages + 1,
-        "local_slot": req.local_slot + 1,
-        "flags": req.abandoned or req.cleared or req.released or req.sent,
+        "local_slot": kept.get("local_slot", -1) + 1,
+        "flags": kept.get("abandoned") or req.cleared or req.released or kept.get("sent"),
     }
     stale += [f"request.{name}" for name, v in used.items() if v]
     if req.room in m._cleared or m._reqs.get(req.room) is not req:
@@ -477,7 +478,7 @@ def test_vllm_52234_negative_control_unchecked_refs_write_outside(make_pair, mon
     """Negative control: with prefill's reference check switched off, the page
     past decode's pool is written (outside its buffers; the test's engine
     refuses to copy it and records it) and the request reports Success."""
-    monkeypatch.setattr(pre, "_refs_misfit", lambda *a: None)
+    monkeypatch.setattr(pre, "refs_misfit", lambda *a: None)
     (p, _, _), (d, _, _) = make_pair()
     s, r = p.sender(52235), d.receiver(52235)
     _ready(s, r, [6, 8], 2)

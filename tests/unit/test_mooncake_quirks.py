@@ -13,6 +13,7 @@ except (ImportError, OSError) as e:
     )
 
 from lifecycle import FailureReason, KVPoll
+from transport.connector import SIDES
 from transport.connector_graph import Phase
 from transport.layout import runs
 from transport.legs import Request
@@ -40,7 +41,7 @@ def bare_manager(engine, role="prefill"):
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0, store_port=1)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
-    m.expected = frozenset()
+    m.side = SIDES[role](m)
     m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
     return m
 

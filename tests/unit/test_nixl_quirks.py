@@ -6,8 +6,9 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
+from transport.connector import SIDES
 from transport.connector_graph import Phase
-from transport.legs import Request
+from transport.legs import DecodeRequest, PrefillRequest
 from transport.nixl import NixlConfig, NixlManager
 from transport.status_arrays import StatusArrays
 
@@ -47,13 +48,14 @@ def bare_manager(agent, role="prefill", **cfg):
     m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
     m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
-    m.expected = frozenset()
+    m.side = SIDES[role](m)
     m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
     return m
 
 
 def request(m, phase, room=9):
-    req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
+    kind = PrefillRequest if m.config.role == "prefill" else DecodeRequest
+    req = kind(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = phase
     m._reqs[room] = req
     return req
