@@ -16,7 +16,7 @@ import torch
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
 from lifecycle import KVPoll, RequestTable, StepConfig, Stepper, TorchCollective
 from lifecycle.testing.spawn import run_ranks
-from transport.fake import FakeManager
+from transport.backends.fake import FakeManager
 
 ROOMS = [101, 102, 103, 104, 105]
 PAGES = {101: 3, 102: 0, 103: 8, 104: 2, 105: 5}

@@ -1,4 +1,4 @@
-"""Disaggregation mode, engine type and our abort reason (set by :func:`field.abort.prepare_abort`)."""
+"""Disaggregation mode, engine type and our abort reason (set by :func:`field.step.abort.prepare_abort`)."""
 
 from __future__ import annotations
 

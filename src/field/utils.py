@@ -9,8 +9,9 @@ docs/compat.md lists every name and where ours differs on purpose.
 
 from __future__ import annotations
 
-from field.abort import is_aborted, is_unadmitted_reject, prepare_abort
-from field.buffers import (
+from field.checksum import kv_layout_signature
+from field.conn.backends import KVClassType, TransferBackend, get_kv_class
+from field.data.buffers import (
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
     append_state_component,
@@ -18,17 +19,16 @@ from field.buffers import (
     is_mla_backend,
     setup_state_kv_args,
 )
-from field.checksum import kv_layout_signature
-from field.conn.backends import KVClassType, TransferBackend, get_kv_class
-from field.consensus import (
+from field.data.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
+from field.engine import DisaggregationMode
+from field.step.abort import is_aborted, is_unadmitted_reject, prepare_abort
+from field.step.consensus import (
     FAKE_BOOTSTRAP_HOST,
     poll_and_all_reduce,
     poll_and_all_reduce_attn_cp_tp_group,
     poll_and_all_reduce_with_staging,
 )
-from field.engine import DisaggregationMode
-from field.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
-from field.pp import (
+from field.step.pp import (
     all_reduce_flags,
     poll_and_all_reduce_pp,
     poll_and_all_reduce_prefill_pp,

@@ -2,7 +2,8 @@
 disaggregated serving as explicit, typed state machines that every rank
 advances in one collective step."""
 
-from lifecycle.collective import (
+from lifecycle.core.config import StepConfig
+from lifecycle.drive.collective import (
     Collective,
     CountingCollective,
     Hierarchical,
@@ -10,7 +11,8 @@ from lifecycle.collective import (
     TorchCollective,
     start_min,
 )
-from lifecycle.config import StepConfig
+from lifecycle.drive.group import StepGroup
+from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import (
     CollectiveMismatch,
     DuplicateRequest,
@@ -25,16 +27,14 @@ from lifecycle.errors import (
     UnknownRequest,
     UnknownTrigger,
 )
-from lifecycle.graph import EDGES, GATES, VERDICTS, Edge, EdgeKind
-from lifecycle.group import StepGroup
-from lifecycle.lockstep import lockstep
 from lifecycle.reasons import FailureReason
-from lifecycle.reference import RequestMachine
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.simulated import SimulatedWorld
+from lifecycle.rules.graph import EDGES, GATES, VERDICTS, Edge, EdgeKind
+from lifecycle.rules.reference import RequestMachine
 from lifecycle.status import KVPoll, Role
-from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
+from lifecycle.testing.lockstep import lockstep
+from lifecycle.testing.simulated import SimulatedWorld
 
 __version__ = "0.1.0"
 

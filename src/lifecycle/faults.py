@@ -4,7 +4,7 @@
 rank draws on its own (MIN still makes the ranks agree), but from a seeded
 generator keyed by (seed, rank), so the same seed reproduces the same faults.
 :func:`from_env` keeps the field's environment variables working.
-Targeted, replayable plans live in :mod:`pdlife.plan`.
+Targeted, replayable plans live in :mod:`pdlife.cluster.plan`.
 """
 
 from __future__ import annotations

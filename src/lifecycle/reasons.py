@@ -1,6 +1,6 @@
 """Why a request failed, as small stable integer codes.
 
-The code travels inside the reduced word (see :mod:`lifecycle.packing`), so
+The code travels inside the reduced word (see :mod:`lifecycle.core.packing`), so
 it must fit in :data:`REASON_BITS` bits and its numeric order is the
 *priority* order: when several ranks fail the same request for different
 reasons in the same step, MIN keeps the smallest code, and every rank ends up

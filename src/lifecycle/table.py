@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from lifecycle import validate
+from lifecycle.core.packing import room_keys
 from lifecycle.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -26,7 +27,6 @@ from lifecycle.errors import (
     TableBusy,
     UnknownRequest,
 )
-from lifecycle.packing import room_keys
 from lifecycle.reasons import FailureReason
 from lifecycle.request_info import INFO_FIELDS, RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role

@@ -10,7 +10,10 @@ __all__ = ["register_commands"]
 
 def register_commands(sub: Any) -> None:
     """Add the tooling subcommands to the ``pdlife`` parser."""
-    from pdlife import bench, bench_transfer, engine_memory, simulate
+    from pdlife.bench import engine_memory
+    from pdlife.bench import step as bench
+    from pdlife.bench import transfer as bench_transfer
+    from pdlife.run import simulate
 
     simulate.add_parser(sub)
     bench.add_parser(sub)

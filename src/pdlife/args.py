@@ -34,7 +34,7 @@ class UsageError(Exception):
 
 
 class SimConfigError(UsageError):
-    """A :class:`~pdlife.sim_config.SimConfig` field out of range, or fields
+    """A :class:`~pdlife.cluster.config.SimConfig` field out of range, or fields
     that do not fit together; ``field`` is the field's name, ``allowed`` what
     it accepts. Raised before anything is started."""
 
@@ -47,7 +47,7 @@ class SimConfigError(UsageError):
 
 
 class SimConfigTypeError(SimConfigError, TypeError):
-    """A :class:`~pdlife.sim_config.SimConfig` field of the wrong type (also a TypeError)."""
+    """A :class:`~pdlife.cluster.config.SimConfig` field of the wrong type (also a TypeError)."""
 
 
 def _number(text: str, kind: type) -> float:

@@ -26,10 +26,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from lifecycle.diagram import render
+    from lifecycle.rules.diagram import render
 
     if args.protocol:
-        from transport.connector_graph import diagram
+        from transport.connector.graph import diagram
 
         sys.stdout.write(diagram(args.format))
         return 0

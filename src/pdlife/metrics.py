@@ -1,7 +1,7 @@
 """Prometheus metrics from step results (extra ``metrics``).
 
 One :class:`LifecycleMetrics` per process; call :meth:`observe` with every
-:class:`~lifecycle.step.StepResult`. Exposes, labelled by queue:
+:class:`~lifecycle.core.step.StepResult`. Exposes, labelled by queue:
 
 - ``pdlife_transitions_total{queue, from, to}``
 - ``pdlife_failures_total{queue, reason}``

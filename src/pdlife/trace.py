@@ -27,10 +27,10 @@ from typing import IO, Any
 import attrs
 import numpy as np
 
-from lifecycle import batch
-from lifecycle.graph import TRIGGERS
-from lifecycle.packing import pack, unpack
+from lifecycle.core.packing import pack, unpack
 from lifecycle.result import StepResult
+from lifecycle.rules import batch
+from lifecycle.rules.graph import TRIGGERS
 
 __all__ = [
     "TraceWriter",

@@ -20,7 +20,7 @@ class TransportError(Exception):
 
 
 class ConfigError(TransportError, ValueError):
-    """A setting (a :class:`~transport.connector_config.ConnectorConfig` or
+    """A setting (a :class:`~transport.connector.config.ConnectorConfig` or
     :class:`~transport.topology.Topology` field) of the wrong range, or settings
     that do not fit together; raised before anything is started. ``field`` is
     the field's name, ``allowed`` what it accepts."""

@@ -50,15 +50,15 @@ class Backend:
 
 
 BUILTIN: dict[str, BackendSpec] = {
-    "fake": BackendSpec("fake", "transport.fake_backend", "it ships with pd-lifecycle"),
+    "fake": BackendSpec("fake", "transport.backends.fake_backend", "it ships with pd-lifecycle"),
     "mooncake": BackendSpec(
         "mooncake",
-        "transport.mooncake",
+        "transport.backends.mooncake",
         "Install it with `pip install 'pd-lifecycle[mooncake]'` (and Debian's libibverbs1)",
     ),
     "nixl": BackendSpec(
         "nixl",
-        "transport.nixl",
+        "transport.backends.nixl",
         "Install it with `pip install 'pd-lifecycle[nixl]'` (needs torch installed first)",
     ),
     "mori": BackendSpec(

@@ -115,13 +115,13 @@ def _script(seed: int, rank: int, group, calls: int = 30) -> list[tuple[str, lis
             b = ours.poll_and_all_reduce_with_staging(reqs, Handler(need, failed), group, m)
         out.append((kind, [int(x) for x in a], [int(x) for x in b]))
         if a != b and DEBUG:
-            import field.consensus
+            import field.step.consensus
 
             print(
                 kind,
                 a,
                 b,
-                field.consensus.last_failures(),
+                field.step.consensus.last_failures(),
                 [
                     (dr.req.bootstrap_room, dr.kv_receiver.require_staging, dr.kv_receiver.value)
                     for dr in reqs
@@ -171,7 +171,7 @@ def test_a_row_carrying_another_rooms_id_fails_here_and_passes_there(world_of_on
 def test_negative_control_a_wrong_gate_is_caught(world_of_one, monkeypatch):
     import numpy as np
 
-    from field.gates import RoomGate
+    from field.step.gates import RoomGate
 
     def always(self, slots, rooms):
         return np.ones(slots.size, dtype=bool), np.zeros(slots.size, dtype=bool)

@@ -3,7 +3,7 @@
 
 import pytest
 
-from pdlife.bench import format_table, run_bench
+from pdlife.bench.step import format_table, run_bench
 
 # the keys #14 asked for (more may be added beside them, never taken away)
 VARIANTS = ("floor", "ours", "pattern", "transitions", "fused3", "separate3", "churn")
@@ -43,7 +43,7 @@ def test_bench_transfer_moves_scattered_pages_and_checks_every_byte(backend):
     # the scattered-pages case, small: 4 buffers of 32 pages of 32 KiB whose
     # destination pages are shuffled, so every page is a run of its own in the
     # raw write and in the lifecycle-driven one; decode checks every byte
-    from pdlife.bench_transfer import run_transfer_bench
+    from pdlife.bench.transfer import run_transfer_bench
 
     res = run_transfer_bench(4, 32, 2, backend, buffers=4, shuffle=True)
     assert (res["runs"], res["buffers"], res["shuffled"]) == (128, 4, True)

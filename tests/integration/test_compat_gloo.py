@@ -31,8 +31,8 @@ def _decode_queue(rank, world):
     import torch
     import torch.distributed as dist
 
-    from field.buffers import MetadataBuffers
-    from field.consensus import poll_and_all_reduce
+    from field.data.buffers import MetadataBuffers
+    from field.step.consensus import poll_and_all_reduce
     from lifecycle.testing import ScriptedPoller
 
     group = dist.new_group([0, 1], backend="gloo")
@@ -72,7 +72,7 @@ def _staging(rank, world):
 
     import torch.distributed as dist
 
-    from field.consensus import poll_and_all_reduce_with_staging
+    from field.step.consensus import poll_and_all_reduce_with_staging
     from lifecycle.testing import ScriptedPoller
 
     group = dist.new_group([0, 1], backend="gloo")

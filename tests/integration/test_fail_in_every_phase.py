@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lifecycle.reasons import FailureReason
-from pdlife.sim_config import SimConfig, Workload
+from pdlife.cluster.config import SimConfig, Workload
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(200)]
 

@@ -48,8 +48,8 @@ def _run(backend, side, port):
 
     import torch
 
-    from field.buffers import DisaggregationMode, MetadataBuffers
     from field.conn.backends import KVClassType, get_kv_class
+    from field.data.buffers import DisaggregationMode, MetadataBuffers
     from field.release import set_release
 
     set_release("0.5.23")

@@ -79,7 +79,7 @@ def test_agreement_every_step_and_agreed_is_min(world):
     # several ranks failed rows and one of them failed more than its failure
     # slots hold (a single failing rank is named by the header; lists that
     # fit name their ranks in the slots)
-    from lifecycle.packing import slots_per_region
+    from lifecycle.core.packing import slots_per_region
 
     failure_steps = sum(v[6] for v in per_rank[0])
     assert 0 < failure_steps < 25
@@ -256,7 +256,7 @@ def _compat(rank, world):
     import torch.distributed as dist
 
     from buffers import MetadataBuffers
-    from field.consensus import (
+    from field.step.consensus import (
         last_failures,
         poll_and_all_reduce,
         poll_and_all_reduce_attn_cp_tp_group,
@@ -500,7 +500,7 @@ def _compat_faults(rank, world):
 
     os.environ["SGLANG_TEST_DISAGG_FAILURE_PROB"] = "0.5"
     os.environ["PDLIFE_FAULT_SEED"] = "3"
-    from field.consensus import poll_and_all_reduce
+    from field.step.consensus import poll_and_all_reduce
     from lifecycle.testing import ScriptedPoller
 
     out = []

@@ -24,7 +24,7 @@ def _groups(rank):
 
 def _steps(rank, world, extra_room):
     from lifecycle import KVPoll, RequestTable, Stepper, TorchCollective
-    from lifecycle.pipeline import PipelineForward
+    from lifecycle.drive.pipeline import PipelineForward
     from lifecycle.testing import StatusBoard
 
     tp, pp, stage, tp_rank = _groups(rank)
@@ -66,7 +66,7 @@ def test_a_later_stage_whose_list_differs_is_caught_there():
 
 
 def _prefill_pp(rank, world):
-    from field.pp import poll_and_all_reduce_prefill_pp
+    from field.step.pp import poll_and_all_reduce_prefill_pp
 
     class Sender:
         def __init__(self, room, value):

@@ -102,7 +102,7 @@ def test_targeted_plan(tmp_path, run_sim):
         "waiting timeout": 1,
     }
     assert s["succeeded"] == s["requests"] - 5  # delay and hold only slow a request down
-    from pdlife.sim import SimConfig, Workload
+    from pdlife.sim.rank import SimConfig, Workload
 
     rooms = [str(r) for r in Workload(SimConfig(seed=0)).all_rooms(200)]
     by_request = {i: s["outcomes"][rooms[i]] for i in (3, 5, 7, 9, 11, 13, 15)}

@@ -38,7 +38,7 @@ from engines import require
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
-from transport.connector import Connector, ConnectorConfig
+from transport.connector.hub import Connector, ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -266,7 +266,7 @@ def drive(sides: list[Side], deadline: float) -> bool:
 
 def old_table() -> Any:
     """The table as it was: prefill reports WaitingForInput at the handshake."""
-    from transport.connector_graph import EDGES, ByRole, compile_polls
+    from transport.connector.graph import EDGES, ByRole, compile_polls
 
     ready = ByRole(prefill=W, decode=W)
     return compile_polls(
@@ -340,7 +340,7 @@ def test_one_row_a_side_opposite_orders_both_succeed_stub_engine():
 
 
 def test_negative_control_ready_at_the_handshake_deadlocks_stub_engine(monkeypatch):
-    from transport import connector
+    from transport.connector import hub as connector
 
     monkeypatch.setattr(connector, "POLL", old_table())
     check_deadlocked(run_in_process("slots-old"))
@@ -353,7 +353,7 @@ def _side_main(backend: str, role: str, port: int, ns: str, old: bool, q: Any) -
     from transport.registry import get_backend
 
     if old:
-        from transport import connector
+        from transport.connector import hub as connector
 
         connector.POLL = old_table()
     s = None

@@ -19,9 +19,9 @@ from engines import require
 
 from buffers import MetadataBuffers
 from lifecycle.reasons import FailureReason
-from pdlife.sim_bytes import STATE_ROW_BYTES
-from pdlife.sim_config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
-from pdlife.sim_topology import HEAD_BYTES
+from pdlife.cluster.config import KV_LAYERS, SIM_LAYOUT, SimConfig, Workload
+from pdlife.cluster.topology import HEAD_BYTES
+from pdlife.sim.kv_bytes import STATE_ROW_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network]
 

@@ -98,7 +98,7 @@ def _manager(backend, role, port, namespace, **kw):
     import torch
 
     from buffers import MetadataBuffers, MetadataLayout
-    from transport.connector import ConnectorConfig
+    from transport.connector.hub import ConnectorConfig
     from transport.layout import kv_args_for
     from transport.registry import get_backend
 
@@ -175,7 +175,7 @@ def _dead_peer_pair(backend, role, port, q):
     m, _, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.25, heartbeat_misses=8)
     t0 = time.time()
     if role == "prefill":
-        from transport.connector_graph import Phase
+        from transport.connector.graph import Phase
 
         s = m.sender(5)
         while m._phase(s._req) == Phase.Bootstrap and time.time() - t0 < 20:
@@ -198,7 +198,7 @@ def _dead_peer_pair(backend, role, port, q):
 
 def test_a_dead_peer_becomes_peer_dead(backend):
     from lifecycle import FailureReason, KVPoll
-    from transport.connector_graph import Phase
+    from transport.connector.graph import Phase
 
     got, _ = _pair(_dead_peer_pair, backend)
     # the handshake was done; prefill waits for decode's page list (Bootstrapping)

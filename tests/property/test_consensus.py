@@ -72,7 +72,7 @@ class HeaderOnlyFastPath(Distributed):
 
     def make_stepper(self, rank):
         from lifecycle import Stepper
-        from lifecycle.packing import HEADER
+        from lifecycle.core.packing import HEADER
 
         class Shortcut(Stepper):
             def _unchanged(self, reduced):
@@ -101,8 +101,8 @@ class MislabelsItsSlots(Distributed):
 
     def make_stepper(self, rank):
         from lifecycle import Stepper
-        from lifecycle.buffer import StepBuffer
-        from lifecycle.packing import HEADER, REGIONS
+        from lifecycle.core.buffer import StepBuffer
+        from lifecycle.core.packing import HEADER, REGIONS
 
         class Mislabelling(StepBuffer):
             def pack(self, f, local, capacity, tag, want, failer):

@@ -7,15 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lifecycle import (
-    FailureReason,
-    IllegalTransition,
-    KVPoll,
-    RequestMachine,
-    UnknownTrigger,
-    batch,
-)
-from lifecycle.graph import GUARDS, TRIGGERS, edges_for
+from lifecycle import FailureReason, IllegalTransition, KVPoll, RequestMachine, UnknownTrigger
+from lifecycle.rules import batch
+from lifecycle.rules.graph import GUARDS, TRIGGERS, edges_for
 
 events = st.lists(
     st.tuples(

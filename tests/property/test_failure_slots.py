@@ -64,7 +64,7 @@ def test_the_check_catches_slots_carried_over_from_the_last_reduce(monkeypatch):
     last reduce's lists into the next one (found by the test above)."""
     import pytest
 
-    from lifecycle.buffer import StepBuffer
+    from lifecycle.core.buffer import StepBuffer
 
     pack = StepBuffer.pack
 

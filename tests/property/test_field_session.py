@@ -1,6 +1,6 @@
 """A kept session answers every call as a table built afresh for that call would.
 
-field.session keeps one queue's table and stepper from one consensus call to
+field.step.session keeps one queue's table and stepper from one consensus call to
 the next and applies only the list's changes. Whatever the engine does to its
 list between calls (new requests at the end, any requests leaving, a reorder,
 the same object twice, requests without rooms, a poller going back, a
@@ -19,8 +19,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from field.buffers import MetadataBuffers
-from field.session import Session
+from field.data.buffers import MetadataBuffers
+from field.step.session import Session
 from lifecycle.testing import ScriptedPoller
 
 ROWS = 8
@@ -162,9 +162,9 @@ class Wrapped:
 
 def test_negative_control_a_session_that_trusts_the_list_answers_wrong(coll, monkeypatch):
     """With the list comparison switched off, a replaced request keeps the old one's answer."""
-    import field.session
+    import field.step.session
 
-    monkeypatch.setattr(field.session, "_same", lambda a, b: True)
+    monkeypatch.setattr(field.step.session, "_same", lambda a, b: True)
     queue = [Req(1, 2, 0), Req(2, 3, 1), Req(3, 1, 2)]
     kept = Session(coll, gated=False, staged=False)
     kw = {"metadata_buffers": None, "server_args": None, "staging_handler": None, "faults": None}

@@ -4,8 +4,8 @@ the shared connector end to end in one process."""
 import ctypes
 import time
 
-from transport.connector import Connector
-from transport.connector_graph import Phase
+from transport.connector.graph import Phase
+from transport.connector.hub import Connector
 
 
 class CopyConnector(Connector):

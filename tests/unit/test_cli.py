@@ -185,7 +185,7 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path):
 
 
 def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys, tmp_path):
-    from pdlife import simulate
+    from pdlife.run import simulate
 
     def boom(*a, **k):
         raise RuntimeError("disk on fire\nsecond line")
@@ -254,7 +254,7 @@ def _parsed(*argv, out):
 
 
 def test_topology_flags_reach_the_config(tmp_path):
-    from pdlife.simulate import _config
+    from pdlife.run.simulate import _config
 
     cfg, _ = _config(
         _parsed(
@@ -273,7 +273,7 @@ def test_topology_flags_reach_the_config(tmp_path):
 
 
 def test_staging_without_head_slicing_is_allowed_and_said_to_do_nothing(tmp_path):
-    from pdlife.simulate import _config, staging_note
+    from pdlife.run.simulate import _config, staging_note
 
     same, _ = _config(_parsed("--staging", out=tmp_path))
     assert "nothing to scatter" in staging_note(same)

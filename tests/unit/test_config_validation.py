@@ -33,11 +33,11 @@ from buffers.errors import BadSetting
 from buffers.kv_args import KVArgs, StateComponent, StateType
 from pdlife.args import SimConfigError, UsageError
 from pdlife.cli import build_parser, main
-from pdlife.plan import FaultPlan, TargetedFault
-from pdlife.sim_config import SimConfig
-from transport.connector_config import MAX_SECONDS, ConnectorConfig
+from pdlife.cluster.config import SimConfig
+from pdlife.cluster.plan import FaultPlan, TargetedFault
+from transport.backends.fake import FakeConfig
+from transport.connector.config import MAX_SECONDS, ConnectorConfig
 from transport.errors import ConfigError, TransportError
-from transport.fake import FakeConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError, TopologySettingError
 

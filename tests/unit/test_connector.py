@@ -10,8 +10,8 @@ from stub_engine import CopyConnector, handshaken, wait_for
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from transport.connector import ConnectorConfig
-from transport.connector_graph import Phase, ProtocolError
+from transport.connector.graph import Phase, ProtocolError
+from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 
@@ -125,7 +125,7 @@ def test_fire_many_moves_a_batch_and_skips_released(pair):
 def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(pair):
     # prefill is Bootstrapping until decode said where to write: its bootstrap
     # deadline runs until then; decode's ended when it registered
-    from transport import liveness
+    from transport.connector import liveness
 
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]

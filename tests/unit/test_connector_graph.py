@@ -5,7 +5,7 @@ import pytest
 from transitions import MachineError
 
 from pdlife.cli import main
-from transport.connector_graph import (
+from transport.connector.graph import (
     BOOTSTRAPPING,
     DEST,
     EDGES,
@@ -95,7 +95,7 @@ def test_the_bootstrap_deadline_covers_every_phase_a_side_is_bootstrapping_in():
 
 
 def _check_with(monkeypatch, edges):
-    from transport import connector_graph as g
+    from transport.connector import graph as g
 
     monkeypatch.setattr(g, "EDGES", edges)
     monkeypatch.setattr(g, "TRIGGERS", tuple(e.trigger for e in edges))
@@ -107,7 +107,7 @@ def test_the_import_check_refuses_prefill_ready_at_the_handshake(monkeypatch):
     import attrs
 
     from lifecycle import KVPoll
-    from transport.connector_graph import ByRole
+    from transport.connector.graph import ByRole
 
     both = ByRole(prefill=KVPoll.WaitingForInput, decode=KVPoll.WaitingForInput)
     old = tuple(
@@ -178,8 +178,8 @@ def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
 def test_each_word_is_said_by_one_side_and_heard_by_the_other():
     import json
 
-    from transport.connector import SIDES
-    from transport.connector_messages import MESSAGES, Msg, check_words
+    from transport.connector.hub import SIDES
+    from transport.connector.messages import MESSAGES, Msg, check_words
 
     assert set(MESSAGES) == set(Msg)
     for role, side in SIDES.items():

@@ -16,11 +16,11 @@ from stub_engine import CopyConnector, handshaken, wait_for
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from transport import liveness
-from transport.connector import ConnectorConfig
-from transport.connector_graph import Phase
+from transport.connector import liveness
+from transport.connector.graph import Phase
+from transport.connector.hub import ConnectorConfig
+from transport.connector.mailbox import SAME, Mailbox
 from transport.layout import kv_args_for
-from transport.mailbox import SAME, Mailbox
 
 # heartbeat_interval x heartbeat_misses: short, yet long enough that a loaded
 # machine's scheduling delays are not taken for silence

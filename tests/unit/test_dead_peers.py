@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from lifecycle.collective import TorchCollective
+from lifecycle.drive.collective import TorchCollective
 
 
 class _Store:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from lifecycle import FailureReason, KVPoll
+from transport.backends.fake import FakeConfig, FakeManager
 from transport.errors import ConfigError, ConfigTypeError
-from transport.fake import FakeConfig, FakeManager
 
 W, B = KVPoll.WaitingForInput, KVPoll.Bootstrapping
 

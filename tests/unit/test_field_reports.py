@@ -15,9 +15,9 @@ from stub_engine import CopyConnector, handshaken, wait_for
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from transport import connector_prefill as pre
-from transport.connector import ConnectorConfig
-from transport.connector_graph import Phase
+from transport.connector import prefill as pre
+from transport.connector.graph import Phase
+from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,7 +223,7 @@ def test_trtllm_12542_negative_control_an_exception_left_unhandled(make_pair, mo
     """Negative control: with prefill's failure path switched off, decode hears
     nothing and is only freed by its waiting deadline (a WAITING_TIMEOUT, not
     the sender's transfer error the test above asks for)."""
-    from transport import liveness
+    from transport.connector import liveness
 
     (p, _, _), (d, _, _) = make_pair(waiting_timeout=WAITING)
     monkeypatch.setattr(p, "_fail", lambda *a, **k: None)
@@ -247,7 +247,7 @@ def _stale_table_columns(t, room):
     fresh = {name: fill for name, _, fill in t._COLUMNS}
     fresh.update(room=room, alive=True, entered_time=t.now)
     if "room_key" in fresh:  # derived from the room alone: a new request with it has it too
-        from lifecycle.fingerprint import room_keys
+        from lifecycle.core.fingerprint import room_keys
 
         fresh["room_key"] = room_keys(np.array([room], dtype=np.uint64))[0]
     stale = [

@@ -1,16 +1,9 @@
 import numpy as np
 import pytest
 
-from lifecycle import (
-    EDGES,
-    EdgeKind,
-    IllegalTransition,
-    KVPoll,
-    RequestMachine,
-    UnknownTrigger,
-    batch,
-)
-from lifecycle.graph import GATES, TRIGGERS
+from lifecycle import EDGES, EdgeKind, IllegalTransition, KVPoll, RequestMachine, UnknownTrigger
+from lifecycle.rules import batch
+from lifecycle.rules.graph import GATES, TRIGGERS
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,
@@ -140,8 +133,8 @@ def test_a_misspelt_gate_source_is_named_by_the_import_time_check():
     runs at import names it (the step would otherwise never ask that gate)."""
     import attrs
 
-    from lifecycle.graph import GATES, VERDICTS
-    from lifecycle.sources import GATE_SOURCES, SOURCES, check_sources
+    from lifecycle.core.sources import GATE_SOURCES, SOURCES, check_sources
+    from lifecycle.rules.graph import GATES, VERDICTS
 
     check_sources(VERDICTS, GATES, SOURCES, GATE_SOURCES)  # the real tables agree
     gates = tuple(
@@ -155,8 +148,8 @@ def test_a_misspelt_gate_source_is_named_by_the_import_time_check():
 def test_a_misspelt_verdict_source_is_named_too():
     import attrs
 
-    from lifecycle.graph import GATES, VERDICTS
-    from lifecycle.sources import GATE_SOURCES, SOURCES, check_sources
+    from lifecycle.core.sources import GATE_SOURCES, SOURCES, check_sources
+    from lifecycle.rules.graph import GATES, VERDICTS
 
     verdicts = tuple(
         attrs.evolve(v, sources=("abort_flg", "backend")) if "abort_flag" in v.sources else v
@@ -172,7 +165,7 @@ def test_gates_are_asked_in_table_order(monkeypatch):
     import numpy as np
 
     from lifecycle import RequestTable, SingleRank, Stepper
-    from lifecycle import sources as src
+    from lifecycle.core import sources as src
     from lifecycle.testing import StatusBoard
 
     asked = []

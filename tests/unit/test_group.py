@@ -152,7 +152,7 @@ def test_a_started_step_builds_its_common_result_before_finish_and_applies_it_th
 
 
 def test_a_pending_reduce_runs_what_follows_it_once_and_only_if_it_landed():
-    from lifecycle.collective import _Thread
+    from lifecycle.drive.collective import _Thread
 
     ran = []
     done = _Thread(lambda: None)
@@ -304,7 +304,7 @@ class _Launches:
     def start_all_reduce_min(self, buf):
         self.order.append(self.names.get(id(buf), "?"))
         self.launched.set()
-        from lifecycle.collective import start_min
+        from lifecycle.drive.collective import start_min
 
         return start_min(SingleRank(), buf)
 
@@ -344,7 +344,7 @@ def test_reduces_launch_in_the_order_their_starts_were_called(second):
 
 
 def test_a_worker_that_cannot_start_leaves_the_tables_free(monkeypatch):
-    import lifecycle.group as group_module
+    import lifecycle.drive.group as group_module
 
     class NoThread:
         def __init__(self, owner):

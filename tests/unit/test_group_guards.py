@@ -16,10 +16,9 @@ from lifecycle import (
     StepGroup,
     Stepper,
     TableBusy,
-    lockstep,
 )
 from lifecycle.errors import HookError, InvalidArgument
-from lifecycle.testing import StatusBoard
+from lifecycle.testing import StatusBoard, lockstep
 from lifecycle.testing.spawn import on_threads
 
 B, W, T, S, F = (

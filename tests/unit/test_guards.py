@@ -14,11 +14,10 @@ from lifecycle import (
     SingleRank,
     StepConfig,
     Stepper,
-    lockstep,
 )
 from lifecycle.errors import DuplicateRequest, InvalidArgument, UnknownRequest
-from lifecycle.lockstep import reduce_min
-from lifecycle.testing import StatusBoard
+from lifecycle.testing import StatusBoard, lockstep
+from lifecycle.testing.lockstep import reduce_min
 
 B, W, T, S, F = 1, 2, 3, 4, 0
 
@@ -220,7 +219,7 @@ def test_a_refused_move_changes_neither_table():
 
 
 def test_docs_do_not_say_declared_edges_raise():
-    from lifecycle.graph import EDGES
+    from lifecycle.rules.graph import EDGES
 
     declared = {(int(s), int(e.dest)) for e in EDGES for s in e.sources}
     assert (B, T) in declared and (B, S) in declared

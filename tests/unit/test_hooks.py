@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from buffers import MetadataBuffers, MetadataLayout
-from lifecycle import FailureReason, KVPoll, RequestTable, StepConfig, Stepper, lockstep
+from lifecycle import FailureReason, KVPoll, RequestTable, StepConfig, Stepper
 from lifecycle.errors import HookError
-from lifecycle.testing import ScriptedPoller, SetStaging, StatusBoard
+from lifecycle.testing import ScriptedPoller, SetStaging, StatusBoard, lockstep
 
 B, W, T, S, F = 1, 2, 3, 4, 0
 HOOK = FailureReason.HOOK_ERROR

@@ -67,7 +67,7 @@ def test_transport_imports_backends_only_when_asked():
         from transport.registry import get_backend
 
         print(get_backend("fake").name)
-        print(sorted(m for m in sys.modules if m in ("transport.mooncake", "transport.nixl")))
+        print(sorted(m for m in sys.modules if m in ("transport.backends.mooncake", "transport.backends.nixl")))
         try:
             get_backend("mooncake")
         except BackendUnavailable as e:
@@ -85,7 +85,7 @@ def test_lifecycle_import_does_not_load_transport_or_tools():
     out = run_blocked(
         set(),
         """
-        import lifecycle, field.consensus
+        import lifecycle, field.step.consensus
         print(sorted(m for m in sys.modules if m.startswith(("transport", "pdlife"))))
         """,
     )

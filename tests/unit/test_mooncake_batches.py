@@ -11,7 +11,7 @@ try:
 except (ImportError, OSError) as e:
     pytest.skip(f"Mooncake engine not usable here ({e})", allow_module_level=True)
 
-from transport.mooncake import MooncakeManager
+from transport.backends.mooncake import MooncakeManager
 
 
 class Engine:

@@ -13,11 +13,11 @@ except (ImportError, OSError) as e:
     )
 
 from lifecycle import FailureReason, KVPoll
-from transport.connector import SIDES
-from transport.connector_graph import Phase
+from transport.backends.mooncake import MooncakeConfig, MooncakeManager
+from transport.connector.graph import Phase
+from transport.connector.hub import SIDES
+from transport.connector.legs import Request
 from transport.layout import runs
-from transport.legs import Request
-from transport.mooncake import MooncakeConfig, MooncakeManager
 from transport.status_arrays import StatusArrays
 
 
@@ -55,7 +55,7 @@ def writing_request(m, room=9):
 
 def test_a_finished_batch_is_read_once_and_remembered():
     m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
-    from transport.mooncake import _Batches
+    from transport.backends.mooncake import _Batches
 
     token = _Batches("e", [])
     token.pending = [5]
@@ -81,7 +81,7 @@ def test_batch_id_zero_means_the_peer_is_unreachable():
 def test_failed_batch_is_a_transfer_error_and_latches():
     m = bare_manager(StubEngine(statuses=[-1]))
     req = writing_request(m)
-    from transport.mooncake import _Batches
+    from transport.backends.mooncake import _Batches
 
     token = _Batches("e", [])
     token.pending = [3]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pdlife import multinode
+from pdlife.run import multinode
 
 
 class FakeDist:
@@ -82,7 +82,7 @@ def test_a_lost_store_names_the_ranks_on_its_host():
 
 WATCHER = r"""
 import sys, time
-from pdlife import multinode
+from pdlife.run import multinode
 where = multinode.Placement(1, (0,), (1,), ("10.0.0.1", "10.0.0.2"))
 watch = multinode.StoreWatch(where, ("127.0.0.1", int(sys.argv[1])))
 watch.start()

@@ -6,10 +6,10 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
-from transport.connector import SIDES
-from transport.connector_graph import Phase
-from transport.legs import DecodeRequest, PrefillRequest
-from transport.nixl import NixlConfig, NixlManager
+from transport.backends.nixl import NixlConfig, NixlManager
+from transport.connector.graph import Phase
+from transport.connector.hub import SIDES
+from transport.connector.legs import DecodeRequest, PrefillRequest
 from transport.status_arrays import StatusArrays
 
 

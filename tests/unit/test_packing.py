@@ -1,7 +1,16 @@
 import numpy as np
 import pytest
 
-from lifecycle.packing import HEADER, PAD, Field, Header, fingerprint, pack, unpack, write_field
+from lifecycle.core.packing import (
+    HEADER,
+    PAD,
+    Field,
+    Header,
+    fingerprint,
+    pack,
+    unpack,
+    write_field,
+)
 
 
 def test_pack_unpack_roundtrip():
@@ -61,7 +70,7 @@ def test_capacity_fields_give_an_upper_bound_on_every_rank():
 
 
 def test_a_header_encoded_in_one_call_equals_one_written_field_by_field():
-    from lifecycle.packing import encode_header, field_slice
+    from lifecycle.core.packing import encode_header, field_slice
 
     values = {
         Field.FINGERPRINT: 0xDEADBEEF12345678,
@@ -86,7 +95,7 @@ def test_a_header_encoded_in_one_call_equals_one_written_field_by_field():
 
 
 def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
-    from lifecycle.packing import REGIONS, slot_origins, slots_size, write_slots
+    from lifecycle.core.packing import REGIONS, slot_origins, slots_size, write_slots
 
     cap = 256  # two entries per region
     blank = np.full(slots_size(cap), PAD, dtype=np.uint8)
@@ -125,7 +134,7 @@ def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
 @pytest.mark.parametrize("states", [[3] * 40, [0] * 7, [1, 2, 3, 4, 0] * 9, [4], []])
 def test_list_sum_is_the_weighted_sum_of_keys_and_statuses(states):
     """One status for every row takes a shortcut; the sum is the same."""
-    from lifecycle.packing import list_sum, position_weights, room_keys
+    from lifecycle.core.packing import list_sum, position_weights, room_keys
 
     n = len(states)
     keys = room_keys(np.arange(100, 100 + n, dtype=np.uint64))
@@ -139,7 +148,7 @@ def test_list_sum_is_the_weighted_sum_of_keys_and_statuses(states):
 def test_failure_slots_read_alike_for_few_and_many_entries(per_rank):
     """Few listed entries are read in Python integers, many in one numpy pass:
     both give each failed row the lowest rank whose word won."""
-    from lifecycle.packing import slot_origins, slots_size, write_slots
+    from lifecycle.core.packing import slot_origins, slots_size, write_slots
 
     cap = 8192  # 64 entries per region
     rng = np.random.default_rng(per_rank)

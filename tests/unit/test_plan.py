@@ -6,7 +6,7 @@ import pytest
 from lifecycle import FaultPlanError
 from lifecycle.faults import ProbabilisticFaults, from_env
 from lifecycle.protocols import StepContext
-from pdlife.plan import RankFaults, load_plan, parse_plan
+from pdlife.cluster.plan import RankFaults, load_plan, parse_plan
 
 
 def ctx(rooms, step=1):
@@ -186,7 +186,7 @@ def test_phase_mode_plans_parse_in_both_formats(tmp_path):
 
 
 def test_phase_draws_depend_on_the_request_alone():
-    from pdlife.phase_draws import draw
+    from pdlife.cluster.phase_draws import draw
 
     rooms = np.arange(1, 5001, dtype=np.uint64) * 7919
     a = draw(3, 1, 2, rooms)
@@ -200,7 +200,7 @@ def test_phase_draws_depend_on_the_request_alone():
 
 
 def test_one_winner_per_request_earliest_phase_then_abort_then_lowest_rank():
-    from pdlife.plan import PHASES, FaultPlan, phase_decisions
+    from pdlife.cluster.plan import PHASES, FaultPlan, phase_decisions
 
     rooms = np.arange(1, 20001, dtype=np.uint64)
     ds = phase_decisions(FaultPlan(seed=1, prob=0.2), 0.2, 9, 4, rooms)
@@ -249,7 +249,7 @@ def test_a_phase_fault_fires_when_the_request_reaches_its_phase_even_by_a_jump()
 
 
 def test_phase_winners_are_carried_out_by_their_rank_and_aborts_on_decode():
-    from pdlife.plan import FaultPlan, phase_decisions
+    from pdlife.cluster.plan import FaultPlan, phase_decisions
 
     plan = FaultPlan(seed=5, prob=0.3)
     rooms = list(range(1, 401))

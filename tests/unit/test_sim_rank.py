@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from lifecycle import SingleRank
-from pdlife import sim
-from pdlife.plan import parse_plan
-from pdlife.sim import RankRun, SimConfig, Workload
+from pdlife.cluster.plan import parse_plan
+from pdlife.sim import rank as sim
+from pdlife.sim.rank import RankRun, SimConfig, Workload
 
 
 class Store:
@@ -65,7 +65,7 @@ def test_the_fake_backend_hears_the_other_sides_failures_and_tells_its_own(tmp_p
     whether it was live here already or not yet admitted; what fails here is
     told to every rank of the other side, but not what the other side told."""
     from lifecycle.reasons import FailureReason
-    from pdlife.sim_config import Workload
+    from pdlife.cluster.config import Workload
 
     run = decode_rank(tmp_path, FAIL_FIRST)
     rooms = Workload(run.cfg).all_rooms(20)
@@ -176,7 +176,7 @@ def test_a_prefill_dp_group_serves_its_share_and_decode_names_the_group(tmp_path
     assert res["unfinished"] == 0 and res["group"] == "prefill/1"
 
     named = {}
-    from transport.fake import FakeReceiver
+    from transport.backends.fake import FakeReceiver
 
     real_init = FakeReceiver.init
 
@@ -192,7 +192,7 @@ def test_a_prefill_dp_group_serves_its_share_and_decode_names_the_group(tmp_path
 
 def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, monkeypatch):
     sent = {}
-    from transport.fake import FakeReceiver
+    from transport.backends.fake import FakeReceiver
 
     real = FakeReceiver.send_metadata
 

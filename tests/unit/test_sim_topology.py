@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from pdlife.plan import FaultPlan, TargetedFault
-from pdlife.sim_bytes import (
+from pdlife.cluster.config import SimConfig, Workload
+from pdlife.cluster.faults import dp_faults, primary_of
+from pdlife.cluster.plan import FaultPlan, TargetedFault
+from pdlife.cluster.topology import HEAD_BYTES, heads_of, place, topology_problem
+from pdlife.sim.kv_bytes import (
     RankBytes,
     kv_difference,
     kv_pattern,
     row_difference,
     state_pattern,
 )
-from pdlife.sim_config import SimConfig, Workload
-from pdlife.sim_faults import dp_faults, primary_of
-from pdlife.sim_topology import HEAD_BYTES, heads_of, place, topology_problem
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte():
 
 
 def test_a_prefill_rank_draws_no_fault_for_another_dp_groups_request():
-    from pdlife.plan import FaultPlan, phase_decisions
+    from pdlife.cluster.plan import FaultPlan, phase_decisions
 
     rooms = np.arange(1, 401, dtype=np.uint64)
     group = np.arange(400) % 2

@@ -14,9 +14,8 @@ from lifecycle import (
     SingleRank,
     StepConfig,
     Stepper,
-    lockstep,
 )
-from lifecycle.testing import ListFaults, ScriptedPoller, SetGate, SetStaging, StatusBoard
+from lifecycle.testing import ListFaults, ScriptedPoller, SetGate, SetStaging, StatusBoard, lockstep
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,

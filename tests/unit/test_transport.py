@@ -4,7 +4,7 @@ import pytest
 from field.conn.backends import KVClassType, TransferBackend, get_kv_class
 from lifecycle import FailureReason, KVPoll, RequestTable, SingleRank, Stepper
 from transport import BackendUnavailable, TransferFailed, UnknownBackend, get_backend
-from transport.fake import FakeManager
+from transport.backends.fake import FakeManager
 
 
 def test_unknown_backend_lists_known():
@@ -150,7 +150,7 @@ def test_status_written_by_another_thread_during_growth_is_kept(monkeypatch):
 def test_registry_reports_nixl_available_when_installed():
     pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
     from field.conn.nixl import NixlKVManager, NixlKVReceiver, NixlKVSender
-    from transport.nixl import NixlManager
+    from transport.backends.nixl import NixlManager
 
     b = get_backend("nixl")
     assert b.manager is NixlManager

@@ -19,7 +19,7 @@ them behaves as it would there:
 
 :class:`KVPoll` is the core's (an IntEnum with the field's values, Failed 0 to
 Success 4), :class:`KVArgs` the field-shaped bag of :mod:`field.conn.kv_args`
-and :class:`StateType` 0.5.23's (:mod:`field.state_types`: every member, of
+and :class:`StateType` 0.5.23's (:mod:`field.data.state_types`: every member, of
 which our backends move six and refuse the others by name).
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from field.conn.kv_args import KVArgs
-from field.state_types import StateType
+from field.data.state_types import StateType
 from lifecycle.status import KVPoll
 
 __all__ = [

@@ -46,8 +46,8 @@ from field.conn.shapes import SENDER_SIGNATURE, sender_options
 from field.release import UNSET
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport.backends.fake import FakeManager
 from transport.errors import TransferFailed
-from transport.fake import FakeManager
 from transport.registry import get_backend
 
 __all__ = ["FakeKVManager", "FakeKVSender", "FakeKVReceiver", "CLASSES", "WAITING_TIMEOUT_VAR"]

@@ -45,7 +45,7 @@ from field.conn.base import BaseKVReceiver, BaseKVSender, KVTransferDestination,
 from field.conn.shapes import SENDER_SIGNATURE, receiver_init, sender_options
 from field.release import UNSET
 from lifecycle.status import KVPoll
-from transport.legs import rows_of
+from transport.connector.legs import rows_of
 
 __all__ = ["FieldSender", "FieldReceiver", "SENDER_SIGNATURE", "sender_options", "receiver_init"]
 

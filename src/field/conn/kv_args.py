@@ -6,7 +6,7 @@ from typing import Any
 
 from buffers.kv_args import KVArgs as CoreKVArgs
 from buffers.kv_args import StateComponent
-from field.state_types import core_state_type
+from field.data.state_types import core_state_type
 
 __all__ = ["KVArgs"]
 

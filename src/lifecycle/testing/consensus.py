@@ -46,12 +46,11 @@ from hypothesis.stateful import (
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers, MetadataLayout, SlotAllocator
+from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import LifecycleError
-from lifecycle.lockstep import lockstep, reduce_min
-from lifecycle.reference import RequestMachine
 from lifecycle.result import StepResult
+from lifecycle.rules.reference import RequestMachine
 from lifecycle.status import B, F, Role, S
-from lifecycle.stepper import Stepper
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 from lifecycle.testing.invariants import (
@@ -61,6 +60,7 @@ from lifecycle.testing.invariants import (
     expected_local,
     gates_open,
 )
+from lifecycle.testing.lockstep import lockstep, reduce_min
 
 __all__ = ["ConsensusMachine", "InvariantViolation"]
 

@@ -11,12 +11,12 @@ import numpy as np
 from hypothesis import event
 
 from buffers import MetadataBuffers
+from lifecycle.core.step import RawStepper
 from lifecycle.errors import LifecycleError
-from lifecycle.graph import TRIGGERS
-from lifecycle.reference import RequestMachine
 from lifecycle.result import StepResult
+from lifecycle.rules.graph import TRIGGERS
+from lifecycle.rules.reference import RequestMachine
 from lifecycle.status import F, KVPoll, S, T
-from lifecycle.step import RawStepper
 from lifecycle.table import RequestTable
 from lifecycle.testing.doubles import ListFaults, SetGate, SetStaging, StatusBoard
 

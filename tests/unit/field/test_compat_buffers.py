@@ -1,4 +1,4 @@
-"""field.buffers: the field's allocator, metadata rows, page filters, state and aborts."""
+"""field.data.buffers: the field's allocator, metadata rows, page filters, state and aborts."""
 
 import types
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-import field.abort
-import field.buffers as compat
+import field.data.buffers as compat
+import field.step.abort
 from buffers import DoubleFree, GeometryMismatch, SlotOutOfRange
 from buffers import MetadataBuffers as CoreMetadataBuffers
-from field.buffers import (
+from field.data.buffers import (
     DisaggregationMode,
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
@@ -559,12 +559,12 @@ def test_is_mla_backend():
 
 
 def test_prepare_abort_sets_the_reason_and_empties_input_logprobs():
-    lp = types.SimpleNamespace(**{n: [1.0] for n in field.abort._INPUT_LOGPROB_LISTS})
+    lp = types.SimpleNamespace(**{n: [1.0] for n in field.step.abort._INPUT_LOGPROB_LISTS})
     r = types.SimpleNamespace(return_logprob=True, logprob=lp, to_finish=None, finished_reason=None)
     assert not is_aborted(r)
     prepare_abort(r, "peer died", 503)
     assert r.finished_reason == FinishAbort("peer died", 503)
-    assert all(getattr(lp, n) == [] for n in field.abort._INPUT_LOGPROB_LISTS)
+    assert all(getattr(lp, n) == [] for n in field.step.abort._INPUT_LOGPROB_LISTS)
     assert is_aborted(r)
 
 

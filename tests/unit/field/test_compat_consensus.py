@@ -1,4 +1,4 @@
-"""field.consensus: the field's consensus helpers, their call shapes and gates."""
+"""field.step.consensus: the field's consensus helpers, their call shapes and gates."""
 
 import types
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import field.consensus as compat
-from field.buffers import MetadataBuffers
-from field.consensus import (
+import field.step.consensus as compat
+from field.data.buffers import MetadataBuffers
+from field.step.consensus import (
     FAKE_BOOTSTRAP_HOST,
     poll_and_all_reduce,
     poll_and_all_reduce_attn_cp_tp_group,

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from buffers.errors import BadArgument, BadArgumentType
-from field.buffers import MetadataBuffers
 from field.conn.backends import get_kv_class
 from field.conn.kv_args import KVArgs
 from field.conn.mooncake import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
+from field.data.buffers import MetadataBuffers
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
 

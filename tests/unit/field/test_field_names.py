@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from field.abort import is_aborted, is_unadmitted_reject, prepare_abort
 from field.checksum import kv_layout_signature
 from field.engine import FinishAbort
-from field.pp import (
+from field.step.abort import is_aborted, is_unadmitted_reject, prepare_abort
+from field.step.pp import (
     all_reduce_flags,
     poll_and_all_reduce_pp,
     poll_and_all_reduce_prefill_pp,
@@ -107,7 +107,7 @@ def test_abort_is_recognised_and_an_intake_reject_is_told_apart():
 def test_sharded_pages_and_replicated_state_writers():
     import numpy as np
 
-    from field.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
+    from field.data.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
 
     local, pos = filter_kv_indices_for_shard_rank(
         kv_indices=np.array([0, 1, 2, 3, 4, 5]),
@@ -142,7 +142,7 @@ def test_sharded_pages_and_replicated_state_writers():
 
 def test_every_0_5_23_state_type_is_named_and_the_unmoved_are_refused_by_name():
     from buffers.kv_args import StateType as Core
-    from field.state_types import StateType, UnsupportedStateType, core_state_type
+    from field.data.state_types import StateType, UnsupportedStateType, core_state_type
 
     assert len({m.value for m in StateType}) == 13
     assert StateType.DSV4_REQUEST_STATE is StateType.C128_STATE

@@ -1,0 +1,175 @@
+"""The transition graph of one request, declared once.
+
+Theory of operation
+-------------------
+A request's *agreed* status is the MIN over ranks of what each rank
+observed (see :mod:`lifecycle.core.packing`). Between two steps it may only move
+forward along the lattice (jumps of several levels allowed, because a rank
+may observe nothing for a while and then see Success), or fall to Failed from
+any non-terminal status. Success and Failed have no outgoing progress or
+failure edges: they latch.
+
+Gates are the one exception to "forward only", and they act on a rank's
+*local observation* before the reduce, never on the agreed status: a gate may
+turn an observed Success into Transferring while some local condition
+(staging scatter, metadata row, a user's check) is not yet met. Declaring them
+here, as edges ``Success -> Transferring`` with a named guard, is what makes
+"a gate can only demote Success" a property of the graph rather than a promise
+of each gate.
+
+Everything below is derived from :data:`EDGES`: the ``transitions`` machines
+of the reference executor (:mod:`lifecycle.rules.reference`), the numpy tables of
+the batch executor (:mod:`lifecycle.rules.batch`) and the diagrams
+(:mod:`lifecycle.rules.diagram`). Nothing else names an edge.
+
+Beside the edges stand the two other rule tables of a step, executed by
+:mod:`lifecycle.core.sources` (where each mask comes from) and
+:mod:`lifecycle.core.verdicts` (what a mask does):
+
+- :data:`VERDICTS`: every local reason to fail a request, in reason-code
+  order, with where its mask comes from. The code *is* the priority: on one
+  rank the smallest code among the verdicts that hit wins, and across ranks
+  MIN keeps the smallest code, so "first verdict wins" and "MIN wins" are
+  one rule.
+- :data:`GATES`: every gate, in the order they are asked, with the one
+  demotion edge it may apply.
+
+Adding a verdict or a gate is one line in these tables and, for a new
+source, one entry in :data:`lifecycle.core.sources.SOURCES` or
+:data:`~lifecycle.core.sources.GATE_SOURCES`; the import-time check there names
+any source one table has and another lacks.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from lifecycle.reasons import FailureReason
+from lifecycle.status import B, F, KVPoll, S, T, W
+
+__all__ = [
+    "EdgeKind",
+    "Edge",
+    "EDGES",
+    "TRIGGERS",
+    "GUARDS",
+    "edges_for",
+    "Verdict",
+    "VERDICTS",
+    "GateRule",
+    "GATES",
+]
+
+
+class EdgeKind(enum.Enum):
+    PROGRESS = "progress"  # agreed status moves forward
+    FAIL = "fail"  # agreed status drops to Failed, carrying a reason
+    DEMOTE = "demote"  # local observation held back by a gate, before the reduce
+
+
+@attrs.frozen
+class Edge:
+    trigger: str
+    sources: tuple[KVPoll, ...]
+    dest: KVPoll
+    kind: EdgeKind
+    guard: str | None = None
+
+
+_NON_TERMINAL = (B, W, T)
+
+#: The one declaration. Order matters only for display and trigger ids.
+EDGES: tuple[Edge, ...] = (
+    Edge("handshake", (B,), W, EdgeKind.PROGRESS),  # rendezvous with the peer done
+    Edge("start_transfer", (B, W), T, EdgeKind.PROGRESS),  # chunks are being written
+    Edge("complete", _NON_TERMINAL, S, EdgeKind.PROGRESS),  # every rank reports done
+    Edge("fail", _NON_TERMINAL, F, EdgeKind.FAIL),  # a rank failed it; the reason travels
+    Edge("abort", _NON_TERMINAL, F, EdgeKind.FAIL),  # a client abort reached every rank
+    # gates: a local Success held back on this rank until its condition holds
+    Edge("hold_staging", (S,), T, EdgeKind.DEMOTE, guard="staging_pending"),
+    Edge("hold_metadata", (S,), T, EdgeKind.DEMOTE, guard="metadata_pending"),
+    Edge("hold_gate", (S,), T, EdgeKind.DEMOTE, guard="gate_closed"),
+)
+
+TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
+GUARDS: tuple[str, ...] = tuple(sorted({e.guard for e in EDGES if e.guard is not None}))
+
+
+def edges_for(trigger: str) -> tuple[Edge, ...]:
+    return tuple(e for e in EDGES if e.trigger == trigger)
+
+
+@attrs.frozen
+class Verdict:
+    """A local reason to fail a request and the sources whose masks carry it."""
+
+    reason: FailureReason
+    sources: tuple[str, ...]
+
+
+R = FailureReason
+_BACKEND = "backend"
+#: Local verdicts, in priority (= reason code) order. Sources: ``abort_flag``
+#: the table's abort column; ``backend`` a Failed the poller reported with
+#: this reason (a backend may relay a peer's abort or timeout; UNKNOWN when it
+#: gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
+#: clocks; ``metadata_row`` a row carrying another request's room;
+#: ``poll_value`` a value outside KVPoll; ``poll_error`` a poll that raised
+#: or answered with the wrong shape or dtype; ``fault_hook`` injected faults;
+#: ``hook_error`` a gate, staging, metadata source, fault hook or reasons
+#: hook that raised or answered nonsense (it says nothing about the
+#: transfer, so any real cause on another rank wins).
+VERDICTS: tuple[Verdict, ...] = (
+    Verdict(R.ABORTED, ("abort_flag", _BACKEND)),
+    Verdict(R.PEER_DEAD, (_BACKEND,)),
+    Verdict(R.BOOTSTRAP_TIMEOUT, ("bootstrap_deadline", _BACKEND)),
+    Verdict(R.WAITING_TIMEOUT, ("waiting_deadline", _BACKEND)),
+    Verdict(R.METADATA_CORRUPT, ("metadata_row", _BACKEND)),
+    Verdict(R.TRANSFER_ERROR, (_BACKEND,)),
+    Verdict(R.INVALID_STATUS, ("poll_value",)),
+    Verdict(R.LOCAL_EXCEPTION, ("poll_error", _BACKEND)),
+    Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
+    Verdict(R.UNKNOWN, (_BACKEND,)),
+    Verdict(R.HOOK_ERROR, ("hook_error",)),
+)
+
+
+@attrs.frozen
+class GateRule:
+    """A gate: while ``source`` says closed, a local Success takes ``trigger``."""
+
+    name: str
+    trigger: str
+    source: str
+
+
+#: Gates, in the order they are asked. Each may only apply its demotion edge.
+GATES: tuple[GateRule, ...] = (
+    GateRule("staging", "hold_staging", "staging_pending"),
+    GateRule("metadata", "hold_metadata", "metadata_pending"),
+    GateRule("user", "hold_gate", "gate_closed"),
+)
+
+
+def _check_declaration() -> None:
+    if len(set(TRIGGERS)) != len(TRIGGERS):
+        raise AssertionError("each trigger is declared once")
+    for e in EDGES:
+        if e.kind is EdgeKind.DEMOTE and (e.sources != (S,) or e.dest is not T):
+            raise AssertionError(f"{e.trigger}: a gate may only demote Success -> Transferring")
+        if e.kind is EdgeKind.PROGRESS and any(e.dest <= s for s in e.sources):
+            raise AssertionError(f"{e.trigger}: progress must move forward")
+        if e.kind is not EdgeKind.DEMOTE and any(s.terminal for s in e.sources):
+            raise AssertionError(f"{e.trigger}: terminal states latch")
+    codes = [int(v.reason) for v in VERDICTS]
+    if codes != sorted(codes) or set(codes) != {int(r) for r in R if r is not R.NONE}:
+        raise AssertionError("VERDICTS list every reason once, in code (= priority) order")
+    for g in GATES:
+        (edge,) = edges_for(g.trigger)
+        if edge.kind is not EdgeKind.DEMOTE or edge.guard != g.source:
+            raise AssertionError(f"gate {g.name}: {g.trigger} is not a demotion guarded by it")
+
+
+_check_declaration()

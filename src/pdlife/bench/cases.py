@@ -1,0 +1,191 @@
+"""The benchmark's stand-in backends and its multi-queue and churn cases."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+__all__ = [
+    "ArrayBackend",
+    "ChurnBackend",
+    "ObjPoller",
+    "gated_queue",
+    "three_queues",
+    "churn_case",
+    "field_queue",
+]
+
+
+class ArrayBackend:
+    """A backend that keeps statuses, scatter progress in arrays (batch poll)."""
+
+    def __init__(self, n: int) -> None:
+        # a third still transferring; the rest report Success, half of those
+        # still scattering from staging, half with the metadata row not landed
+        self.status = np.full(n, 4, dtype=np.int8)
+        self.status[0::3] = 3
+        self.scatter_left = np.zeros(n, dtype=np.int32)
+        self.scatter_left[1::3] = 1 << 30
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+    # staging gate
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        self.scatter_left[indices] -= 1
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        out: NDArray[np.bool_] = self.scatter_left[indices] > 0
+        return out
+
+
+class ObjPoller:
+    __slots__ = ("status",)
+
+    def __init__(self) -> None:
+        self.status = 4
+
+    def poll(self) -> int:
+        return self.status
+
+
+class ChurnBackend:
+    """Statuses in a ring of indices; a few rows change every step."""
+
+    def __init__(self, n: int) -> None:
+        self.status = np.full(2 * n, 3, dtype=np.int8)
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        out: NDArray[np.int8] = self.status[indices]
+        return out
+
+
+def gated_queue(
+    rank: int, n: int, layout: Any, queue: str = "", first: int = 1
+) -> tuple[Any, ArrayBackend, Any, NDArray[np.uint64]]:
+    """A queue of ``n`` requests with staging and metadata gates on: a third
+    still transferring, a third held by the staging gate, a third by the
+    metadata gate (its row not landed). (stepper, backend, metadata, rooms)."""
+    from buffers import MetadataBuffers
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    rooms = np.arange(first, first + n, dtype=np.uint64) * 7919
+    meta = MetadataBuffers(n, layout)
+    room_col = meta.tensors["bootstrap_room"].view(torch.int64)
+    room_col[:, 0] = torch.from_numpy(rooms.view(np.int64))
+    room_col[2::3, 0] = 0
+    backend = ArrayBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    table.extend(
+        rooms, state=KVPoll.Transferring, metadata_slots=np.arange(n), handle_indices=np.arange(n)
+    )
+    stepper = Stepper(table, rank, poller=backend, staging=backend, metadata=meta, queue=queue)
+    return stepper, backend, meta, rooms
+
+
+def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
+    """Two copies of three gated queues of n/3 requests: one fused, one separate."""
+    from lifecycle import StepGroup
+
+    def build() -> list[Any]:
+        k = max(1, n // 3)
+        names = ("handshake", "prealloc", "transfer")
+        return [gated_queue(rank, k, layout, name, 1 + q * k)[0] for q, name in enumerate(names)]
+
+    group = StepGroup(build())
+    alone = build()
+
+    def fused3() -> None:
+        group.step(coll)
+
+    def separate3() -> None:
+        for s in alone:
+            s.step(coll)
+
+    return fused3, separate3
+
+
+def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
+    """A queue where 1% of the requests change status every step: half reach
+    Success, half fail. ``split``: rank 0 fails some of them and rank 1 the
+    others, so the step fetches their origins (a second, small reduce);
+    otherwise rank 0 fails them all and the header names it."""
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    backend = ChurnBackend(n)
+    table = RequestTable(rank=rank, capacity=n)
+    ring = 2 * n
+    state = {"next": n + 1}
+    table.extend(
+        np.arange(1, n + 1, dtype=np.uint64),
+        state=KVPoll.Transferring,
+        handle_indices=np.arange(1, n + 1) % ring,
+    )
+    stepper = Stepper(table, rank, poller=backend)
+    k = max(4, n // 100)  # at least two failures, one per rank when split
+    rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
+
+    def churn() -> float:
+        rooms = table.rooms()
+        pick = rooms[rng.choice(rooms.size, size=min(k, rooms.size), replace=False)]
+        idx = pick.astype(np.int64) % ring
+        backend.status[idx[: k // 2]] = KVPoll.Success
+        failing = idx[k // 2 :]
+        # the rows this rank fails (on the other ranks they report Success)
+        mine = failing[rank % 2 :: 2] if split else failing if rank == 0 else failing[:0]
+        backend.status[failing] = KVPoll.Success
+        backend.status[mine] = KVPoll.Failed
+        t0 = time.perf_counter()
+        res = stepper.step(coll)
+        elapsed = time.perf_counter() - t0
+        done = np.concatenate([res.succeeded, res.failed])
+        backend.status[done.astype(np.int64) % ring] = KVPoll.Transferring
+        table.remove_many(done)
+        new = np.arange(state["next"], state["next"] + done.size, dtype=np.uint64)
+        state["next"] += done.size
+        table.extend(new, state=KVPoll.Transferring, handle_indices=new.astype(np.int64) % ring)
+        return elapsed
+
+    return churn
+
+
+class RoomPoller:
+    """A field-style per-request poller (a sender or receiver) with its room."""
+
+    __slots__ = ("bootstrap_room", "status")
+
+    def __init__(self, room: int, status: int) -> None:
+        self.bootstrap_room = room
+        self.status = status
+
+    def poll(self) -> int:
+        return self.status
+
+
+def field_queue(n: int) -> tuple[list[Any], list[Any], list[Any], Any]:
+    """A decode transfer queue as the field's functions see it: (ungated pollers,
+    gated pollers, decode requests, metadata buffers). Ungated: half waiting for
+    input, half transferring. Gated: a third transferring, two thirds reporting
+    Success with the metadata row not landed (held at Transferring by the gate).
+    No request finishes, so the list stays the same from call to call."""
+    import types
+
+    from field.data.buffers import MetadataBuffers
+
+    ungated = [RoomPoller(9001 + i, 2 + i % 2) for i in range(n)]
+    gated = [RoomPoller(9001 + i, 3 if i % 3 == 0 else 4) for i in range(n)]
+    reqs = [
+        types.SimpleNamespace(
+            req=types.SimpleNamespace(bootstrap_room=9001 + i, bootstrap_host="10.0.0.1"),
+            metadata_buffer_index=i,
+            kv_receiver=gated[i],
+        )
+        for i in range(n)
+    ]
+    meta = MetadataBuffers(n, 16, torch.float32)  # every row's room is 0: not landed
+    return ungated, gated, reqs, meta

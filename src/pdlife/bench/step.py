@@ -1,0 +1,378 @@
+"""``pdlife bench``: the step against the all-reduce floor and the per-request
+pattern, measured side by side in one run on 2 gloo ranks on 127.0.0.1.
+
+For each N live requests (metadata and staging gates on) every repetition
+times, back to back and in the same order on both ranks:
+
+- ``floor``: a bare gloo MIN all-reduce of N uint8 values;
+- ``hooks_floor``: the hooks ``ours`` asks (staging advance, batch poll,
+  staging pending, metadata landed) over the same N rows, then the bare
+  all-reduce: a bound under any step that asks them;
+- ``ours``: :meth:`Stepper.step` -- batch poll, verdicts, staging and metadata
+  gates, packed reduce, apply, result;
+- ``pattern``: what engines do today -- a Python list of ``poll()`` calls, a
+  per-request metadata check reading one tensor element each,
+  ``torch.tensor``, all-reduce, ``tolist``;
+- ``transitions`` (fewer repetitions): one ``transitions`` machine per
+  request, the agreed status applied by a trigger per request;
+- ``fused3``: three tables of N/3 requests (a decode scheduler's handshake,
+  prealloc and transfer queues) stepped as one :class:`StepGroup`, one
+  reduce; ``separate3``: the same three tables stepped one by one;
+- ``churn``: N requests of which 1% (at least 4) change status every step (half reach
+  Success, half fail: some on rank 0, the others on rank 1, which takes the
+  origin fetch); between steps, untimed, the finished ones leave and as many
+  new ones arrive; ``churn_one``: the same with every failure on rank 0 (the
+  header names the origin: no second reduce);
+- ``field``: the code a step replaces, SGLang's own ``poll_and_all_reduce``
+  (``sglang.srt.disaggregation.utils``) on a field-style queue of per-request
+  pollers (half waiting for input, half transferring), ungated, when SGLang is
+  importable here (else skipped, and said so in one line); ``field_gated``:
+  the same function with its metadata gate on a decode transfer queue (two
+  thirds at Success with the row not landed);
+- ``compat`` / ``compat_gated``: the drop-in, :func:`field.step.consensus.poll_and_all_reduce`,
+  on the same queues with the same arguments (its table kept across calls);
+- ``overlap_visible``: ``start(worker=True)`` + ``finish`` with a 5 ms sleep
+  between them standing in for the forward pass: the time the caller is
+  blocked (the hooks, verdicts, gates and the launch run on the step's own
+  thread during the sleep); ``overlap_inline``: the same with ``start`` doing
+  that work on the caller's thread.
+
+Ratios are of medians taken in the same run (``ratios``), and of lower
+quartiles (``ratios_p25``): on a VM whose idle vCPUs halt, a collective's
+latency is bimodal (a wake-up can take milliseconds) and a median can land
+in either mode from one run to the next. A repetition's time is the
+smaller of the two ranks' times: the ranks leave the barrier a little apart,
+and the one that leaves first waits for the other inside the variant's
+collective, so its time holds that skew (tens of microseconds to
+milliseconds on a loaded machine) while the rank that left last waited for
+nobody. Rank 0's own medians are kept in the JSON as ``rank0_median_us``.
+Table mutation (add and remove 10,000 requests) and memory per live request
+are measured on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdlife.args import positive_int
+from pdlife.bench.cases import ObjPoller, churn_case, field_queue, gated_queue, three_queues
+from pdlife.bench.report import format_table
+
+__all__ = ["add_parser", "run_bench", "format_table"]
+
+SIZES = (64, 1024, 4096, 16384)
+
+
+def field_function() -> tuple[Any, str]:
+    """SGLang's ``poll_and_all_reduce``, or None and why it is not here."""
+    try:
+        from sglang.srt.disaggregation.utils import (  # type: ignore[import-not-found]
+            poll_and_all_reduce,
+        )
+    except Exception as e:  # not installed, or its import set is incomplete
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return poll_and_all_reduce, ""
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e6
+    return {
+        "median_us": float(np.median(a)),
+        "p25_us": float(np.percentile(a, 25)),
+        "p90_us": float(np.percentile(a, 90)),
+    }
+
+
+def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from buffers import MetadataLayout
+    from field.step.consensus import poll_and_all_reduce as compat_poll
+    from lifecycle import KVPoll, RequestMachine, TorchCollective
+
+    coll = TorchCollective()
+    layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
+    stepper, backend, meta, rooms = gated_queue(rank, n, layout)
+    # the pattern's per-request objects
+    pollers = [ObjPoller() for _ in range(n)]
+    slots = list(range(n))
+    room_list = rooms.tolist()
+    meta_rooms = meta.tensors["bootstrap_room"]
+    staging_left = backend.scatter_left
+    group = None
+    floor_buf = torch.zeros(n, dtype=torch.uint8)
+
+    def floor() -> None:
+        dist.all_reduce(floor_buf, op=dist.ReduceOp.MIN, group=group)
+
+    def ours() -> None:
+        stepper.step(coll)
+
+    all_rows = np.arange(n, dtype=np.int64)
+    meta_slots = all_rows.copy()
+    meta_slots.setflags(write=False)
+
+    def hooks_floor() -> None:
+        # the hooks ``ours`` calls, over the same rows, then the bare reduce:
+        # what any step that asks them costs before doing anything of its own
+        backend.advance(rooms, all_rows)
+        backend.poll_many(rooms, all_rows)
+        backend.pending(rooms, all_rows)
+        meta.landed(meta_slots, rooms)
+        floor()
+
+    def pattern() -> None:
+        polls = [int(p.poll()) for p in pollers]
+        for i in range(n):
+            if polls[i] == 4 and (
+                staging_left[i] > 0 or int(meta_rooms[slots[i], 0].item()) != room_list[i]
+            ):
+                polls[i] = 3
+        t = torch.tensor(polls, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        t.tolist()
+
+    fused3, separate3 = three_queues(rank, n, layout, coll)
+    churn = churn_case(rank, n, coll)
+    churn_one = churn_case(rank, n, coll, split=False)
+
+    def overlapped(worker: bool) -> Any:
+        def visible() -> float:
+            t0 = time.perf_counter()
+            stepper.start(coll, worker=worker)
+            t1 = time.perf_counter()
+            time.sleep(0.005)  # the forward pass
+            t2 = time.perf_counter()
+            stepper.finish()
+            return (t1 - t0) + (time.perf_counter() - t2)
+
+        return visible
+
+    field_poll, _ = field_function()
+    f_ungated, f_gated, f_reqs, f_meta = field_queue(n)
+
+    def field() -> None:
+        assert field_poll is not None
+        field_poll(f_ungated, group)
+
+    def field_gated() -> None:
+        assert field_poll is not None
+        field_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
+
+    def compat() -> None:
+        compat_poll(f_ungated, group)
+
+    def compat_gated() -> None:
+        compat_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
+
+    variants = {
+        "floor": floor,
+        "ours": ours,
+        "hooks_floor": hooks_floor,
+        "pattern": pattern,
+        "fused3": fused3,
+        "separate3": separate3,
+        "churn": churn,
+        "churn_one": churn_one,
+        "overlap_visible": overlapped(True),
+        "overlap_inline": overlapped(False),
+        "compat": compat,
+        "compat_gated": compat_gated,
+    }
+    if field_poll is not None:
+        variants["field"] = field
+        variants["field_gated"] = field_gated
+    for f in variants.values():  # warm-up (also sizes the steps' capacities)
+        for _ in range(3):
+            f()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants.items())
+    for rep in range(reps):
+        # rotate the order so each variant follows each other one equally often
+        # (what ran before decides how cold the caches are)
+        k = rep % len(order)
+        for name, f in order[k:] + order[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            visible = f()
+            elapsed = time.perf_counter() - t0
+            times[name].append(visible if isinstance(visible, float) else elapsed)
+    # one transitions machine per request, one trigger per request per step
+    t0 = time.perf_counter()
+    machines = [RequestMachine(int(r), rank, initial=KVPoll.Bootstrapping) for r in room_list]
+    create = (time.perf_counter() - t0) / n
+    agreed_seq = [KVPoll.WaitingForInput, KVPoll.Transferring]
+    tr_times = []
+    for k in range(t_reps):
+        if k == 2:  # reset (not timed) so every timed step moves every machine
+            for m in machines:
+                m.state = KVPoll.Bootstrapping
+        target = agreed_seq[k % 2]
+        dist.barrier()
+        t0 = time.perf_counter()
+        polls = [int(p.poll()) for p in pollers]
+        tt = torch.tensor(polls, dtype=torch.uint8)
+        dist.all_reduce(tt, op=dist.ReduceOp.MIN, group=group)
+        for m in machines:
+            m.advance(target)
+        tr_times.append(time.perf_counter() - t0)
+        if k % 2 == 1:
+            for m in machines:
+                m.state = KVPoll.Bootstrapping
+    for m in machines:
+        m.close()
+    times["transitions"] = tr_times
+    return {"times": times, "create_machine_us": create * 1e6}
+
+
+def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: the median over repetitions of the smaller rank time."""
+    row: dict[str, Any] = {}
+    for name, first in ranks[0]["times"].items():
+        both = np.min([r["times"][name] for r in ranks], axis=0)
+        row[name] = _stats(list(both))
+        row[name]["rank0_median_us"] = _stats(first)["median_us"]
+    row["transitions"]["create_machine_us"] = ranks[0]["create_machine_us"]
+    row["ratios"] = _ratios({k: v["median_us"] for k, v in row.items()})
+    # a collective here is bimodal (an idle vCPU halts, and its wake-up can
+    # take milliseconds): the lower quartiles compare the fast mode
+    row["ratios_p25"] = _ratios({k: v["p25_us"] for k, v in row.items() if k != "ratios"})
+    return row
+
+
+def _ratios(med: dict[str, float]) -> dict[str, float]:
+    field = {}
+    if "field" in med:
+        field = {
+            "field/ours": med["field"] / med["ours"],
+            "compat/field": med["compat"] / med["field"],
+            "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
+        }
+    return {
+        **field,
+        "ours-hooks_floor/floor": (med["ours"] - med["hooks_floor"]) / med["floor"],
+        "ours/floor": med["ours"] / med["floor"],
+        "hooks_floor/floor": med["hooks_floor"] / med["floor"],
+        "ours/hooks_floor": med["ours"] / med["hooks_floor"],
+        "fused3/floor": med["fused3"] / med["floor"],
+        "separate3/fused3": med["separate3"] / med["fused3"],
+        "churn/floor": med["churn"] / med["floor"],
+        "churn_one/floor": med["churn_one"] / med["floor"],
+        "overlap_visible/floor": med["overlap_visible"] / med["floor"],
+        "overlap_inline/floor": med["overlap_inline"] / med["floor"],
+        "pattern/ours": med["pattern"] / med["ours"],
+        "transitions/ours": med["transitions"] / med["ours"],
+    }
+
+
+def _bench_rank(
+    rank: int, world: int, sizes: tuple[int, ...], reps: int, t_reps: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"sizes": {}}
+    for n in sizes:
+        out["sizes"][str(n)] = _bench_size(rank, n, reps, t_reps)
+    if rank == 0:
+        out["table"] = _table_costs()
+    return out
+
+
+def _table_costs() -> dict[str, float]:
+    from lifecycle import RequestTable
+
+    rooms = np.arange(1, 10_001, dtype=np.uint64)
+    add, rem = [], []
+    for _ in range(7):
+        t = RequestTable(capacity=64)
+        t0 = time.perf_counter()
+        t.extend(rooms)
+        add.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        t.remove_many(rooms)
+        t.order()
+        rem.append(time.perf_counter() - t0)
+    one = RequestTable(capacity=64)
+    t0 = time.perf_counter()
+    for r in range(1, 10_001):
+        one.add(r)
+    add_single = time.perf_counter() - t0
+    tracemalloc.start()
+    t = RequestTable(capacity=1)
+    before = tracemalloc.get_traced_memory()[0]
+    t.extend(np.arange(1, 16_385, dtype=np.uint64))
+    t.order()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {
+        "add_10k_ms": float(np.median(add) * 1e3),
+        "remove_10k_ms": float(np.median(rem) * 1e3),
+        "add_10k_one_by_one_ms": add_single * 1e3,
+        "bytes_per_live_request": (after - before) / 16_384,
+    }
+
+
+def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
+    from lifecycle.testing.spawn import run_ranks
+
+    results = run_ranks(_bench_rank, 2, sizes, reps, t_reps, timeout=1800, pg_timeout=300)
+    res: dict[str, Any] = {
+        "sizes": {n: _summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
+        "table": results[0]["table"],
+    }
+    _, why = field_function()
+    if why:
+        res["field_skipped"] = why
+    import os
+    import platform
+
+    res["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "ranks": 2,
+        "transport": "gloo over 127.0.0.1",
+        "reps": reps,
+        "transitions_reps": t_reps,
+    }
+    return res
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 64,1024"
+        ) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be at least 1, got {text!r}")
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    res = run_bench(args.sizes, args.reps, args.transitions_reps)
+    print(format_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench", help="step cost vs. the all-reduce floor and the per-request pattern"
+    )
+    p.add_argument("--sizes", type=_sizes, default=SIZES, help="comma-separated request counts")
+    p.add_argument("--reps", type=positive_int, default=200)
+    p.add_argument("--transitions-reps", type=positive_int, default=6)
+    p.add_argument("--json", help="write medians, p90s and ratios here")
+    p.set_defaults(func=_run)

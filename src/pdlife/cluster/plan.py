@@ -1,0 +1,312 @@
+"""Fault plans: seeded probabilistic faults plus targeted, replayable ones.
+
+A plan is a JSON or TOML document. Two modes decide *when* a fault fires.
+
+**Phase-keyed** (``mode = "phase"``, the default): a fault is tied to a
+request's lifecycle, not to the clock. For every (seed, rank, request) one
+draw decides whether that rank fails the request and at which phase
+(Bootstrapping, WaitingForInput or Transferring); client aborts are drawn the
+same way per request (which ones, at which phase). A fault fires on the first
+step at which the request has reached its phase on that rank (its agreed
+status, or what the backend reports this step, whichever is further), so it
+fires before the request can finish, however fast a real transport moves::
+
+    seed = 7
+    mode = "phase"
+    [probabilistic]
+    prob = 0.05             # per rank and request: fails it at a drawn phase
+    ranks = [0, 1]          # optional: only these ranks draw
+    [[faults]]
+    kind = "fail"
+    request = 12            # index into the run's requests (or: room = ...)
+    rank = 3                # the global rank that misbehaves
+    at = "Transferring"     # when the request reaches this phase there
+
+Of all the draws for one request (every rank's fault, and the abort) only
+the one at the earliest phase fires (ties: the abort, then the lowest rank),
+so which requests fail, and why, is a function of the seed alone: the same
+on every run and on every backend. See the README's guarantee for what can
+still differ (timings, step counts, the origin rank of a tie).
+
+**Step-keyed** (``mode = "step"``): each rank draws per request *per step*,
+and targeted faults name a scheduler iteration. How many steps a request
+lives depends on real transfer timing, so on a real transport two runs fail
+different requests; use it for soak-style noise::
+
+    seed = 7
+    mode = "step"
+    [probabilistic]
+    prob = 0.01             # per rank, per request, per step
+    [[faults]]
+    kind = "delay"          # fail | delay | hold_gate | drop_metadata |
+                            # corrupt_metadata | raise_in_poll | kill_rank |
+                            # pause_rank
+    request = 12
+    rank = 3
+    step = 5                # scheduler iteration on that rank (default: first
+                            # step the request is live there, or ``at``)
+    steps = 4               # for delay and hold_gate: how long
+
+A rank's whole process can be killed (``kill_rank``) or stopped for a while
+(``pause_rank``, every thread including the engine's, as a long GC pause or
+a starved host would: its heartbeats stop too), at a step::
+
+    [[faults]]
+    kind = "pause_rank"
+    rank = 1
+    step = 20
+    seconds = 3.0
+
+Every field is validated; an error names the entry and the field, e.g.
+``faults[2].kind``. The same plan and seed give the same faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.faults import ProbabilisticFaults
+from lifecycle.protocols import StepContext
+from lifecycle.status import KVPoll
+from pdlife.cluster.phase_draws import PHASE_VALUE, PHASES, Decision, phase_decisions
+from pdlife.cluster.plan_doc import (
+    KINDS,
+    MAX_PAUSE_S,
+    MODES,
+    FaultKind,
+    FaultPlan,
+    TargetedFault,
+    load_plan,
+    parse_plan,
+)
+
+__all__ = [
+    "FaultKind",
+    "TargetedFault",
+    "FaultPlan",
+    "load_plan",
+    "parse_plan",
+    "RankFaults",
+    "KINDS",
+    "MODES",
+    "PHASES",
+    "Decision",
+    "phase_decisions",
+]
+
+
+class RankFaults:
+    """A plan bound to one rank of a run: the step's fault hook, plus the
+    queries the simulated scheduler asks (delay, hold, metadata, raise, kill, pause).
+
+    ``room_of`` maps a request index to its room (a sequence or any object
+    with ``__getitem__``). In phase mode the simulator calls :meth:`admit`
+    for new requests and passes each queue's observed statuses to
+    :meth:`inject_phase`.
+    """
+
+    def __init__(
+        self,
+        plan: FaultPlan,
+        rank: int,
+        room_of: Any,
+        mode: str = "step",
+        world: int = 1,
+        abort_prob: float = 0.0,
+        abort_seed: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.plan = plan
+        self.mode = mode
+        self.world = world
+        self.abort_prob = abort_prob
+        self.abort_seed = abort_seed
+        self._room_of_request = room_of
+        self.prob = (
+            ProbabilisticFaults(plan.prob, seed=plan.seed, rank=rank)
+            if mode == "step" and plan.prob and (plan.prob_ranks is None or rank in plan.prob_ranks)
+            else None
+        )
+        self.mine: list[TargetedFault] = list(plan.for_rank(rank))
+        self._rooms = [self.room(f) for f in self.mine]
+        self._fired_idx: set[int] = set()
+        self.first_seen: dict[int, int] = {}
+        self.reached_at: dict[tuple[int, int], int] = {}  # (fault index, room) -> step
+        self.fired: list[tuple[int, str, int | None]] = []  # (step, kind, room)
+        # phase mode: the winners this rank carries out, room -> phase value
+        self.pending_fail: dict[int, int] = {}
+        self.pending_abort: dict[int, int] = {}
+        self.decisions: list[Decision] = []
+
+    def room(self, f: TargetedFault) -> int | None:
+        if f.kind in ("kill_rank", "pause_rank"):
+            return None
+        return f.room if f.room is not None else int(self._room_of_request[f.request or 0])
+
+    # -- phase mode --------------------------------------------------------------
+    def admit(
+        self,
+        rooms: Sequence[int],
+        aborts_here: bool,
+        groups: Sequence[int] | None = None,
+        rank_group: Any = None,
+    ) -> None:
+        """Draw the phase-keyed decisions of new requests; keep those this rank
+        carries out (its own faults; the client's aborts if ``aborts_here``).
+        With prefill DP, ``groups`` holds each request's DP group and
+        ``rank_group(rank)`` a rank's (None: it sees every request)."""
+        if self.mode != "phase" or not rooms or (self.plan.prob == 0 and self.abort_prob == 0):
+            return
+        serves = None
+        if groups is not None and rank_group is not None:
+            g = np.asarray(groups, np.int64)
+
+            def serves(rank: int) -> NDArray[np.bool_]:
+                mine = rank_group(rank)
+                return np.ones(g.size, bool) if mine is None else g == mine
+
+        for d in phase_decisions(
+            self.plan,
+            self.abort_prob,
+            self.abort_seed,
+            self.world,
+            np.asarray(rooms, np.uint64),
+            serves,
+        ):
+            if d.rank == self.rank or (d.rank == -1 and aborts_here):
+                self.decisions.append(d)
+                if d.wins and d.kind == "fail":
+                    self.pending_fail[d.room] = PHASE_VALUE[d.phase]
+                elif d.wins:
+                    self.pending_abort[d.room] = PHASE_VALUE[d.phase]
+
+    def forget(self, room: int) -> None:
+        """The request finished here: drop what was kept for it."""
+        self.first_seen.pop(room, None)
+        self.pending_fail.pop(room, None)
+        self.pending_abort.pop(room, None)
+
+    def _reached(self, ctx: StepContext, observed: NDArray[np.int8] | None) -> NDArray[np.int8]:
+        if observed is None:
+            return ctx.states
+        return np.where(ctx.states == KVPoll.Failed, ctx.states, np.maximum(ctx.states, observed))
+
+    def inject_phase(
+        self, ctx: StepContext, observed: NDArray[np.int8] | None, abort: Any = None
+    ) -> NDArray[np.bool_]:
+        """The step's fault hook with the statuses the backend reported this step:
+        targeted ``at`` faults and phase-keyed winners that have reached their
+        phase fire now; an abort winner is handed to ``abort(room)``."""
+        rooms = ctx.rooms.tolist()
+        hit = self.inject(ctx)
+        if not rooms:
+            return hit
+        reached = self._reached(ctx, observed).tolist()
+        for i, f in enumerate(self.mine):
+            if f.at is None:
+                continue
+            want = PHASE_VALUE[f.at]
+            for j, r in enumerate(rooms):
+                if r == self._rooms[i] and reached[j] >= want and reached[j] != KVPoll.Failed:
+                    first = self.reached_at.setdefault((i, r), ctx.step)
+                    if f.kind == "fail" and first == ctx.step:
+                        hit[j] = True
+                        self._fired(i, ctx.step, r)
+        if self.pending_fail or self.pending_abort:
+            for j, r in enumerate(rooms):
+                if reached[j] == KVPoll.Failed:
+                    continue
+                p = self.pending_fail.get(r)
+                if p is not None and reached[j] >= p:
+                    hit[j] = True
+                    del self.pending_fail[r]
+                    self.fired.append((ctx.step, "fail", r))
+                p = self.pending_abort.get(r)
+                if p is not None and reached[j] >= p and abort is not None:
+                    del self.pending_abort[r]
+                    self.fired.append((ctx.step, "abort", r))
+                    abort(r)
+        return hit
+
+    # -- step mode and targeted faults -----------------------------------------
+    def _fired(self, i: int, step: int, room: int | None) -> None:
+        if i not in self._fired_idx:
+            self._fired_idx.add(i)
+        self.fired.append((step, self.mine[i].kind, room))
+
+    def _active(self, kind: str, room: int, step: int) -> bool:
+        for i, f in enumerate(self.mine):
+            if f.kind != kind or self._rooms[i] != room:
+                continue
+            if f.at is not None:
+                start = self.reached_at.get((i, room))
+                if start is None:
+                    continue
+            else:
+                start = f.step if f.step is not None else self.first_seen.get(room, step)
+            if start <= step < start + f.steps:
+                if i not in self._fired_idx:
+                    self._fired(i, step, room)
+                return True
+        return False
+
+    def note_live(self, rooms: Sequence[int], step: int) -> None:
+        for r in rooms:
+            self.first_seen.setdefault(r, step)
+
+    def inject(self, ctx: StepContext) -> NDArray[np.bool_]:
+        rooms = ctx.rooms.tolist()
+        self.note_live(rooms, ctx.step)
+        hit = np.array([self._active("fail", r, ctx.step) for r in rooms], dtype=bool)
+        if self.prob is not None:
+            hit |= self.prob.inject(ctx)
+        return hit
+
+    def delayed(self, room: int, step: int) -> bool:
+        return self._active("delay", room, step)
+
+    def gate_held(self, room: int, step: int) -> bool:
+        return self._active("hold_gate", room, step)
+
+    def raises(self, room: int, step: int) -> bool:
+        return self._active("raise_in_poll", room, step)
+
+    def metadata_fault(self, room: int) -> str | None:
+        for i, f in enumerate(self.mine):
+            if f.kind in ("drop_metadata", "corrupt_metadata") and self._rooms[i] == room:
+                self._fired(i, 0, room)
+                return f.kind
+        return None
+
+    def kill_at(self, step: int) -> bool:
+        return any(f.kind == "kill_rank" and f.step == step for f in self.mine)
+
+    def pause_at(self, step: int) -> float:
+        """Seconds this rank's process stops at ``step`` (0: none); recorded as fired."""
+        total = 0.0
+        for i, f in enumerate(self.mine):
+            if f.kind == "pause_rank" and f.step == step:
+                self._fired(i, step, None)
+                total += f.seconds
+        return min(total, MAX_PAUSE_S)  # two pauses at one step are one, as long
+
+    def unfired(self, kinds: Sequence[str] | None = None) -> list[str]:
+        """The targeted faults of this rank that never fired (kill_rank aside:
+        a rank that fired it is dead), as plan-file descriptions."""
+        out = []
+        for i, f in enumerate(self.mine):
+            if f.kind == "kill_rank" or i in self._fired_idx:
+                continue
+            if kinds is not None and f.kind not in kinds:
+                continue
+            when = f"at {f.at}" if f.at else (f"step {f.step}" if f.step else "its first step")
+            if f.kind == "pause_rank":
+                out.append(f"pause_rank on rank {f.rank} at step {f.step} ({f.seconds:g} s)")
+                continue
+            who = f"request {f.request}" if f.request is not None else f"room {f.room}"
+            out.append(f"{f.kind} on rank {f.rank}, {who}, {when}")
+        return out

@@ -1,0 +1,274 @@
+"""The decode side of the connector protocol: one request, several prefill ranks.
+
+Once ``init()`` named the prefill DP group, the request waits for that group's
+record (its TP size), plans its legs from the topology (its senders, and the
+idle prefill ranks it informs), registers with every one of them
+(Handshaken: it reports WaitingForInput, and the scheduler may give it pages
+and a metadata row), and on ``send_metadata`` tells each where to write
+(Metadata): its own KV pages, or a block of the staging region when head
+slices are staged. A prefill rank reports WaitingForInput only once every
+decode rank's page list for the request is in. It is Done when every sender said "done"; a staged request is then
+scattered a bounded amount per scheduler step (the staging gate holds its
+Success meanwhile). A failed request tells every leg to stop and stays
+Aborted until every sender stopped (Drained), or the drain timeout passed
+(Drained; Fenced while the writer it failed for stopped beating, see
+:mod:`transport.connector.liveness`).
+
+:class:`DecodeSide` plays this part on a decode rank; it reaches its connector
+through the :class:`~transport.connector.port.Port` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.reasons import FailureReason
+from transport.connector.graph import Phase
+from transport.connector.legs import DecodeLeg, DecodeRequest
+from transport.connector.messages import Msg
+from transport.connector.port import Port
+from transport.layout import state_misfit
+from transport.staging import Scatter, Staging
+from transport.topology import Topology, TopologyError
+
+__all__ = ["DecodeSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSide:
+    """Decode's part of the protocol on one rank (see the module)."""
+
+    RECEIVES: ClassVar[bool] = True  # prefill ranks write into decode's memory
+    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+
+    def __init__(self, port: Port) -> None:
+        self.port = port
+        c = port.config
+        self.staging: Staging | None = None
+        if c.staging:
+            a = port.kv_args
+            slots = a.aux_data_lens[0] // a.aux_item_lens[0] if a.aux_data_lens else 0
+            self.staging = Staging(a, slots, c.staging_pages)
+        self.expected: frozenset[int] = frozenset()  # a request waits for no one unplanned
+        #: failures to tell prefill ranks whose group's record was not up yet
+        self.owed: list[DecodeRequest] = []
+
+    def start(self) -> None:
+        """Nothing: decode reads prefill's group record, it publishes none."""
+
+    def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
+        """Ask every leg that has not stopped yet to stop writing ``req``."""
+        msg: dict[str, Any] = {"kind": Msg.abort, "room": req.room, "reason": int(reason)}
+        if req.why is not None:
+            msg["why"] = req.why
+        for leg in req.legs.values():
+            if not leg.stopped:
+                self.port._send(leg.peer, msg, store)
+
+    def _drain_if_stopped(self, req: DecodeRequest) -> None:
+        p = self.port
+        if p._phase(req) in (Phase.Aborted, Phase.Fenced) and all(
+            leg.stopped for leg in req.senders()
+        ):
+            p._fire(req, "drain")
+
+    def fail(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
+        """Fail here and make every leg stop writing; Drained once every sender stopped."""
+        p = self.port
+        with p._lock:  # the phase it leaves, read with the move (tell_pages races it)
+            before = p._phase(req)
+            if not p._fire(req, "abort", reason):
+                return
+            req.reason = reason
+        # not registered yet: plan the legs anyway, so that prefill hears of it
+        # instead of waiting for a register that never comes; if the group's record
+        # is not up yet (its ranks still starting), the loop tells them once it is
+        if req.want_register and not self._plan(req, store, failing=True):
+            with p._lock:
+                self.owed.append(req)
+        self.ask_stop(req, reason, store)
+        if before < Phase.Metadata:  # no page list was sent: nothing can land
+            for leg in req.legs.values():
+                leg.stopped = True
+        self._drain_if_stopped(req)
+
+    def every_pass(self, store: Any) -> None:
+        """Tell the prefill ranks of every request failed before its group's record
+        was up, once it is (the request itself is long released: nothing of it
+        could land, as no page list was sent)."""
+        if not self.owed:
+            return
+        with self.port._lock:
+            owed, self.owed = self.owed, []
+        later = []
+        for req in owed:
+            if self._plan(req, store, failing=True):
+                self.ask_stop(req, req.reason, store)
+            else:
+                later.append(req)
+        if later:
+            with self.port._lock:
+                self.owed = later + self.owed
+
+    def on_message(self, req: DecodeRequest, msg: dict[str, Any], store: Any) -> None:
+        p = self.port
+        kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
+        if leg is None:
+            return  # not a rank this request is paired with (or not planned yet)
+        if kind == Msg.done:  # every write of this sender landed
+            leg.done = leg.stopped = True
+            if all(x.done for x in req.senders()):
+                p._fire(req, "complete")
+            self._drain_if_stopped(req)
+        elif kind in (Msg.failed, Msg.gave_up):
+            # the sender failed it: "failed" once its writes drained; "gave_up" when a
+            # write of it may still land (the pages wait for this rank's drain timeout)
+            leg.stopped = leg.stopped or kind == Msg.failed
+            reason = FailureReason(int(msg.get("reason", FailureReason.UNKNOWN)))
+            if leg.stopped and all(x.stopped for x in req.senders()):
+                _ = p._fire(req, "peer_failed", reason) or p._fire(req, "drain")
+            elif p._fire(req, "abort", reason):
+                self.ask_stop(req, reason, store)
+        elif kind == Msg.stopped:  # a sender acknowledged our abort: nothing more from it
+            leg.stopped = True
+            self._drain_if_stopped(req)
+
+    def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
+        """Nothing: a prefill rank's word about a room released here needs no answer."""
+
+    def _plan(self, req: DecodeRequest, store: Any, failing: bool = False) -> bool:
+        """The legs of ``req`` once its prefill DP group is known; False until then."""
+        if req.legs:
+            return True
+        p = self.port
+        try:
+            group = p.mail.group(req.dp, store)
+        except Exception:  # the store is gone (shutting down): nobody is left to tell
+            return False
+        if group is None:
+            return False
+        c = p.config
+        ptp = int(group["tp_size"])
+        if (int(group["kv_heads"]), bool(group["mla"])) != (p.kv_heads, c.mla):
+            why: str | None = (
+                f"{group['kv_heads']} KV heads (mla={group['mla']}), decode {p.kv_heads} "
+                f"(mla={c.mla})"
+            )
+        else:
+            why = state_misfit(group.get("state", []), ptp, p.state_geom, c.tp_size)
+        if why is not None and failing:
+            # refused for a misfit: every rank of the group is told why, at once,
+            # instead of waiting for a register that never comes (bootstrap timeout)
+            base = req.dp * ptp
+            req.legs = {base + q: DecodeLeg(base + q, sends=False) for q in range(ptp)}
+            req.why = f"decode rank {p.rank} refused it: {why}"
+            return True
+        if why is not None:
+            err = TopologyError(
+                f"room={req.room} on decode rank {p.rank}: prefill DP group {req.dp} does not "
+                f"fit: {why}; both sides must serve the same model"
+            )
+            p.last_error = err
+            logger.error("%s", err)
+            self.fail(req, FailureReason.TRANSFER_ERROR, store)
+            return False
+        topo = Topology(ptp, c.tp_size, p.kv_heads, c.mla, p.split_state)
+        base = req.dp * topo.prefill_tp
+        send = {s.prefill: s for s in topo.senders(c.tp_rank)}
+        share = set(topo.state_sources(c.tp_rank))  # the primary alone unless state is split
+        req.legs = {
+            base + q: DecodeLeg.of(base + q, send.get(q), q in share)
+            for q in topo.contacts(c.tp_rank)
+        }
+        # TP sizes that differ cut pages into head slices: those land in staging if asked
+        req.staged = self.staging is not None and not c.mla and topo.prefill_tp != topo.decode_tp
+        return True
+
+    def steps(self, req: DecodeRequest, store: Any) -> bool:
+        """Register once the legs and their endpoints are known; True while data is due
+        from an engine that notifies completion."""
+        p = self.port
+        ph = p._phase(req)
+        if ph == Phase.Bootstrap and req.want_register and self._plan(req, store):
+            if all(p._peer_info(q, store) is not None for q in req.legs):
+                c = p.config
+                # Handshaken before any register leaves: whoever sees a prefill
+                # rank registered then sees decode ready for pages too
+                if not p._fire(req, "handshake"):
+                    return False  # failed or aborted meanwhile: nothing to register
+                for leg in req.legs.values():
+                    info = p._peer_info(leg.peer, store) or {}
+                    leg.inc = info.get("inc")  # whom it registers with
+                    msg = {"kind": Msg.register, "room": req.room, "decode_tp": c.tp_size}
+                    msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
+                    msg.update(state=p.state_geom, state_leg=leg.state)
+                    p._send(leg.peer, msg, store)
+            return False
+        return p.NOTIFIES and ph == Phase.Metadata
+
+    def give_up(self, req: DecodeRequest, store: Any) -> None:
+        """Nothing: decode issues no writes, and its peers' fate is theirs to tell."""
+
+    def tell_pages(
+        self,
+        req: DecodeRequest,
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
+        """Tell every leg where to write (the arguments are checked by the caller)."""
+        p = self.port
+        messages = []
+        blocks = []
+        for leg in req.legs.values():
+            msg: dict[str, Any] = {"kind": Msg.pages, "room": req.room, "skip": skip}
+            if not leg.sends:
+                msg.update(pages=[], slot=-1, dst_heads=0)
+            elif req.staged and self.staging is not None:
+                msg.update(pages=list(range(pages.size)), dst_heads=leg.count)
+                msg.update(dst_ptrs=self.staging.block(slot, leg.dst_head))
+                blocks.append((leg.dst_head, leg.count))
+            else:
+                msg.update(pages=pages.tolist(), dst_heads=p.kv_args.kv_head_num)
+            msg.setdefault("slot", slot if leg.sends and leg.primary else -1)
+            if leg.state:  # whole rows (primary) or this leg's share of split ones
+                msg.update(state=None if state is None else [r.tolist() for r in state])
+            messages.append((leg.peer, msg))
+        with p._lock:  # growth replaces the columns: write them under the lock
+            if not p._fire(req, "metadata"):
+                # failed meanwhile (the loop, a dead peer): its legs may be stopped and
+                # its pages released already, so no page list may go out
+                return
+            p.waited[req.index] = time.monotonic()
+            req.num_pages = int(pages.size)  # what a fence on its writer holds
+            if blocks:
+                req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
+                p.scatter_left[req.index] = pages.size
+        for peer, msg in messages:
+            p._send(peer, msg, p.store)
+
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        """Scatter the next pages of every staged request whose senders are all done."""
+        p = self.port
+        if self.staging is None or indices.size == 0:
+            return
+        with p._lock:
+            due = (p.scatter_left[indices] > 0) & (p.phase[indices] == Phase.Done)
+            reqs = [p._reqs.get(int(r)) for r in rooms[due].tolist()]
+        for req in reqs:
+            if not isinstance(req, DecodeRequest):
+                continue  # released meanwhile: the room is gone
+            if req.scatter is None or p._phase(req) != Phase.Done:
+                continue
+            self.staging.scatter(req.scatter, p.config.scatter_pages)
+            with p._lock:
+                if not req.released:
+                    p.scatter_left[req.index] = req.scatter.left

@@ -1,0 +1,177 @@
+"""A request's handles on a connector: the prefill sender and decode receiver
+the scheduler holds (the field's ``KVSender``/``KVReceiver`` calls). A handle
+reaches its connector through the :class:`~transport.connector.port.Port`."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from lifecycle.reasons import FailureReason
+from lifecycle.status import KVPoll
+from transport.connector.graph import IS_TERMINAL, Phase, ProtocolError
+from transport.connector.legs import DecodeRequest, PrefillRequest, Request, rows_of
+from transport.connector.port import Port
+from transport.status_arrays import StatusHandle
+
+__all__ = ["ConnectorSender", "ConnectorReceiver"]
+
+T = int(KVPoll.Transferring)
+Q = TypeVar("Q", bound="Request[Any]")
+
+
+class _Handle(StatusHandle, Generic[Q]):
+    def __init__(self, manager: Port, req: Q) -> None:
+        self.manager = manager
+        self._req = req
+        super().__init__(manager, req.room, req.index)
+
+    def abort(self) -> None:
+        self.fail(FailureReason.ABORTED)
+
+    def fail(self, reason: FailureReason) -> None:
+        """The scheduler gave up on this request (agreed Failed, or a client abort):
+        stop, and make the peers stop writing; see :attr:`drained`."""
+        if not self.detached:
+            self.manager._fail(self._req, reason, self.manager.store)
+            self.manager._wake.set()
+
+    @property
+    def drained(self) -> bool:
+        """No write for this request can land any more: its pages and metadata
+        row may be reused. Until then, keep them quarantined."""
+        req = self._req
+        return req.released or bool(IS_TERMINAL[self.manager._phase(req)])
+
+    @property
+    def fenced(self) -> bool:
+        """Failed for a writer that stopped beating and never said it stopped:
+        its pages stay out of reuse while that writer is silent (they are
+        released once it speaks again and stops, see :mod:`transport.connector.liveness`)."""
+        req = self._req
+        return not req.released and self.manager._phase(req) == Phase.Fenced
+
+    def clear(self) -> None:
+        if self._detach():
+            self.manager._clear(self._req)
+
+
+class ConnectorSender(_Handle[PrefillRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, PrefillRequest))
+
+    def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
+        """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
+        ``metadata_slot``. ``first_page``: those pages start at this page of the
+        request; the ones before it are a prefix every decode rank holds already
+        (see :attr:`decode_prefix_pages`) and are never handed over. A decode
+        rank that holds fewer cached pages fails the request (it would need a
+        page prefill never had)."""
+        if num_pages < 0 or first_page < 0:
+            raise ValueError(
+                f"room={self.bootstrap_room}: num_pages ({num_pages}) and first_page "
+                f"({first_page}) must be >= 0"
+            )
+        req = self._req
+        if first_page and (req.sent or req.src.size):
+            raise ValueError(
+                f"room={self.bootstrap_room}: first_page={first_page} given after pages "
+                "were handed to send(); call init(..., first_page) before the first send()"
+            )
+        if self.detached:
+            return
+        req.local_slot = -1 if metadata_slot is None else metadata_slot
+        if first_page:
+            # placeholders for the prefix: every leg skips at least these positions
+            req.src = np.full(first_page, -1, dtype=np.int64)
+        req.first_page = first_page
+        req.num_pages = first_page + num_pages
+        if num_pages > 0:
+            self.manager.set(self.index, T)
+        self.manager._wake.set()
+
+    @property
+    def decode_prefix_pages(self) -> int | None:
+        """How many leading pages of this request decode holds already (a cached
+        prefix it will not be sent): the fewest any decode rank named. None
+        until every decode rank said where to write."""
+        m, req = self.manager, self._req
+        with m._lock:
+            if self.detached or m._phase(req) in (Phase.Bootstrap, Phase.Handshaken):
+                return None
+            return min((leg.skip for leg in req.legs.values() if leg.told), default=0)
+
+    def send(self, page_indices: ArrayLike, state_indices: Any = None) -> None:
+        """Hand over the next pages (in request order) and, once, the state rows:
+        one int array per state component, or one array for every component."""
+        m, req = self.manager, self._req
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
+        if self.detached:
+            return
+        if rows is not None:
+            req.src_state = rows
+        if pages.size:
+            req.src = np.concatenate((req.src, pages))  # one swap: the loop reads either
+        if pages.size or rows is not None or not req.sent:
+            req.sent = True
+            m._wake.set()
+
+
+class ConnectorReceiver(_Handle[DecodeRequest]):
+    def __init__(self, manager: Port, room: int) -> None:
+        super().__init__(manager, manager._take(room, DecodeRequest))
+
+    def init(self, prefill_dp_rank: int | None = None) -> None:
+        """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once
+        that group and its ranks are known."""
+        dp = 0 if prefill_dp_rank is None else prefill_dp_rank
+        if not isinstance(dp, (int, np.integer)) or isinstance(dp, bool) or dp < 0:
+            raise ValueError(
+                f"room={self.bootstrap_room}: prefill_dp_rank must be an int >= 0, got {dp!r}"
+            )
+        self._req.dp = int(dp)
+        self._req.want_register = True
+        self.manager._wake.set()
+
+    @property
+    def require_staging(self) -> bool:
+        """Whether this request lands in staging and is scattered (known once registered)."""
+        return self._req.staged
+
+    def send_metadata(
+        self,
+        page_indices: ArrayLike,
+        metadata_slot: int,
+        state_indices: Any = None,
+        decode_prefix_len: int = 0,
+    ) -> None:
+        """Tell prefill where to write: ``page_indices`` are this rank's pages for the
+        request's pages after the first ``decode_prefix_len`` tokens, which decode
+        holds already (a cached prefix, whole pages) and which are not sent."""
+        m, req = self.manager, self._req
+        ph = m._phase(req)
+        if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
+            return  # it already failed: nothing to tell
+        if ph != Phase.Handshaken:
+            raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata")
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        ps = m.kv_args.page_size
+        if decode_prefix_len < 0 or decode_prefix_len % ps:
+            raise ValueError(
+                f"room={req.room}: decode_prefix_len {decode_prefix_len} is not a whole "
+                f"number of {ps}-token pages; only whole cached pages can be skipped"
+            )
+        rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
+        st = m.side.staging
+        if (req.staged and st is not None) and (
+            not 0 <= metadata_slot < st.slots or pages.size > st.pages
+        ):
+            raise ValueError(
+                f"room={req.room}: staging holds {st.pages} pages in each of {st.slots} "
+                f"slots; got {pages.size} pages for slot {metadata_slot} "
+                "(raise ConnectorConfig.staging_pages)"
+            )
+        m.side.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)

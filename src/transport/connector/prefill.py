@@ -1,0 +1,375 @@
+"""The prefill side of the connector protocol: one request, several decode ranks.
+
+A request waits for every decode rank the topology names (its legs) to
+register it (Handshaken) and to say where to write (Metadata). It reports
+Bootstrapping until every leg's page list is in, and WaitingForInput from
+then on: only then may the scheduler take a metadata row for it (taken at
+the handshake, the two sides' rows can each go to requests the other holds
+none for, and both wait for ever; see :mod:`transport.connector.graph`).
+The bootstrap timeout covers the whole wait. It then writes
+each leg's slice of every page handed to ``send()`` (pages of a cached prefix
+skipped), the metadata row's fields and the state rows on each primary leg;
+once all of that landed, each primary leg's room column (RoomWritten); once
+that landed too, every leg is told "done" (Done). A failed request tells every
+leg why, once none of its writes is in flight (a leg that aborted it is told
+"stopped").
+
+:class:`PrefillSide` plays this part on a prefill rank; it reaches its connector
+through the :class:`~transport.connector.port.Port` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.reasons import FailureReason
+from transport.connector.graph import IS_TERMINAL, Phase
+from transport.connector.legs import (
+    PrefillLeg,
+    PrefillRequest,
+    kv_writes,
+    leg_of,
+    refs_misfit,
+    rows_misfit,
+)
+from transport.connector.messages import Msg
+from transport.connector.port import Port
+from transport.errors import TransportError
+from transport.layout import StateShare, row_writes, state_misfit, state_writes
+from transport.staging import Staging
+from transport.topology import Topology, TopologyError
+
+__all__ = ["PrefillSide", "gave_up"]
+
+logger = logging.getLogger(__name__)
+
+
+def gave_up(room: int, reason: int) -> dict[str, Any]:
+    """The word for a leg when this rank released a request whose writes the
+    engine never finished: it failed, yet a write of it may still land."""
+    return {"kind": Msg.gave_up, "room": room, "reason": int(reason)}
+
+
+class PrefillSide:
+    """Prefill's part of the protocol on one rank (see the module)."""
+
+    RECEIVES: ClassVar[bool] = False  # prefill's memory is only read
+    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
+
+    def __init__(self, port: Port) -> None:
+        self.port = port
+        self.staging: Staging | None = None
+        #: the decode ranks the last registered request paired with; a request
+        #: not registered yet is expected from them (a dead one fails it: peer dead)
+        self.expected: frozenset[int] = frozenset()
+        #: rooms given up at the drain timeout with writes the engine never finished
+        self.abandoned: set[int] = set()
+
+    def start(self) -> None:
+        """Publish this DP group's record: decode plans its legs from it."""
+        p, c = self.port, self.port.config
+        group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
+        p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
+
+    def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
+        """Fail here; every leg is told once no write is in flight (see :meth:`steps`)."""
+        if self.port._fire(req, "abort", reason):
+            req.reason = reason
+
+    def _refuse(self, req: PrefillRequest, why: str) -> None:
+        """A peer's message does not fit this rank's topology: fail the request, loudly."""
+        p = self.port
+        err = TopologyError(f"room={req.room} on prefill rank {p.rank}: {why}")
+        p.last_error = err
+        logger.error("%s", err)
+        self.fail(req, FailureReason.TRANSFER_ERROR)
+
+    def _plan(self, req: PrefillRequest, msg: dict[str, Any]) -> bool:
+        """The legs of ``req`` from the first register message: every decode rank of
+        the registering DP group that the topology pairs with this rank."""
+        p, c = self.port, self.port.config
+        dtp = int(msg["decode_tp"])
+        if (int(msg["kv_heads"]), bool(msg["mla"])) != (p.kv_heads, c.mla):
+            why: str | None = (
+                f"decode has {msg['kv_heads']} KV heads (mla={msg['mla']}), "
+                f"prefill {p.kv_heads} (mla={c.mla})"
+            )
+        else:
+            why = state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
+        if why is not None:
+            self._refuse(req, f"{why}; both sides must serve the same model")
+            return False
+        topo = Topology(c.tp_size, dtp, p.kv_heads, c.mla, p.split_state)
+        base = int(msg["dp"]) * topo.decode_tp
+        by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
+        req.legs = {
+            base + d: leg_of(
+                base + d,
+                by_decode.get(d),
+                c.tp_rank in topo.state_sources(d),  # the primary alone unless state is split
+            )
+            for d in topo.peers(c.tp_rank)
+        }
+        req.decode_tp = dtp
+        self.expected = frozenset(req.legs)
+        return True
+
+    def on_message(self, req: PrefillRequest, msg: dict[str, Any], store: Any) -> None:
+        p = self.port
+        kind, peer = msg["kind"], int(msg["from"])
+        if kind == Msg.abort:  # a decode rank gave up: stop writing, say so once drained
+            reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
+            if msg.get("why") and p._phase(req) < Phase.Done:  # a live request: this is why
+                p.last_error = TopologyError(
+                    f"room={req.room} on prefill rank {p.rank}: {msg['why']}"
+                )
+                logger.error("%s", p.last_error)
+            leg = req.legs.get(peer)
+            if leg is None and not req.legs:  # before any register: it is told once drained
+                leg = req.legs[peer] = PrefillLeg(peer, sends=False)
+            if leg is not None:
+                leg.asked_stop = True
+            if p._fire(req, "abort", reason):
+                req.reason = reason
+            elif req.abandoned:  # released with writes the engine never finished
+                p._send(peer, gave_up(req.room, req.reason), store)
+            elif IS_TERMINAL[p._phase(req)] or leg is None:
+                p._send(peer, {"kind": Msg.stopped, "room": req.room}, store)
+            return
+        if p._phase(req) >= Phase.Aborted:  # failed here already: the leg hears why
+            if kind == Msg.register:
+                p._send(
+                    peer, {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}, store
+                )
+            return
+        if kind == Msg.register:
+            if not req.legs and not self._plan(req, msg):
+                return
+            leg = req.legs.get(peer)
+            if leg is None or (leg.slice, leg.state) != (msg.get("slice"), msg.get("state_leg")):
+                self._refuse(
+                    req,
+                    f"decode rank {peer} registered slice {msg.get('slice')} (state "
+                    f"{msg.get('state_leg')}), expected "
+                    f"{None if leg is None else (leg.slice, leg.state)}",
+                )
+                return
+            leg.registered, leg.inc = True, msg.get("inc")
+            if all(x.registered for x in req.legs.values()):
+                p._fire(req, "handshake")
+            for held in [h for h in req.held if int(h["from"]) == peer]:
+                req.held.remove(held)
+                self.on_message(req, held, store)
+        elif kind == Msg.pages:
+            leg = req.legs.get(peer)
+            if leg is None or not leg.registered:
+                # decode's scheduler sends this on another connection than its loop's
+                # register, so it may overtake it: held until that register is in
+                req.held.append(msg)
+                return
+            leg.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
+            leg.dst_slot, leg.skip = int(msg["slot"]), int(msg["skip"])
+            leg.dst_ptrs, leg.dst_heads = msg.get("dst_ptrs"), int(msg["dst_heads"])
+            st = msg.get("state")
+            leg.dst_state = None if st is None else [np.asarray(r, dtype=np.int64) for r in st]
+            leg.told = True
+            if all(x.told for x in req.legs.values()):
+                p._fire(req, "metadata")
+
+    def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
+        """A decode rank's word about a room released here: nothing more is written."""
+        kind, send = msg["kind"], self.port._send
+        if kind == Msg.abort and room in self.abandoned:
+            send(int(msg["from"]), gave_up(room, reason), store)
+        elif kind == Msg.abort:  # finished and drained here
+            send(int(msg["from"]), {"kind": Msg.stopped, "room": room}, store)
+        elif kind == Msg.register:  # it failed and was cleared before this rank knew
+            send(int(msg["from"]), {"kind": Msg.failed, "room": room, "reason": reason}, store)
+
+    def steps(self, req: PrefillRequest, store: Any) -> bool:
+        p = self.port
+        before = -1  # a write that landed at once lets the next step go in the same pass
+        while p._phase(req) != before:
+            p._reap(req, store)
+            before = ph = p._phase(req)
+            if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
+                self._issue(req, store)
+            elif ph == Phase.RoomWritten and not req.tokens:
+                if p._fire(req, "complete"):  # (close() may have failed it meanwhile)
+                    for peer in req.legs:
+                        p._send(peer, {"kind": Msg.done, "room": req.room}, store)
+            elif ph == Phase.Aborted and not req.tokens:
+                self.tell_legs(req, store)
+                p._fire(req, "drain")
+        return False  # no engine notifies prefill: its writes are polled
+
+    def tell_legs(self, req: PrefillRequest, store: Any) -> None:
+        """Tell every leg why the request failed ("stopped" to one that asked), a
+        silent one too: it may only be paused."""
+        for leg in req.legs.values():
+            told = {"kind": Msg.stopped} if leg.asked_stop else {"kind": Msg.failed}
+            self.port._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
+
+    def give_up(self, req: PrefillRequest, store: Any) -> None:
+        """Released at the drain timeout with writes the engine never finished:
+        every leg hears so (they may still land: a decode rank keeps its pages
+        until its own drain timeout)."""
+        req.abandoned = True
+        if len(self.abandoned) > 100_000:
+            self.abandoned.clear()
+        self.abandoned.add(req.room)
+        for leg in req.legs.values():
+            self.port._send(leg.peer, gave_up(req.room, req.reason), store)
+
+    def every_pass(self, store: Any) -> None:
+        """Nothing: prefill owes no word beyond its requests' own."""
+
+    def ask_stop(self, req: PrefillRequest, reason: FailureReason, store: Any) -> None:
+        """Nothing: no peer writes into prefill's memory."""
+
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        """Nothing: prefill stages nothing."""
+
+    def tell_pages(
+        self,
+        req: PrefillRequest,
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
+        raise TransportError(
+            f"room={req.room}: prefill rank {self.port.rank} is told where to write; "
+            "a page list is a decode receiver's to send"
+        )
+
+    def _issue_leg(self, req: PrefillRequest, leg: PrefillLeg, store: Any) -> bool:
+        """Write what ``leg`` has not had yet; False if the request failed."""
+        p = self.port
+        info = p._peer_info(leg.peer, store)
+        if info is None or leg.dst_pages is None:
+            return True
+        why = rows_misfit(req, leg)
+        if why is not None:
+            self._refuse(req, why)
+            return False
+        if leg.skip < req.first_page:
+            self._refuse(
+                req,
+                f"decode rank {leg.peer} holds a prefix of {leg.skip} pages, but send() is "
+                f"handed the request's pages from page {req.first_page} on",
+            )
+            return False
+        if (
+            req.num_pages == req.first_page
+            and not req.sent
+            and leg.state
+            and leg.dst_state is not None
+        ):
+            # no page to wait for, yet the state rows come with the send() after init(0):
+            # the loop may run between the two calls
+            return True
+        src = req.src  # the scheduler may swap in a longer one meanwhile
+        n = src.size
+        why = refs_misfit(
+            p.kv_args, p.rank, req, leg, info, src[max(leg.issued, req.first_page) : n]
+        )
+        if why is not None:
+            self._refuse(req, why)
+            return False
+        if not leg.sends:  # no KV: a share of split state only, once the pages are all in
+            if n >= req.num_pages and not leg.fields_out:
+                if not self._state_out(req, leg, info, store):
+                    return False
+                leg.fields_out = True
+            return True
+        if leg.issued < n:
+            at = np.arange(leg.issued, n)
+            keep = at >= leg.skip
+            dst_at = at[keep] - leg.skip
+            if dst_at.size and dst_at[-1] >= leg.dst_pages.size:
+                self._refuse(
+                    req,
+                    f"page {int(dst_at[-1])} has no page on decode rank {leg.peer} "
+                    f"(it gave {leg.dst_pages.size} after a prefix of {leg.skip})",
+                )
+                return False
+            if keep.any():
+                w = kv_writes(
+                    p.kv_args, info, leg, src[leg.issued : n][keep], leg.dst_pages[dst_at]
+                )
+                p._submit(req, info, w, b"", store)
+            leg.issued = n
+        if n >= req.num_pages and not leg.fields_out:
+            if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
+                self._refuse(
+                    req,
+                    f"{req.num_pages} pages after a prefix of {leg.skip} do not fit "
+                    f"the {leg.dst_pages.size} pages decode rank {leg.peer} gave",
+                )
+                return False
+            if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0:
+                # the row's fields travel with the last pages; only the room waits for all
+                p._submit(
+                    req,
+                    info,
+                    row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False),
+                    b"",
+                    store,
+                )
+            if not self._state_out(req, leg, info, store):
+                return False
+            leg.fields_out = True
+        return True
+
+    def _state_out(
+        self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any], store: Any
+    ) -> bool:
+        """The state rows this leg owes, once every page is handed over: whole rows
+        on the primary leg, and with split state this rank's share of the decode
+        rank's. False if only one side named rows (the request is refused: decode
+        would commit it holding another request's state)."""
+        if not leg.state or (req.src_state is None and leg.dst_state is None):
+            return True
+        if req.src_state is None or leg.dst_state is None:
+            self._refuse(
+                req,
+                f"decode rank {leg.peer} gave state rows but send() was handed none with the "
+                "request's pages; pass state_indices to send() (with the last pages at the latest)"
+                if req.src_state is None
+                else f"send() was handed state rows but decode rank {leg.peer} gave none; "
+                "pass state_indices to send_metadata()",
+            )
+            return False
+        p, share = self.port, None
+        if p.split_state:
+            c, dtp = p.config, req.decode_tp
+            d = leg.peer % dtp
+            share = StateShare(c.tp_rank, c.tp_size, d, dtp, leg.primary, info["state_geom"])
+        w = state_writes(p.kv_args, info["state_ptrs"], req.src_state, leg.dst_state, share)
+        if w[0].size:
+            p._submit(req, info, w, b"", store)
+        return True
+
+    def _issue(self, req: PrefillRequest, store: Any) -> None:
+        p = self.port
+        for leg in req.legs.values():
+            if not leg.sends and not leg.state:
+                leg.fields_out = True
+            elif not self._issue_leg(req, leg, store):
+                return
+        out = all(leg.fields_out for leg in req.legs.values())
+        if p._phase(req) == Phase.Metadata and (req.tokens or out):
+            p._fire(req, "write")
+        if p._phase(req) == Phase.Writing and out and not req.tokens:
+            for leg in req.legs.values():
+                info = p._peer_info(leg.peer, store)
+                if leg.primary and info is not None and req.local_slot >= 0 and leg.dst_slot >= 0:
+                    w = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, True)
+                    p._submit(req, info, w, str(req.room).encode(), store)
+            p._fire(req, "write_room")

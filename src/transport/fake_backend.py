@@ -1,8 +1,0 @@
-"""Registry entry for the fake backend."""
-
-from transport.fake import FakeBootstrap, FakeManager, FakeReceiver, FakeSender
-
-MANAGER = FakeManager
-SENDER = FakeSender
-RECEIVER = FakeReceiver
-BOOTSTRAP = FakeBootstrap
