@@ -2,7 +2,7 @@
 disaggregated serving as explicit, typed state machines that every rank
 advances in one collective step."""
 
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.drive.collective import (
     Collective,
     CountingCollective,

@@ -192,7 +192,7 @@ def test_a_cached_table_grown_by_two_threads_at_once_answers_both_in_full(monkey
     import sys
     import threading
 
-    from lifecycle import fingerprint as packing  # where the caches live
+    from lifecycle.core import fingerprint as packing  # where the caches live
 
     fn = getattr(packing, name)
     grow = packing._cached  # the cache both answer from

@@ -35,7 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from field.step.gates import RoomGate, StagingAdapter, is_fake
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import IllegalTransition

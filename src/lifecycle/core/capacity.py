@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from lifecycle.core.config import MAX_CAPACITY
+from lifecycle.config import MAX_CAPACITY
 
 __all__ = ["Capacity", "bucket"]
 

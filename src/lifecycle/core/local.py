@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.core.frame import Frame
 from lifecycle.core.observe import Observation, contained, observe
 from lifecycle.core.packing import pack, status_words

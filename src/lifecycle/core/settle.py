@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.core.frame import Frame, no_origins
 from lifecycle.core.local import LocalStage
 from lifecycle.core.packing import (

@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.core.frame import Frame
 from lifecycle.core.observe import Observation, contained
 from lifecycle.core.verdicts import bool_answer

@@ -47,9 +47,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle import validate
-from lifecycle.core.buffer import StepBuffer
-from lifecycle.core.capacity import Capacity
-from lifecycle.core.config import (
+from lifecycle.config import (
     FIRST_CAPACITY,
     MAX_CAPACITY,
     MAX_RANK,
@@ -58,6 +56,8 @@ from lifecycle.core.config import (
     require_method,
     tag_word,
 )
+from lifecycle.core.buffer import StepBuffer
+from lifecycle.core.capacity import Capacity
 from lifecycle.core.frame import Frame
 from lifecycle.core.local import LocalStage
 from lifecycle.core.packing import Header, buffer_size, stable_hash

@@ -36,7 +36,7 @@ from functools import partial
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import tag_word
+from lifecycle.config import tag_word
 from lifecycle.core.packing import PAD, buffer_size
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective, Pending, start_min

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import FIRST_CAPACITY
+from lifecycle.config import FIRST_CAPACITY
 from lifecycle.core.packing import Field, Header, buffer_size, stable_hash, write_field
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.config import tag_word
+from lifecycle.config import tag_word
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import InvalidArgument, LifecycleError
 from lifecycle.result import StepResult

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers
-from lifecycle.core.config import StepConfig
+from lifecycle.config import StepConfig
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import PartialPollError
