@@ -1,78 +1,74 @@
 """pd-lifecycle: the KV-cache transfer lifecycle of prefill/decode
 disaggregated serving as explicit, typed state machines that every rank
-advances in one collective step."""
+advances in one collective step.
+
+What a scheduler needs is here; the rest stays under its own module:
+the rule tables in :mod:`lifecycle.rules`, the sans-I/O step in
+:mod:`lifecycle.core`, the drivers in :mod:`lifecycle.drive`, every error in
+:mod:`lifecycle.errors`, test doubles and test-only executors in
+:mod:`lifecycle.testing`.
+"""
 
 from lifecycle.config import StepConfig
 from lifecycle.drive.collective import (
     Collective,
-    CountingCollective,
     Hierarchical,
     SingleRank,
     TorchCollective,
-    start_min,
 )
 from lifecycle.drive.group import StepGroup
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import (
     CollectiveMismatch,
-    DuplicateRequest,
-    FaultPlanError,
-    IllegalTransition,
-    InvalidStatus,
+    HookError,
     LifecycleError,
     RankFailure,
-    ReservedRoom,
-    StepInFlight,
     TableBusy,
-    UnknownRequest,
-    UnknownTrigger,
+)
+from lifecycle.protocols import (
+    BatchPoller,
+    FaultHook,
+    Gate,
+    MetadataSource,
+    StagingGate,
+    StepContext,
 )
 from lifecycle.reasons import FailureReason
 from lifecycle.result import Failure, StepResult, StuckReport
-from lifecycle.rules.graph import EDGES, GATES, VERDICTS, Edge, EdgeKind
-from lifecycle.rules.reference import RequestMachine
 from lifecycle.status import KVPoll, Role
 from lifecycle.table import RequestTable
-from lifecycle.testing.lockstep import lockstep
-from lifecycle.testing.simulated import SimulatedWorld
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "EDGES",
-    "GATES",
-    "VERDICTS",
-    "Collective",
-    "CollectiveMismatch",
-    "CountingCollective",
-    "DuplicateRequest",
-    "Edge",
-    "EdgeKind",
-    "Failure",
-    "FailureReason",
-    "FaultPlanError",
-    "Hierarchical",
-    "IllegalTransition",
-    "InvalidStatus",
+    # the statuses and why a request failed
     "KVPoll",
-    "LifecycleError",
-    "RankFailure",
-    "RequestMachine",
-    "RequestTable",
-    "ReservedRoom",
+    "FailureReason",
     "Role",
-    "SimulatedWorld",
-    "SingleRank",
-    "StepConfig",
-    "StepGroup",
-    "StepResult",
+    # the requests of one queue, stepped on one rank
+    "RequestTable",
     "Stepper",
+    "StepGroup",
+    "StepConfig",
+    "StepResult",
+    "Failure",
     "StuckReport",
-    "StepInFlight",
-    "TableBusy",
+    # what a step reduces over
+    "Collective",
     "TorchCollective",
-    "UnknownRequest",
-    "UnknownTrigger",
-    "lockstep",
-    "start_min",
+    "Hierarchical",
+    "SingleRank",
+    # what a step raises
+    "LifecycleError",
+    "CollectiveMismatch",
+    "RankFailure",
+    "TableBusy",
+    "HookError",
+    # what a user implements: pollers, gates, staging, metadata, faults
+    "BatchPoller",
+    "Gate",
+    "StagingGate",
+    "MetadataSource",
+    "FaultHook",
+    "StepContext",
 ]

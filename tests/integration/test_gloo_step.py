@@ -11,14 +11,8 @@ B, W, T, S, F = 1, 2, 3, 4, 0
 
 
 def _random_run(rank, world, seed, steps):
-    from lifecycle import (
-        CountingCollective,
-        FailureReason,
-        RequestTable,
-        StepConfig,
-        Stepper,
-        TorchCollective,
-    )
+    from lifecycle import FailureReason, RequestTable, StepConfig, Stepper, TorchCollective
+    from lifecycle.drive.collective import CountingCollective
     from lifecycle.testing import StatusBoard
 
     rng = np.random.default_rng([seed, rank])
@@ -206,7 +200,8 @@ def test_tp_then_cp_equals_flat_min():
 
 
 def _counted(rank, world):
-    from lifecycle import CountingCollective, RequestTable, Stepper, TorchCollective
+    from lifecycle import RequestTable, Stepper, TorchCollective
+    from lifecycle.drive.collective import CountingCollective
     from lifecycle.testing import StatusBoard
 
     table = RequestTable()

@@ -7,9 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lifecycle import FailureReason, IllegalTransition, KVPoll, RequestMachine, UnknownTrigger
+from lifecycle import FailureReason, KVPoll
+from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.rules import batch
 from lifecycle.rules.graph import GUARDS, TRIGGERS, edges_for
+from lifecycle.rules.reference import RequestMachine
 
 events = st.lists(
     st.tuples(

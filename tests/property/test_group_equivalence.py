@@ -17,8 +17,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle import KVPoll, RequestTable, SimulatedWorld, StepGroup, Stepper
-from lifecycle.testing import StatusBoard
+from lifecycle import KVPoll, RequestTable, StepGroup, Stepper
+from lifecycle.testing import SimulatedWorld, StatusBoard
 
 QUEUES = ("handshake", "prealloc", "transfer")
 

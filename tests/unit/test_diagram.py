@@ -1,6 +1,7 @@
 import pytest
 
-from lifecycle import EDGES, KVPoll
+from lifecycle import KVPoll
+from lifecycle.rules.graph import EDGES
 from pdlife.cli import main
 
 

@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
 
-from lifecycle import EDGES, EdgeKind, IllegalTransition, KVPoll, RequestMachine, UnknownTrigger
+from lifecycle import KVPoll
+from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.rules import batch
-from lifecycle.rules.graph import GATES, TRIGGERS
+from lifecycle.rules.graph import EDGES, GATES, TRIGGERS, EdgeKind
+from lifecycle.rules.reference import RequestMachine
 
 B, W, T, S, F = (
     KVPoll.Bootstrapping,

@@ -7,17 +7,16 @@ import pytest
 
 from lifecycle import (
     CollectiveMismatch,
-    CountingCollective,
     KVPoll,
     RequestTable,
-    SimulatedWorld,
     SingleRank,
     StepConfig,
     StepGroup,
     Stepper,
     TableBusy,
 )
-from lifecycle.testing import StatusBoard
+from lifecycle.drive.collective import CountingCollective
+from lifecycle.testing import SimulatedWorld, StatusBoard
 from lifecycle.testing.spawn import on_threads
 
 S, F = KVPoll.Success, KVPoll.Failed

@@ -6,19 +6,17 @@ import pytest
 
 from lifecycle import (
     CollectiveMismatch,
-    CountingCollective,
     FailureReason,
-    InvalidStatus,
     KVPoll,
     RequestTable,
-    SimulatedWorld,
     SingleRank,
     StepGroup,
     Stepper,
     TableBusy,
 )
-from lifecycle.errors import HookError, InvalidArgument
-from lifecycle.testing import StatusBoard, lockstep
+from lifecycle.drive.collective import CountingCollective
+from lifecycle.errors import HookError, InvalidArgument, InvalidStatus
+from lifecycle.testing import SimulatedWorld, StatusBoard, lockstep
 from lifecycle.testing.spawn import on_threads
 
 B, W, T, S, F = (

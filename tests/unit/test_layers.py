@@ -43,3 +43,211 @@ def test_a_broken_layer_is_seen(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from transport.registry import get_backend\n")
     assert imported_packages(f) == {"transport"}
+
+
+# -- inside a package: modules import one way, the step's core imports no driver --
+
+PACKAGES = ["buffers", "lifecycle", "transport", "field", "pdlife"]
+#: the sans-I/O step and the rules it executes; the drivers that do I/O
+SANS_IO = ("lifecycle.core", "lifecycle.rules")
+DRIVERS = ("lifecycle.drive",)
+#: what only a driver may import: a network, processes, an event loop, torch
+#: (threads are not I/O: the core keeps per-thread scratch arrays)
+IO_MODULES = {"torch", "socket", "subprocess", "multiprocessing", "asyncio", "select"}
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Every module under ``root`` and the modules of the same top package it
+    imports: at the top, inside functions and under ``if TYPE_CHECKING``
+    alike. ``from pkg import name`` counts as importing ``pkg.name`` when that
+    is a module, else ``pkg`` (its ``__init__``)."""
+    files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    up = up[: len(up) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                subs = {f"{base}.{a.name}" for a in node.names} & files.keys()
+                out |= subs or {base}
+                if len(subs) < len(node.names):
+                    out.add(base)
+        top = mod.split(".")[0]
+        graph[mod] = {m for m in out if m in files and m != mod and m.split(".")[0] == top}
+    return graph
+
+
+def io_imports(root: Path, mod: str) -> set[str]:
+    """The I/O modules ``mod`` imports itself (anywhere in it)."""
+    path = root / (mod.replace(".", "/") + ".py")
+    if not path.exists():
+        path = root / mod.replace(".", "/") / "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out & IO_MODULES
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected parts of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circle_inside_a_package(package):
+    graph = {m: e for m, e in module_graph(SRC).items() if m.split(".")[0] == package}
+    assert graph
+    assert circles(graph) == [], f"import circles in {package}"
+
+
+def test_the_sans_io_step_imports_no_driver():
+    graph = module_graph(SRC)
+    core = [m for m in graph if m.startswith(SANS_IO)]
+    assert len(core) > 5
+    bad = {
+        m: sorted(x for x in reach(graph, m) if x.startswith(DRIVERS))
+        for m in core
+        if any(x.startswith(DRIVERS) for x in reach(graph, m))
+    }
+    assert bad == {}, f"the sans-I/O step reaches a driver: {bad}"
+    io = {m: sorted(io_imports(SRC, m)) for m in core if io_imports(SRC, m)}
+    assert io == {}, f"the sans-I/O step imports I/O: {io}"
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_a_circle_hidden_in_a_function_or_under_type_checking_is_seen(tmp_path):
+    """Negative control: a back-import inside a function, or under
+    ``TYPE_CHECKING``, closes a circle the scan names."""
+    root = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/hub.py": "from pkg.part import f\n",
+            "pkg/part.py": "def f():\n    from pkg.hub import g\n",
+            "pkg/typed.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from pkg import other\n",
+            "pkg/other.py": "import pkg.typed\n",
+            "pkg/fine.py": "from pkg import part\n",
+        },
+    )
+    assert circles(module_graph(root)) == [["pkg.hub", "pkg.part"], ["pkg.other", "pkg.typed"]]
+
+
+def test_a_core_module_importing_a_driver_is_seen(tmp_path):
+    """Negative control: a core module that reaches a driver through another
+    core module, and one that opens a socket, are both named."""
+    root = _package(
+        tmp_path,
+        {
+            "lifecycle/__init__.py": "",
+            "lifecycle/core/__init__.py": "",
+            "lifecycle/core/a.py": "from lifecycle.core import b\n",
+            "lifecycle/core/b.py": "def late():\n    from lifecycle.drive.group import G\n",
+            "lifecycle/core/c.py": "import socket\n",
+            "lifecycle/drive/__init__.py": "",
+            "lifecycle/drive/group.py": "from lifecycle.core import a\n",
+        },
+    )
+    graph = module_graph(root)
+    assert "lifecycle.drive.group" in reach(graph, "lifecycle.core.a")
+    assert io_imports(root, "lifecycle.core.c") == {"socket"}
+
+
+def test_no_module_over_400_lines_and_no_folder_over_12_modules():
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert long == {}, "modules over 400 lines"
+    big = {
+        str(d.relative_to(SRC)): n
+        for d in [SRC, *[p for p in SRC.rglob("*") if p.is_dir()]]
+        if (n := len(list(d.glob("*.py")))) > 12
+    }
+    assert big == {}, "folders of more than 12 modules"
+
+
+def test_every_module_opens_with_its_responsibility():
+    bare = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert bare == []
+
+
+def test_the_public_surface_fits_on_one_screen():
+    import lifecycle
+    from lifecycle import protocols
+
+    assert len(lifecycle.__all__) <= 25
+    assert len(set(lifecycle.__all__)) == len(lifecycle.__all__)
+    user_implements = {"BatchPoller", "Gate", "StagingGate", "MetadataSource", "FaultHook"}
+    assert user_implements <= set(lifecycle.__all__)
+    assert {
+        n for n in user_implements if getattr(lifecycle, n) is getattr(protocols, n)
+    } == user_implements
+    assert all(hasattr(lifecycle, n) for n in lifecycle.__all__)

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from lifecycle import FaultPlanError
+from lifecycle.errors import FaultPlanError
 from lifecycle.faults import ProbabilisticFaults, from_env
 from lifecycle.protocols import StepContext
 from pdlife.cluster.plan import RankFaults, load_plan, parse_plan

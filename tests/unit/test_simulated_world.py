@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from lifecycle import SimulatedWorld
 from lifecycle.errors import LifecycleError, RankFailure
+from lifecycle.testing import SimulatedWorld
 
 
 def _on_ranks(world, fn):

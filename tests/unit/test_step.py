@@ -7,14 +7,13 @@ from buffers import MetadataBuffers
 from lifecycle import (
     CollectiveMismatch,
     FailureReason,
-    IllegalTransition,
-    InvalidStatus,
     KVPoll,
     RequestTable,
     SingleRank,
     StepConfig,
     Stepper,
 )
+from lifecycle.errors import IllegalTransition, InvalidStatus
 from lifecycle.testing import ListFaults, ScriptedPoller, SetGate, SetStaging, StatusBoard, lockstep
 
 B, W, T, S, F = (
@@ -275,7 +274,7 @@ def test_regression_is_illegal_and_changes_nothing():
 def test_stuck_requests_are_diagnosed_with_their_holders():
     import threading
 
-    from lifecycle import SimulatedWorld
+    from lifecycle.testing import SimulatedWorld
 
     sim = SimulatedWorld(3, timeout=10)
     boards, tables, steppers = world(3, [1, 2], config=StepConfig(stuck_after=2))

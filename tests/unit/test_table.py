@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from lifecycle import DuplicateRequest, KVPoll, RequestTable, ReservedRoom, UnknownRequest
+from lifecycle import KVPoll, RequestTable
+from lifecycle.errors import DuplicateRequest, ReservedRoom, UnknownRequest
 
 
 def test_add_remove_keeps_queue_order():

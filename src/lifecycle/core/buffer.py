@@ -1,4 +1,4 @@
-"""This rank's side of a step's reduce: the header and a byte per active row.
+"""Stage 4 of a step (reduce), this rank's side: the header and a byte per active row.
 
 A :class:`StepBuffer` packs what the local stage decided into the buffer the
 group MIN-reduces (layout in :mod:`lifecycle.core.packing`), and recognises the

@@ -1,4 +1,4 @@
-"""The rows a step works on, gathered once per change of the table.
+"""Stage 1 of a step (frame): the rows a step works on, gathered once per change of the table.
 
 Agreed-terminal rows are known to every rank: they are not polled, gated or
 reduced. A :class:`Frame` holds, for one table, the whole ordered list (for

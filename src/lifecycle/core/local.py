@@ -1,4 +1,4 @@
-"""Stages 2 and 3 of a step on one rank: observe, verdicts, gates.
+"""Stages 2 and 3 of a step on one rank (observe; verdicts and gates), run in order.
 
 Everything runs over the frame's active rows. Each hook the caller plugs in
 (poller, staging, metadata source, user gates, fault hook) is asked inside a

@@ -1,4 +1,4 @@
-"""Stage 1 of a step: one raw status per active request, every poller contained.
+"""Stage 2 of a step (observe): one raw status per active request, every poller contained.
 
 A backend's batch poll answers for all active rows in one call; without one,
 each request's ``poll()`` is called. Whatever a poller does becomes a verdict

@@ -1,4 +1,4 @@
-"""The reduced buffer: one byte per live request, and a header in bytes.
+"""Stage 4 of a step (reduce): the buffer's layout, one byte per live request and a header.
 
 A request's word is one ``uint8``::
 

@@ -1,4 +1,4 @@
-"""Stages 4 and 5 of a step: read the reduced buffer, fetch origins, apply.
+"""Stage 5 of a step (apply): read the reduced buffer, fetch origins, apply.
 
 Every decision here reads reduced data only (the header, the agreed words,
 the agreed table state), so every rank takes the same branch: the same

@@ -1,4 +1,4 @@
-"""Stage 2 of a step: every source the rule tables name, as one function each.
+"""Stage 3 of a step (verdicts and gates): every source the rule tables name, as one function each.
 
 :data:`~lifecycle.rules.graph.VERDICTS` and :data:`~lifecycle.rules.graph.GATES` name,
 for each verdict and each gate, the *source* of its mask: ``abort_flag``,

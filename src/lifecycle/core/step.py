@@ -2,27 +2,25 @@
 
 Theory of operation
 -------------------
-Per rank, for the ordered list of live requests of one queue, a step is:
+Per rank, for the ordered list of live requests of one queue, a step is
+five stages; every docstring numbers them so:
 
-1. **frame** (:mod:`lifecycle.core.frame`) -- the rows not yet agreed terminal,
-   gathered once per change of the table. Terminal rows latch and take no
-   further part.
-2. **observe** (:mod:`lifecycle.core.observe`) -- one raw status per active row,
-   every poller error contained as a verdict.
-3. **verdicts and gates** (:mod:`lifecycle.core.verdicts`, rules in
+1. **frame** (:mod:`~lifecycle.core.frame`) -- the rows not yet agreed
+   terminal, gathered once per change of the table (terminal rows latch).
+2. **observe** (:mod:`~lifecycle.core.observe`) -- one raw status per active
+   row, every poller error contained as a verdict.
+3. **verdicts and gates** (:mod:`~lifecycle.core.sources`, rules in
    :mod:`lifecycle.rules.graph`) -- every source of :data:`VERDICTS` as a mask,
    the smallest reason code wins and turns the value into Failed; then the
    :data:`GATES` may demote a local Success to Transferring.
-4. **reduce** -- the caller's collective MIN-reduces the buffer
-   (:mod:`lifecycle.core.packing`): a byte per active row, a header that
-   catches diverging lists, configurations, queues and iterations, and the
-   failure slots in which each failing rank lists its failed rows, so the
-   rank each new failure came from is read from this reduce. A second small
-   reduce fetches it only when several ranks failed rows and the slots
-   cannot say (a list longer than its region, two ranks in one region).
-5. **apply** -- every row moves to its agreed status along a declared edge
-   (:mod:`lifecycle.rules.batch`); a move the graph lacks raises before anything
-   changes.
+4. **reduce** (:mod:`~lifecycle.core.packing`) -- the caller's collective
+   MIN-reduces a byte per active row, a header that catches diverging lists,
+   configurations, queues and iterations, and the failure slots that say
+   which rank each new failure came from (a second small reduce asks only
+   when several ranks failed rows and the slots cannot say).
+5. **apply** (:mod:`~lifecycle.core.settle`) -- every row moves to its agreed
+   status along a declared edge; a move the graph lacks raises before
+   anything changes.
 
 Steps 1-3 are :meth:`RawStepper.prepare`; :meth:`RawStepper.origins` and
 :meth:`RawStepper.apply` follow the reduces. This is the sans-I/O stepper:
@@ -62,13 +60,13 @@ from lifecycle.core.frame import Frame
 from lifecycle.core.local import LocalStage
 from lifecycle.core.packing import Header, buffer_size, stable_hash
 from lifecycle.core.settle import Settled, Who, settle, unchanged_result
-from lifecycle.errors import HookError, InvalidArgument, ReducedBufferMismatch, StepInFlight
+from lifecycle.errors import InvalidArgument, ReducedBufferMismatch, StepInFlight
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.result import LastStep, StepResult
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable
 
-__all__ = ["RawStepper", "FIRST_CAPACITY", "MAX_CAPACITY"]
+__all__ = ["RawStepper"]
 
 
 class RawStepper:
@@ -182,16 +180,13 @@ class RawStepper:
             f = self._frame = Frame.of(
                 t, f, self._pool, self._by_index, self.local.metadata is not None
             )
-        now, late = self._now()
+        now, late = read_clock(self.clock, self.rank, t.now)
         self.local.run(t, f, self.config, now, t.step_no + 1, late)
         self._tag = word
         self._prepared = True
         self._settled = None
         self._seen = None
         return self._pack()
-
-    def _now(self) -> tuple[float, HookError | None]:
-        return read_clock(self.clock, self.rank, self.table.now)
 
     def _pack(self) -> NDArray[np.uint8]:
         f, cap = self._frame, self.capacity
@@ -261,9 +256,11 @@ class RawStepper:
         return self._commit_unchanged(result)
 
     def unchanged_result(self) -> StepResult:
-        """The result of the prepared step, should nothing move (reads only)."""
+        """The result of the prepared step, should nothing move (reads only;
+        also readies the words the check after the reduce compares)."""
         f = self._frame
         assert f is not None
+        f.unchanged_words()
         return unchanged_result(self.queue, self.local, f, self.table.step_no + 1)
 
     def _commit_unchanged(self, result: StepResult | None = None) -> StepResult:
@@ -292,8 +289,9 @@ class RawStepper:
         """After the last reduce: the int32 buffer to MIN-reduce for the origin
         ranks of new failures, or None when this step needs none: no new
         failure, a single rank failed rows (the header says so), or the
-        failure slots name every origin (the same answer on every rank). Raises :class:`CollectiveMismatch` on every
-        rank when the ranks' lists, configurations, queues or tags differ."""
+        failure slots name every origin (the same answer on every rank). Raises
+        :class:`CollectiveMismatch` on every rank when the ranks' lists,
+        configurations, queues or tags differ."""
         self._idle("origins", reduced)
         return self._origins(reduced)
 
@@ -368,12 +366,6 @@ class RawStepper:
         return rooms, self.local.values, self.local.reasons()
 
     # -- for the drivers ---------------------------------------------------
-    def _frame_words(self) -> None:
-        """Compute (once per frame) the words the check after a reduce compares."""
-        f = self._frame
-        assert f is not None
-        f.unchanged_words()
-
     def _place(self, area: NDArray[np.uint8]) -> None:
         """Pack into ``area`` (this stepper's segment of a group's buffer)."""
         self._buffer.place(area, self.capacity)

@@ -1,4 +1,4 @@
-"""Stage 2 of a step: local verdicts and gates, read from the rule tables.
+"""Stage 3 of a step (verdicts and gates): what a source's mask does, read from the rule tables.
 
 The step computes each *source* named in :data:`~lifecycle.rules.graph.VERDICTS`
 and :data:`~lifecycle.rules.graph.GATES` as a mask over the active rows; this

@@ -96,7 +96,8 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
     from buffers import MetadataLayout
     from field.step.consensus import poll_and_all_reduce as compat_poll
-    from lifecycle import KVPoll, RequestMachine, TorchCollective
+    from lifecycle import KVPoll, TorchCollective
+    from lifecycle.rules.reference import RequestMachine
 
     coll = TorchCollective()
     layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
