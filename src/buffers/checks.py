@@ -27,6 +27,7 @@ __all__ = [
     "int_tuple",
     "is_int",
     "is_real",
+    "finite",
     "setting_message",
 ]
 
@@ -44,6 +45,17 @@ def is_int(value: object) -> bool:
 def is_real(value: object) -> bool:
     """An int or float (Python or numpy), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite(value: object) -> float | None:
+    """``value`` as a float when it is a real, finite number (not a bool); else
+    None. The one finite-number check every layer uses."""
+    if type(value) is float:  # the common case, in one comparison
+        return value if math.isfinite(value) else None
+    if not is_real(value):
+        return None
+    v = float(value)  # type: ignore[arg-type]
+    return v if math.isfinite(v) else None
 
 
 def _shown(value: object) -> str:
@@ -140,9 +152,9 @@ class Checks:
                 return
             if not is_real(value):
                 self.fail(inst, attr.name, value, allowed, wrong_type=True)
-            v = float(value)
-            low = lo is not None and (v <= lo if above else v < lo)
-            if not math.isfinite(v) or low or (hi is not None and v > hi):
+            v = finite(value)
+            low = v is not None and lo is not None and (v <= lo if above else v < lo)
+            if v is None or low or (hi is not None and v > hi):
                 self.fail(inst, attr.name, value, allowed)
 
         return check

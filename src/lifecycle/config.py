@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
-import numpy as np
 
 from lifecycle import validate
 from lifecycle.core.observe import contained
@@ -118,13 +117,9 @@ def read_clock(
     in; 0 if it has none)."""
     try:
         value = clock()
-        if type(value) is float and math.isfinite(value):  # the common case
-            return value, None
-        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-            value, (bool, np.bool_)
-        )
-        if not ok or not np.isfinite(value):
+        now = validate.finite(value)
+        if now is None:
             raise HookError("clock", rank, f"answered {value!r}, not a finite time")
-        return float(value), None
+        return now, None
     except Exception as e:
         return (0.0 if math.isnan(last) else float(last)), contained("clock", rank, e)

@@ -317,12 +317,10 @@ class RequestTable:
         """Start the waiting-timeout clock (decode: metadata sent to prefill)."""
         self._check_idle()
         slot = self.slot_of(room)
-        ok = isinstance(now, (int, float, np.integer, np.floating)) and not isinstance(
-            now, (bool, np.bool_)
-        )
-        if not ok or not np.isfinite(now):
+        at = validate.finite(now)
+        if at is None:
             raise InvalidArgument("mark_metadata_sent now", now, "a finite time", self.rank)
-        self.metadata_sent_at[slot] = now
+        self.metadata_sent_at[slot] = at
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
         self._check_idle()

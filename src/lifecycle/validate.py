@@ -94,14 +94,25 @@ def integer(value: object, what: str, lo: int, hi: int, rank: int | None = None)
     return _int(value)
 
 
+def finite(value: object) -> float | None:
+    """``value`` as a float when it is a real, finite number (not a bool, numpy's
+    included); else None. The core's one finite-number check."""
+    if type(value) is float:  # the common case, in one comparison
+        return value if math.isfinite(value) else None
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(
+        value, (bool, np.bool_)
+    ):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
 def seconds(value: object, what: str, rank: int | None = None) -> float:
     """A positive, finite duration (int or float; not bool)."""
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-        value, (bool, np.bool_)
-    )
-    if not ok or not math.isfinite(float(value)) or not float(value) > 0:  # type: ignore[arg-type]
+    v = finite(value)
+    if v is None or not v > 0:
         raise InvalidArgument(what, value, "a finite number of seconds > 0", rank)
-    return float(value)  # type: ignore[arg-type]
+    return v
 
 
 def int_column(

@@ -12,6 +12,7 @@ __all__ = [
     "UnknownBackend",
     "TransferFailed",
     "DuplicateRoom",
+    "require_module",
 ]
 
 
@@ -60,6 +61,17 @@ class BackendUnavailable(TransportError):
     def __init__(self, name: str, why: str, fix: str) -> None:
         self.name, self.why, self.fix = name, why, fix
         super().__init__(f"transfer backend {name!r} is not available: {why}. {fix}")
+
+
+def require_module(backend: str, module: str, fix: str) -> None:
+    """Import ``module`` (an engine's binding) or raise :class:`BackendUnavailable`
+    naming ``backend``, why, and ``fix``: every backend's probe."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise BackendUnavailable(backend, f"cannot import {module} ({e})", fix) from None
 
 
 class TransferFailed(TransportError):

@@ -15,14 +15,20 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    # splitmix64 finaliser, vectorised (uint64 arithmetic wraps)
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
+def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """splitmix64's finaliser, vectorised: a bijection of uint64 that scrambles
+    every bit (uint64 arithmetic wraps). The one mixer every hash and seeded
+    draw of the project uses."""
+    with np.errstate(over="ignore"):  # a 0-d array warns where an array wraps
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x ^= x >> np.uint64(27)
+        x *= _M2
+        x ^= x >> np.uint64(31)
     return x
+
+
+_mix = mix64
 
 
 def fingerprint(rooms: NDArray[np.uint64]) -> int:

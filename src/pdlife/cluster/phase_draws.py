@@ -10,6 +10,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.core.fingerprint import mix64
 from lifecycle.status import KVPoll
 
 __all__ = ["PHASES", "PHASE_VALUE", "DrawnPlan", "Decision", "draw", "phase_decisions"]
@@ -34,18 +35,8 @@ class DrawnPlan(Protocol):
     def prob_ranks(self) -> tuple[int, ...] | None: ...
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    """splitmix64's finalizer: a bijection of uint64 that scrambles every bit."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        out: NDArray[np.uint64] = x ^ (x >> np.uint64(31))
-    return out
+_mix = mix64
 
 
 def draw(seed: int, salt: int, rank: int, rooms: NDArray[np.uint64]) -> NDArray[np.float64]:

@@ -18,6 +18,7 @@ import torch
 from numpy.typing import NDArray
 
 from buffers import MetadataBuffers
+from lifecycle.core.fingerprint import mix64
 from pdlife.cluster.config import (
     KV_LAYERS,
     SIM_LAYOUT,
@@ -49,12 +50,7 @@ _K_ROOM, _K_LAYER, _K_TOKEN, _K_HEAD = (
 )
 
 
-def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> _U(31))) * _U(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> _U(29))) * _U(0x94D049BB133111EB)
-        out: NDArray[np.uint64] = x ^ (x >> _U(32))
-    return out
+_mix = mix64
 
 
 def _bytes(keys: NDArray[np.uint64], n: int) -> NDArray[np.uint8]:

@@ -22,7 +22,7 @@ from numpy.typing import NDArray
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.hub import Connector, ConnectorConfig
 from transport.engine_logs import engine_logs
-from transport.errors import BackendUnavailable
+from transport.errors import BackendUnavailable, require_module
 from transport.layout import kv_args_for
 
 __all__ = [
@@ -43,14 +43,11 @@ def probe() -> None:
     """Raise BackendUnavailable unless the Mooncake engine imports here."""
     # the engine logs every connection at INFO: errors only, unless the user chose
     engine_logs()
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(
-            "mooncake",
-            f"cannot import mooncake.engine ({e})",
-            "Install it with `pip install 'pd-lifecycle[mooncake]'` and Debian's libibverbs1",
-        ) from None
+    require_module(
+        "mooncake",
+        "mooncake.engine",
+        "Install it with `pip install 'pd-lifecycle[mooncake]'` and Debian's libibverbs1",
+    )
 
 
 class MooncakeManager(Connector):

@@ -40,7 +40,7 @@ from numpy.typing import NDArray
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.hub import Connector, ConnectorConfig
 from transport.engine_logs import engine_logs
-from transport.errors import BackendUnavailable
+from transport.errors import BackendUnavailable, require_module
 from transport.layout import kv_args_for
 
 __all__ = ["NixlConfig", "NixlManager", "NixlSender", "NixlReceiver", "kv_args_for", "probe"]
@@ -57,14 +57,11 @@ def probe() -> None:
     # process at exit (SIGSEGV after Python finished); loopback never uses them
     os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
     engine_logs()  # NIXL's and UCX's own INFO and WARNING lines: only if the user chose
-    try:
-        from nixl_cu12._api import nixl_agent  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(
-            "nixl",
-            f"cannot import nixl_cu12 ({e})",
-            "Install it with `pip install 'pd-lifecycle[nixl]'` after torch (see constraints.txt)",
-        ) from None
+    require_module(
+        "nixl",
+        "nixl_cu12._api",
+        "Install it with `pip install 'pd-lifecycle[nixl]'` after torch (see constraints.txt)",
+    )
 
 
 def make_agent(name: str, progress_delay_us: int) -> Any:
