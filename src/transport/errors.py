@@ -66,10 +66,8 @@ class BackendUnavailable(TransportError):
 def require_module(backend: str, module: str, fix: str) -> None:
     """Import ``module`` (an engine's binding) or raise :class:`BackendUnavailable`
     naming ``backend``, why, and ``fix``: every backend's probe."""
-    import importlib
-
     try:
-        importlib.import_module(module)
+        __import__(module)  # the import statement's own hook, as a plain import would
     except ImportError as e:
         raise BackendUnavailable(backend, f"cannot import {module} ({e})", fix) from None
 
