@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from lifecycle import KVPoll
+from lifecycle import FailureReason, KVPoll
 from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.rules import batch
 from lifecycle.rules.graph import EDGES, GATES, TRIGGERS, EdgeKind
@@ -191,3 +191,19 @@ def test_gates_are_asked_in_table_order(monkeypatch):
     res = stepper.step(SingleRank())
     assert asked == [g.source for g in GATES]
     assert int(res.statuses[0]) == 3  # held at Transferring by the user gate
+
+
+def test_the_abort_reason_is_declared_on_its_edge_and_both_executors_read_it():
+    """Which failure edge a reason takes is the edges' declaration, not code:
+    ABORTED takes ``abort``, every other reason ``fail``, in the batch and
+    the reference executors alike."""
+    from lifecycle.rules.batch import advance
+    from lifecycle.rules.graph import FAIL_TRIGGER, edges_for
+
+    assert edges_for("abort")[0].reasons == (FailureReason.ABORTED,)
+    assert FAIL_TRIGGER[FailureReason.ABORTED] == "abort"
+    assert {FAIL_TRIGGER[r] for r in FailureReason if r is not FailureReason.ABORTED} == {"fail"}
+    for reason in FailureReason:
+        _, trig, _ = advance(np.array([1]), np.array([0]), np.array([int(reason)]))
+        ref = RequestMachine(room=1, initial=KVPoll.WaitingForInput)
+        assert TRIGGERS[int(trig[0])] == ref.advance(KVPoll.Failed, reason) == FAIL_TRIGGER[reason]

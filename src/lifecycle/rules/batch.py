@@ -20,8 +20,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.errors import UnknownTrigger
-from lifecycle.reasons import FailureReason
-from lifecycle.rules.graph import EDGES, TRIGGERS, EdgeKind
+from lifecycle.reasons import REASON_BITS, FailureReason
+from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, TRIGGERS, EdgeKind
 from lifecycle.status import NUM_STATUSES, KVPoll
 
 __all__ = [
@@ -42,7 +42,13 @@ __all__ = [
 
 STAY = len(TRIGGERS)  # pseudo trigger id: agreed status unchanged
 TRIGGER_ID: dict[str, int] = {t: i for i, t in enumerate(TRIGGERS)}
-_ABORT = TRIGGER_ID["abort"]
+R = FailureReason
+#: per reason code a word can carry, the failure edge it takes (declared on
+#: the edges; a code no reason has takes the edge of the unclaimed ones)
+FAIL_TRIGGER_ID = np.full(1 << REASON_BITS, TRIGGER_ID[FAIL_TRIGGER[R.UNKNOWN]], np.int16)
+for _r in R:
+    FAIL_TRIGGER_ID[int(_r)] = TRIGGER_ID[FAIL_TRIGGER[_r]]
+FAIL_TRIGGER_ID.setflags(write=False)
 
 
 def _compile() -> tuple[NDArray[np.int8], NDArray[np.bool_], NDArray[np.int16]]:
@@ -56,7 +62,7 @@ def _compile() -> tuple[NDArray[np.int8], NDArray[np.bool_], NDArray[np.int16]]:
         for s in edge.sources:
             dest[t, s] = edge.dest
             # the first declared progress/fail edge for (s, dest) is the one
-            # advance() takes; a later one (abort) is chosen by reason below
+            # advance() takes; a failure's reason picks its edge (below)
             if edge.kind is not EdgeKind.DEMOTE and adv[s, edge.dest] == -1:
                 adv[s, edge.dest] = t
     for arr in (dest, guarded, adv):
@@ -143,19 +149,16 @@ def advance(
     """Move agreed statuses to their targets along declared edges.
 
     Returns ``(new_states, trigger_ids, illegal)``; a row with no declared
-    edge is illegal and keeps its state. A move to Failed takes ``abort``
-    when its reason is ABORTED, else ``fail``.
+    edge is illegal and keeps its state. A move to Failed takes the failure
+    edge its reason does (:data:`~lifecycle.rules.graph.FAIL_TRIGGER`).
     """
     st = np.asarray(states)
     tg = np.asarray(targets)
     trig = ADVANCE[st, tg]
     if reasons is not None:
         trig = np.where(
-            (trig >= 0)
-            & (trig != STAY)
-            & (tg == KVPoll.Failed)
-            & (np.asarray(reasons) == FailureReason.ABORTED),
-            np.int16(_ABORT),
+            (trig >= 0) & (trig != STAY) & (tg == KVPoll.Failed),
+            FAIL_TRIGGER_ID[np.clip(np.asarray(reasons, np.int64), 0, FAIL_TRIGGER_ID.size - 1)],
             trig,
         )
     illegal = trig < 0
@@ -167,8 +170,6 @@ def _word_tables() -> tuple[NDArray[np.int16], NDArray[np.int8], NDArray[np.int8
     """What :func:`advance` decides, per (agreed status before, agreed step
     word): a word carries the status in its high bits and, on Failed, the
     reason in its low bits (:mod:`lifecycle.core.packing`)."""
-    from lifecycle.reasons import REASON_BITS
-
     words = np.arange(256)
     status = words >> REASON_BITS
     valid = status < NUM_STATUSES

@@ -56,6 +56,7 @@ __all__ = [
     "TRIGGERS",
     "GUARDS",
     "edges_for",
+    "FAIL_TRIGGER",
     "Verdict",
     "VERDICTS",
     "GateRule",
@@ -71,11 +72,16 @@ class EdgeKind(enum.Enum):
 
 @attrs.frozen
 class Edge:
+    """``trigger`` moves ``sources`` to ``dest``. A gate's edge names its
+    ``guard``; a failure edge the ``reasons`` that take it (empty: every
+    reason no other failure edge claims)."""
+
     trigger: str
     sources: tuple[KVPoll, ...]
     dest: KVPoll
     kind: EdgeKind
     guard: str | None = None
+    reasons: tuple[FailureReason, ...] = ()
 
 
 _NON_TERMINAL = (B, W, T)
@@ -86,7 +92,8 @@ EDGES: tuple[Edge, ...] = (
     Edge("start_transfer", (B, W), T, EdgeKind.PROGRESS),  # chunks are being written
     Edge("complete", _NON_TERMINAL, S, EdgeKind.PROGRESS),  # every rank reports done
     Edge("fail", _NON_TERMINAL, F, EdgeKind.FAIL),  # a rank failed it; the reason travels
-    Edge("abort", _NON_TERMINAL, F, EdgeKind.FAIL),  # a client abort reached every rank
+    # a client abort reached every rank
+    Edge("abort", _NON_TERMINAL, F, EdgeKind.FAIL, reasons=(FailureReason.ABORTED,)),
     # gates: a local Success held back on this rank until its condition holds
     Edge("hold_staging", (S,), T, EdgeKind.DEMOTE, guard="staging_pending"),
     Edge("hold_metadata", (S,), T, EdgeKind.DEMOTE, guard="metadata_pending"),
@@ -95,6 +102,18 @@ EDGES: tuple[Edge, ...] = (
 
 TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
 GUARDS: tuple[str, ...] = tuple(sorted({e.guard for e in EDGES if e.guard is not None}))
+
+
+def _fail_triggers() -> dict[FailureReason, str]:
+    claimed = {r: e.trigger for e in EDGES if e.kind is EdgeKind.FAIL for r in e.reasons}
+    rest = [e.trigger for e in EDGES if e.kind is EdgeKind.FAIL and not e.reasons]
+    if len(rest) != 1:
+        raise AssertionError("exactly one failure edge takes the reasons no other claims")
+    return {r: claimed.get(r, rest[0]) for r in FailureReason}
+
+
+#: the failure edge each reason takes (both executors read it)
+FAIL_TRIGGER: dict[FailureReason, str] = _fail_triggers()
 
 
 def edges_for(trigger: str) -> tuple[Edge, ...]:
@@ -163,6 +182,14 @@ def _check_declaration() -> None:
             raise AssertionError(f"{e.trigger}: progress must move forward")
         if e.kind is not EdgeKind.DEMOTE and any(s.terminal for s in e.sources):
             raise AssertionError(f"{e.trigger}: terminal states latch")
+    fails = [e for e in EDGES if e.kind is EdgeKind.FAIL]
+    if len({(e.sources, e.dest) for e in fails}) != 1:
+        raise AssertionError("failure edges differ only by reason: the same sources, to Failed")
+    claims = [r for e in fails for r in e.reasons]
+    if len(claims) != len(set(claims)) or any(
+        e.kind is not EdgeKind.FAIL and e.reasons for e in EDGES
+    ):
+        raise AssertionError("a reason is claimed by one failure edge at most, and only there")
     codes = [int(v.reason) for v in VERDICTS]
     if codes != sorted(codes) or set(codes) != {int(r) for r in R if r is not R.NONE}:
         raise AssertionError("VERDICTS list every reason once, in code (= priority) order")

@@ -15,7 +15,7 @@ from transitions import EventData, Machine, MachineError
 
 from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.graph import EDGES, TRIGGERS, EdgeKind
+from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, TRIGGERS, EdgeKind
 from lifecycle.status import KVPoll, Role
 
 __all__ = ["RequestMachine", "build_machine"]
@@ -121,8 +121,8 @@ class RequestMachine:
         if not candidates:
             raise IllegalTransition(self.room, self.rank, src, target, "advance")
         trigger = candidates[0]
-        if target == KVPoll.Failed and reason == FailureReason.ABORTED and "abort" in candidates:
-            trigger = "abort"
+        if target == KVPoll.Failed:  # the failure edge its reason takes
+            trigger = FAIL_TRIGGER[FailureReason(reason)]
         self.fire(trigger)
         if target == KVPoll.Failed:
             self.reason, self.origin = FailureReason(reason), origin
