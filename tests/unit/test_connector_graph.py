@@ -13,6 +13,7 @@ from transport.connector.graph import (
     POLL,
     READY,
     ROLE_ID,
+    ROLES,
     TERMINAL,
     TRIGGER_ID,
     TRIGGERS,
@@ -22,20 +23,23 @@ from transport.connector.graph import (
     fire,
 )
 
-ALL = [(e.trigger, p) for e in EDGES for p in Phase]
+ALL = [(r, t, p) for r in ROLES for t in TRIGGERS for p in Phase]
 
 
 class Model:
     pass
 
 
-@pytest.mark.parametrize(("trigger", "phase"), ALL)
-def test_tables_and_machine_agree_on_every_pair(trigger, phase):
-    edge = next(e for e in EDGES if e.trigger == trigger)
-    new, illegal = fire(np.array([phase]), trigger)
+@pytest.mark.parametrize(("role", "trigger", "phase"), ALL)
+def test_tables_and_machine_agree_on_every_pair(role, trigger, phase):
+    edge = next((e for e in EDGES if e.trigger == trigger and role in e.roles), None)
+    new, illegal = fire(np.array([phase]), trigger, role)
     m = Model()
-    build_machine(m, initial=phase)
-    if phase in edge.sources:  # every declared edge moves, in both executors
+    build_machine(m, role, initial=phase)
+    if edge is None:  # a move this side never makes: refused by the table, absent from the machine
+        assert illegal[0] and new[0] == phase
+        assert not hasattr(m, trigger)
+    elif phase in edge.sources:  # every declared edge moves, in both executors
         assert not illegal[0]
         assert new[0] == edge.dest
         getattr(m, trigger)()
@@ -50,7 +54,7 @@ def test_tables_and_machine_agree_on_every_pair(trigger, phase):
 def test_terminal_phases_latch_and_are_the_reusable_ones():
     assert set(TERMINAL) == {Phase.Done, Phase.Drained}
     for p in TERMINAL:
-        assert (DEST[:, p] == -1).all()
+        assert (DEST[:, :, p] == -1).all()
         assert IS_TERMINAL[p]
     assert not IS_TERMINAL[Phase.Aborted]  # quarantined: writes may still land
     assert not IS_TERMINAL[Phase.Fenced]  # its writer may resume: never reused
@@ -58,11 +62,31 @@ def test_terminal_phases_latch_and_are_the_reusable_ones():
 
 def test_fire_moves_a_batch_and_flags_only_illegal_rows():
     ph = np.array([Phase.Bootstrap, Phase.Writing, Phase.Done, Phase.Aborted], dtype=np.int8)
-    new, illegal = fire(ph, "abort")
+    new, illegal = fire(ph, "abort", "prefill")
     assert new.tolist() == [Phase.Aborted, Phase.Aborted, Phase.Done, Phase.Aborted]
     assert illegal.tolist() == [False, False, True, True]
     with pytest.raises(ValueError, match="unknown protocol trigger"):
-        fire(ph, "teleport")
+        fire(ph, "teleport", "prefill")
+
+
+def test_each_side_takes_only_its_own_moves():
+    """One graph serves both sides, and each edge says which side takes it:
+    prefill never completes from Metadata (it writes first), decode never
+    writes, prefill is never fenced (it holds no memory a peer writes)."""
+    meta, fenced, aborted = (
+        np.array([p], np.int8) for p in (Phase.Metadata, Phase.Fenced, Phase.Aborted)
+    )
+    assert fire(meta, "complete", "prefill")[1][0]
+    assert not fire(meta, "complete", "decode")[1][0]
+    assert fire(meta, "write", "decode")[1][0]
+    assert not fire(meta, "write", "prefill")[1][0]
+    assert fire(aborted, "peer_dead", "prefill")[1][0]
+    assert not fire(aborted, "peer_dead", "decode")[1][0]
+    assert fire(fenced, "peer_back", "prefill")[1][0]
+    err = ProtocolError(
+        room=3, rank=0, phase=int(Phase.Metadata), trigger="metadata", role="decode"
+    )
+    assert "decode tp rank 0" in str(err) and "write" not in str(err).split("allowed there:")[1]
 
 
 def test_edges_name_the_status_they_imply():
@@ -81,8 +105,8 @@ def test_edges_name_the_status_they_imply():
             assert POLL[role, TRIGGER_ID[t]] == KVPoll.Failed
         # releases: the status is Failed already, with its reason
         assert POLL[role, TRIGGER_ID["drain"]] == POLL[role, TRIGGER_ID["peer_dead"]] == -1
-        # a fenced writer back: Failed again, so its drain timeout starts afresh
-        assert POLL[role, TRIGGER_ID["peer_back"]] == KVPoll.Failed
+    # a fenced writer back (decode only): Failed again, so its drain timeout starts afresh
+    assert POLL[dec, TRIGGER_ID["peer_back"]] == KVPoll.Failed
     assert {"prefill": Phase.Metadata, "decode": Phase.Handshaken} == READY
 
 
@@ -136,17 +160,17 @@ def test_a_dead_peer_quarantines_then_fences_and_never_releases_on_silence():
     # a silent peer may only be paused: its requests are quarantined (Aborted),
     # then fenced at the drain timeout; only its word or its return leads on
     live = [Phase.Bootstrap, Phase.Handshaken, Phase.Metadata, Phase.Writing, Phase.RoomWritten]
-    _, illegal = fire(np.array(live, dtype=np.int8), "peer_dead")
+    _, illegal = fire(np.array(live, dtype=np.int8), "peer_dead", "decode")
     assert illegal.all()
-    new, illegal = fire(np.array([Phase.Aborted], dtype=np.int8), "peer_dead")
+    new, illegal = fire(np.array([Phase.Aborted], dtype=np.int8), "peer_dead", "decode")
     assert (new.tolist(), illegal.tolist()) == ([Phase.Fenced], [False])
     # out of Fenced: drained on the writer's word, or back to Aborted when it speaks
     for trigger, dest in (("drain", Phase.Drained), ("peer_back", Phase.Aborted)):
-        new, illegal = fire(np.array([Phase.Fenced], dtype=np.int8), trigger)
+        new, illegal = fire(np.array([Phase.Fenced], dtype=np.int8), trigger, "decode")
         assert (new.tolist(), illegal.tolist()) == ([dest], [False])
     others = [t for t in TRIGGERS if t not in ("drain", "peer_back")]
     for t in others:
-        assert fire(np.array([Phase.Fenced], dtype=np.int8), t)[1].all(), t
+        assert fire(np.array([Phase.Fenced], dtype=np.int8), t, "decode")[1].all(), t
 
 
 def test_protocol_error_names_request_phase_and_what_is_allowed():
@@ -172,7 +196,7 @@ def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
                 else f'{src.name} -> {e.dest.name} [label="{e.trigger}'
             )
             assert edge in out
-    assert len(TRIGGERS) == len(EDGES)
+    assert set(TRIGGERS) == {e.trigger for e in EDGES}
 
 
 def test_each_word_is_said_by_one_side_and_heard_by_the_other():

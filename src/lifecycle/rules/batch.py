@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from lifecycle.errors import UnknownTrigger
 from lifecycle.reasons import REASON_BITS, FailureReason
-from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, TRIGGERS, EdgeKind
+from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, KERNEL, TRIGGERS, EdgeKind
 from lifecycle.status import NUM_STATUSES, KVPoll
 
 __all__ = [
@@ -52,7 +52,7 @@ FAIL_TRIGGER_ID.setflags(write=False)
 
 
 def _compile() -> tuple[NDArray[np.int8], NDArray[np.bool_], NDArray[np.int16]]:
-    dest = np.full((len(TRIGGERS), NUM_STATUSES), -1, dtype=np.int8)
+    dest = KERNEL.dest  # the one graph kernel's destination table
     guarded = np.zeros(len(TRIGGERS), dtype=bool)
     adv = np.full((NUM_STATUSES, NUM_STATUSES), -1, dtype=np.int16)
     np.fill_diagonal(adv, STAY)
@@ -60,12 +60,11 @@ def _compile() -> tuple[NDArray[np.int8], NDArray[np.bool_], NDArray[np.int16]]:
         t = TRIGGER_ID[edge.trigger]
         guarded[t] = edge.guard is not None
         for s in edge.sources:
-            dest[t, s] = edge.dest
             # the first declared progress/fail edge for (s, dest) is the one
             # advance() takes; a failure's reason picks its edge (below)
             if edge.kind is not EdgeKind.DEMOTE and adv[s, edge.dest] == -1:
                 adv[s, edge.dest] = t
-    for arr in (dest, guarded, adv):
+    for arr in (guarded, adv):
         arr.setflags(write=False)
     return dest, guarded, adv
 

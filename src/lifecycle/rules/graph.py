@@ -47,12 +47,14 @@ import enum
 import attrs
 
 from lifecycle.reasons import FailureReason
+from lifecycle.rules.kernel import Kernel
 from lifecycle.status import B, F, KVPoll, S, T, W
 
 __all__ = [
     "EdgeKind",
     "Edge",
     "EDGES",
+    "KERNEL",
     "TRIGGERS",
     "GUARDS",
     "edges_for",
@@ -100,7 +102,9 @@ EDGES: tuple[Edge, ...] = (
     Edge("hold_gate", (S,), T, EdgeKind.DEMOTE, guard="gate_closed"),
 )
 
-TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
+#: the edges compiled (destination table, transitions machine, diagrams)
+KERNEL: Kernel[KVPoll] = Kernel(KVPoll, EDGES, (S, F))
+TRIGGERS: tuple[str, ...] = KERNEL.triggers
 GUARDS: tuple[str, ...] = tuple(sorted({e.guard for e in EDGES if e.guard is not None}))
 
 

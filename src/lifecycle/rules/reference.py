@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from transitions import EventData, Machine, MachineError
+from transitions import EventData, MachineError
 
 from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, TRIGGERS, EdgeKind
+from lifecycle.rules.graph import EDGES, FAIL_TRIGGER, KERNEL, TRIGGERS, EdgeKind
 from lifecycle.status import KVPoll, Role
 
 __all__ = ["RequestMachine", "build_machine"]
@@ -31,20 +31,10 @@ def _guard(name: str) -> Any:
 
 def build_machine(models: list[Any] | None = None, initial: KVPoll = KVPoll.Bootstrapping) -> Any:
     """A ``transitions.Machine`` over :class:`KVPoll` with exactly the declared edges."""
-    return Machine(
-        model=models if models is not None else [],
-        states=KVPoll,
-        transitions=[
-            {
-                "trigger": e.trigger,
-                "source": list(e.sources),
-                "dest": e.dest,
-                "conditions": [_guard(e.guard)] if e.guard else [],
-            }
-            for e in EDGES
-        ],
-        initial=initial,
-        auto_transitions=False,
+    return KERNEL.machine(
+        models if models is not None else [],
+        initial,
+        lambda e: [_guard(e.guard)] if e.guard else [],
         send_event=True,
         model_attribute="state",
     )

@@ -55,6 +55,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.rules.kernel import Kernel
 from lifecycle.status import KVPoll
 from transport.errors import TransportError
 
@@ -67,7 +68,11 @@ __all__ = [
     "READY",
     "EDGES",
     "TRIGGERS",
+    "TRIGGER_ID",
     "TERMINAL",
+    "KERNELS",
+    "role_edges",
+    "compile_polls",
     "DEST",
     "POLL",
     "BOOTSTRAPPING",
@@ -105,11 +110,15 @@ class ByRole:
 
 @attrs.frozen
 class ProtocolEdge:
+    """``trigger`` moves ``sources`` to ``dest`` on the sides in ``roles`` (a
+    trigger both sides take from different phases is declared once per side)."""
+
     trigger: str
     sources: tuple[Phase, ...]
     dest: Phase
     poll: KVPoll | ByRole | None = None  # the same on both sides, unless ByRole
     doc: str = ""
+    roles: tuple[str, ...] = ("prefill", "decode")
 
     def poll_for(self, role: str) -> KVPoll | None:
         """The status this edge implies on ``role``'s side (None: it leaves it)."""
@@ -120,6 +129,7 @@ class ProtocolEdge:
 
 
 P = Phase
+_PREFILL, _DECODE = ("prefill",), ("decode",)
 _LIVE = (P.Bootstrap, P.Handshaken, P.Metadata, P.Writing, P.RoomWritten)
 
 #: the phase from which each side reports WaitingForInput, i.e. its scheduler
@@ -147,20 +157,22 @@ EDGES: tuple[ProtocolEdge, ...] = (
         "decode sent its page list and slot to every leg (decode) / every decode leg's "
         "arrived (prefill); prefill's scheduler may now take a metadata row",
     ),
-    ProtocolEdge("write", (P.Metadata,), P.Writing, None, "prefill issued page/field writes"),
+    ProtocolEdge(
+        "write", (P.Metadata,), P.Writing, None, "prefill issued page/field writes", _PREFILL
+    ),
     ProtocolEdge(
         "write_room",
         (P.Writing,),
         P.RoomWritten,
         None,
         "every write landed; the room field goes last",
+        _PREFILL,
     ),
     ProtocolEdge(
-        "complete",
-        (P.Metadata, P.RoomWritten),
-        P.Done,
-        KVPoll.Success,
-        "the room field landed (prefill) / prefill said so (decode)",
+        "complete", (P.RoomWritten,), P.Done, KVPoll.Success, "the room field landed", _PREFILL
+    ),
+    ProtocolEdge(
+        "complete", (P.Metadata,), P.Done, KVPoll.Success, "prefill said every byte landed", _DECODE
     ),
     ProtocolEdge(
         "abort", _LIVE, P.Aborted, KVPoll.Failed, "failed here; writes may still be in flight"
@@ -184,8 +196,9 @@ EDGES: tuple[ProtocolEdge, ...] = (
         (P.Aborted,),
         P.Fenced,
         None,
-        "decode: failed for a writer still silent at the drain timeout, which never "
-        "said it stopped: its pages stay fenced while it is silent",
+        "failed for a writer still silent at the drain timeout, which never said it "
+        "stopped: its pages stay fenced while it is silent",
+        _DECODE,
     ),
     ProtocolEdge(
         "peer_back",
@@ -193,21 +206,34 @@ EDGES: tuple[ProtocolEdge, ...] = (
         P.Aborted,
         KVPoll.Failed,
         "the fenced writer speaks again: asked again to stop, with a fresh drain timeout",
+        _DECODE,
     ),
 )
 
-TRIGGERS: tuple[str, ...] = tuple(e.trigger for e in EDGES)
+TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(e.trigger for e in EDGES))
 TRIGGER_ID: dict[str, int] = {t: i for i, t in enumerate(TRIGGERS)}
 TERMINAL: frozenset[Phase] = frozenset({P.Done, P.Drained})
 
 
+def role_edges(
+    role: str, edges: tuple[ProtocolEdge, ...] | None = None
+) -> tuple[ProtocolEdge, ...]:
+    """The edges ``role``'s side takes (of ``edges``; None: the declared ones)."""
+    return tuple(e for e in (EDGES if edges is None else edges) if role in e.roles)
+
+
+#: each side's machine: the one graph kernel over the edges it takes
+KERNELS: dict[str, Kernel[Phase]] = {r: Kernel(P, role_edges(r), TERMINAL) for r in ROLES}
+
+
 def compile_polls(edges: tuple[ProtocolEdge, ...]) -> NDArray[np.int8]:
-    """POLL of ``edges``: [role, trigger] -> the KVPoll it implies, -1 for none."""
-    poll = np.full((len(ROLES), len(edges)), -1, dtype=np.int8)
+    """POLL of ``edges``: [role, trigger id] -> the KVPoll it implies, -1 for none."""
+    ids = {t: i for i, t in enumerate(dict.fromkeys(e.trigger for e in edges))}
+    poll = np.full((len(ROLES), len(ids)), -1, dtype=np.int8)
     for r, role in enumerate(ROLES):
-        for i, e in enumerate(edges):
+        for e in role_edges(role, edges):
             implied = e.poll_for(role)
-            poll[r, i] = -1 if implied is None else int(implied)
+            poll[r, ids[e.trigger]] = -1 if implied is None else int(implied)
     poll.setflags(write=False)
     return poll
 
@@ -224,7 +250,7 @@ def _bootstrapping() -> NDArray[np.bool_]:
         for _ in Phase:
             reach |= {
                 e.dest
-                for e in EDGES
+                for e in role_edges(role)
                 if set(e.sources) & reach and e.poll_for(role) in _SILENT and e.dest in _LIVE
             }
         out[r, [int(p) for p in reach]] = True
@@ -233,20 +259,22 @@ def _bootstrapping() -> NDArray[np.bool_]:
 
 
 def _compile() -> tuple[NDArray[np.int8], NDArray[np.int8], NDArray[np.bool_]]:
-    dest = np.full((len(TRIGGERS), len(Phase)), -1, dtype=np.int8)
+    dest = np.full((len(ROLES), len(TRIGGERS), len(Phase)), -1, dtype=np.int8)
+    for r, role in enumerate(ROLES):
+        k = KERNELS[role]
+        for t in k.triggers:
+            dest[r, TRIGGER_ID[t]] = k.dest[k.trigger_id[t]]
     terminal = np.zeros(len(Phase), dtype=bool)
-    for i, e in enumerate(EDGES):
-        dest[i, list(e.sources)] = e.dest
     terminal[[int(p) for p in TERMINAL]] = True
     for arr in (dest, terminal):
         arr.setflags(write=False)
     return dest, compile_polls(EDGES), terminal
 
 
-#: DEST[trigger, phase]: the phase it moves to, -1 where it is not declared
-#: POLL[role, trigger]: the KVPoll it implies on that side (ROLE_ID), -1 for none
-#: IS_TERMINAL[phase]; BOOTSTRAPPING[role, phase]: the side still reports
-#: Bootstrapping there (its bootstrap timeout runs)
+#: DEST[role, trigger, phase]: the phase it moves to on that side, -1 where
+#: it is not declared; POLL[role, trigger]: the KVPoll it implies on that side
+#: (ROLE_ID), -1 for none; IS_TERMINAL[phase]; BOOTSTRAPPING[role, phase]: the
+#: side still reports Bootstrapping there (its bootstrap timeout runs)
 DEST, POLL, IS_TERMINAL = _compile()
 BOOTSTRAPPING = _bootstrapping()
 
@@ -254,54 +282,50 @@ BOOTSTRAPPING = _bootstrapping()
 class ProtocolError(TransportError):
     """A request was asked to take a protocol step its phase does not allow."""
 
-    def __init__(self, room: int, rank: int, phase: int, trigger: str) -> None:
+    def __init__(self, room: int, rank: int, phase: int, trigger: str, role: str = "") -> None:
         self.room, self.rank, self.phase, self.trigger = room, rank, phase, trigger
-        allowed = [t for t in TRIGGERS if DEST[TRIGGER_ID[t], phase] >= 0]
+        sides = [role] if role in KERNELS else list(ROLES)
+        allowed = list(dict.fromkeys(t for r in sides for t in KERNELS[r].allowed(phase)))
+        side = f"{role} " if role in KERNELS else ""
         super().__init__(
-            f"request room={room} on tp rank {rank}: protocol step {trigger!r} is not allowed "
+            f"request room={room} on {side}tp rank {rank}: protocol step {trigger!r} is not allowed "
             f"in phase {Phase(phase).name} (allowed there: {', '.join(allowed) or 'none'}). "
             "Follow the connector's order: init, then send_metadata once the handshake is done."
         )
 
 
-def fire(phases: NDArray[np.integer], trigger: str) -> tuple[NDArray[np.int8], NDArray[np.bool_]]:
-    """Fire ``trigger`` on every row: (new phases, illegal mask); illegal rows stay put."""
-    try:
-        t = TRIGGER_ID[trigger]
-    except KeyError:
-        raise ValueError(f"unknown protocol trigger {trigger!r}; declared: {TRIGGERS}") from None
+def fire(
+    phases: NDArray[np.integer], trigger: str, role: str
+) -> tuple[NDArray[np.int8], NDArray[np.bool_]]:
+    """Fire ``trigger`` on every row of ``role``'s side: (new phases, illegal
+    mask); illegal rows stay put (a trigger the side never takes is illegal)."""
+    if trigger not in TRIGGER_ID:
+        raise ValueError(f"unknown protocol trigger {trigger!r}; declared: {TRIGGERS}")
     ph = np.asarray(phases)
-    dest = DEST[t, ph]
+    dest = DEST[ROLE_ID[role], TRIGGER_ID[trigger], ph]
     illegal = dest < 0
     return np.where(illegal, ph, dest).astype(np.int8, copy=False), illegal
 
 
-def build_machine(model: Any, initial: Phase = Phase.Bootstrap) -> Any:
-    """A ``transitions`` machine with exactly the declared edges (the reference)."""
-    from transitions import Machine
-
-    return Machine(
-        model=model,
-        states=Phase,
-        transitions=[
-            {"trigger": e.trigger, "source": list(e.sources), "dest": e.dest} for e in EDGES
-        ],
-        initial=initial,
-        auto_transitions=False,
-    )
+def build_machine(model: Any, role: str, initial: Phase = Phase.Bootstrap) -> Any:
+    """A ``transitions`` machine of ``role``'s side with exactly its declared edges
+    (the reference the tables are held to)."""
+    return KERNELS[role].machine(model, initial)
 
 
 def _check_declaration() -> None:
-    if len(set(TRIGGERS)) != len(TRIGGERS):
-        raise AssertionError("each protocol trigger is declared once")
+    pairs = [(e.trigger, r) for e in EDGES for r in e.roles]
+    if len(set(pairs)) != len(pairs) or not {r for _, r in pairs} <= set(ROLES):
+        raise AssertionError("each protocol trigger is declared once per side, for known sides")
     for e in EDGES:
         if any(s in TERMINAL for s in e.sources):
             raise AssertionError(f"{e.trigger}: terminal phases latch")
-    reach = {P.Bootstrap}
-    for _ in Phase:
-        reach |= {e.dest for e in EDGES if set(e.sources) & reach}
-    if reach != set(Phase):
-        raise AssertionError(f"unreachable phases: {set(Phase) - reach}")
+    for role in ROLES:
+        mine = role_edges(role)
+        if not {e.dest for e in mine} <= Kernel(P, mine, TERMINAL).reachable(P.Bootstrap):
+            raise AssertionError(f"{role}: an edge leads where that side never gets")
+    if Kernel(P, EDGES, TERMINAL).reachable(P.Bootstrap) != set(Phase):
+        raise AssertionError("unreachable phases")
     if set(READY) != set(ROLES):
         raise AssertionError(f"READY names each of {ROLES} once")
     for role in ROLES:
@@ -313,14 +337,15 @@ def _check_role(role: str) -> None:
     reported exactly where READY says (prefill: not before every decode leg's page
     list arrived, or the two schedulers can deadlock on their metadata rows)."""
     ready, failed = KVPoll.WaitingForInput, KVPoll.Failed
-    for e in EDGES:
+    mine = role_edges(role)
+    for e in mine:
         if e.poll_for(role) == ready and e.dest != READY[role]:
             raise AssertionError(
                 f"{e.trigger}: {role} may report WaitingForInput only on reaching "
                 f"{READY[role].name}, not {e.dest.name}"
             )
     # the status reported in each phase reached without failing, on this side
-    progress = [e for e in EDGES if e.poll_for(role) != failed]
+    progress = [e for e in mine if e.poll_for(role) != failed]
     level = {P.Bootstrap: KVPoll.Bootstrapping}
     for _ in Phase:
         for e in progress:
@@ -342,32 +367,20 @@ def _check_role(role: str) -> None:
 _check_declaration()
 
 
-def _status_label(e: ProtocolEdge) -> str:
-    """What an edge implies, for a diagram: " / Success", " / WaitingForInput (decode)"."""
+def _label(e: ProtocolEdge) -> str:
+    """An edge's label: its trigger, the side taking it when only one does, and
+    the status it implies ("complete (prefill) / Success")."""
+    side = f" ({e.roles[0]})" if len(e.roles) == 1 else ""
     if isinstance(e.poll, ByRole):
         said = [(r, e.poll_for(r)) for r in ROLES]
         parts = [f"{p.name} ({r})" for r, p in said if p is not None]
-        return f" / {', '.join(parts)}" if parts else ""
-    return f" / {e.poll.name}" if e.poll is not None else ""
+        return f"{e.trigger}{side}" + (f" / {', '.join(parts)}" if parts else "")
+    return f"{e.trigger}{side}" + (f" / {e.poll.name}" if e.poll is not None else "")
 
 
 def diagram(fmt: str) -> str:
-    """The per-request protocol as a mermaid or dot diagram, from :data:`EDGES`."""
-    if fmt not in ("mermaid", "dot"):
-        raise ValueError(f"unknown diagram format {fmt!r}; use 'mermaid' or 'dot'")
+    """The per-request protocol of both sides as a mermaid or dot diagram (an
+    edge one side alone takes names it), drawn by the graph kernel."""
+    both: Kernel[Phase] = Kernel(P, EDGES, TERMINAL)
     title = "connector per-request protocol (prefill and decode)"
-    if fmt == "mermaid":
-        lines = ["stateDiagram-v2", f"    %% {title}", f"    [*] --> {Phase.Bootstrap.name}"]
-        for e in EDGES:
-            status = _status_label(e)
-            lines += [f"    {s.name} --> {e.dest.name}: {e.trigger}{status}" for s in e.sources]
-        lines += [f"    {p.name} --> [*]" for p in Phase if p in TERMINAL]
-    else:
-        lines = ["digraph protocol {", f'    label="{title}";', "    rankdir=LR;"]
-        for p in Phase:
-            shape = "doublecircle" if p in TERMINAL else "circle"
-            lines.append(f"    {p.name} [shape={shape}];")
-        for e in EDGES:
-            lines += [f'    {s.name} -> {e.dest.name} [label="{e.trigger}"];' for s in e.sources]
-        lines.append("}")
-    return "\n".join(lines) + "\n"
+    return both.diagram(fmt, "protocol", title, P.Bootstrap, label=_label)

@@ -156,7 +156,7 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
         if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
             return  # it already failed: nothing to tell
         if ph != Phase.Handshaken:
-            raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata")
+            raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata", m.config.role)
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         ps = m.kv_args.page_size
         if decode_prefix_len < 0 or decode_prefix_len % ps:

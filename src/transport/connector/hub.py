@@ -176,7 +176,7 @@ class Connector(StatusArrays):
         with self._lock:
             keep = np.fromiter((not r.released for r in reqs), dtype=bool, count=len(reqs))
             idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))[keep]
-            new, illegal = fire(self.phase[idx], trigger)
+            new, illegal = fire(self.phase[idx], trigger, self.config.role)
             moved = idx[~illegal]
             self.phase[moved] = new[~illegal]
             effect = int(POLL[ROLE_ID[self.config.role], TRIGGER_ID[trigger]])
