@@ -48,7 +48,8 @@ class StepConfig:
     :class:`~lifecycle.errors.CollectiveMismatch` on every rank.
     """
 
-    #: seconds a request may stay Bootstrapping before it fails (None: never)
+    #: seconds a request may stay Bootstrapping before it fails (None: never);
+    #: this and the next are lifecycle.rules.deadlines.DEADLINES, as in every layer
     bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: seconds from ``mark_metadata_sent`` until an unfinished request fails
     waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)

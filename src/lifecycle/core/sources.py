@@ -28,6 +28,7 @@ from lifecycle.core.observe import Observation, contained
 from lifecycle.core.verdicts import bool_answer
 from lifecycle.errors import HookError
 from lifecycle.protocols import FaultHook, Gate, MetadataSource, StagingGate, StepContext
+from lifecycle.rules.deadlines import overdue
 from lifecycle.rules.graph import GATES, VERDICTS, GateRule, Verdict
 from lifecycle.status import I8
 from lifecycle.table import RequestTable
@@ -141,7 +142,7 @@ def _bootstrap_deadline(x: Inputs) -> Mask | None:
     limit, t, rows = x.config.bootstrap_timeout, x.table, x.frame.rows
     if limit is None:
         return None
-    late: Mask = (t.state[rows] == _B) & (x.now - t.entered_time[rows] >= limit)
+    late: Mask = (t.state[rows] == _B) & overdue(x.now, t.entered_time[rows], limit)
     return late
 
 
@@ -149,9 +150,7 @@ def _waiting_deadline(x: Inputs) -> Mask | None:
     limit = x.config.waiting_timeout
     if limit is None:
         return None
-    with np.errstate(invalid="ignore"):  # NaN: metadata not sent yet
-        late: Mask = x.now - x.table.metadata_sent_at[x.frame.rows] >= limit
-    return late
+    return overdue(x.now, x.table.metadata_sent_at[x.frame.rows], limit)  # NaN: not sent
 
 
 def _hook_error(x: Inputs) -> Mask | None:

@@ -29,10 +29,13 @@ from numpy.typing import ArrayLike, NDArray
 
 from buffers.checks import Checks
 from lifecycle.reasons import FailureReason
+from lifecycle.rules.deadlines import DEADLINES, overdue
 from lifecycle.status import KVPoll
 from transport.connector.config import MAX_SECONDS
 from transport.errors import ConfigError, ConfigTypeError
 from transport.status_arrays import StatusArrays, StatusHandle
+
+_REASON = {d.name: d.reason for d in DEADLINES}
 
 __all__ = ["FakeConfig", "FakeManager", "FakeSender", "FakeReceiver", "FakeBootstrap"]
 
@@ -110,11 +113,11 @@ class FakeManager(StatusArrays):
             if self.peer_dead():
                 checks.append((live, FailureReason.PEER_DEAD))
             if c.bootstrap_timeout is not None:
-                late = now - self.born[indices] > c.bootstrap_timeout
-                checks.append((live & (st == _B) & late, FailureReason.BOOTSTRAP_TIMEOUT))
+                late = overdue(now, self.born[indices], c.bootstrap_timeout)
+                checks.append((live & (st == _B) & late, _REASON["bootstrap"]))
             if c.waiting_timeout is not None:
-                late = now - self.waited[indices] > c.waiting_timeout
-                checks.append((live & (st == _W) & late, FailureReason.WAITING_TIMEOUT))
+                late = overdue(now, self.waited[indices], c.waiting_timeout)
+                checks.append((live & (st == _W) & late, _REASON["waiting"]))
             for mask, reason in checks:
                 hit = indices[mask & (self.status[indices] != _F)]
                 self.status[hit], self.reason[hit] = _F, int(reason)

@@ -21,10 +21,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
+from lifecycle.rules.deadlines import DEADLINES, overdue
 from transport.connector.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
 from transport.connector.legs import Request
 from transport.connector.mailbox import NEW, STALE
 from transport.connector.port import Port
+
+_REASON = {d.name: d.reason for d in DEADLINES}
 
 __all__ = ["check_peers", "fenced", "heard", "received", "timeouts", "owing"]
 
@@ -164,13 +167,13 @@ def timeouts(m: Port, now: float, store: Any) -> None:
     late = np.zeros(idx.size, dtype=bool)
     if cfg.bootstrap_timeout is not None:  # every phase this side reports Bootstrapping in
         booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
-        late = booting & (now - m.born[idx] > cfg.bootstrap_timeout)
+        late = booting & overdue(now, m.born[idx], cfg.bootstrap_timeout)
     for i in np.flatnonzero(late):
-        m._fail(reqs[i], FailureReason.BOOTSTRAP_TIMEOUT, store)
+        m._fail(reqs[i], _REASON["bootstrap"], store)
     if cfg.waiting_timeout is not None and side.RECEIVES:
-        late = (ph == Phase.Metadata) & (now - m.waited[idx] > cfg.waiting_timeout)
+        late = (ph == Phase.Metadata) & overdue(now, m.waited[idx], cfg.waiting_timeout)
         for i in np.flatnonzero(late):
-            m._fail(reqs[i], FailureReason.WAITING_TIMEOUT, store)
+            m._fail(reqs[i], _REASON["waiting"], store)
     # last resort, so that a lost peer cannot pin memory forever: writes the
     # engine never finished are given up and a prefill rank's legs hear so (they
     # may still land: a decode rank keeps its pages until its own drain timeout),
