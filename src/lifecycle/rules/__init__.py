@@ -1,1 +1,3 @@
-"""The rules of a request's lifecycle, declared once: the transition graph, its batch and reference executors, its diagrams."""
+"""The rules of a request's lifecycle, declared once: the transition graph with
+its verdicts and gates, the deadlines, the graph kernel every declared machine
+runs on, the batch and reference executors, the diagrams."""
