@@ -10,6 +10,7 @@ reduce spreads to every rank. The group keeps stepping.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -18,7 +19,7 @@ from lifecycle.config import StepConfig
 from lifecycle.core.frame import Frame
 from lifecycle.core.observe import Observation, contained, observe
 from lifecycle.core.packing import pack, status_words
-from lifecycle.core.sources import GATE_SOURCES, LATE, SOURCES, Hooks, Inputs, everyone
+from lifecycle.core.sources import GATE_SOURCES, LATE, SOURCES, Hooks, Inputs, armed, everyone
 from lifecycle.core.verdicts import GATE_DEST, combine, hold
 from lifecycle.errors import HookError
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
@@ -78,6 +79,7 @@ class LocalStage:
         self.gates = tuple(gates)
         self.faults = faults
         self.hooks = Hooks(staging, metadata, self.gates, faults)
+        self._armed_for: tuple[StepConfig, tuple[tuple[str, Any], ...]] | None = None
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
         self.unfailed: NDArray[np.int8] | None = None
@@ -131,7 +133,7 @@ class LocalStage:
             obs.hook_failed(everyone(n), f.rooms, clock_error)
             obs.clean, obs.scan = False, None
         local, codes = obs.raw, None
-        x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
+        x: Inputs | None = None  # built only for a step some source or gate reads
         masks: dict[str, NDArray[np.bool_] | None] = {}
         hooked = None
         # the common poll (every value live, nothing failed) on a stage no
@@ -144,8 +146,9 @@ class LocalStage:
             and f.meta_bad is None
         )
         if not quiet:
+            x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
             if n:
-                masks = {name: src.fn(x) for name, src in SOURCES.items()}
+                masks = {name: fn(x) for name, fn in self._armed(cfg)}
             else:  # no row for a source to hit: only what observing found
                 masks = {name: SOURCES[name].fn(x) for name in _OBSERVED}
             hooked = obs.hooked
@@ -168,6 +171,8 @@ class LocalStage:
                 if _S_BYTE in scan:
                     at_success = scan.count(_S_BYTE)
         if at_success:  # gates decide only local Successes
+            if x is None:
+                x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
             x.success, x.at_success = _Lazy(local), at_success
             # in the table's order, each from its own source, each taking its
             # own edge (gates that share an edge share one pass)
@@ -194,6 +199,13 @@ class LocalStage:
         if codes is not None and codes is obs.backend and obs.failed is not None:
             # only the poller's Failed values: they are the Failed rows
             self._failed_at = (local, n, obs.failed.nonzero()[0])
+
+    def _armed(self, cfg: StepConfig) -> tuple[tuple[str, Any], ...]:
+        """The sources that can hit under ``cfg`` (kept while ``cfg`` is the same)."""
+        got = self._armed_for
+        if got is None or got[0] is not cfg:
+            got = self._armed_for = (cfg, armed(cfg, self.hooks))
+        return got[1]
 
     def failed_in(self, k: int) -> NDArray[np.int64]:
         """The positions of the Failed values among the first ``k`` (ascending)."""

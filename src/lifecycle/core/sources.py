@@ -33,7 +33,7 @@ from lifecycle.rules.graph import GATES, VERDICTS, GateRule, Verdict
 from lifecycle.status import I8
 from lifecycle.table import RequestTable
 
-__all__ = ["Inputs", "Source", "SOURCES", "GATE_SOURCES", "check_sources", "everyone"]
+__all__ = ["Inputs", "Source", "SOURCES", "GATE_SOURCES", "armed", "check_sources", "everyone"]
 
 Mask = NDArray[np.bool_]
 _S = I8.S
@@ -83,10 +83,10 @@ class Inputs:
         self.now, self.step, self.obs, self.hooks, self.rank = now, step, obs, hooks, rank
         #: the rows a metadata source reported corrupt (set by the gates)
         self.corrupt: Mask | None = None
-        #: the rows at local Success, on first use (only gates need them), and
-        #: how many there are
-        self.success: Callable[[], Mask] = lambda: everyone(frame.n)
-        self.at_success = frame.n
+        #: the rows at local Success, on first use, and how many there are (set
+        #: before the gates, the only sources that read them)
+        self.success: Callable[[], Mask] = _unset
+        self.at_success = 0
 
     def ask(self, hook: str, fn: Callable[[], Any], rows: Mask) -> Any:
         """Run one hook call; if it raises, fail ``rows`` (HOOK_ERROR), return None."""
@@ -95,6 +95,10 @@ class Inputs:
         except Exception as e:
             self.obs.hook_failed(rows, self.frame.rooms, contained(hook, self.rank, e))
             return None
+
+
+def _unset() -> Mask:
+    raise AssertionError("Inputs.success is set before the gates read it")
 
 
 @attrs.frozen
@@ -110,10 +114,17 @@ class Hooks:
 @attrs.frozen
 class Source:
     """A verdict source. ``after_gates``: it reads what the gates found, so it
-    is read again when they found something."""
+    is read again when they found something. ``needs``: the setting (a
+    :class:`StepConfig` field) or hook (a :class:`Hooks` field) without which
+    it can never hit, so a stepper without it never asks."""
 
     fn: Callable[[Inputs], Mask | None]
     after_gates: bool = False
+    needs: str | None = None
+
+    def armed(self, config: StepConfig, hooks: Hooks) -> bool:
+        need = self.needs
+        return need is None or getattr(config, need, getattr(hooks, need, None)) is not None
 
 
 # -- verdict sources -----------------------------------------------------------
@@ -175,16 +186,23 @@ def _hook_error(x: Inputs) -> Mask | None:
 #: before has had its chance to fail). ``backend`` is not here: it is the
 #: poller's own reason codes (:attr:`Observation.backend`), not a mask.
 SOURCES: dict[str, Source] = {
-    "fault_hook": Source(_fault_hook),
+    "fault_hook": Source(_fault_hook, needs="faults"),
     "abort_flag": Source(_abort_flag),
-    "bootstrap_deadline": Source(_bootstrap_deadline),
-    "waiting_deadline": Source(_waiting_deadline),
+    "bootstrap_deadline": Source(_bootstrap_deadline, needs="bootstrap_timeout"),
+    "waiting_deadline": Source(_waiting_deadline, needs="waiting_timeout"),
     "poll_value": Source(lambda x: x.obs.invalid),
     "poll_error": Source(lambda x: x.obs.errors),
     "metadata_row": Source(lambda x: x.corrupt, after_gates=True),
     "hook_error": Source(_hook_error, after_gates=True),
 }
 LATE: tuple[str, ...] = tuple(k for k, s in SOURCES.items() if s.after_gates)
+SourceFn = Callable[[Inputs], Mask | None]
+
+
+def armed(config: StepConfig, hooks: Hooks) -> tuple[tuple[str, SourceFn], ...]:
+    """(name, function) of every source that can hit under ``config`` with
+    ``hooks``, in order: what a step iterates (the others' masks are None)."""
+    return tuple((k, s.fn) for k, s in SOURCES.items() if s.armed(config, hooks))
 
 
 # -- gate sources --------------------------------------------------------------

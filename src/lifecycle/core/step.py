@@ -268,7 +268,9 @@ class RawStepper:
         assert f is not None and self._prepared
         result = result or self.unchanged_result()
         # the header came back as this rank sent it: its own floor was agreed
-        self._cap = self._cap.with_floor(self._want).settled(f.n)
+        cap = self._cap
+        if cap.floor < self._want or cap.rows < cap.floor or f.n * 4 < cap.rows:
+            self._cap = cap.with_floor(self._want).settled(f.n)  # else: nothing changes
         self._prepared = False
         self._settled = None
         self.table.step_no, self.table.now = result.step, self.local.now

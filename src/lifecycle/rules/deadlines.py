@@ -53,9 +53,9 @@ DEADLINES: tuple[Deadline, ...] = (
 
 def overdue(now: float, since: NDArray[np.float64], limit: float) -> NDArray[np.bool_]:
     """Where a clock started at ``since`` has run ``limit`` seconds or more by
-    ``now`` (a clock not started, NaN, never has). Every layer's rule."""
-    with np.errstate(invalid="ignore"):
-        late: NDArray[np.bool_] = now - since >= limit
+    ``now`` (a clock not started, NaN, never has: NaN compares False, quietly).
+    Every layer's rule."""
+    late: NDArray[np.bool_] = now - since >= limit
     return late
 
 
