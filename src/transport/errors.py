@@ -63,13 +63,17 @@ class BackendUnavailable(TransportError):
         super().__init__(f"transfer backend {name!r} is not available: {why}. {fix}")
 
 
-def require_module(backend: str, module: str, fix: str) -> None:
-    """Import ``module`` (an engine's binding) or raise :class:`BackendUnavailable`
-    naming ``backend``, why, and ``fix``: every backend's probe."""
+def require_module(backend: str, module: str, name: str, fix: str) -> None:
+    """Import ``name`` from ``module`` (an engine's binding) or raise
+    :class:`BackendUnavailable` naming ``backend``, why, and ``fix``: every
+    backend's probe."""
     try:
-        __import__(module)  # the import statement's own hook, as a plain import would
-    except ImportError as e:
-        raise BackendUnavailable(backend, f"cannot import {module} ({e})", fix) from None
+        # the import statement's own hook, as ``from module import name`` would
+        found = __import__(module, fromlist=[name])
+        getattr(found, name)
+    except (ImportError, AttributeError) as e:
+        why = f"cannot import {name} from {module} ({e})"
+        raise BackendUnavailable(backend, why, fix) from None
 
 
 class TransferFailed(TransportError):

@@ -207,3 +207,10 @@ def test_the_abort_reason_is_declared_on_its_edge_and_both_executors_read_it():
         _, trig, _ = advance(np.array([1]), np.array([0]), np.array([int(reason)]))
         ref = RequestMachine(room=1, initial=KVPoll.WaitingForInput)
         assert TRIGGERS[int(trig[0])] == ref.advance(KVPoll.Failed, reason) == FAIL_TRIGGER[reason]
+
+
+def test_a_reason_code_outside_the_table_takes_the_unclaimed_reasons_edge():
+    from lifecycle.rules.batch import advance
+
+    _, trig, _ = advance(np.array([1, 1, 1]), np.array([0, 0, 0]), np.array([-1, 0, 99]))
+    assert [TRIGGERS[int(t)] for t in trig] == ["fail", "abort", "fail"]

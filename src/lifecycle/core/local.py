@@ -74,11 +74,8 @@ class LocalStage:
     ) -> None:
         self.rank = rank
         self.poller = poller
-        self.staging = staging
-        self.metadata = metadata
-        self.gates = tuple(gates)
-        self.faults = faults
-        self.hooks = Hooks(staging, metadata, self.gates, faults)
+        #: the hooks, fixed for the stepper's life (read them as the properties below)
+        self.hooks = Hooks(staging, metadata, tuple(gates), faults)
         self._armed_for: tuple[StepConfig, tuple[tuple[str, Any], ...]] | None = None
         self.values: NDArray[np.int8] = np.empty(0, dtype=np.int8)
         self.codes: NDArray[np.int8] | None = None
@@ -87,6 +84,22 @@ class LocalStage:
         self._failed_at: tuple[NDArray[np.int8], int, NDArray[np.int64]] | None = None
         self.obs = Observation(self.values)
         self.now = 0.0
+
+    @property
+    def staging(self) -> StagingGate | None:
+        return self.hooks.staging
+
+    @property
+    def metadata(self) -> MetadataSource | None:
+        return self.hooks.metadata
+
+    @property
+    def gates(self) -> tuple[Gate, ...]:
+        return self.hooks.gates
+
+    @property
+    def faults(self) -> FaultHook | None:
+        return self.hooks.faults
 
     def reasons(self) -> NDArray[np.int8]:
         """Local reason per active row (NONE where this rank did not fail it)."""

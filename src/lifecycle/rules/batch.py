@@ -140,6 +140,17 @@ def demote(
     return values
 
 
+def _fail_trigger(reasons: NDArray[np.int64]) -> NDArray[np.int16]:
+    """The failure edge of each reason code; a code outside the table takes the
+    edge of the unclaimed reasons (as UNKNOWN does), never another's."""
+    size = FAIL_TRIGGER_ID.size
+    inside = (reasons >= 0) & (reasons < size)
+    out: NDArray[np.int16] = np.where(
+        inside, FAIL_TRIGGER_ID[np.where(inside, reasons, 0)], FAIL_TRIGGER_ID[int(R.UNKNOWN)]
+    )
+    return out
+
+
 def advance(
     states: NDArray[np.integer],
     targets: NDArray[np.integer],
@@ -157,7 +168,7 @@ def advance(
     if reasons is not None:
         trig = np.where(
             (trig >= 0) & (trig != STAY) & (tg == KVPoll.Failed),
-            FAIL_TRIGGER_ID[np.clip(np.asarray(reasons, np.int64), 0, FAIL_TRIGGER_ID.size - 1)],
+            _fail_trigger(np.asarray(reasons, np.int64)),
             trig,
         )
     illegal = trig < 0

@@ -7,8 +7,8 @@ Success after its metadata was sent. ``abort`` makes either Failed. Terminal
 states latch.
 
 It keeps the real backends' deadlines when given them (:class:`FakeConfig`):
-a request still Bootstrapping after ``bootstrap_timeout`` seconds, or waiting
-for input longer than ``waiting_timeout`` (a sender never given its pages
+a request still Bootstrapping ``bootstrap_timeout`` seconds on, or waiting
+for input for ``waiting_timeout`` (lifecycle.rules.deadlines; a sender never given its pages
 among them, SGLang PR #28652), is Failed with that reason when polled. With
 ``peer_alive`` (a callable: is the other side up?), a request never reports
 Success while it answers False: every live request is Failed, peer dead.

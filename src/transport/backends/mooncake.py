@@ -46,6 +46,7 @@ def probe() -> None:
     require_module(
         "mooncake",
         "mooncake.engine",
+        "TransferEngine",
         "Install it with `pip install 'pd-lifecycle[mooncake]'` and Debian's libibverbs1",
     )
 

@@ -60,6 +60,7 @@ def probe() -> None:
     require_module(
         "nixl",
         "nixl_cu12._api",
+        "nixl_agent",
         "Install it with `pip install 'pd-lifecycle[nixl]'` after torch (see constraints.txt)",
     )
 
