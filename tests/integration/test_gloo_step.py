@@ -509,3 +509,28 @@ def test_compat_fault_injection_draws_anew_on_every_call():
     (calls,) = run_ranks(_compat_faults, 1, timeout=60)
     assert len(set(calls)) > 1, "the same queue positions failed on every call"
     assert all(any(c) for c in calls)
+
+
+def _group_of_one(rank, world):
+    import numpy as np
+
+    from lifecycle import RequestTable, Stepper, TorchCollective
+    from lifecycle.testing import StatusBoard
+
+    table, board = RequestTable(), StatusBoard()
+    table.extend([1, 2])
+    board.set([1], S)
+    board.set([2], F)
+    coll = TorchCollective()
+    # a group of one makes no round trip: the process group is never asked
+    coll._pg = coll._dist = None
+    res = Stepper(table, rank, poller=board).step(coll)
+    gathered = coll.all_gather(np.array([7, 8], dtype=np.int32))
+    return res.statuses.tolist(), res.origins.tolist(), gathered.tolist()
+
+
+def test_a_group_of_one_reduces_without_a_round_trip():
+    ((statuses, origins, gathered),) = run_ranks(_group_of_one, 1, timeout=60)
+    assert statuses == [S, F]
+    assert origins == [-1, 0]
+    assert gathered == [[7, 8]]

@@ -1,18 +1,12 @@
 """Collectives the step reduces over.
 
-The core never talks to a network: it hands a buffer (uint8 for the step,
-int32 for origin fetches and gathers) to a :class:`Collective` and reads the
-result back. A collective may also *start* a reduce and let the caller wait
-for it later (:func:`start_min`), which is how a step overlaps the forward
-pass. Implementations:
-
-- :class:`TorchCollective`: ``torch.distributed`` on any process group
-  (gloo on CPU), zero-copy between numpy and torch;
-- :class:`Hierarchical`: TP then CP (then any further level); MIN is
-  associative, so this equals the MIN over the product of the groups;
-- :class:`SingleRank`: a world of one;
-- :class:`~lifecycle.testing.simulated.SimulatedWorld`: W ranks in one process (one
-  thread per rank), for tests and the simulator.
+The core hands a buffer (uint8 for the step, int32 for origin fetches and
+gathers) to a :class:`Collective` and reads the result back; it may also
+*start* a reduce and wait later (:func:`start_min`), to overlap the forward
+pass. :class:`TorchCollective` runs ``torch.distributed`` on any process group
+(gloo on CPU; a group of one makes no round trip), :class:`Hierarchical` TP
+then CP (MIN is associative: the MIN over the product), :class:`SingleRank` a
+world of one; ``lifecycle.testing.SimulatedWorld`` W ranks in one process.
 """
 
 from __future__ import annotations
@@ -278,6 +272,8 @@ class TorchCollective:
         return pg.allreduce([tensor], self._opts[is_async])
 
     def all_reduce_min(self, buf: NDArray[Any]) -> None:
+        if self._world == 1:  # the MIN over one rank is its own buffer: no round trip
+            return
         try:
             work = self._launch(buf, False)
             if work is not None:
@@ -286,6 +282,8 @@ class TorchCollective:
             raise self._failure(exc) from exc
 
     def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
+        if self._world == 1:
+            return _DONE
         try:
             work = self._launch(buf, True)
         except RuntimeError as exc:
@@ -293,6 +291,8 @@ class TorchCollective:
         return _TorchWork(work, self)
 
     def all_gather(self, buf: NDArray[np.int32]) -> NDArray[np.int32]:
+        if self._world == 1:
+            return SingleRank(self._rank).all_gather(buf)
         import torch
 
         out = torch.empty((self._world, buf.size), dtype=torch.int32)
