@@ -417,13 +417,20 @@ SIMULATE_BAD = {
 BENCH_BAD = {
     "backend": [["--backend", "fake"], ["--backend", "mooncake", "--unavailable"]],
     "mib": [["--mib", "0"], ["--mib", "1.5"], ["--mib", "100000000"]],
-    "page_kib": [["--page-kib", "0"], ["--page-kib", "100"], ["--mib", "1", "--page-kib", "2048"]],
+    "page_kib": [["--page-kib", "0"], ["--page-kib", "100"], ["--mib", "1", "--page-kib", "2048"],
+                 ["--prefill-tp", "2", "--page-kib", "32"]],
     "reps": [["--reps", "0"], ["--reps", "x"], ["--reps", "5000"]],
     "json": [["--json", "{d}/nowhere/x.json"], ["--json", "{d}"]],
     "verbose": [["--verbose=1"]],
     "buffers": [["--buffers", "0"], ["--buffers", "3"], ["--mib", "1", "--buffers", "2048"]],
     "shuffle": [["--shuffle=1"]],
-}
+    "prefill_tp": [["--prefill-tp", "0"], ["--prefill-tp", "3"], ["--kv-heads", "3", "--prefill-tp", "2"]],
+    "decode_tp": [["--decode-tp", "0"], ["--decode-tp", "3"]],
+    "page_tokens": [["--page-tokens", "0"], ["--mib", "1", "--page-tokens", "4096"]],
+    "head_dim": [["--head-dim", "0"], ["--mib", "1", "--head-dim", "100000"]],
+    "kv_heads": [["--kv-heads", "0"], ["--kv-heads", "x"], ["--mib", "1", "--kv-heads", "4096"]],
+    "layout": [["--layout", "diagonal"], ["--layout", "head"]],
+}  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}
 
 

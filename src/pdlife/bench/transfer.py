@@ -1,18 +1,29 @@
-"""``pdlife bench-transfer``: a lifecycle-driven 64 MiB transfer against the
-raw engine (Mooncake or NIXL) on loopback, side by side in one run.
+"""``pdlife bench-transfer``: a lifecycle-driven transfer against the raw
+engine (Mooncake or NIXL) on loopback, side by side in one run.
 
-Two processes (prefill, decode) on 127.0.0.1. Each repetition times, in
-alternating order:
+One process per TP rank, prefill and decode, on 127.0.0.1 (one of each by
+default). Each repetition times, in alternating order:
 
-- ``raw``: one write of the whole buffer through the engine's own calls
-  (Mooncake ``batch_transfer_async_write``; NIXL ``initialize_xfer`` +
-  ``transfer``), polled to completion -- the engine's loopback throughput;
-- ``lifecycle``: one request of the same bytes (pages of ``page_kib``) driven
-  end to end by the lifecycle: decode receiver ``init`` + ``send_metadata``,
-  prefill sender ``init`` + ``send``, both sides stepping a :class:`Stepper`
-  until the agreed Success, metadata row included.
+- ``raw`` (``raw-1:1``): every prefill rank writes its share of the bytes
+  through the engine's own calls (Mooncake ``batch_transfer_async_write``;
+  NIXL ``initialize_xfer`` + ``transfer``), polled to completion, laid out as
+  whole pages on both sides -- the engine's loopback throughput for the same
+  bytes between the same ranks;
+- ``lifecycle``: one request of the same bytes driven end to end by the
+  lifecycle: each decode rank's receiver ``init`` + ``send_metadata``, each
+  prefill rank's sender ``init`` + ``send``, every rank stepping a
+  :class:`Stepper` until the agreed Success, metadata row included.
 
-The buffer is ``buffers`` KV buffers (a model's layers) of equal size. With
+The default case is today's 1:1 one: pages of ``page_kib`` whole bytes. Given
+differing TP sizes (``--prefill-tp``, ``--decode-tp``) or a head geometry
+(``--page-tokens``, ``--head-dim``, ``--kv-heads``), pages hold tokens x heads
+and every prefill rank writes its heads of each page into the decode ranks
+that hold them (head slices, see :mod:`transport.topology`), while ``raw-1:1``
+moves the same bytes between the same ranks as whole pages
+(:mod:`pdlife.bench.transfer_shape`). Each decode rank checks every byte of
+its pages against the model's after each request, outside the timed window.
+
+The KV is ``buffers`` buffers (a model's layers) of equal size. With
 ``shuffle`` decode's destination pages are a fixed permutation of prefill's,
 so no two pages are adjacent on both sides: every page of every buffer is a
 run of its own, in both the raw write (one descriptor per page, as a
@@ -24,221 +35,205 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pdlife.engine_output import choose, divert
+from pdlife.bench.transfer_rank import rank_main
+from pdlife.bench.transfer_shape import Shape
+from pdlife.engine_output import choose
+
+#: bytes of one value of a head (bf16 / fp16)
+DTYPE_BYTES = 2
 
 __all__ = ["add_parser", "run_transfer_bench"]
 
 
-def _side(
-    backend: str,
-    role: str,
-    port: int,
+def shape_of(
     total_mib: int,
-    page_kib: int,
-    reps: int,
-    q: Any,
-    quiet: bool = True,
+    page_kib: int | None,
     buffers: int = 1,
     shuffle: bool = False,
-) -> None:
-    if quiet:
-        divert(None)  # the engine's own lines; --verbose keeps them
-    import torch
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    from buffers import MetadataBuffers, MetadataLayout
-    from lifecycle import RequestTable, SingleRank, Stepper
-    from transport.connector.hub import ConnectorConfig
-    from transport.layout import kv_args_for
-    from transport.registry import get_backend
-
-    page = page_kib * 1024
-    pages = total_mib * 1024 * 1024 // page // buffers
-    kv = [torch.zeros((pages, page), dtype=torch.uint8) for _ in range(buffers)]
-    meta = MetadataBuffers(
-        4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    *,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    page_tokens: int | None = None,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    layout: str = "token",
+) -> Shape:
+    """The bench's KV geometry: whole pages of ``page_kib`` (one token of one head,
+    today's 1:1 case), or, once the TP sizes differ or any of the head flags is
+    given, pages of ``page_tokens`` tokens x ``kv_heads`` heads of ``head_dim``
+    2-byte values (16 x 8 x 128 unless given)."""
+    heads_mode = (prefill_tp, decode_tp) != (1, 1) or any(
+        x is not None for x in (page_tokens, head_dim, kv_heads)
     )
-    mgr = get_backend(backend).manager(
-        kv_args_for(kv, meta.buf_infos(), 0),
-        ConnectorConfig(role=role, tp_rank=0, store_port=port, namespace="bench"),
-    )
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    peer = "decode" if role == "prefill" else "prefill"
-    store.wait([f"bench/{peer}/0/endpoint"])
-    info = mgr._peer_info(0, store)  # the record the connector writes with (connected)
-    # a pattern both sides can compute: decode checks every byte it received
-    pattern = [((torch.arange(t.numel()) + b) % 251).to(torch.uint8).view_as(t) for b, t in enumerate(kv)]  # fmt: skip
-    if role == "prefill":
-        for t, want in zip(kv, pattern):
-            t.copy_(want)
-    verified = True
-    raw_t: list[float] = []
-    life_t: list[float] = []
-    hand_t: list[float] = []
-    idx = np.arange(pages, dtype=np.int64)
-    dst = np.random.default_rng(0).permutation(pages) if shuffle else idx
-    raw = _raw_runs(kv, info["kv_ptrs"], dst, page, shuffle)
-    for rep in range(reps):
-        for what in ("raw", "life") if rep % 2 == 0 else ("life", "raw"):
-            if role == "decode" and what == "life":
-                for t in kv:
-                    t.zero_()  # so only this transfer can put the bytes back
-            store.add(f"sync/{rep}/{what}", 1)
-            if role == "decode":
-                store.wait([f"go/{rep}/{what}"])
-            else:
-                while int(store.add(f"sync/{rep}/{what}", 0)) < 2:
-                    time.sleep(0.0002)
-                store.set(f"go/{rep}/{what}", "1")
-            room = 1000 + rep * 2 + (what == "life")
-            if what == "raw":
-                if role == "prefill":
-                    t0 = time.perf_counter()
-                    token = mgr._write(info, *raw, b"")  # the engine's own write and poll
-                    while mgr._check(token) == 0:
-                        time.sleep(0.0002)
-                    raw_t.append(time.perf_counter() - t0)
-                    mgr._forget(token)
-                continue
-            table = RequestTable()
-            if role == "decode":
-                r = mgr.receiver(room)
-                r.init()
-                table.add(room, handle_index=r.index, metadata_slot=1)
-                stepper = Stepper(table, 0, poller=mgr, metadata=meta)
-                t0 = time.perf_counter()
-                sent = False
-                while True:
-                    res = stepper.step(SingleRank())
-                    if not sent and res.statuses[0] == 2:
-                        t1 = time.perf_counter()  # handshake done: decode says where to write
-                        r.send_metadata(dst, 1)
-                        sent = True
-                    if res.statuses[0] in (0, 4):
-                        break
-                    time.sleep(0.0002)
-                t2 = time.perf_counter()
-                life_t.append(t2 - t1)
-                hand_t.append(t1 - t0)
-                if res.statuses[0] != 4:
-                    raise RuntimeError(
-                        f"lifecycle transfer of room {room} failed: {res.failures()}"
-                    )
-                rows = torch.from_numpy(dst)
-                verified &= all(torch.equal(t[rows], want) for t, want in zip(kv, pattern))
-                verified &= meta.room_of(1) == room
-                r.clear()
-                meta.clear_room(1)
-            else:
-                meta.write(2, room, {"output_ids": [room]})
-                h = mgr.sender(room)
-                table.add(room, handle_index=h.index)
-                stepper = Stepper(table, 0, poller=mgr)
-                inited = False
-                while True:
-                    res = stepper.step(SingleRank())
-                    if not inited and res.statuses[0] == 2:
-                        h.init(pages, 2)
-                        h.send(idx)
-                        inited = True
-                    if res.statuses[0] in (0, 4):
-                        break
-                    time.sleep(0.0002)
-                h.clear()
-    if role == "decode":
-        q.put(("decode", life_t, verified))
-        q.put(("handshake", hand_t, verified))
+    if heads_mode:
+        t, h, hb = page_tokens or 16, kv_heads or 8, (head_dim or 128) * DTYPE_BYTES
     else:
-        q.put(("prefill", raw_t, True))
-    time.sleep(0.5)
-    mgr.close()
+        t, h, hb = 1, 1, (page_kib or 256) * 1024
+    per_buffer = total_mib * 1024 * 1024 // buffers
+    return Shape(
+        pages=per_buffer // (t * h * hb),
+        page_tokens=t,
+        kv_heads=h,
+        head_bytes=hb,
+        buffers=buffers,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        heads_major=layout == "head",
+        shuffle=shuffle,
+    )
 
 
-def _raw_runs(
-    kv: list[Any], dst_ptrs: list[int], dst: Any, page: int, shuffle: bool
-) -> tuple[Any, Any, Any]:
-    """The raw engine's descriptors for the same bytes: one per buffer when the
-    pages line up, one per page of every buffer when they are shuffled."""
-    if not shuffle:
-        cols = [(t.data_ptr(), d, t.nbytes) for t, d in zip(kv, dst_ptrs)]
-        return tuple(np.array(c, dtype=np.int64) for c in zip(*cols))  # type: ignore[return-value]
-    n = dst.size
-    src = np.concatenate([t.data_ptr() + np.arange(n, dtype=np.int64) * page for t in kv])
-    to = np.concatenate([d + dst.astype(np.int64) * page for d in dst_ptrs])
-    return src, to, np.full(src.size, page, dtype=np.int64)
+def _span(per_rank: list[list[tuple[float, float]]]) -> list[float]:
+    """Per repetition: from the first rank's start to the last rank's end."""
+    return [max(e for _, e in rep) - min(s for s, _ in rep) for rep in zip(*per_rank)]
 
 
 def run_transfer_bench(
     total_mib: int = 64,
-    page_kib: int = 256,
+    page_kib: int | None = 256,
     reps: int = 6,
     backend: str = "mooncake",
     verbose: bool = False,
     buffers: int = 1,
     shuffle: bool = False,
+    **heads: Any,
 ) -> dict[str, Any]:
+    """One run of both parts, side by side (``heads``: :func:`shape_of`'s TP sizes,
+    head geometry and layout)."""
     from lifecycle.testing.spawn import store_server
 
+    shape = shape_of(total_mib, page_kib, buffers, shuffle, **heads)
     quiet = choose(verbose)
-    store = store_server(3)  # on a port the OS picks as it binds
-    port = store.port
+    ranks = [("prefill", r) for r in range(shape.prefill_tp)]
+    ranks += [("decode", r) for r in range(shape.decode_tp)]
+    store = store_server(len(ranks) + 1)  # on a port the OS picks as it binds
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(
-            target=_side,
-            args=(backend, r, port, total_mib, page_kib, reps, q, quiet, buffers, shuffle),
-        )
-        for r in ("prefill", "decode")
+        ctx.Process(target=rank_main, args=(backend, role, r, shape, reps, store.port, q, quiet))
+        for role, r in ranks
     ]
     for p in procs:
         p.start()
-    got = {}
-    for _ in range(3):
-        name, times, ok = q.get(timeout=600)
-        got[name] = (times, ok)
-    for p in procs:
-        p.join(10)
-    _ = store
-    if not got["decode"][1]:
+    got: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+    try:
+        for _ in ranks:
+            role, r, times, ok, stats = q.get(timeout=600)
+            if times is None:
+                raise RuntimeError(f"{role} rank {r} failed: {ok}")
+            got[(role, r)] = (times, ok, stats)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    if not all(got[("decode", d)][1] for d in range(shape.decode_tp)):
         raise RuntimeError("decode did not receive the bytes prefill wrote")
-    nbytes = total_mib * 1024 * 1024
-    raw = float(np.median(got["prefill"][0]))
-    life = float(np.median(got["decode"][0]))
+    pre = [got[("prefill", p)] for p in range(shape.prefill_tp)]
+    dec = [got[("decode", d)] for d in range(shape.decode_tp)]
+    nbytes = shape.moved_bytes()
+    raw = float(np.median(_span([t["raw"] for t, _, _ in pre])))
+    life = float(np.median(_span([t["life"] for t, _, _ in dec])))
+    hand = float(np.median(_span([t["handshake"] for t, _, _ in dec])))
+    page_bytes = shape.page_bytes(shape.kv_heads)
     return {
         "backend": backend,
         "bytes": nbytes,
-        "page_kib": page_kib,
+        "page_kib": page_bytes / 1024,
         "buffers": buffers,
         "shuffled": shuffle,
-        # separate runs per page and buffer (the raw write's descriptors)
-        "runs": buffers * (nbytes // buffers // (page_kib * 1024)) if shuffle else buffers,
+        "prefill_tp": shape.prefill_tp,
+        "decode_tp": shape.decode_tp,
+        "page_tokens": shape.page_tokens,
+        "kv_heads": shape.kv_heads,
+        "head_bytes": shape.head_bytes,
+        "layout": "head" if shape.heads_major else "token",
+        # separate runs of the raw 1:1 write (per pair of ranks, page and buffer)
+        "runs": _raw_count(shape),
+        # entries the connector wrote per request, over every prefill rank (KV
+        # runs, the metadata row's fields and its room)
+        "lifecycle_runs": sum(s["writes"] for _, _, s in pre) // reps,
         "reps": reps,
         "raw_median_s": raw,
         "lifecycle_median_s": life,
         "raw_gbps": nbytes / raw / 1e9,
         "lifecycle_gbps": nbytes / life / 1e9,
         "lifecycle/raw": raw / life,
-        "handshake_median_s": float(np.median(got["handshake"][0])),
+        # the same numbers by the name the head-sliced case gives its baseline
+        "raw-1:1_gbps": nbytes / raw / 1e9,
+        "lifecycle/raw-1:1": raw / life,
+        "handshake_median_s": hand,
         "bytes_verified": True,
     }
+
+
+def _raw_count(shape: Shape) -> int:
+    pairs = sum(len(shape.topology.targets(p)) for p in range(shape.prefill_tp))
+    return pairs * shape.buffers * (shape.pages if shape.shuffle else 1)
 
 
 #: the most repetitions: the launcher waits 600 s for each side's timings
 MAX_REPS = 1000
 
 
-def check_args(args: argparse.Namespace) -> None:
+def _heads_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "page_tokens": args.page_tokens,
+        "head_dim": args.head_dim,
+        "kv_heads": args.kv_heads,
+        "layout": args.layout,
+    }
+
+
+def _check_shape(args: argparse.Namespace) -> Shape:
+    """The geometry the flags give, or the one-line reason they do not fit together."""
+    from pdlife.args import UsageError
+
+    heads = _heads_flags(args)
+    s = shape_of(args.mib, args.page_kib, args.buffers, args.shuffle, **heads)
+    if s.page_tokens > 1 or s.kv_heads > 1:  # the head geometry: pages of heads
+        if args.page_kib is not None:
+            raise UsageError(
+                f"--page-kib {args.page_kib}",
+                "pages are --page-tokens x --kv-heads x --head-dim here (head-sliced "
+                "case): leave --page-kib out",
+            )
+        for flag, tp in (("--prefill-tp", s.prefill_tp), ("--decode-tp", s.decode_tp)):
+            if s.kv_heads % tp if tp <= s.kv_heads else tp % s.kv_heads:
+                raise UsageError(
+                    f"{flag} {tp}",
+                    f"the {s.kv_heads} KV heads (--kv-heads) do not split over TP {tp}: give "
+                    "a TP size that divides the head count, or a multiple of it",
+                )
+        each = args.mib * 1024 * 1024 // args.buffers
+        if each % s.page_bytes(s.kv_heads):
+            raise UsageError(
+                f"--mib {args.mib}",
+                f"each of the {args.buffers} buffer(s) of {each} bytes must be a whole number "
+                f"of {s.page_bytes(s.kv_heads)}-byte pages (--page-tokens {s.page_tokens} x "
+                f"--kv-heads {s.kv_heads} x --head-dim {s.head_bytes // DTYPE_BYTES} x "
+                f"{DTYPE_BYTES} bytes)",
+            )
+    elif args.layout == "head":
+        raise UsageError(
+            "--layout head",
+            "a page of one token of one head has one layout: give --kv-heads, --page-tokens "
+            "or TP sizes that differ",
+        )
+    return s
+
+
+def check_args(args: argparse.Namespace) -> Shape:
     """Every check of ``bench-transfer``'s flags, before a process is spawned:
     the sizes fit together and this machine, the JSON file can be written, the
-    backend loads here."""
+    backend loads here; the geometry they give."""
     import os
 
     from pdlife.args import UsageError
@@ -252,18 +247,27 @@ def check_args(args: argparse.Namespace) -> None:
             f"the {args.mib} MiB must split into equal buffers: give a count that divides "
             f"{args.mib * 1024} KiB",
         )
-    if args.page_kib > each or each % args.page_kib:
+    page_kib = args.page_kib or 256
+    if args.page_kib is not None and (page_kib > each or each % page_kib):
         raise UsageError(
             f"--page-kib {args.page_kib}",
             f"each of the {args.buffers} buffer(s) of {each} KiB must be a whole number of "
             f"pages: give a page size that divides {each} KiB",
         )
-    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    if 4 * args.mib > phys // 2:
+    shape = _check_shape(args)
+    if shape.pages < 1 or (args.page_kib is None and shape.kv_heads == 1 and each % page_kib):
         raise UsageError(
             f"--mib {args.mib}",
-            f"the two sides hold 4 x {args.mib} MiB (a buffer and its check pattern each); "
-            f"at most {phys // 8} MiB on this machine ({phys} MiB of memory)",
+            f"each of the {args.buffers} buffer(s) of {each} KiB must hold whole pages of "
+            f"{shape.page_bytes(shape.kv_heads)} bytes",
+        )
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    held = shape.held_bytes() >> 20
+    if held > phys // 2:
+        raise UsageError(
+            f"--mib {args.mib}",
+            f"the ranks hold {held} MiB between them (their KV and decode's check pattern); "
+            f"at most {phys // 2} MiB on this machine ({phys} MiB of memory)",
         )
     if args.reps > MAX_REPS:
         raise UsageError(
@@ -281,21 +285,38 @@ def check_args(args: argparse.Namespace) -> None:
         get_backend(args.backend)
     except TransportError as e:  # it names the missing package and how to install it
         raise UsageError(f"--backend {args.backend}", str(e)) from None
+    return shape
 
 
 def _run(args: argparse.Namespace) -> int:
-    check_args(args)
+    shape = check_args(args)
     res = run_transfer_bench(
-        args.mib, args.page_kib, args.reps, args.backend, args.verbose, args.buffers, args.shuffle
+        args.mib,
+        args.page_kib,
+        args.reps,
+        args.backend,
+        args.verbose,
+        args.buffers,
+        args.shuffle,
+        **_heads_flags(args),
     )
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
-    shape = f"{args.buffers} buffer(s) of {args.page_kib} KiB pages" + (
-        f", destination pages shuffled ({res['runs']} runs)" if args.shuffle else ""
-    )
+    if shape.kv_heads > 1 or shape.page_tokens > 1:
+        shape_text = (
+            f"{args.buffers} buffer(s) of {shape.page_tokens}-token pages of "
+            f"{shape.kv_heads} heads x {shape.head_bytes} bytes, {res['layout']}-major; "
+            f"prefill TP {shape.prefill_tp} -> decode TP {shape.decode_tp}"
+        )
+        raw_name = "raw engine 1:1 (whole pages)"
+    else:
+        shape_text = f"{args.buffers} buffer(s) of {res['page_kib']:.0f} KiB pages"
+        raw_name = "raw engine"
+    if args.shuffle:
+        shape_text += ", destination pages shuffled"
     print(
-        f"{res['bytes'] >> 20} MiB ({shape}) over {over} on 127.0.0.1: "
-        f"raw engine {res['raw_gbps']:.2f} GB/s, "
-        f"lifecycle-driven {res['lifecycle_gbps']:.2f} GB/s "
+        f"{res['bytes'] >> 20} MiB ({shape_text}) over {over} on 127.0.0.1: "
+        f"{raw_name} {res['raw_gbps']:.2f} GB/s ({res['runs']} runs), "
+        f"lifecycle-driven {res['lifecycle_gbps']:.2f} GB/s ({res['lifecycle_runs']} runs) "
         f"({100 * res['lifecycle/raw']:.0f}% of raw; medians of {res['reps']}); "
         f"the handshake before it took {1e3 * res['handshake_median_s']:.1f} ms; "
         "every lifecycle-driven byte and the metadata row verified on decode"
@@ -313,13 +334,28 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--backend", choices=["mooncake", "nixl"], default="mooncake")
     p.add_argument("--mib", type=positive_int, default=64)
-    p.add_argument("--page-kib", type=positive_int, default=256)
+    p.add_argument(
+        "--page-kib", type=positive_int, default=None, help="whole pages (1:1 case; default 256)"
+    )
     p.add_argument("--reps", type=positive_int, default=6)
     p.add_argument("--buffers", type=positive_int, default=1, help="KV buffers (layers)")
     p.add_argument(
         "--shuffle",
         action="store_true",
         help="decode's pages a permutation of prefill's: a run per page (scattered pages)",
+    )
+    p.add_argument("--prefill-tp", type=positive_int, default=1, help="prefill TP ranks")
+    p.add_argument("--decode-tp", type=positive_int, default=1, help="decode TP ranks")
+    p.add_argument("--page-tokens", type=positive_int, help="tokens per page (default 16)")
+    p.add_argument(
+        "--head-dim", type=positive_int, help="values of one head, 2 bytes each (default 128)"
+    )
+    p.add_argument("--kv-heads", type=positive_int, help="the model's KV heads (default 8)")
+    p.add_argument(
+        "--layout",
+        choices=["token", "head"],
+        default="token",
+        help="a page's heads per token (token-major) or its tokens per head (head-major)",
     )
     p.add_argument("--json")
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")
