@@ -159,6 +159,7 @@ KV_BAD = {
     "page_size": ints(1),
     "ib_device": text(none=True),
     "kv_head_num": ints(1),
+    "heads_major": FLAG,
 }
 KV_MISFITS = [
     (dict(kv_data_lens=[1024, 1024]), "kv_data_lens"),  # not parallel to the pointers
@@ -337,11 +338,11 @@ def test_numpy_integers_are_integers_and_become_python_ints():
 
 
 # -- a connector: its config against its KVArgs, before anything starts -------------------------
-def _kv(pages=8, aux=True, heads=1):
+def _kv(pages=8, aux=True, heads=1, heads_major=False):
     kv = [torch.zeros((pages, 64 * heads), dtype=torch.uint8)]
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     infos = MetadataBuffers(4, layout).buf_infos() if aux else ([], [], [])
-    return kv_args_for(kv, infos, 0, kv_head_num=heads), kv
+    return kv_args_for(kv, infos, 0, kv_head_num=heads, heads_major=heads_major), kv
 
 
 @pytest.mark.parametrize(
@@ -350,6 +351,8 @@ def _kv(pages=8, aux=True, heads=1):
         (dict(heads=2), dict(tp_size=2, kv_heads=2), "kv_heads", TopologySettingError),
         (dict(aux=False), dict(staging=True), "staging", ConfigError),
         (dict(pages=8), dict(staging=True, staging_pages=9), "staging_pages", ConfigError),
+        # a head-major page's slice is one run already: nothing to gather
+        (dict(heads_major=True), dict(staging=True), "staging", ConfigError),
     ],
 )
 def test_a_connector_checks_its_config_against_its_kv_args_first(

@@ -79,7 +79,12 @@ def _run(
         4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     )
     args = kv_args_for(
-        kv, meta.buf_infos(), rank, page_size=shape.page_tokens, kv_head_num=len(heads)
+        kv,
+        meta.buf_infos(),
+        rank,
+        page_size=shape.page_tokens,
+        kv_head_num=len(heads),
+        heads_major=shape.heads_major,
     )
     config = ConnectorConfig(
         role=role, tp_rank=rank, tp_size=tp, kv_heads=shape.kv_heads, store_port=port, namespace=NS
