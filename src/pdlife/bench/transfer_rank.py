@@ -5,7 +5,11 @@ its lifecycle-driven request.
 Every rank meets the others at a store barrier before each timed part. In
 ``raw`` each prefill rank writes its share of the bytes as whole pages (see
 :func:`pdlife.bench.transfer_shape.raw_runs`) through the engine's own calls
-and polls them to completion. In ``life`` one request is driven end to end:
+and polls them to completion; in ``sliced`` it writes, the same way, the very
+runs the connector issues for its head slices of the request (where the time
+goes: the engine's cost of those runs, apart from the protocol's; staged, those
+runs are the raw ones, into decode's staging region). In ``life`` one request
+is driven end to end:
 each decode rank ``init`` + ``send_metadata``, each prefill rank ``init`` +
 ``send``, every rank stepping a :class:`~lifecycle.Stepper` until the agreed
 Success. Times are ``time.monotonic`` instants (one clock for every process
@@ -33,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 POLL = 0.0002  # the pause between steps (and between polls of a raw write)
 NS = "bench"
+#: what each repetition times: the raw 1:1 write, the raw engine write of the
+#: connector's own runs for the request (``sliced``), the lifecycle-driven request
+PARTS = ("raw", "sliced", "life")
 
 
 def _barrier(store: Any, key: str, world: int, leader: bool) -> None:
@@ -76,7 +83,7 @@ def _run(
         torch.zeros(shape.tensor_shape(len(heads)), dtype=torch.uint8) for _ in range(shape.buffers)
     ]
     meta = MetadataBuffers(
-        4, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+        3, MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     )
     args = kv_args_for(
         kv,
@@ -86,8 +93,17 @@ def _run(
         kv_head_num=len(heads),
         heads_major=shape.heads_major,
     )
+    staged: dict[str, Any] = {}
+    if role == "decode" and shape.staging:  # a staging region of the request's pages per slot
+        staged = {"staging": True, "staging_pages": shape.pages, "scatter_pages": shape.pages}
     config = ConnectorConfig(
-        role=role, tp_rank=rank, tp_size=tp, kv_heads=shape.kv_heads, store_port=port, namespace=NS
+        role=role,
+        tp_rank=rank,
+        tp_size=tp,
+        kv_heads=shape.kv_heads,
+        store_port=port,
+        namespace=NS,
+        **staged,
     )
     mgr = get_backend(backend).manager(args, config)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -102,23 +118,27 @@ def _run(
     peer_role = "decode" if role == "prefill" else "prefill"
     store.wait([f"{NS}/{peer_role}/{p}/endpoint" for p in peers])
     infos = {p: mgr._peer_info(p, store) for p in peers}  # connected, as the connector writes
-    raw = raw_runs(shape, rank, kv, infos) if role == "prefill" else {}
-    world, leader = shape.prefill_tp + shape.decode_tp, role == "prefill" and rank == 0
-    times: dict[str, list[tuple[float, float]]] = {"raw": [], "life": [], "handshake": []}
-    verified = True
     dst = shape.dst_pages()
+    writes = {}
+    if role == "prefill":
+        raw = raw_runs(shape, rank, kv, infos)
+        # staged, the connector's runs are the raw ones, into decode's staging instead
+        writes = {"raw": raw, "sliced": raw if shape.staging else _sliced(args, shape, infos)}
+    world, leader = shape.prefill_tp + shape.decode_tp, role == "prefill" and rank == 0
+    times: dict[str, list[tuple[float, float]]] = {p: [] for p in (*PARTS, "handshake")}
+    verified = True
     for rep in range(reps):
-        for what in ("raw", "life") if rep % 2 == 0 else ("life", "raw"):
+        for what in PARTS[rep % 3 :] + PARTS[: rep % 3]:  # each part first in turn
             if role == "decode" and what == "life":
                 for t in kv:
                     t.zero_()  # so only this request can put the bytes back
             _barrier(store, f"{rep}/{what}", world, leader)
             room = 1000 + rep * 2 + (what == "life")
-            if what == "raw":
+            if what != "life":
                 if role == "prefill":
-                    times["raw"].append(_raw(mgr, infos, raw))
+                    times[what].append(_raw(mgr, infos, writes[what]))
             elif role == "decode":
-                hand, life = _decode(mgr, meta, room, dst)
+                hand, life = _decode(mgr, meta, room, dst, shape.staging)
                 times["handshake"].append(hand)
                 times["life"].append(life)
                 rows = torch.from_numpy(dst)
@@ -133,8 +153,23 @@ def _run(
     mgr.close()
 
 
+def _sliced(args: Any, shape: Shape, infos: dict[int, Any]) -> dict[int, Any]:
+    """The KV writes the connector issues for this prefill rank's slices of the
+    request, by decode rank (the same legs and pages as the lifecycle-driven one)."""
+    from transport.connector.legs import kv_writes, leg_of
+
+    out = {}
+    src = np.arange(shape.pages, dtype=np.int64)
+    for s in shape.topology.targets(args.engine_rank):
+        leg = leg_of(s.decode, s)
+        leg.dst_heads = int(infos[s.decode]["kv_head_num"])
+        out[s.decode] = kv_writes(args, infos[s.decode], leg, src, shape.dst_pages())
+    return out
+
+
 def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, float]:
-    """Every write of this rank's raw 1:1 share, polled to completion: (start, end)."""
+    """Every write of ``raw`` (by decode rank), through the engine's own calls and
+    polled to completion: (start, end)."""
     t0 = time.monotonic()
     tokens = [mgr._write(infos[d], *w, b"") for d, w in raw.items()]  # the engine's own write
     while any(mgr._check(tok) == 0 for tok in tokens):
@@ -145,16 +180,19 @@ def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, f
     return t0, t1
 
 
-def _decode(mgr: Any, meta: Any, room: int, dst: Any) -> tuple[tuple[float, float], ...]:
+def _decode(
+    mgr: Any, meta: Any, room: int, dst: Any, staged: bool
+) -> tuple[tuple[float, float], ...]:
     """One request on a decode rank: (handshake (start, end), transfer (start, end)),
-    the transfer timed from ``send_metadata`` to the agreed Success."""
+    the transfer timed from ``send_metadata`` to the agreed Success (staged: once
+    the stepper's staging gate saw every page scattered)."""
     from lifecycle import RequestTable, SingleRank, Stepper
 
     table = RequestTable()
     r = mgr.receiver(room)
     r.init()
     table.add(room, handle_index=r.index, metadata_slot=1)
-    stepper = Stepper(table, 0, poller=mgr, metadata=meta)
+    stepper = Stepper(table, 0, poller=mgr, metadata=meta, staging=mgr if staged else None)
     t0 = t1 = time.monotonic()
     sent = False
     while True:

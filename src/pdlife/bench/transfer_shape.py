@@ -45,6 +45,8 @@ class Shape:
     decode_tp: int = 1
     heads_major: bool = False
     shuffle: bool = False
+    #: decode lands head slices in a staging region, then scatters them
+    staging: bool = False
 
     @property
     def topology(self) -> Topology:
@@ -68,10 +70,11 @@ class Shape:
         return self.buffers * self.pages * self.page_bytes(held)
 
     def held_bytes(self) -> int:
-        """Every rank's KV, both sides (decode twice: its pages and their check pattern)."""
+        """Every rank's KV, both sides (decode twice: its pages and their check
+        pattern; staged, a staging region per metadata slot besides: three)."""
         pre = sum(len(self.heads("prefill", p)) for p in range(self.prefill_tp))
         dec = sum(len(self.heads("decode", d)) for d in range(self.decode_tp))
-        return self.buffers * self.pages * self.page_bytes(pre + 2 * dec)
+        return self.buffers * self.pages * self.page_bytes(pre + (5 if self.staging else 2) * dec)
 
     def tensor_shape(self, heads: int) -> tuple[int, int, int, int]:
         if self.heads_major:
