@@ -433,6 +433,7 @@ BENCH_BAD = {
     "head_dim": [["--head-dim", "0"], ["--mib", "1", "--head-dim", "100000"]],
     "kv_heads": [["--kv-heads", "0"], ["--kv-heads", "x"], ["--mib", "1", "--kv-heads", "4096"]],
     "layout": [["--layout", "diagonal"], ["--layout", "head"]],
+    "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
     "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
 }  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}

@@ -40,54 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from pdlife.bench.transfer_args import check_args, heads_flags
 from pdlife.bench.transfer_rank import rank_main
-from pdlife.bench.transfer_shape import Shape
+from pdlife.bench.transfer_shape import Shape, shape_of
 from pdlife.engine_output import choose
 
-#: bytes of one value of a head (bf16 / fp16)
-DTYPE_BYTES = 2
-
 __all__ = ["add_parser", "run_transfer_bench"]
-
-
-def shape_of(
-    total_mib: int,
-    page_kib: int | None,
-    buffers: int = 1,
-    shuffle: bool = False,
-    *,
-    prefill_tp: int = 1,
-    decode_tp: int = 1,
-    page_tokens: int | None = None,
-    head_dim: int | None = None,
-    kv_heads: int | None = None,
-    layout: str = "token",
-    staging: bool = False,
-) -> Shape:
-    """The bench's KV geometry: whole pages of ``page_kib`` (one token of one head,
-    today's 1:1 case), or, once the TP sizes differ or any of the head flags is
-    given, pages of ``page_tokens`` tokens x ``kv_heads`` heads of ``head_dim``
-    2-byte values (16 x 8 x 128 unless given)."""
-    heads_mode = (prefill_tp, decode_tp) != (1, 1) or any(
-        x is not None for x in (page_tokens, head_dim, kv_heads)
-    )
-    if heads_mode:
-        t, h, hb = page_tokens or 16, kv_heads or 8, (head_dim or 128) * DTYPE_BYTES
-    else:
-        t, h, hb = 1, 1, (page_kib or 256) * 1024
-    per_buffer = total_mib * 1024 * 1024 // buffers
-    return Shape(
-        pages=per_buffer // (t * h * hb),
-        page_tokens=t,
-        kv_heads=h,
-        head_bytes=hb,
-        buffers=buffers,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        heads_major=layout == "head",
-        shuffle=shuffle,
-        staging=staging,
-    )
 
 
 def _span(per_rank: list[list[tuple[float, float]]]) -> list[float]:
@@ -103,10 +61,11 @@ def run_transfer_bench(
     verbose: bool = False,
     buffers: int = 1,
     shuffle: bool = False,
+    step_us: int = 200,
     **heads: Any,
 ) -> dict[str, Any]:
-    """One run of both parts, side by side (``heads``: :func:`shape_of`'s TP sizes,
-    head geometry and layout)."""
+    """One run of every part, side by side (``step_us``: each rank's pause between
+    steps; ``heads``: :func:`shape_of`'s TP sizes, head geometry, layout, staging)."""
     from lifecycle.testing.spawn import store_server
 
     shape = shape_of(total_mib, page_kib, buffers, shuffle, **heads)
@@ -117,7 +76,10 @@ def run_transfer_bench(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=rank_main, args=(backend, role, r, shape, reps, store.port, q, quiet))
+        ctx.Process(
+            target=rank_main,
+            args=(backend, role, r, shape, reps, store.port, q, quiet, step_us * 1e-6),
+        )
         for role, r in ranks
     ]
     for p in procs:
@@ -163,6 +125,7 @@ def run_transfer_bench(
         # runs, the metadata row's fields and its room)
         "lifecycle_runs": sum(s["writes"] for _, _, s in pre) // reps,
         "reps": reps,
+        "step_us": step_us,
         "raw_median_s": raw,
         "lifecycle_median_s": life,
         "raw_gbps": nbytes / raw / 1e9,
@@ -187,126 +150,6 @@ def _raw_count(shape: Shape) -> int:
     return pairs * shape.buffers * (shape.pages if shape.shuffle else 1)
 
 
-#: the most repetitions: the launcher waits 600 s for each side's timings
-MAX_REPS = 1000
-
-
-def _heads_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "prefill_tp": args.prefill_tp,
-        "decode_tp": args.decode_tp,
-        "page_tokens": args.page_tokens,
-        "head_dim": args.head_dim,
-        "kv_heads": args.kv_heads,
-        "layout": args.layout,
-        "staging": args.staging,
-    }
-
-
-def _check_shape(args: argparse.Namespace) -> Shape:
-    """The geometry the flags give, or the one-line reason they do not fit together."""
-    from pdlife.args import UsageError
-
-    heads = _heads_flags(args)
-    s = shape_of(args.mib, args.page_kib, args.buffers, args.shuffle, **heads)
-    if s.page_tokens > 1 or s.kv_heads > 1:  # the head geometry: pages of heads
-        if args.page_kib is not None:
-            raise UsageError(
-                f"--page-kib {args.page_kib}",
-                "pages are --page-tokens x --kv-heads x --head-dim here (head-sliced "
-                "case): leave --page-kib out",
-            )
-        for flag, tp in (("--prefill-tp", s.prefill_tp), ("--decode-tp", s.decode_tp)):
-            if s.kv_heads % tp if tp <= s.kv_heads else tp % s.kv_heads:
-                raise UsageError(
-                    f"{flag} {tp}",
-                    f"the {s.kv_heads} KV heads (--kv-heads) do not split over TP {tp}: give "
-                    "a TP size that divides the head count, or a multiple of it",
-                )
-        each = args.mib * 1024 * 1024 // args.buffers
-        if each % s.page_bytes(s.kv_heads):
-            raise UsageError(
-                f"--mib {args.mib}",
-                f"each of the {args.buffers} buffer(s) of {each} bytes must be a whole number "
-                f"of {s.page_bytes(s.kv_heads)}-byte pages (--page-tokens {s.page_tokens} x "
-                f"--kv-heads {s.kv_heads} x --head-dim {s.head_bytes // DTYPE_BYTES} x "
-                f"{DTYPE_BYTES} bytes)",
-            )
-        if args.staging and (s.heads_major or s.prefill_tp == s.decode_tp):
-            raise UsageError(
-                "--staging",
-                "decode stages token-major head slices: give --layout token and TP sizes "
-                "that differ",
-            )
-    elif args.staging:
-        raise UsageError("--staging", "whole pages are never staged: give TP sizes that differ")
-    elif args.layout == "head":
-        raise UsageError(
-            "--layout head",
-            "a page of one token of one head has one layout: give --kv-heads, --page-tokens "
-            "or TP sizes that differ",
-        )
-    return s
-
-
-def check_args(args: argparse.Namespace) -> Shape:
-    """Every check of ``bench-transfer``'s flags, before a process is spawned:
-    the sizes fit together and this machine, the JSON file can be written, the
-    backend loads here; the geometry they give."""
-    import os
-
-    from pdlife.args import UsageError
-    from transport.errors import TransportError
-    from transport.registry import get_backend
-
-    each = args.mib * 1024 // args.buffers  # KiB per KV buffer
-    if args.buffers > args.mib * 1024 or (args.mib * 1024) % args.buffers:
-        raise UsageError(
-            f"--buffers {args.buffers}",
-            f"the {args.mib} MiB must split into equal buffers: give a count that divides "
-            f"{args.mib * 1024} KiB",
-        )
-    page_kib = args.page_kib or 256
-    if args.page_kib is not None and (page_kib > each or each % page_kib):
-        raise UsageError(
-            f"--page-kib {args.page_kib}",
-            f"each of the {args.buffers} buffer(s) of {each} KiB must be a whole number of "
-            f"pages: give a page size that divides {each} KiB",
-        )
-    shape = _check_shape(args)
-    if shape.pages < 1 or (args.page_kib is None and shape.kv_heads == 1 and each % page_kib):
-        raise UsageError(
-            f"--mib {args.mib}",
-            f"each of the {args.buffers} buffer(s) of {each} KiB must hold whole pages of "
-            f"{shape.page_bytes(shape.kv_heads)} bytes",
-        )
-    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    held = shape.held_bytes() >> 20
-    if held > phys // 2:
-        raise UsageError(
-            f"--mib {args.mib}",
-            f"the ranks hold {held} MiB between them (their KV and decode's check pattern); "
-            f"at most {phys // 2} MiB on this machine ({phys} MiB of memory)",
-        )
-    if args.reps > MAX_REPS:
-        raise UsageError(
-            f"--reps {args.reps}",
-            f"at most {MAX_REPS}: the launcher waits 600 s for each side's timings",
-        )
-    if args.json is not None:
-        out = Path(args.json)
-        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-            raise UsageError(
-                f"--json {args.json}",
-                "cannot write a file there; give a file path in an existing, writable directory",
-            )
-    try:
-        get_backend(args.backend)
-    except TransportError as e:  # it names the missing package and how to install it
-        raise UsageError(f"--backend {args.backend}", str(e)) from None
-    return shape
-
-
 def _run(args: argparse.Namespace) -> int:
     shape = check_args(args)
     res = run_transfer_bench(
@@ -317,7 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         args.verbose,
         args.buffers,
         args.shuffle,
-        **_heads_flags(args),
+        args.step_us,
+        **heads_flags(args),
     )
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
     if shape.kv_heads > 1 or shape.page_tokens > 1:
@@ -383,6 +227,12 @@ def add_parser(sub: Any) -> None:
         "--staging",
         action="store_true",
         help="decode lands head slices in a staging region, then scatters them (token-major)",
+    )
+    p.add_argument(
+        "--step-us",
+        type=positive_int,
+        default=200,
+        help="each rank's pause between steps of the lifecycle-driven request",
     )
     p.add_argument("--json")
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")

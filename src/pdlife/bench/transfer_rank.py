@@ -35,7 +35,8 @@ __all__ = ["rank_main"]
 
 logger = logging.getLogger(__name__)
 
-POLL = 0.0002  # the pause between steps (and between polls of a raw write)
+#: the pause between a rank's steps (by default) and between polls of a raw write
+POLL = 0.0002
 NS = "bench"
 #: what each repetition times: the raw 1:1 write, the raw engine write of the
 #: connector's own runs for the request (``sliced``), the lifecycle-driven request
@@ -53,19 +54,35 @@ def _barrier(store: Any, key: str, world: int, leader: bool) -> None:
 
 
 def rank_main(
-    backend: str, role: str, rank: int, shape: Shape, reps: int, port: int, q: Any, quiet: bool
+    backend: str,
+    role: str,
+    rank: int,
+    shape: Shape,
+    reps: int,
+    port: int,
+    q: Any,
+    quiet: bool,
+    step_s: float = POLL,
 ) -> None:
     """Run one rank; put ``(role, rank, {part: [(start, end), ...]}, verified, stats)``
     on ``q``, or ``(role, rank, None, why, None)`` if it failed."""
     try:
-        _run(backend, role, rank, shape, reps, port, q, quiet)
+        _run(backend, role, rank, shape, reps, port, q, quiet, step_s)
     except Exception as e:
         q.put((role, rank, None, f"{type(e).__name__}: {e}", None))
         raise
 
 
 def _run(
-    backend: str, role: str, rank: int, shape: Shape, reps: int, port: int, q: Any, quiet: bool
+    backend: str,
+    role: str,
+    rank: int,
+    shape: Shape,
+    reps: int,
+    port: int,
+    q: Any,
+    quiet: bool,
+    step_s: float,
 ) -> None:
     if quiet:
         divert(None)  # the engine's own lines; --verbose keeps them
@@ -138,7 +155,7 @@ def _run(
                 if role == "prefill":
                     times[what].append(_raw(mgr, infos, writes[what]))
             elif role == "decode":
-                hand, life = _decode(mgr, meta, room, dst, shape.staging)
+                hand, life = _decode(mgr, meta, room, dst, shape.staging, step_s)
                 times["handshake"].append(hand)
                 times["life"].append(life)
                 rows = torch.from_numpy(dst)
@@ -146,7 +163,7 @@ def _run(
                 verified &= meta.room_of(1) == room
                 meta.clear_room(1)
             else:
-                _prefill(mgr, meta, room, shape.pages)
+                _prefill(mgr, meta, room, shape.pages, step_s)
     q.put((role, rank, times, bool(verified), dict(mgr.stats)))
     _barrier(store, "end", world, leader)  # nobody closes while a peer still writes
     time.sleep(0.2)
@@ -181,7 +198,7 @@ def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, f
 
 
 def _decode(
-    mgr: Any, meta: Any, room: int, dst: Any, staged: bool
+    mgr: Any, meta: Any, room: int, dst: Any, staged: bool, step_s: float
 ) -> tuple[tuple[float, float], ...]:
     """One request on a decode rank: (handshake (start, end), transfer (start, end)),
     the transfer timed from ``send_metadata`` to the agreed Success (staged: once
@@ -203,7 +220,7 @@ def _decode(
             sent = True
         if res.statuses[0] in (0, 4):
             break
-        time.sleep(POLL)
+        time.sleep(step_s)
     t2 = time.monotonic()
     if res.statuses[0] != 4:
         raise RuntimeError(f"lifecycle transfer of room {room} failed: {res.failures()}")
@@ -211,7 +228,7 @@ def _decode(
     return (t0, t1), (t1, t2)
 
 
-def _prefill(mgr: Any, meta: Any, room: int, pages: int) -> None:
+def _prefill(mgr: Any, meta: Any, room: int, pages: int, step_s: float) -> None:
     """One request on a prefill rank: ``init`` + ``send`` once decode's page list is in."""
     from lifecycle import RequestTable, SingleRank, Stepper
 
@@ -229,7 +246,7 @@ def _prefill(mgr: Any, meta: Any, room: int, pages: int) -> None:
             inited = True
         if res.statuses[0] in (0, 4):
             break
-        time.sleep(POLL)
+        time.sleep(step_s)
     if res.statuses[0] != 4:
         raise RuntimeError(f"lifecycle transfer of room {room} failed: {res.failures()}")
     h.clear()

@@ -29,7 +29,10 @@ from numpy.typing import NDArray
 from transport.layout import coalesce
 from transport.topology import Slice, Topology
 
-__all__ = ["Shape", "pattern", "raw_runs"]
+__all__ = ["Shape", "pattern", "raw_runs", "shape_of", "DTYPE_BYTES"]
+
+#: bytes of one value of a head (bf16 / fp16)
+DTYPE_BYTES = 2
 
 Writes = tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]
 
@@ -86,6 +89,46 @@ class Shape:
         if self.shuffle:
             return np.random.default_rng(0).permutation(self.pages).astype(np.int64)
         return np.arange(self.pages, dtype=np.int64)
+
+
+def shape_of(
+    total_mib: int,
+    page_kib: int | None,
+    buffers: int = 1,
+    shuffle: bool = False,
+    *,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    page_tokens: int | None = None,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    layout: str = "token",
+    staging: bool = False,
+) -> Shape:
+    """The bench's KV geometry: whole pages of ``page_kib`` (one token of one head,
+    today's 1:1 case), or, once the TP sizes differ or any of the head flags is
+    given, pages of ``page_tokens`` tokens x ``kv_heads`` heads of ``head_dim``
+    2-byte values (16 x 8 x 128 unless given)."""
+    heads_mode = (prefill_tp, decode_tp) != (1, 1) or any(
+        x is not None for x in (page_tokens, head_dim, kv_heads)
+    )
+    if heads_mode:
+        t, h, hb = page_tokens or 16, kv_heads or 8, (head_dim or 128) * DTYPE_BYTES
+    else:
+        t, h, hb = 1, 1, (page_kib or 256) * 1024
+    per_buffer = total_mib * 1024 * 1024 // buffers
+    return Shape(
+        pages=per_buffer // (t * h * hb),
+        page_tokens=t,
+        kv_heads=h,
+        head_bytes=hb,
+        buffers=buffers,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        heads_major=layout == "head",
+        shuffle=shuffle,
+        staging=staging,
+    )
 
 
 def pattern(shape: Shape, heads: range, buf: int, chunk: int = 256) -> NDArray[np.uint8]:
