@@ -202,8 +202,13 @@ class KVArgs:
         default=None, validator=_CHECK.text(none="the engine's default device")
     )
     #: KV heads of each page on this rank: a page item is page_size x kv_head_num
-    #: heads of equal size, token-major (what head slicing across TP sizes cuts)
+    #: heads of equal size (what head slicing across TP sizes cuts)
     kv_head_num: int = attrs.field(default=1, validator=_CHECK.integer(1))
+    #: the order of a page's heads: False, token-major (each token's heads one after
+    #: the other: a page is (page_size, kv_head_num, head bytes)); True, head-major
+    #: (each head's tokens one after the other: (kv_head_num, page_size, head
+    #: bytes)), so that a rank's slice of a page is one run. Both sides must agree.
+    heads_major: bool = attrs.field(default=False, validator=_CHECK.flag())
 
     def __attrs_post_init__(self) -> None:
         for kind in ("kv", "aux"):

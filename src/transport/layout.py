@@ -1,6 +1,7 @@
 """Where each write of a request goes, as arrays of (source address,
 destination address, length): KV pages coalesced into runs contiguous on both
-sides, head slices of pages when the two sides' TP sizes differ, state rows,
+sides, head slices of pages when the two sides' TP sizes differ (a run per
+token of a token-major page, one per head-major page), state rows,
 and a metadata row split into its fields and its room column, which is
 written alone and last so that a row whose room matches is complete."""
 
@@ -20,6 +21,7 @@ __all__ = [
     "coalesce",
     "page_writes",
     "sliced_page_writes",
+    "layout_misfit",
     "state_writes",
     "state_geometry",
     "splits_state",
@@ -52,6 +54,27 @@ def coalesce(s: NDArray[np.int64], d: NDArray[np.int64], n: NDArray[np.int64]) -
     return s[starts], d[starts], np.add.reduceat(n, starts)
 
 
+def _in_page(ps: int, hb: int, heads: int, head: int, count: int, heads_major: bool) -> Any:
+    """Where heads ``[head, head + count)`` lie in a page of ``heads`` heads: the
+    runs' offsets in the page and their length. Token-major: one run per token;
+    head-major: the slice's tokens are one run."""
+    if heads_major:
+        return np.array([head * ps * hb], dtype=np.int64), count * ps * hb
+    return np.arange(ps, dtype=np.int64) * heads * hb + head * hb, count * hb
+
+
+def layout_misfit(prefill_heads_major: bool, decode_heads_major: bool) -> str | None:
+    """Why the two sides' pages cannot be cut into each other's head slices, or None."""
+    if prefill_heads_major == decode_heads_major:
+        return None
+    name = {False: "token-major", True: "head-major"}
+    return (
+        f"prefill's KV pages are {name[prefill_heads_major]}, decode's "
+        f"{name[decode_heads_major]} (KVArgs.heads_major); both sides must lay out "
+        "a page's heads alike"
+    )
+
+
 def sliced_page_writes(
     local: KVArgs,
     dst_ptrs: Sequence[int],
@@ -64,17 +87,20 @@ def sliced_page_writes(
 ) -> Writes:
     """Heads ``[src_head, src_head + count)`` of local pages ``src`` to heads
     ``[dst_head, dst_head + count)`` of the peer's pages ``dst``, whose pages hold
-    ``dst_heads`` heads of the same size: one run per token, coalesced where both
-    sides are contiguous (whole pages when both hold exactly the slice)."""
-    ps, heads = local.page_size, local.kv_head_num
-    tok = np.arange(ps, dtype=np.int64)
+    ``dst_heads`` heads of the same size, laid out as the local ones (token-major:
+    one run per token; head-major, ``local.heads_major``: one run per page),
+    coalesced where both sides are contiguous (whole pages when both hold exactly
+    the slice)."""
+    ps, heads, hm = local.page_size, local.kv_head_num, local.heads_major
     parts = []
     for base, far, hb in zip(local.kv_data_ptrs, dst_ptrs, local.head_bytes):
-        s = base + (src[:, None] * ps + tok) * heads * hb + src_head * hb
-        d = far + (dst[:, None] * ps + tok) * dst_heads * hb + dst_head * hb
+        at, run = _in_page(ps, hb, heads, src_head, count, hm)
+        to, _ = _in_page(ps, hb, dst_heads, dst_head, count, hm)
+        s = base + src[:, None] * (ps * heads * hb) + at
+        d = far + dst[:, None] * (ps * dst_heads * hb) + to
         # coalesced per buffer: a run must stay inside one registered region, even
         # where two buffers happen to lie back to back in memory on both sides
-        parts.append(coalesce(s.reshape(-1), d.reshape(-1), np.full(s.size, count * hb, np.int64)))
+        parts.append(coalesce(s.reshape(-1), d.reshape(-1), np.full(s.size, run, np.int64)))
     if not parts:
         return runs(src[:0], dst[:0])
     s, d, n = (np.concatenate(c).astype(np.int64) for c in zip(*parts))
@@ -245,13 +271,16 @@ def kv_args_for(
     page_size: int = 1,
     kv_head_num: int = 1,
     state: Sequence[StateComponent] = (),
+    heads_major: bool = False,
 ) -> KVArgs:
     """KVArgs from a list of KV tensors shaped (num_pages, ...) and metadata
     ``buf_infos()``; a tensor shaped (num_pages, page_size, kv_head_num, head
-    bytes) is what head slicing expects."""
+    bytes) is what head slicing expects, or (num_pages, kv_head_num, page_size,
+    head bytes) with ``heads_major``."""
     return KVArgs(
         page_size=page_size,
         kv_head_num=kv_head_num,
+        heads_major=heads_major,
         state=tuple(state),
         engine_rank=engine_rank,
         kv_data_ptrs=[t.data_ptr() for t in tensors],

@@ -48,3 +48,35 @@ def test_bench_transfer_moves_scattered_pages_and_checks_every_byte(backend):
     res = run_transfer_bench(4, 32, 2, backend, buffers=4, shuffle=True)
     assert (res["runs"], res["buffers"], res["shuffled"]) == (128, 4, True)
     assert res["bytes_verified"] and res["raw_gbps"] > 0 and res["lifecycle_gbps"] > 0
+
+
+#: what the head-sliced case reports (more may be added beside them, never taken away)
+HETERO_KEYS = ("raw-1:1_gbps", "lifecycle_gbps", "lifecycle/raw-1:1", "raw_sliced_gbps")
+HETERO_KEYS += ("raw-sliced/raw-1:1", "lifecycle/raw-sliced", "handshake_median_s")
+HETERO_KEYS += ("prefill_tp", "decode_tp", "page_tokens", "kv_heads", "head_bytes", "layout")
+
+
+@pytest.mark.network
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_bench_transfer_moves_head_slices_from_two_prefill_ranks_and_checks_every_byte(
+    backend, layout
+):
+    # prefill TP 2 -> decode TP 1, pages of 16 tokens x 8 heads x 128 2-byte values
+    # (32 KiB): each prefill rank writes its 4 heads of each of 64 pages into the one
+    # decode rank, which checks every byte of every head slot after each request
+    from pdlife.bench.transfer import run_transfer_bench
+
+    res = run_transfer_bench(
+        2, None, 2, backend, prefill_tp=2, decode_tp=1, page_tokens=16, head_dim=128,
+        kv_heads=8, layout=layout,
+    )  # fmt: skip
+    assert all(k in res for k in HETERO_KEYS), sorted(set(HETERO_KEYS) - set(res))
+    assert res["bytes_verified"] and res["bytes"] == 2 << 20
+    assert (res["prefill_tp"], res["decode_tp"], res["layout"]) == (2, 1, layout)
+    assert res["page_kib"] == 32 and res["runs"] == 2  # raw-1:1: one run per prefill rank
+    # the connector's KV runs: one per token of each page (token-major) or one per
+    # page (head-major) on each prefill rank, then the primary's metadata row
+    kv_runs = 2 * 64 * (16 if layout == "token" else 1)
+    assert kv_runs < res["lifecycle_runs"] < kv_runs + 16
+    assert all(res[k] > 0 for k in ("raw-1:1_gbps", "lifecycle_gbps", "raw_sliced_gbps"))

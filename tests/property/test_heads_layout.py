@@ -13,6 +13,7 @@ checks every decode rank's pages head by head, token by token.
 import ctypes
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -35,9 +36,18 @@ def _global_kv(pages: int, page_size: int, heads: int, hb: int) -> np.ndarray:
     return _value(p, t, h, b).astype(np.uint8)
 
 
-def _move(topo: Topology, page_size: int, hb: int, pages: int, seed: int, bug: bool = False):
+def _move(
+    topo: Topology,
+    page_size: int,
+    hb: int,
+    pages: int,
+    seed: int,
+    bug: bool = False,
+    heads_major: bool = False,
+):
     """Every decode rank's pages for one request after prefill's writes, and the
-    global KV they must hold."""
+    global KV they must hold (both as (page, token, head, byte); with
+    ``heads_major`` every rank's pages are (page, head, token, byte) in memory)."""
     rng = np.random.default_rng(seed)
     truth = _global_kv(pages, page_size, topo.kv_heads, hb)
     prefill_pages = rng.choice(POOL, pages, replace=False)
@@ -46,12 +56,15 @@ def _move(topo: Topology, page_size: int, hb: int, pages: int, seed: int, bug: b
     for r in range(topo.prefill_tp):
         heads = topo.heads("prefill", r)
         t = torch.zeros((POOL, page_size, len(heads), hb), dtype=torch.uint8)
+        if heads_major:
+            t = t.transpose(1, 2).contiguous().transpose(1, 2)  # (page, head, token) in memory
         t.numpy()[prefill_pages] = truth[:, :, heads.start : heads.stop]
         pre.append(t)
     dec = []
     for d in range(topo.decode_tp):
         heads = topo.heads("decode", d)
-        dec.append(torch.zeros((POOL, page_size, len(heads), hb), dtype=torch.uint8))
+        t = torch.zeros((POOL, page_size, len(heads), hb), dtype=torch.uint8)
+        dec.append(t.transpose(1, 2).contiguous().transpose(1, 2) if heads_major else t)
     for d in range(topo.decode_tp):
         for s in topo.senders(d):
             if bug:  # what the field did: every decode rank mapped to global head 0
@@ -63,6 +76,7 @@ def _move(topo: Topology, page_size: int, hb: int, pages: int, seed: int, bug: b
                 kv_item_lens=[pre[s.prefill][0].nbytes],
                 page_size=page_size,
                 kv_head_num=pre[s.prefill].shape[2],
+                heads_major=heads_major,
             )
             leg = leg_of(d, s)
             leg.dst_heads = dec[d].shape[2]
@@ -85,15 +99,16 @@ SIZES = st.sampled_from([1, 2, 3, 4, 6, 8, 16])
     hb=st.sampled_from([2, 8]),
     pages=st.integers(1, 3),
     seed=st.integers(0, 1000),
+    heads_major=st.booleans(),
 )
 def test_sglang_23746_every_decode_rank_gets_its_own_heads(
-    prefill_tp, decode_tp, kv_heads, page_size, hb, pages, seed
+    prefill_tp, decode_tp, kv_heads, page_size, hb, pages, seed, heads_major
 ):
     try:
         topo = Topology(prefill_tp, decode_tp, kv_heads)
     except TopologyError:
         assume(False)
-    truth, decode_pages, dec = _move(topo, page_size, hb, pages, seed)
+    truth, decode_pages, dec = _move(topo, page_size, hb, pages, seed, heads_major=heads_major)
     for d in range(decode_tp):
         heads = topo.heads("decode", d)
         got = dec[d].numpy()[decode_pages]
@@ -108,10 +123,11 @@ def test_sglang_23746_every_decode_rank_gets_its_own_heads(
         assert covered == list(range(len(heads)))
 
 
-def test_negative_control_head_zero_everywhere_is_caught():
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_negative_control_head_zero_everywhere_is_caught(heads_major):
     """Decode TP 4 over 2 KV heads (each head replicated twice) from prefill TP 2."""
     topo = Topology(2, 4, 2)
-    truth, decode_pages, dec = _move(topo, 4, 8, 2, 0, bug=True)
+    truth, decode_pages, dec = _move(topo, 4, 8, 2, 0, bug=True, heads_major=heads_major)
     wrong = [
         d
         for d in range(4)

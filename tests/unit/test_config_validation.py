@@ -168,6 +168,7 @@ KV_BAD = {
     "page_size": ints(1),
     "ib_device": text(none=True),
     "kv_head_num": ints(1),
+    "heads_major": FLAG,
 }
 KV_MISFITS = [
     (dict(kv_data_lens=[1024, 1024]), "kv_data_lens"),  # not parallel to the pointers
@@ -346,11 +347,11 @@ def test_numpy_integers_are_integers_and_become_python_ints():
 
 
 # -- a connector: its config against its KVArgs, before anything starts -------------------------
-def _kv(pages=8, aux=True, heads=1):
+def _kv(pages=8, aux=True, heads=1, heads_major=False):
     kv = [torch.zeros((pages, 64 * heads), dtype=torch.uint8)]
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     infos = MetadataBuffers(4, layout).buf_infos() if aux else ([], [], [])
-    return kv_args_for(kv, infos, 0, kv_head_num=heads), kv
+    return kv_args_for(kv, infos, 0, kv_head_num=heads, heads_major=heads_major), kv
 
 
 @pytest.mark.parametrize(
@@ -359,6 +360,8 @@ def _kv(pages=8, aux=True, heads=1):
         (dict(heads=2), dict(tp_size=2, kv_heads=2), "kv_heads", TopologySettingError),
         (dict(aux=False), dict(staging=True), "staging", ConfigError),
         (dict(pages=8), dict(staging=True, staging_pages=9), "staging_pages", ConfigError),
+        # a head-major page's slice is one run already: nothing to gather
+        (dict(heads_major=True), dict(staging=True), "staging", ConfigError),
     ],
 )
 def test_a_connector_checks_its_config_against_its_kv_args_first(
@@ -426,13 +429,22 @@ SIMULATE_BAD = {
 BENCH_BAD = {
     "backend": [["--backend", "fake"], ["--backend", "mooncake", "--unavailable"]],
     "mib": [["--mib", "0"], ["--mib", "1.5"], ["--mib", "100000000"]],
-    "page_kib": [["--page-kib", "0"], ["--page-kib", "100"], ["--mib", "1", "--page-kib", "2048"]],
+    "page_kib": [["--page-kib", "0"], ["--page-kib", "100"], ["--mib", "1", "--page-kib", "2048"],
+                 ["--prefill-tp", "2", "--page-kib", "32"]],
     "reps": [["--reps", "0"], ["--reps", "x"], ["--reps", "5000"]],
     "json": [["--json", "{d}/nowhere/x.json"], ["--json", "{d}"]],
     "verbose": [["--verbose=1"]],
     "buffers": [["--buffers", "0"], ["--buffers", "3"], ["--mib", "1", "--buffers", "2048"]],
     "shuffle": [["--shuffle=1"]],
-}
+    "prefill_tp": [["--prefill-tp", "0"], ["--prefill-tp", "3"], ["--kv-heads", "3", "--prefill-tp", "2"]],
+    "decode_tp": [["--decode-tp", "0"], ["--decode-tp", "3"]],
+    "page_tokens": [["--page-tokens", "0"], ["--mib", "1", "--page-tokens", "4096"]],
+    "head_dim": [["--head-dim", "0"], ["--mib", "1", "--head-dim", "100000"]],
+    "kv_heads": [["--kv-heads", "0"], ["--kv-heads", "x"], ["--mib", "1", "--kv-heads", "4096"]],
+    "layout": [["--layout", "diagonal"], ["--layout", "head"]],
+    "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
+    "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
+}  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}
 
 

@@ -44,13 +44,18 @@ def pattern(room, layer, tokens, heads):
 
 
 class Rank:
-    def __init__(self, role, tp, rank, port, topo, dp=0, state=False, **cfg):
+    def __init__(self, role, tp, rank, port, topo, dp=0, state=False, heads_major=False, **cfg):
         cfg = {"kv_heads": topo.kv_heads, **cfg}
         self.role, self.tp_rank, self.dp = role, rank, dp
         self.heads = list(topo.heads(role, rank))
-        self.kv = [
-            torch.zeros((PAGES, PS, len(self.heads), HB), dtype=torch.uint8) for _ in range(2)
-        ]
+        shape = (
+            (PAGES, len(self.heads), PS, HB) if heads_major else (PAGES, PS, len(self.heads), HB)
+        )
+        # indexed (page, token, head, byte) either way; head-major pages are
+        # (page, head, token, byte) in memory
+        self.kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+        if heads_major:
+            self.kv = [t.transpose(1, 2) for t in self.kv]
         self.meta = MetadataBuffers(SLOTS, LAYOUT)
         self.state = torch.zeros((8, 24), dtype=torch.uint8) if state is True else None
         comps = (
@@ -80,6 +85,7 @@ class Rank:
             page_size=PS,
             kv_head_num=len(self.heads),
             state=comps,
+            heads_major=heads_major,
         )
         c = ConnectorConfig(
             role=role,
@@ -124,15 +130,26 @@ def cluster(store, request):
     made = []
     ns = f"t{abs(hash(request.node.name))}"
 
-    def build(pt, dt, heads=4, mla=False, dp=1, state=False, **decode_cfg):
+    def build(pt, dt, heads=4, mla=False, dp=1, state=False, heads_major=False, **decode_cfg):
         topo = Topology(pt, dt, heads, mla)
+        hm = heads_major
         pre = [
-            Rank("prefill", pt, r, store, topo, dp=g, state=state, namespace=ns)
+            Rank("prefill", pt, r, store, topo, dp=g, state=state, heads_major=hm, namespace=ns)
             for g in range(dp)
             for r in range(pt)
         ]
         dec = [
-            Rank("decode", dt, r, store, topo, state=state, namespace=ns, **decode_cfg)
+            Rank(
+                "decode",
+                dt,
+                r,
+                store,
+                topo,
+                state=state,
+                heads_major=hm,
+                namespace=ns,
+                **decode_cfg,
+            )
             for r in range(dt)
         ]
         made.extend(pre + dec)
@@ -194,15 +211,53 @@ def finish(senders, receivers, dec, staged=False):
     wait_for(lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
 
 
+@pytest.mark.parametrize("heads_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2)])
-def test_head_sliced_writes_land_every_head(cluster, pt, dt):
-    pre, dec = cluster(pt, dt, heads=4)
+def test_head_sliced_writes_land_every_head(cluster, pt, dt, heads_major):
+    pre, dec = cluster(pt, dt, heads=4, heads_major=heads_major)
     senders, receivers, dst = run_request(pre, dec, room=77)
     finish(senders, receivers, dec)
     for d in dec:
         d.check(77, dst)
         assert d.meta.room_of(2) == 77 and d.meta.read(2).first_token == 77
     assert not any(r.require_staging for r in receivers)
+    if (pt, dt) == (2, 1):  # 5 pages of 2 tokens in 2 layers, decode's pages reversed
+        kv = 5 * 2 * (1 if heads_major else PS)  # a run per page (head-major) or per token
+        row = len(pre[0].meta.buf_infos()[0])  # the primary's metadata fields and room
+        assert [p.m.stats["writes"] for p in pre] == [kv + row, kv]
+
+
+@pytest.mark.parametrize("pre_hm", [False, True], ids=["token-to-head", "head-to-token"])
+def test_pages_laid_out_unlike_the_peers_are_refused_on_either_side(store, pre_hm):
+    ns = f"layout-{pre_hm}"
+    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), heads_major=pre_hm, namespace=ns)
+    d = Rank("decode", 1, 0, store, Topology(1, 1, 2), heads_major=not pre_hm, namespace=ns)
+    try:
+        s = p.m.sender(4)
+        r = d.m.receiver(4)
+        r.init()
+        wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
+        assert isinstance(d.m.last_error, TopologyError)
+        assert "(KVArgs.heads_major)" in str(d.m.last_error)
+        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
+        assert "decode rank 0 refused it: prefill's KV pages are" in str(p.m.last_error)
+    finally:
+        p.m.close()
+        d.m.close()
+
+
+def test_prefill_refuses_a_register_from_pages_laid_out_otherwise(store):
+    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), heads_major=True, namespace="layout-c")
+    try:
+        s = p.m.sender(5)
+        register = {"kind": "register", "room": 5, "from": 0, "decode_tp": 1, "dp": 0}
+        register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
+        p.m._on_message(register, p.m.store)  # from a decode rank of token-major pages
+        assert s.poll() == KVPoll.Failed
+        assert "prefill's KV pages are head-major, decode's token-major" in str(p.m.last_error)
+        assert p.m.stats["bytes_written"] == 0
+    finally:
+        p.m.close()
 
 
 @pytest.mark.parametrize(("pt", "dt"), [(1, 2), (2, 4), (1, 4)])

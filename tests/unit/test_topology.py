@@ -12,6 +12,7 @@ from transport.layout import (
     StateShare,
     coalesce,
     kv_args_for,
+    layout_misfit,
     sliced_page_writes,
     state_geometry,
     state_misfit,
@@ -103,6 +104,34 @@ def test_sliced_writes_move_exactly_the_heads_and_coalesce():
         args2, [full.data_ptr()], 2, np.array([4, 5]), np.array([0, 1]), 0, 0, 2
     )
     assert w2[0].size == 1 and int(w2[2][0]) == 2 * 2 * 2 * 8
+
+
+def test_head_major_pages_move_a_slice_as_one_run_per_page():
+    # (page, head, token, byte): a rank's heads of a page are one run of all its tokens
+    src = torch.arange(6 * 4 * 2 * 8, dtype=torch.int64).view(6, 4, 2, 8).remainder(251)
+    src = src.to(torch.uint8)
+    dst = torch.zeros((6, 8, 2, 8), dtype=torch.uint8)
+    args = kv_args_for([src], ([], [], []), 0, page_size=2, kv_head_num=4, heads_major=True)
+    pages, to = np.array([1, 2, 4]), np.array([5, 0, 3])
+    w = sliced_page_writes(args, [dst.data_ptr()], 8, pages, to, 0, 4, 4)
+    assert w[0].size == 3 and set(w[2].tolist()) == {4 * 2 * 8}  # one run per page
+    _apply(w)
+    assert torch.equal(dst[to][:, 4:8], src[pages])
+    assert dst[to][:, :4].sum() == 0 and dst[[1, 2, 4]].sum() == 0
+    # the same slice of token-major pages: one run per token
+    tm = kv_args_for([src], ([], [], []), 0, page_size=2, kv_head_num=4)
+    assert sliced_page_writes(tm, [dst.data_ptr()], 8, pages, to, 0, 4, 4)[0].size == 6
+    # head-major pages whose slice is the whole page on both sides coalesce across pages
+    whole = sliced_page_writes(
+        args, [dst.data_ptr()], 4, np.array([0, 1]), np.array([2, 3]), 0, 0, 4
+    )
+    assert whole[0].size == 1 and int(whole[2][0]) == 2 * src[0].nbytes
+
+
+def test_the_two_sides_must_lay_out_a_page_alike():
+    assert layout_misfit(True, True) is None and layout_misfit(False, False) is None
+    why = layout_misfit(False, True)
+    assert why is not None and "prefill's KV pages are token-major, decode's head-major" in why
 
 
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():

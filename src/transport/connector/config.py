@@ -145,6 +145,14 @@ def check_fit(kv_args: Any, config: Any) -> int:
             "ConnectorConfig",
         )
     if c.role == "decode" and c.staging:
+        if kv_args.heads_major:
+            _C.fail(
+                c,
+                "staging",
+                True,
+                "False with head-major pages (KVArgs.heads_major): a rank's head slice of a "
+                "head-major page is one run already; staging gathers token-major slices",
+            )
         if not kv_args.aux_data_lens:
             _C.fail(
                 c,

@@ -32,7 +32,7 @@ from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.layout import state_misfit
+from transport.layout import layout_misfit, state_misfit
 from transport.staging import Scatter, Staging
 from transport.topology import Topology, TopologyError
 
@@ -162,7 +162,8 @@ class DecodeSide:
                 f"(mla={c.mla})"
             )
         else:
-            why = state_misfit(group.get("state", []), ptp, p.state_geom, c.tp_size)
+            why = layout_misfit(bool(group.get("heads_major", False)), p.kv_args.heads_major)
+            why = why or state_misfit(group.get("state", []), ptp, p.state_geom, c.tp_size)
         if why is not None and failing:
             # refused for a misfit: every rank of the group is told why, at once,
             # instead of waiting for a register that never comes (bootstrap timeout)
@@ -208,6 +209,7 @@ class DecodeSide:
                     leg.inc = info.get("inc")  # whom it registers with
                     msg = {"kind": Msg.register, "room": req.room, "decode_tp": c.tp_size}
                     msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
+                    msg.update(heads_major=p.kv_args.heads_major)
                     msg.update(state=p.state_geom, state_leg=leg.state)
                     p._send(leg.peer, msg, store)
             return False

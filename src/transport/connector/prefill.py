@@ -39,7 +39,7 @@ from transport.connector.legs import (
 from transport.connector.messages import Msg
 from transport.connector.port import Port
 from transport.errors import TransportError
-from transport.layout import StateShare, row_writes, state_misfit, state_writes
+from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
 from transport.staging import Staging
 from transport.topology import Topology, TopologyError
 
@@ -74,6 +74,7 @@ class PrefillSide:
         """Publish this DP group's record: decode plans its legs from it."""
         p, c = self.port, self.port.config
         group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
+        group["heads_major"] = p.kv_args.heads_major
         p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
 
     def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
@@ -100,7 +101,8 @@ class PrefillSide:
                 f"prefill {p.kv_heads} (mla={c.mla})"
             )
         else:
-            why = state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
+            why = layout_misfit(p.kv_args.heads_major, bool(msg.get("heads_major", False)))
+            why = why or state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
         if why is not None:
             self._refuse(req, f"{why}; both sides must serve the same model")
             return False
