@@ -48,7 +48,7 @@ PAGES, POOL, PAGE_BYTES, LAYERS = 3, 8, 256, 2
 LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
 BUDGET = 60.0  # seconds for the scenario: far above its run (about a second), far below
 TIMEOUTS = 300.0  # the connectors' bootstrap and waiting timeouts
-GRACE = 2.0  # the crossed holding is watched this long more: nothing moves
+GRACE = 5.0  # a crossed holding is watched this long more: nothing moves
 W, S, F = KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Failed
 
 
@@ -251,17 +251,23 @@ def register_in_order(d: Side, deadline: float) -> None:
 
 
 def drive(sides: list[Side], deadline: float) -> bool:
-    """Step until every side finished or the rows cross (then GRACE more, to see
-    nothing move) or the budget ends; whether they crossed."""
-    crossed_at = None
+    """Step until every side finished, or the rows stay crossed for GRACE (nothing
+    moves: the deadlock), or the budget ends; whether they were still crossed,
+    unfinished, at the end. A crossing that passes is no deadlock: a side that
+    finished its request may be a moment from releasing its row while the other
+    side has given its own to the next request."""
+    budget, crossed_at = deadline, None
     while time.monotonic() < deadline and not all(s.finished() for s in sides):
         for s in sides:
             s.step()
-        if crossed_at is None and sides[0].crossed():
-            crossed_at = time.monotonic()
-            deadline = min(deadline, crossed_at + GRACE)
+        if sides[0].crossed():
+            if crossed_at is None:
+                crossed_at = time.monotonic()
+                deadline = min(budget, crossed_at + GRACE)
+        elif crossed_at is not None:  # it passed: the budget again
+            crossed_at, deadline = None, budget
         time.sleep(0.002)
-    return crossed_at is not None
+    return crossed_at is not None and not all(s.finished() for s in sides)
 
 
 def old_table() -> Any:
