@@ -21,7 +21,9 @@ code   reason                 why it ranks here
 7      LOCAL_EXCEPTION        a poller raised; caught so the group stays in step
 8      INJECTED_FAULT         a fault plan said so (tests)
 9      UNKNOWN                Failed with no reason given (e.g. a plain backend)
-10     HOOK_ERROR             a user hook (gate, staging, fault hook, metadata
+10     CHECKSUM_MISMATCH      the KV digest of the committed bytes differs from
+                              the one prefill computed over the bytes it sent
+11     HOOK_ERROR             a user hook (gate, staging, fault hook, metadata
                               source, failure reasons) or a batch poll's index
                               lookup misbehaved: it says nothing about the
                               transfer, so any real cause on another rank wins
@@ -49,7 +51,8 @@ class FailureReason(enum.IntEnum):
     LOCAL_EXCEPTION = 7
     INJECTED_FAULT = 8
     UNKNOWN = 9
-    HOOK_ERROR = 10
+    CHECKSUM_MISMATCH = 10
+    HOOK_ERROR = 11
     NONE = (1 << REASON_BITS) - 1
 
     @property

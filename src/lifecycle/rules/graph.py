@@ -155,6 +155,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(R.LOCAL_EXCEPTION, ("poll_error", _BACKEND)),
     Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
     Verdict(R.UNKNOWN, (_BACKEND,)),
+    Verdict(R.CHECKSUM_MISMATCH, (_BACKEND,)),
     Verdict(R.HOOK_ERROR, ("hook_error",)),
 )
 
