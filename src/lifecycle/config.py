@@ -14,6 +14,7 @@ from lifecycle import validate
 from lifecycle.core.observe import contained
 from lifecycle.core.packing import stable_hash
 from lifecycle.errors import HookError, InvalidArgument
+from lifecycle.rules.recovery import FAIL_ALL, RecoveryTable
 
 __all__ = [
     "StepConfig",
@@ -60,6 +61,9 @@ class StepConfig:
     stuck_after: int | None = None
     #: buffer capacity to keep at least (the largest over the ranks is agreed)
     initial_capacity: int = 64
+    #: what each failure reason leads to (lifecycle.rules.recovery): no
+    #: recovery by default; the results' ``retries()`` and ``recomputed`` read it
+    recovery: RecoveryTable = attrs.field(default=FAIL_ALL)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.invalid_status, str) or self.invalid_status not in ("raise", "fail"):
@@ -69,6 +73,8 @@ class StepConfig:
         if self.stuck_after is not None:
             validate.integer(self.stuck_after, "StepConfig.stuck_after", 1, 1 << 40)
         validate.integer(self.initial_capacity, "StepConfig.initial_capacity", 1, MAX_CAPACITY)
+        if not isinstance(self.recovery, RecoveryTable):
+            raise InvalidArgument("StepConfig.recovery", self.recovery, "a RecoveryTable")
 
     @property
     def fingerprint(self) -> int:
@@ -81,6 +87,8 @@ class StepConfig:
                     None if self.waiting_timeout is None else float(self.waiting_timeout),
                     self.invalid_status,
                     None if self.stuck_after is None else int(self.stuck_after),
+                    # no recovery leaves the hash as it was
+                    None if self.recovery == FAIL_ALL else self.recovery.fingerprint,
                 )
             )
         )

@@ -27,16 +27,20 @@ class RequestInfo:
     entered_time: float
     fake: bool
     metadata_slot: int
+    epoch: int = 0
 
     @classmethod
     def of(cls, slot: int, *columns: NDArray[Any]) -> RequestInfo:
         """Row ``slot`` of the table's columns, given in field order."""
-        room, state, role, reason, origin, step, time, fake, meta = (c[slot] for c in columns)
+        room, state, role, reason, origin, step, time, fake, meta, epoch = (
+            c[slot] for c in columns
+        )
         return cls(int(room), KVPoll(int(state)), Role(int(role)), FailureReason(int(reason)),
-                   int(origin), int(step), float(time), bool(fake), int(meta))  # fmt: skip
+                   int(origin), int(step), float(time), bool(fake), int(meta), int(epoch))  # fmt: skip
 
     def __repr__(self) -> str:
         extra = f", reason={self.reason.label}, origin={self.origin}" if self.state == 0 else ""
+        extra += f", epoch={self.epoch}" if self.epoch else ""
         return f"RequestInfo(room={self.room}, state={self.state.name}{extra})"
 
 

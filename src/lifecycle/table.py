@@ -61,6 +61,7 @@ class RequestTable:
         ("metadata_sent_at", np.float64, np.nan),
         ("alive", np.bool_, False),
         ("carries", np.bool_, False),  # holds a reason or origin a move carried in
+        ("epoch", np.uint16, 0),  # the attempt: a retry is the same room, one epoch on
     )
 
     room: NDArray[np.uint64]
@@ -79,6 +80,7 @@ class RequestTable:
     metadata_sent_at: NDArray[np.float64]
     alive: NDArray[np.bool_]
     carries: NDArray[np.bool_]
+    epoch: NDArray[np.uint16]
 
     def __init__(self, rank: int = 0, capacity: int = _INITIAL) -> None:
         self.rank = validate.integer(rank, "RequestTable rank", 0, (1 << 24) - 1)
@@ -189,6 +191,7 @@ class RequestTable:
         fake: bool = False,
         metadata_slot: int = -1,
         handle_index: int = -1,
+        epoch: int = 0,
     ) -> int:
         """Add one request at the end of the queue; returns its slot."""
         return int(
@@ -200,6 +203,7 @@ class RequestTable:
                 fake=fake,
                 metadata_slots=metadata_slot,
                 handle_indices=handle_index,
+                epochs=epoch,
             )[0]
         )
 
@@ -213,6 +217,7 @@ class RequestTable:
         fake: ArrayLike = False,
         metadata_slots: ArrayLike = -1,
         handle_indices: ArrayLike = -1,
+        epochs: ArrayLike = 0,
     ) -> NDArray[np.int64]:
         """Add many requests at the end of the queue, in order; returns their slots.
 
@@ -230,6 +235,7 @@ class RequestTable:
         fake_arr = validate.bool_column(fake, k, "fake", rank)
         mslots = validate.int_column(metadata_slots, k, "metadata_slots", -1, _MAX_INDEX, rank)
         hidx = validate.int_column(handle_indices, k, "handle_indices", -1, _MAX_INDEX, rank)
+        epoch = validate.int_column(epochs, k, "epochs", 0, (1 << 16) - 1, rank)
         self._check_rooms(room_list, fake_arr)
         if handles is not None and len(handles) != k:
             raise InvalidArgument("handles", f"{len(handles)} handles", f"{k} (one per room)", rank)
@@ -242,7 +248,8 @@ class RequestTable:
         del self._free[len(self._free) - k :]
         room_arr = np.asarray(room_list, dtype=np.uint64)
         self.room[slots] = room_arr
-        self.room_key[slots] = room_keys(room_arr)
+        self.epoch[slots] = epoch
+        self.room_key[slots] = room_keys(room_arr, self.epoch[slots])
         self.state[slots] = state
         self.terminal_count += k if KVPoll(state).terminal else 0
         self.role[slots] = role
@@ -272,15 +279,8 @@ class RequestTable:
         self._check_idle()
         slot = self.slot_of(room)
         info = self._info(slot)
-        del self._index[room]
-        self.abort_count -= int(self.abort_requested[slot])
-        self.terminal_count -= int(TERMINAL[self.state[slot]])
-        self.carried -= int(self.carries[slot])
-        self.abort_requested[slot] = False
-        self.alive[slot] = False
-        self.handles[slot] = None
-        self._limbo.append(slot)
-        self.version += 1
+        del self._index[info.room]
+        self._drop([slot])
         return info
 
     def remove_many(self, rooms: Iterable[int] | NDArray[np.uint64]) -> int:
@@ -292,6 +292,11 @@ class RequestTable:
         if len(set(room_list)) != len(room_list):
             raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
         slots = [self._index.pop(r) for r in room_list]
+        self._drop(slots)
+        return len(slots)
+
+    def _drop(self, slots: list[int]) -> None:
+        """Mark the slots of requests just taken out of the index dead."""
         self.abort_count -= int(self.abort_requested[slots].sum())
         self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
         if self.carried:
@@ -302,7 +307,6 @@ class RequestTable:
             self.handles[s] = None
         self._limbo.extend(slots)
         self.version += 1
-        return len(slots)
 
     # -- requests from the scheduler, acted on at the next step ----------
     def request_abort(self, room: int) -> None:
@@ -323,16 +327,15 @@ class RequestTable:
         self.metadata_sent_at[slot] = at
 
     def set_metadata_slot(self, room: int, slot: int) -> None:
-        self._check_idle()
-        row = self.slot_of(room)
-        self.metadata_slot[row] = validate.integer(slot, "metadata slot", -1, _MAX_INDEX, self.rank)
-        self.columns_version += 1
+        self._set_index(room, self.metadata_slot, slot, "metadata slot")
 
     def set_handle_index(self, room: int, index: int) -> None:
         """The backend's own index for this request (passed to ``poll_many``)."""
+        self._set_index(room, self.handle_index, index, "handle index")
+
+    def _set_index(self, room: int, column: NDArray[np.int64], value: int, what: str) -> None:
         self._check_idle()
-        row = self.slot_of(room)
-        self.handle_index[row] = validate.integer(index, "handle index", -1, _MAX_INDEX, self.rank)
+        column[self.slot_of(room)] = validate.integer(value, what, -1, _MAX_INDEX, self.rank)
         self.columns_version += 1
 
     # -- moving a request to the next queue ---------------------------------
@@ -347,11 +350,10 @@ class RequestTable:
     ) -> int:
         """Move ``room`` to the end of ``other``'s queue; returns its slot there.
 
-        Everything the request carries goes with it: role, fake flag, a
-        pending abort, its failure reason and origin, its metadata slot,
-        handle and handle index, the waiting-timeout clock and how long it
-        has been at its status (a bootstrap or waiting deadline keeps
-        counting from where it was). ``state`` (which restarts the status
+        Everything the request carries goes with it: role, fake flag, epoch, a pending
+        abort, its failure reason and origin, its metadata slot, handle and handle
+        index, the waiting-timeout clock and how long it has been at its status (a
+        bootstrap or waiting deadline keeps counting from where it was). ``state`` (which restarts the status
         clock when it differs), ``handle_index`` and ``metadata_slot`` may be
         given for the new queue. Checked first; a refused move changes neither
         table.
@@ -379,6 +381,7 @@ class RequestTable:
             fake=bool(self.fake[src]),
             metadata_slot=mslot,
             handle_index=hidx,
+            epoch=int(self.epoch[src]),
         )
         other.reason[dst] = self.reason[src]
         other.origin[dst] = self.origin[src]

@@ -126,15 +126,27 @@ def with_statuses(fp: int, total: int) -> int:
 _ROOM_SALT = 0xD6E8FEB86659FD93
 
 
-def room_keys(rooms: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    """Each room's 64-bit key, a bijection of the room (a table computes them
-    once, as requests join, for :func:`list_sum`)."""
+#: salts an attempt's epoch into its room's key (epoch 0 leaves the key as it was)
+_EPOCH_SALT = 0x9E3779B97F4A7C15
+
+
+def room_keys(
+    rooms: NDArray[np.uint64], epochs: NDArray[np.uint16] | None = None
+) -> NDArray[np.uint64]:
+    """Each (room, epoch)'s 64-bit key, for epoch 0 a bijection of the room (a
+    table computes them once, as requests join, for :func:`list_sum`): two
+    ranks that hold one room at different attempts hold different lists."""
     if rooms.size <= 8:  # a few rooms: Python integers cost less than numpy calls
-        return np.array(
+        keys = np.array(
             [_mix_int(r ^ _ROOM_SALT) for r in rooms.tolist()], dtype=np.uint64
         ).reshape(rooms.shape)
-    with np.errstate(over="ignore"):
-        return _mix(np.bitwise_xor(rooms, np.uint64(_ROOM_SALT)))
+    else:
+        with np.errstate(over="ignore"):
+            keys = _mix(np.bitwise_xor(rooms, np.uint64(_ROOM_SALT)))
+    if epochs is not None and epochs.any():
+        with np.errstate(over="ignore"):
+            keys ^= epochs.astype(np.uint64) * np.uint64(_EPOCH_SALT)
+    return keys
 
 
 def list_sum(keys: NDArray[np.uint64], states: NDArray[np.int8]) -> int:

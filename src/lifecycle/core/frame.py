@@ -76,6 +76,7 @@ class Frame:
     __slots__ = (
         "_sum",
         "all_active",
+        "epoch_all",
         "fake",
         "fp",
         "hidx",
@@ -107,6 +108,8 @@ class Frame:
         self.key = Frame.key_of(t)
         rows_all = self.rows_all = t.order().copy()
         self.rooms_all = t.room[rows_all]
+        self.epoch_all = t.epoch[rows_all]
+        self.epoch_all.setflags(write=False)
         self.n_all = rows_all.size
         # agreed columns of the whole list, kept current by the step's apply
         self.state_all = t.state[rows_all]

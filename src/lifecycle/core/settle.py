@@ -29,6 +29,7 @@ from lifecycle.errors import CollectiveMismatch, IllegalTransition, InvalidStatu
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
 from lifecycle.rules import batch
+from lifecycle.rules.recovery import FAIL_ALL, RecoveryTable
 from lifecycle.status import I8, KVPoll
 from lifecycle.table import RequestTable
 
@@ -140,8 +141,11 @@ class Settled:
             )
         self.new, self.triggers, self.reason, self.origin = to, trig, reason, origin
 
-    def commit(self, t: RequestTable, local: LocalStage, queue: str) -> StepResult:
-        """Write the planned moves into ``t``; the step's result."""
+    def commit(
+        self, t: RequestTable, local: LocalStage, queue: str, recovery: RecoveryTable
+    ) -> StepResult:
+        """Write the planned moves into ``t``; the step's result (whose failures
+        ``recovery`` decides)."""
         f, now = self.frame, local.now
         step = t.step_no + 1
         assert self.planned, "commit() before plan()"
@@ -175,7 +179,7 @@ class Settled:
             # the next step builds a new frame, and this one's columns are
             # never written again: the result may hold them as they are
             f.retire()
-        return result_of(queue, local, f, step, pos, was, self.triggers, dwell)
+        return result_of(queue, local, f, step, pos, was, self.triggers, dwell, recovery)
 
 
 def unchanged_result(queue: str, local: LocalStage, f: Frame, step: int) -> StepResult:
@@ -256,6 +260,7 @@ def result_of(
     previous: NDArray[np.int8],
     triggers: NDArray[np.int16],
     dwell: NDArray[np.float64],
+    recovery: RecoveryTable = FAIL_ALL,
 ) -> StepResult:
     statuses, reasons, origins = f.snapshot()
     return StepResult(
@@ -271,4 +276,6 @@ def result_of(
         triggers=triggers,
         dwell=dwell,
         exceptions=local.exceptions,
+        epochs=f.epoch_all,
+        recovery=recovery,
     )

@@ -358,7 +358,7 @@ class RawStepper:
         self._prepared = False
         self._settled = None
         self._cap = self._cap.settled(settled.hdr.need)
-        return settled.commit(self.table, self.local, self.queue)
+        return settled.commit(self.table, self.local, self.queue, self.config.recovery)
 
     @property
     def last_local(self) -> tuple[NDArray[np.uint64], NDArray[np.int8], NDArray[np.int8]]:
