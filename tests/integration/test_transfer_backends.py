@@ -242,7 +242,7 @@ def _duplicate_room_side(backend, role, port, q):
             isinstance(e, ValueError),
             str(e),
         )
-    out["unchanged"] = m._reqs == live and all(m._reqs[r] is live[r] for r in live)
+    out["unchanged"] = m._reqs == live and all(m._reqs[k] is live[k] for k in live)
 
     def transfer(h, src, dst, slot):
         if role == "prefill":

@@ -71,7 +71,7 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(pair):
 
     def spy(peer, msg, store):
         if msg.get("kind") == "register":
-            seen.append(Phase(d._phase(d._reqs[msg["room"]])))
+            seen.append(Phase(d._phase(d._live(msg["room"]))))
         send(peer, msg, store)
 
     d._send = spy
@@ -193,18 +193,14 @@ def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(pair):
 def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lost(
     pair, monkeypatch
 ):
-    """Negative control: with the check taken out (a request table that never
-    holds the room), the second request takes the room's messages and the
+    """Negative control: with the check taken out (the attempts never say a
+    room is taken), the second request takes the room's messages and the
     first, still live, never hears from decode: it waits in Bootstrapping
     (until its bootstrap timeout), which the test above would catch."""
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]
 
-    class Blind(dict):
-        def __contains__(self, room):
-            return False
-
-    monkeypatch.setattr(p, "_reqs", Blind(p._reqs))
+    monkeypatch.setattr(p.attempts, "taken", lambda room, epoch: False)
     first = p.sender(40125)
     second = p.sender(40125)  # accepted: no typed error, the room now names the second
     d.receiver(40125).init()
@@ -214,3 +210,56 @@ def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lo
     time.sleep(0.2)  # (the loop has handled decode's register long since)
     assert not handshaken(first)  # orphaned: decode's register went to the second
     assert first.poll() == KVPoll.Bootstrapping
+
+
+def test_a_retried_room_hears_only_its_own_attempt(pair):
+    """Attempt 0 of room 77 fails; attempt 1 starts. A completion of attempt 0
+    that arrives then is refused and counted, never applied to attempt 1 (which
+    would report Success over pages nobody wrote); attempt 1 then moves its own
+    bytes. The control: the same word naming attempt 1 is applied."""
+    p, pkv, pmeta = pair["prefill"]
+    d, dkv, dmeta = pair["decode"]
+    s0, r0 = p.sender(77), d.receiver(77)
+    r0.init()
+    wait_for(lambda: handshaken(s0), "attempt 0 handshake")
+    r0.fail(FailureReason.TRANSFER_ERROR)
+    wait_for(lambda: s0.poll() == KVPoll.Failed and r0.drained, "attempt 0 failed on both sides")
+    assert (s0.epoch, r0.epoch) == (0, 0)
+    r1 = d.receiver(77, epoch=1)  # the old handle is not cleared yet: both attempts live
+    s0.clear(), r0.clear()
+    done0 = {"kind": "done", "room": 77, "epoch": 0, "from": 0}
+    with d._msg_lock:  # (prefill's own late reply to attempt 0 is refused too, any time)
+        before = d.stats["stale_epoch"]
+        d._on_message(done0, d.store)
+        assert d.stats["stale_epoch"] == before + 1
+    assert r1.poll() == KVPoll.Bootstrapping
+    pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 249)
+    s1 = p.sender(77, epoch=1)
+    _move(s1, r1, pkv, dkv, [2, 3], [6, 7], 3, pmeta)  # handshake, pages, Success, bytes
+
+
+def test_control_a_completion_naming_the_live_attempt_is_applied(pair):
+    d, _, _ = pair["decode"]
+    p, _, _ = pair["prefill"]
+    s, r = p.sender(78, epoch=2), d.receiver(78, epoch=2)
+    r.init()
+    wait_for(lambda: handshaken(s), "handshake")
+    r.send_metadata([5], 2)
+    d._on_message({"kind": "done", "room": 78, "epoch": 2, "from": 0}, d.store)
+    assert r.poll() == KVPoll.Success  # why a word of another attempt must never be
+    assert d.stats["stale_epoch"] == 0
+
+
+def test_attempts_of_a_room_are_ordered_and_checked(pair):
+    from transport import DuplicateRoom
+    from transport.errors import ConfigError
+
+    d, _, _ = pair["decode"]
+    r = d.receiver(90, epoch=1)
+    for epoch in (0, 1):  # the same attempt or an older one: a duplicate
+        with pytest.raises(DuplicateRoom):
+            d.receiver(90, epoch=epoch)
+    for bad in (-1, 1 << 16, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="epoch"):
+            d.receiver(91, epoch=bad)
+    assert d._live(90) is r._req and d._live(91) is None

@@ -278,7 +278,7 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, p
         r.send_metadata(dst, 2)
 
     def legs(p):
-        return p.m._reqs[room].legs
+        return p.m._live(room).legs
 
     wait_for(
         lambda: all(leg.told for p in pre for q, leg in legs(p).items() if q != last),
@@ -480,7 +480,7 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
     m._on_message(register, m.store)
     assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
-    assert m._reqs[21].legs[0].dst_pages.tolist() == [4]
+    assert m._live(21).legs[0].dst_pages.tolist() == [4]
 
 
 def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatch):
@@ -523,7 +523,7 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     taker.join(5)
     late.join(5)
     assert log == [("in", "register"), ("out", "register"), ("in", "pages"), ("out", "pages")]
-    assert m.phase[m._reqs[23].index] == Phase.Metadata
+    assert m.phase[m._live(23).index] == Phase.Metadata
 
 
 @pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
@@ -741,7 +741,7 @@ def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(clu
     pre[0].meta.write(1, room, {"output_ids": [room % 1000]})
     pre[0].state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
     r.send_metadata(np.array([], dtype=np.int64), 2, state_indices=[np.array([5])])
-    wait_for(lambda: pre[0].m._reqs[room].legs[0].told, "pages told")
+    wait_for(lambda: pre[0].m._live(room).legs[0].told, "pages told")
     s.init(0, 1)
     time.sleep(0.2)  # the loop's turn between the scheduler's two calls
     s.send(np.array([], dtype=np.int64), state_indices=[np.array([2])])

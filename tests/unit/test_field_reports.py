@@ -303,7 +303,7 @@ def _stale_connector_state(m, h, old):
         "flags": kept.get("abandoned") or req.cleared or req.released or kept.get("sent"),
     }
     stale += [f"request.{name}" for name, v in used.items() if v]
-    if req.room in m._cleared or m._reqs.get(req.room) is not req:
+    if req.room in m.attempts.cleared or m._live(req.room) is not req:
         stale.append("room")
     return stale
 

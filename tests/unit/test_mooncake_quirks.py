@@ -13,6 +13,7 @@ except (ImportError, OSError) as e:
     )
 
 from lifecycle import FailureReason, KVPoll
+from transport.attempts import Attempts
 from transport.backends.mooncake import MooncakeConfig, MooncakeManager
 from transport.connector.graph import Phase
 from transport.connector.hub import SIDES
@@ -40,16 +41,19 @@ def bare_manager(engine, role="prefill"):
     StatusArrays.__init__(m)
     m.engine = engine
     m.config = MooncakeConfig(role=role, tp_rank=0, store_port=1)  # never reached
-    m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
+    m.attempts, m._peer_dead = Attempts(), set()
+    m._reqs = m.attempts.reqs
     m.side = SIDES[role](m)
-    m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
+    m.stats = dict.fromkeys(
+        ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
+    )
     return m
 
 
 def writing_request(m, room=9):
     req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = Phase.Writing
-    m._reqs[room] = req
+    m.attempts.add(room, 0, req)
     return req
 
 

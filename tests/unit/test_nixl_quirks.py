@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
+from transport.attempts import Attempts
 from transport.backends.nixl import NixlConfig, NixlManager
 from transport.connector.graph import Phase
 from transport.connector.hub import SIDES
@@ -47,9 +48,12 @@ def bare_manager(agent, role="prefill", **cfg):
     StatusArrays.__init__(m)
     m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
-    m._reqs, m._cleared, m._early, m._peer_dead = {}, {}, {}, set()
+    m.attempts, m._peer_dead = Attempts(), set()
+    m._reqs = m.attempts.reqs
     m.side = SIDES[role](m)
-    m.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
+    m.stats = dict.fromkeys(
+        ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
+    )
     return m
 
 
@@ -57,7 +61,7 @@ def request(m, phase, room=9):
     kind = PrefillRequest if m.config.role == "prefill" else DecodeRequest
     req = kind(room=room, index=m.take(int(KVPoll.Transferring)))
     m.phase[req.index] = phase
-    m._reqs[room] = req
+    m.attempts.add(room, 0, req)
     return req
 
 
@@ -83,9 +87,10 @@ def test_a_transfer_in_error_state_is_a_transfer_error():
 
 
 def test_the_room_notification_completes_decode():
-    notifs = {"peer-agent": [b"9", b"not-a-room"], "stranger": [b"7"]}
+    notifs = {"peer-agent": [b"9:2", b"9", b"not-a-room", b"5:x"], "stranger": [b"7:0"]}
     m = bare_manager(StubAgent(notifs=notifs), role="decode")
-    assert m._notified() == [(9, 1)]  # (room, the peer rank whose room write landed)
+    # (room, its attempt, the peer rank whose room write landed)
+    assert m._notified() == [(9, 2, 1)]
     assert m._notified() == []  # consumed once
 
 

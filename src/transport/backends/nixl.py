@@ -89,6 +89,13 @@ def _descs(addrs: NDArray[np.int64], lens: NDArray[np.int64]) -> NDArray[np.uint
     return np.stack((addrs, lens, np.zeros_like(addrs)), axis=1).astype(np.uint64)
 
 
+def _room_epoch(note: bytes | str) -> tuple[int, int] | None:
+    """A completion notification's (room, epoch): b"room:epoch" (None: not ours)."""
+    text = note.decode(errors="replace") if isinstance(note, bytes) else str(note)
+    room, sep, epoch = text.partition(":")
+    return (int(room), int(epoch)) if sep and room.isdigit() and epoch.isdigit() else None
+
+
 class NixlManager(Connector):
     """One per rank. Create senders (prefill) or receivers (decode) from it."""
 
@@ -141,7 +148,7 @@ class NixlManager(Connector):
         except Exception:
             return  # NIXL could not cancel a failed transfer: it owns the handle now
 
-    def _notified(self) -> list[tuple[int, int]]:
+    def _notified(self) -> list[tuple[int, int, int]]:
         if self.config.role != "decode":
             return []
         try:
@@ -152,7 +159,7 @@ class NixlManager(Connector):
         for name, msgs in notes.items():
             peer = self._peer_of.get(name.decode() if isinstance(name, bytes) else str(name))
             if peer is not None:  # the room landed last: every write of that peer did
-                out += [(int(m), peer) for m in msgs if m.isdigit()]
+                out += [(*note, peer) for m in msgs if (note := _room_epoch(m)) is not None]
         return out
 
     def _stop_engine(self) -> None:

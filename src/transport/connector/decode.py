@@ -66,6 +66,7 @@ class DecodeSide:
     def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
         """Ask every leg that has not stopped yet to stop writing ``req``."""
         msg: dict[str, Any] = {"kind": Msg.abort, "room": req.room, "reason": int(reason)}
+        msg["epoch"] = req.epoch
         if req.why is not None:
             msg["why"] = req.why
         for leg in req.legs.values():
@@ -207,7 +208,8 @@ class DecodeSide:
                 for leg in req.legs.values():
                     info = p._peer_info(leg.peer, store) or {}
                     leg.inc = info.get("inc")  # whom it registers with
-                    msg = {"kind": Msg.register, "room": req.room, "decode_tp": c.tp_size}
+                    msg = {"kind": Msg.register, "room": req.room, "epoch": req.epoch}
+                    msg["decode_tp"] = c.tp_size
                     msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
                     msg.update(heads_major=p.kv_args.heads_major)
                     msg.update(state=p.state_geom, state_leg=leg.state)
@@ -232,6 +234,7 @@ class DecodeSide:
         blocks = []
         for leg in req.legs.values():
             msg: dict[str, Any] = {"kind": Msg.pages, "room": req.room, "skip": skip}
+            msg["epoch"] = req.epoch
             if not leg.sends:
                 msg.update(pages=[], slot=-1, dst_heads=0)
             elif req.staged and self.staging is not None:
@@ -264,7 +267,7 @@ class DecodeSide:
             return
         with p._lock:
             due = (p.scatter_left[indices] > 0) & (p.phase[indices] == Phase.Done)
-            reqs = [p._reqs.get(int(r)) for r in rooms[due].tolist()]
+            reqs = [p._live(int(r)) for r in rooms[due].tolist()]
         for req in reqs:
             if not isinstance(req, DecodeRequest):
                 continue  # released meanwhile: the room is gone

@@ -28,6 +28,11 @@ class _Handle(StatusHandle, Generic[Q]):
         self._req = req
         super().__init__(manager, req.room, req.index)
 
+    @property
+    def epoch(self) -> int:
+        """The attempt this handle serves (0 for a request's first)."""
+        return self._req.epoch
+
     def abort(self) -> None:
         self.fail(FailureReason.ABORTED)
 
@@ -59,8 +64,8 @@ class _Handle(StatusHandle, Generic[Q]):
 
 
 class ConnectorSender(_Handle[PrefillRequest]):
-    def __init__(self, manager: Port, room: int) -> None:
-        super().__init__(manager, manager._take(room, PrefillRequest))
+    def __init__(self, manager: Port, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, manager._take(room, PrefillRequest, epoch))
 
     def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
         """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
@@ -121,8 +126,8 @@ class ConnectorSender(_Handle[PrefillRequest]):
 
 
 class ConnectorReceiver(_Handle[DecodeRequest]):
-    def __init__(self, manager: Port, room: int) -> None:
-        super().__init__(manager, manager._take(room, DecodeRequest))
+    def __init__(self, manager: Port, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, manager._take(room, DecodeRequest, epoch))
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once

@@ -31,6 +31,7 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.addressing import engine_host
+from transport.attempts import Attempts, Route
 from transport.connector import liveness as live
 from transport.connector.config import ConnectorConfig, check_fit
 from transport.connector.decode import DecodeSide
@@ -41,7 +42,7 @@ from transport.connector.mailbox import Mailbox
 from transport.connector.messages import Msg, check_words
 from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
-from transport.errors import DuplicateRoom
+from transport.errors import ConfigError, DuplicateRoom
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
 
@@ -50,6 +51,7 @@ __all__ = ["ConnectorConfig", "Connector"]
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
 logger = logging.getLogger(__name__)
+
 R = TypeVar("R", bound="Request[Any]")
 
 #: each role's part of the protocol
@@ -92,7 +94,10 @@ class Connector(StatusArrays):
         self.side: Side[Any] = SIDES[c.role](self)  # (its staging is registered with the rest)
         #: what this rank moved: bytes and writes issued (prefill)
         #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
-        self.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
+        #: stale_epoch: messages of an attempt older than the live one, refused
+        self.stats = dict.fromkeys(
+            ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
+        )
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
@@ -107,10 +112,9 @@ class Connector(StatusArrays):
         self.state_geom = state_geometry(a.state)
         self.split_state = splits_state(a.state)
         info.update(state_geom=self.state_geom)
-        self._reqs: dict[int, Request[Any]] = {}  # room -> request
-        self._early: dict[int, list[dict[str, Any]]] = {}
-        #: rooms released here -> their failure reason (told to a late register)
-        self._cleared: dict[int, int] = {}
+        #: the live requests by (room, epoch), early words and released rooms
+        self.attempts: Attempts[Request[Any]] = Attempts()
+        self._reqs = self.attempts.reqs
         self._peer_dead: set[int] = set()
         self.side.start()
         self.mail.publish(info)
@@ -145,28 +149,37 @@ class Connector(StatusArrays):
 
     def _forget(self, token: Any) -> None: ...
 
-    def _notified(self) -> list[tuple[int, int]]:
-        """(room, peer) pairs whose last write the engine itself told this (decode) rank of."""
+    def _notified(self) -> list[tuple[int, int, int]]:
+        """(room, epoch, peer) of each attempt whose last write the engine itself
+        told this (decode) rank of."""
         return []
 
     def _stop_engine(self) -> None: ...
 
     # -- requests and the protocol ---------------------------------------------------------
-    def _take(self, room: int, make: Callable[[int, int], R]) -> R:
-        """A new request for ``room`` (``make``: its kind, from room and slot)."""
+    def _take(self, room: int, make: Callable[[int, int], R], epoch: int = 0) -> R:
+        """A new request for ``room`` at attempt ``epoch`` (``make``: its kind, from
+        room and slot). A newer attempt of a room may start while an older one
+        still drains its writes; the same or an older one is a duplicate."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 16:
+            raise ConfigError("epoch", epoch, "an int in 0..65535 (the request's attempt)")
         with self._msg_lock:  # its early messages go before any later one
             with self._lock:
-                if room in self._reqs:
+                if self.attempts.taken(room, epoch):
                     raise DuplicateRoom(room, self.config.role, self.rank)
                 req = make(room, self.take(int(KVPoll.Bootstrapping)))
+                req.epoch = epoch
                 self.phase[req.index] = Phase.Bootstrap
                 self.born[req.index] = NOW()
-                self._reqs[room] = req
-                self._cleared.pop(room, None)
-                early = self._early.pop(room, [])
-            for msg in early:
+                due = self.attempts.add(room, epoch, req)
+                self.stats["stale_epoch"] = self.attempts.stale
+            for msg in due:
                 self._on_message(msg, self.store)
         return req
+
+    def _live(self, room: int) -> Request[Any] | None:
+        """The newest live attempt of ``room`` (None: none)."""
+        return self.attempts.live(room)
 
     def _fire_many(
         self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE
@@ -216,14 +229,11 @@ class Connector(StatusArrays):
             req.cleared = True
             if IS_TERMINAL[self._phase(req)] and not req.tokens and not req.released:
                 req.released = True
-                del self._reqs[req.room]
                 self.scatter_left[req.index] = 0
                 self.release(req.index)
                 failed = int(self.status[req.index]) == F  # (a Success is never asked about)
                 reason = self.reason[req.index] if failed else FailureReason.ABORTED
-                self._cleared[req.room] = int(reason)
-                if len(self._cleared) > 100_000:
-                    self._cleared.clear()
+                self.attempts.release(req.room, req.epoch, int(reason))
 
     def fenced(self) -> tuple[int, int]:
         """(requests, KV pages) held fenced on writers that stopped beating."""
@@ -232,16 +242,18 @@ class Connector(StatusArrays):
     def describe(self, room: int) -> str:
         """Where a live request stands on the wire, with each peer (one line)."""
         with self._lock:
-            req = self._reqs.get(room)
+            req = self._live(room)
             if req is None:
                 return f"room={room}: not live here"
             return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
-    def sender(self, room: int) -> ConnectorSender:
-        return ConnectorSender(self, room)
+    def sender(self, room: int, epoch: int = 0) -> ConnectorSender:
+        """Prefill's handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""
+        return ConnectorSender(self, room, epoch)
 
-    def receiver(self, room: int) -> ConnectorReceiver:
-        return ConnectorReceiver(self, room)
+    def receiver(self, room: int, epoch: int = 0) -> ConnectorReceiver:
+        """Decode's handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""
+        return ConnectorReceiver(self, room, epoch)
 
     # -- the staging gate (decode; see lifecycle.protocols.StagingGate) ----------------------
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
@@ -266,20 +278,17 @@ class Connector(StatusArrays):
             self._handle(msg, store)
 
     def _handle(self, msg: dict[str, Any], store: Any) -> None:
-        room = msg["room"]
         if "from" in msg and not live.received(self, msg, store):
             return  # from an old incarnation of a restarted peer: refused
         with self._lock:
-            req = self._reqs.get(room)
-            if req is None:
-                if room not in self._cleared:  # the peer is ahead of our scheduler
-                    if len(self._early) > 100_000:  # rooms that never came (a restart)
-                        self._early.clear()
-                    self._early.setdefault(room, []).append(msg)
-                else:  # released here: the side answers what needs an answer
-                    self.side.late(room, msg, self._cleared[room], store)
-                return
-        self.side.on_message(req, msg, store)
+            route, req, reason = self.attempts.route(msg)
+            self.stats["stale_epoch"] = self.attempts.stale
+        if route is Route.STALE:  # an older attempt's word, that attempt gone: never applied
+            logger.debug("room=%s: %s of another attempt refused", msg["room"], msg["kind"])
+        elif route is Route.LATE:  # released here: the side answers what needs an answer
+            self.side.late(msg["room"], msg, reason, store)
+        elif req is not None:
+            self.side.on_message(req, msg, store)
 
     # -- the background loop --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -293,8 +302,9 @@ class Connector(StatusArrays):
                     last_look = now
                 for msg in self.mail.received():
                     self._on_message(msg, store)
-                for room, peer in self._notified():
-                    self._on_message({"kind": Msg.done, "room": room, "from": peer}, store)
+                for room, epoch, peer in self._notified():
+                    msg = {"kind": Msg.done, "room": room, "epoch": epoch, "from": peer}
+                    self._on_message(msg, store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:

@@ -110,6 +110,9 @@ class Request(Generic[L]):
         self.tokens: list[Any] = []  # the engine's handles of writes in flight
         self.cleared = self.released = False
         self.reason = FailureReason.NONE  # why it failed here, told to every leg
+        #: the attempt: every message about it carries this, and one of another
+        #: attempt is never applied to it (see Hub._handle)
+        self.epoch = 0
 
 
 class PrefillRequest(Request[PrefillLeg]):

@@ -112,7 +112,7 @@ class Port(Statuses, Protocol):
     last_error: Exception | None
     side: Side[Any]
     _wake: threading.Event
-    _reqs: dict[int, Request[Any]]
+    _reqs: dict[tuple[int, int], Request[Any]]  # (room, epoch) -> request
     _peer_dead: set[int]
     phase: NDArray[np.int8]
     born: NDArray[np.float64]
@@ -125,7 +125,9 @@ class Port(Statuses, Protocol):
 
     def set(self, index: int, status: int, reason: FailureReason = FailureReason.NONE) -> bool: ...
 
-    def _take(self, room: int, make: Callable[[int, int], R]) -> R: ...
+    def _take(self, room: int, make: Callable[[int, int], R], epoch: int = 0) -> R: ...
+
+    def _live(self, room: int) -> Request[Any] | None: ...
 
     def _fire_many(
         self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE

@@ -48,10 +48,10 @@ __all__ = ["PrefillSide", "gave_up"]
 logger = logging.getLogger(__name__)
 
 
-def gave_up(room: int, reason: int) -> dict[str, Any]:
+def gave_up(room: int, reason: int, epoch: int) -> dict[str, Any]:
     """The word for a leg when this rank released a request whose writes the
     engine never finished: it failed, yet a write of it may still land."""
-    return {"kind": Msg.gave_up, "room": room, "reason": int(reason)}
+    return {"kind": Msg.gave_up, "room": room, "reason": int(reason), "epoch": epoch}
 
 
 class PrefillSide:
@@ -139,15 +139,14 @@ class PrefillSide:
             if p._fire(req, "abort", reason):
                 req.reason = reason
             elif req.abandoned:  # released with writes the engine never finished
-                p._send(peer, gave_up(req.room, req.reason), store)
+                p._send(peer, gave_up(req.room, req.reason, req.epoch), store)
             elif IS_TERMINAL[p._phase(req)] or leg is None:
-                p._send(peer, {"kind": Msg.stopped, "room": req.room}, store)
+                p._send(peer, {"kind": Msg.stopped, "room": req.room, "epoch": req.epoch}, store)
             return
         if p._phase(req) >= Phase.Aborted:  # failed here already: the leg hears why
             if kind == Msg.register:
-                p._send(
-                    peer, {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}, store
-                )
+                word = {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}
+                p._send(peer, {**word, "epoch": req.epoch}, store)
             return
         if kind == Msg.register:
             if not req.legs and not self._plan(req, msg):
@@ -185,13 +184,14 @@ class PrefillSide:
 
     def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
         """A decode rank's word about a room released here: nothing more is written."""
-        kind, send = msg["kind"], self.port._send
+        kind, send, epoch = msg["kind"], self.port._send, msg.get("epoch", 0)
         if kind == Msg.abort and room in self.abandoned:
-            send(int(msg["from"]), gave_up(room, reason), store)
+            send(int(msg["from"]), gave_up(room, reason, epoch), store)
         elif kind == Msg.abort:  # finished and drained here
-            send(int(msg["from"]), {"kind": Msg.stopped, "room": room}, store)
+            send(int(msg["from"]), {"kind": Msg.stopped, "room": room, "epoch": epoch}, store)
         elif kind == Msg.register:  # it failed and was cleared before this rank knew
-            send(int(msg["from"]), {"kind": Msg.failed, "room": room, "reason": reason}, store)
+            word = {"kind": Msg.failed, "room": room, "reason": reason, "epoch": epoch}
+            send(int(msg["from"]), word, store)
 
     def steps(self, req: PrefillRequest, store: Any) -> bool:
         p = self.port
@@ -204,7 +204,9 @@ class PrefillSide:
             elif ph == Phase.RoomWritten and not req.tokens:
                 if p._fire(req, "complete"):  # (close() may have failed it meanwhile)
                     for peer in req.legs:
-                        p._send(peer, {"kind": Msg.done, "room": req.room}, store)
+                        p._send(
+                            peer, {"kind": Msg.done, "room": req.room, "epoch": req.epoch}, store
+                        )
             elif ph == Phase.Aborted and not req.tokens:
                 self.tell_legs(req, store)
                 p._fire(req, "drain")
@@ -215,7 +217,8 @@ class PrefillSide:
         silent one too: it may only be paused."""
         for leg in req.legs.values():
             told = {"kind": Msg.stopped} if leg.asked_stop else {"kind": Msg.failed}
-            self.port._send(leg.peer, {**told, "room": req.room, "reason": int(req.reason)}, store)
+            word = {**told, "room": req.room, "reason": int(req.reason), "epoch": req.epoch}
+            self.port._send(leg.peer, word, store)
 
     def give_up(self, req: PrefillRequest, store: Any) -> None:
         """Released at the drain timeout with writes the engine never finished:
@@ -226,7 +229,7 @@ class PrefillSide:
             self.abandoned.clear()
         self.abandoned.add(req.room)
         for leg in req.legs.values():
-            self.port._send(leg.peer, gave_up(req.room, req.reason), store)
+            self.port._send(leg.peer, gave_up(req.room, req.reason, req.epoch), store)
 
     def every_pass(self, store: Any) -> None:
         """Nothing: prefill owes no word beyond its requests' own."""
@@ -373,5 +376,5 @@ class PrefillSide:
                 info = p._peer_info(leg.peer, store)
                 if leg.primary and info is not None and req.local_slot >= 0 and leg.dst_slot >= 0:
                     w = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, True)
-                    p._submit(req, info, w, str(req.room).encode(), store)
+                    p._submit(req, info, w, f"{req.room}:{req.epoch}".encode(), store)
             p._fire(req, "write_room")

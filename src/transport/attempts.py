@@ -1,0 +1,101 @@
+"""Which request a message is about: a connector's live requests by room and
+attempt (epoch), the words that came before their request, and the rooms
+released here.
+
+A retried request is the same room at the next epoch. Every message about a
+request carries its epoch, and is applied only to that attempt: a word of
+an older attempt whose request is gone is refused and counted (``stale``),
+never applied to the newer one; a word of a newer attempt than any here is
+held until the scheduler starts that attempt (the peer is ahead of us). An
+older attempt may still be draining its writes when the next one starts:
+both are live, each hears only its own words.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Attempts", "Route", "epoch_of"]
+
+Q = TypeVar("Q")
+
+#: words held for rooms whose request has not started here (a restart's never come)
+_MOST_EARLY = 100_000
+#: rooms released here that a late word may still ask about
+_MOST_CLEARED = 100_000
+
+
+def epoch_of(msg: dict[str, Any]) -> int:
+    """The attempt a message is about (0 from a peer that names none; -1, never
+    live, for one that names nonsense)."""
+    e = msg.get("epoch", 0)
+    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else -1
+
+
+class Route(enum.Enum):
+    DELIVER = "deliver"  # to its live attempt
+    EARLY = "early"  # held for an attempt not started here yet
+    LATE = "late"  # its attempt was released here: the side answers
+    STALE = "stale"  # an older attempt's, gone: refused
+
+
+class Attempts(Generic[Q]):
+    """The live requests by (room, epoch); the caller holds the connector's lock."""
+
+    def __init__(self) -> None:
+        self.reqs: dict[tuple[int, int], Q] = {}
+        self.latest: dict[int, int] = {}  # room -> the epoch of its newest live attempt
+        self.early: dict[int, list[dict[str, Any]]] = {}
+        #: rooms released here -> (the attempt, its failure reason)
+        self.cleared: dict[int, tuple[int, int]] = {}
+        self.stale = 0  # words of older attempts refused
+
+    def taken(self, room: int, epoch: int) -> bool:
+        """Whether ``room`` has a live attempt at ``epoch`` or later (a duplicate)."""
+        return self.latest.get(room, -1) >= epoch
+
+    def add(self, room: int, epoch: int, req: Q) -> list[dict[str, Any]]:
+        """Start attempt ``epoch`` of ``room``; the words that came before it."""
+        self.reqs[room, epoch] = req
+        self.latest[room] = epoch
+        self.cleared.pop(room, None)
+        held = self.early.pop(room, [])
+        later = [m for m in held if epoch_of(m) > epoch]
+        if later:
+            self.early[room] = later
+        due = [m for m in held if epoch_of(m) == epoch]
+        self.stale += len(held) - len(later) - len(due)
+        return due
+
+    def live(self, room: int) -> Q | None:
+        """The newest live attempt of ``room`` (None: none)."""
+        epoch = self.latest.get(room)
+        return None if epoch is None else self.reqs.get((room, epoch))
+
+    def release(self, room: int, epoch: int, reason: int) -> None:
+        """Attempt ``epoch`` of ``room`` is released (``reason``: why it ended)."""
+        del self.reqs[room, epoch]
+        if self.latest.get(room) != epoch:
+            return  # a newer attempt is live: the room is not cleared
+        del self.latest[room]
+        self.cleared[room] = (epoch, reason)
+        if len(self.cleared) > _MOST_CLEARED:
+            self.cleared.clear()
+
+    def route(self, msg: dict[str, Any]) -> tuple[Route, Q | None, int]:
+        """Where ``msg`` goes: (route, its live attempt, the released one's reason)."""
+        room, epoch = msg["room"], epoch_of(msg)
+        req = self.reqs.get((room, epoch))
+        if req is not None:
+            return Route.DELIVER, req, 0
+        cleared = self.cleared.get(room)
+        if epoch < max(self.latest.get(room, -1), -1 if cleared is None else cleared[0]):
+            self.stale += 1
+            return Route.STALE, None, 0
+        if cleared is None or epoch > cleared[0]:
+            if len(self.early) > _MOST_EARLY:
+                self.early.clear()
+            self.early.setdefault(room, []).append(msg)
+            return Route.EARLY, None, 0
+        return Route.LATE, None, cleared[1]
