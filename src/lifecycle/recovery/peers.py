@@ -346,7 +346,10 @@ class PeerHealth:
             return None  # declared ignored (the import-time check holds that)
         (edge,) = edges
         dst = PeerState(int(KERNEL.dest[KERNEL.trigger_id[edge.trigger], int(v.state)]))
-        self._views[pid] = _ACTIONS[edge.trigger](v, dst, room, self)
+        new = _ACTIONS[edge.trigger](v, dst, room, self)
+        if new == v:
+            return None  # e.g. a success on a healthy peer: nothing to report
+        self._views[pid] = new
         return PeerChange(pid, edge.trigger, v.state, dst, self._now, room)
 
 
