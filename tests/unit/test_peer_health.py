@@ -3,6 +3,9 @@ steps keeps traffic away, one probe closes or reopens it (with a bounded
 backoff); reasons that say nothing about the peer never count; bad arguments
 are refused by name and change nothing."""
 
+import re
+from pathlib import Path
+
 import attrs
 import pytest
 
@@ -236,3 +239,12 @@ def test_a_bad_peer_in_a_step_result_changes_nothing():
     with pytest.raises(InvalidArgument, match=r"peer_of\(2\)"):
         h.observe_result(stepper.step(SingleRank()), {1: 0, 2: "decode"})
     assert h.fingerprint() == before and h.view() == {}
+
+
+def test_the_docs_diagram_is_the_declared_one_and_the_example_runs(capsys):
+    text = (Path(__file__).parents[2] / "docs" / "recovery-peers.md").read_text()
+    (block,) = re.findall(r"```mermaid\n(.*?)```", text, flags=re.S)
+    assert block == rules.diagram("mermaid")
+    (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(code, "recovery-peers.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == ["[0, 0, 1, 1, 1, 0, 1, 1]", "OPEN"]
