@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 
 from lifecycle import FailureReason, KVPoll, RequestTable, SingleRank, Stepper
@@ -133,6 +134,7 @@ def test_choose_never_refuses_and_picks_the_cooldown_that_ends_first():
     h.observe(2, R.PEER_DEAD)  # ends at 13, peer 1 at 10
     assert h.choose([2, 1], room=1) == 1
     assert h.choose([2], room=2) == 2
+    assert h.choose(np.array([2, 1]), room=3) == 1  # any iterable of ids, numpy's too
     assert h.state(1) is OP  # a forced request is not a probe
 
 
@@ -211,6 +213,7 @@ def test_a_bad_policy_is_refused_by_name(kwargs, what):
         (lambda h: h.tick(2.0), "steps", InvalidArgument),
         (lambda h: h.choose([], room=1), "candidates", InvalidArgument),
         (lambda h: h.choose(3, room=1), "candidates", InvalidArgument),
+        (lambda h: h.choose({1: 2}, room=1), "candidates", InvalidArgument),
         (lambda h: h.choose([2, "x"], room=1), "candidates[1]", InvalidArgument),
         (lambda h: h.choose([2], room=None), "bootstrap room", InvalidRoom),
         (lambda h: h.observe_result(None, {}), "result", InvalidArgument),

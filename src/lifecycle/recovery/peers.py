@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import SupportsIndex, cast
 
 import attrs
@@ -282,7 +282,7 @@ class PeerHealth:
                     out.append(change)
         return tuple(out)
 
-    def choose(self, candidates: Sequence[int], room: int) -> int:
+    def choose(self, candidates: Iterable[int], room: int) -> int:
         """The peer to route new request ``room`` to, among ``candidates`` (in
         the caller's order of preference; a peer not seen yet is healthy).
 
@@ -291,7 +291,7 @@ class PeerHealth:
         open or probing, the one whose cooldown ends (or ended) first, ties
         in the caller's order. It never refuses: the request goes somewhere.
         """
-        if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+        if isinstance(candidates, (str, bytes, Mapping)) or not isinstance(candidates, Iterable):
             raise InvalidArgument("candidates", candidates, "a non-empty sequence of peer ids")
         ids = [_peer(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
         if not ids:
