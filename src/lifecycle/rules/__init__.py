@@ -1,3 +1,4 @@
 """The rules of a request's lifecycle, declared once: the transition graph with
-its verdicts and gates, the deadlines, the graph kernel every declared machine
-runs on, the batch and reference executors, the diagrams."""
+its verdicts and gates, the deadlines, a prefill peer's health machine, the
+graph kernel every declared machine runs on, the batch and reference
+executors, the diagrams."""
