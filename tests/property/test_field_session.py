@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from field.data.buffers import MetadataBuffers
@@ -91,6 +91,12 @@ class Staging:
 
 
 @given(ops=OPS, gated=st.booleans(), staged=st.booleans())
+# a kept request loses its room while its row names it (the gate reads rooms)
+@example(ops=[("add", 2, 4, 0), ("call",), ("land", 0, 1), ("roomless", 0)], gated=True,
+         staged=False)  # fmt: skip
+# a poller goes back beside an invalid status: the replay keeps the reason
+@example(ops=[("add", 1, 2, 0), ("call",), ("add", 1, 7, 0), ("set", 0, 1)], gated=False,
+         staged=False)  # fmt: skip
 def test_a_kept_session_answers_as_a_fresh_one(coll, ops, gated, staged):
     meta = MetadataBuffers(ROWS, 4, torch.float32)
     handler = Staging()

@@ -10,6 +10,7 @@ rows the step asks about.
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,14 @@ from numpy.typing import NDArray
 
 from lifecycle.status import KVPoll
 
-__all__ = ["FAKE_BOOTSTRAP_HOST", "RoomGate", "StagingAdapter", "is_fake", "metadata_index"]
+__all__ = [
+    "FAKE_BOOTSTRAP_HOST",
+    "RoomGate",
+    "StagingAdapter",
+    "is_fake",
+    "metadata_index",
+    "room_of",
+]
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
@@ -84,6 +92,18 @@ def room_column(buffers: Any) -> Any:
     return col
 
 
+def room_of(value: object) -> int | None:
+    """A bootstrap room as a table key (1..2**64-1), or None when it is not one."""
+    if type(value) is int:  # the common case, without the slower ABC check below
+        return value if 0 < value < 1 << 64 else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a 0-d tensor
+            return room_of(value.item())
+        return None
+    room = int(value)
+    return room if 0 < room < 1 << 64 else None
+
+
 class RoomGate:
     """The metadata gate: a local Success counts only once its row has landed.
 
@@ -123,10 +143,18 @@ class RoomGate:
             logger.exception("metadata gate: cannot read the bootstrap_room column")
             return np.zeros(rows.size, dtype=bool), np.ones(rows.size, dtype=bool)
         written = (got != 0) & ~bad
-        if not self._rooms_known:
-            return written, bad
-        want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
-        return written, bad | (written & (got != want))
+        if self._rooms_known:
+            want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
+            return written, bad | (written & (got != want))
+        # the table names rows by position: hold each request that has a room to it
+        own = [self._room(p) for p in slots.tolist()]
+        has = np.fromiter((r is not None for r in own), dtype=bool, count=len(own))
+        want = np.array([r or 0 for r in own], dtype=np.uint64).view(np.int64)
+        return written, bad | (written & has & (got != want))
+
+    def _room(self, position: int) -> int | None:
+        req = self._reqs[position]
+        return room_of(getattr(getattr(req, "req", req), "bootstrap_room", None))
 
     def _rows(self, slots: NDArray[np.int64]) -> NDArray[np.int64]:
         """Each asked request's row (-1 where it has none that can be read)."""

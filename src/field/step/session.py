@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from field.step.gates import RoomGate, StagingAdapter, is_fake
+from field.step.gates import RoomGate, StagingAdapter, is_fake, room_of
 from lifecycle.config import StepConfig
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import IllegalTransition
 from lifecycle.protocols import FaultHook
+from lifecycle.reasons import FailureReason
 from lifecycle.result import Failure
 from lifecycle.table import RequestTable
 
@@ -48,18 +48,6 @@ __all__ = ["Session", "room_of"]
 logger = logging.getLogger(__name__)
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
-
-
-def room_of(value: object) -> int | None:
-    """A bootstrap room as a table key (1..2**64-1), or None when it is not one."""
-    if type(value) is int:  # the common case, without the slower ABC check below
-        return value if 0 < value < 1 << 64 else None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a 0-d tensor
-            return room_of(value.item())
-        return None
-    room = int(value)
-    return room if 0 < room < 1 << 64 else None
 
 
 def _rooms(
@@ -224,6 +212,8 @@ class Session:
         table = self.table
         if table is not None and self.known:
             k = self._kept(ident)
+            if k is not None and self.gated and not self._rooms_hold(pollers, decode_reqs, k):
+                k = None  # a kept request carries another room now: the gate reads rooms
             if k is not None and (k == n or self._append(pollers, decode_reqs, server_args, k)):
                 if k != m or n != m:
                     self._positions(ident, pollers)
@@ -265,6 +255,14 @@ class Session:
             self.table.remove_many(self.table.room[self._slots[gone]])
             self._slots = self._slots[~gone]
         return k
+
+    def _rooms_hold(self, pollers: list[Any], decode_reqs: list[Any] | None, k: int) -> bool:
+        """Whether the first ``k`` requests still carry the rooms their rows hold
+        (the metadata gate holds each row to its request's room)."""
+        assert self.table is not None and decode_reqs is not None
+        want = self.table.room[self._slots[:k]].tolist()
+        got = [getattr(getattr(d, "req", d), "bootstrap_room", None) for d in decode_reqs[:k]]
+        return bool(got == want or _rooms(pollers, decode_reqs, 0)[:k] == want)
 
     def _append(
         self, pollers: list[Any], decode_reqs: list[Any] | None, server_args: Any, k: int
@@ -337,11 +335,16 @@ class Session:
         return self.stepper
 
 
+_NOT_A_STATUS = 99
+
+
 class _Replay:
     """What this rank contributed to a step, contributed once more."""
 
     def __init__(self, values: NDArray[np.int8], reasons: NDArray[np.int8]) -> None:
         self.values, self.reasons = values.copy(), reasons.copy()
+        # a value outside KVPoll is read as one again (no backend reports that reason)
+        self.values[self.reasons == FailureReason.INVALID_STATUS] = _NOT_A_STATUS
 
     def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
         out: NDArray[np.int8] = self.values[indices]

@@ -136,8 +136,8 @@ R = FailureReason
 _BACKEND = "backend"
 #: Local verdicts, in priority (= reason code) order. Sources: ``abort_flag``
 #: the table's abort column; ``backend`` a Failed the poller reported with
-#: this reason (a backend may relay a peer's abort or timeout; UNKNOWN when it
-#: gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
+#: this reason (a backend may relay a peer's abort or timeout, or a replay
+#: of this rank's own words; UNKNOWN when it gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
 #: clocks; ``metadata_row`` a row carrying another request's room;
 #: ``poll_value`` a value outside KVPoll; ``poll_error`` a poll that raised
 #: or answered with the wrong shape or dtype; ``fault_hook`` injected faults;
@@ -156,7 +156,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
     Verdict(R.UNKNOWN, (_BACKEND,)),
     Verdict(R.CHECKSUM_MISMATCH, (_BACKEND,)),
-    Verdict(R.HOOK_ERROR, ("hook_error",)),
+    Verdict(R.HOOK_ERROR, ("hook_error", _BACKEND)),
 )
 
 
