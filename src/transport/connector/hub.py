@@ -41,7 +41,8 @@ from transport.connector.mailbox import Mailbox
 from transport.connector.messages import Msg, check_words
 from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
-from transport.errors import DuplicateRoom
+from transport.digest import Views
+from transport.errors import DuplicateRoom, TransportError
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
 
@@ -58,6 +59,7 @@ SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
     "decode": DecodeSide,
 }
 check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
+DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted")
 
 
 class Connector(StatusArrays):
@@ -93,6 +95,10 @@ class Connector(StatusArrays):
         #: what this rank moved: bytes and writes issued (prefill)
         #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
         self.stats = dict.fromkeys(("bytes_written", "writes", "fenced", "unfenced", "stale"), 0)
+        #: the KV digest (see transport.digest): legs checked, found differing,
+        #: bytes hashed here, and requests a test corrupted (see :meth:`corrupt`)
+        self.stats.update(dict.fromkeys(DIGEST_STATS, 0))
+        self.views = Views(kv_args)  # this rank's buffers, as the digest reads them
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
@@ -237,6 +243,19 @@ class Connector(StatusArrays):
                 return f"room={room}: not live here"
             return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
+    def corrupt(self, room: int, offset: int = 0) -> None:
+        """A test's fault (decode): flip every bit of one byte of ``room``'s data
+        once it is committed, before its digest is checked (after the staging
+        scatter, when staged; with the digest off, just before Success): byte
+        ``offset`` of the first row (page, metadata or state row) its first
+        sender sends. ``stats["corrupted"]`` counts the requests it hit."""
+        if not isinstance(self.side, DecodeSide):
+            raise TransportError(
+                f"room={room}: prefill rank {self.rank} holds no committed bytes to corrupt; "
+                "call corrupt() on a decode connector"
+            )
+        self.side.corrupt[room] = int(offset)
+
     def sender(self, room: int) -> ConnectorSender:
         return ConnectorSender(self, room)
 
@@ -294,7 +313,8 @@ class Connector(StatusArrays):
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, peer in self._notified():
-                    self._on_message({"kind": Msg.done, "room": room, "from": peer}, store)
+                    done = {"kind": Msg.done, "room": room, "from": peer, "notified": True}
+                    self._on_message(done, store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:
