@@ -445,6 +445,7 @@ BENCH_BAD = {
     "layout": [["--layout", "diagonal"], ["--layout", "head"]],
     "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
     "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
+    "digest": [["--digest=1"]],
 }  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}
 
