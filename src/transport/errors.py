@@ -12,6 +12,7 @@ __all__ = [
     "UnknownBackend",
     "TransferFailed",
     "DuplicateRoom",
+    "ChecksumMismatch",
     "require_module",
 ]
 
@@ -99,4 +100,20 @@ class DuplicateRoom(TransportError, ValueError):
             "bootstrap room; rooms must be unique among live requests. Nothing was changed "
             "and the live request goes on: refuse the new request (or give it another "
             "room), or clear the old one first."
+        )
+
+
+class ChecksumMismatch(TransportError):
+    """A decode rank's committed bytes of a request do not match the digest a
+    prefill rank sent with its "done", or no comparable digest came (the check
+    fails closed). Not raised: the request fails (reason checksum mismatch) and
+    this is the rank's ``last_error``."""
+
+    def __init__(self, room: int, rank: int, why: str) -> None:
+        self.room, self.rank = room, rank
+        super().__init__(
+            f"request room={room} on decode rank {rank}: Verifying -> Failed, checksum "
+            f"mismatch: {why}. Both sides failed it; retry the request, and if it recurs "
+            "check the link and memory between these ranks, or that both sides run with "
+            "ConnectorConfig.digest and the same hash (transport.digest.ALGORITHM)"
         )

@@ -27,6 +27,7 @@ __all__ = [
     "splits_state",
     "state_misfit",
     "StateShare",
+    "share_spans",
     "row_writes",
     "kv_args_for",
 ]
@@ -196,6 +197,23 @@ class StateShare:
     peer: Sequence[Sequence[Any]]  # the decode rank's state_geometry
 
 
+def share_spans(
+    blocks: Sequence[int], far_blocks: Sequence[int], prefill: int, decode: int, unit: int
+) -> list[tuple[int, int, int]]:
+    """What of a split row prefill TP rank ``prefill`` (``blocks``: its units per
+    block) owes decode TP rank ``decode`` (``far_blocks``): (byte offset in the
+    prefill row, byte offset in the decode row, bytes) per overlapping span."""
+    out = []
+    at = far_at = 0  # where the block starts in the prefill row and in the decode row
+    for units, far_units in zip(blocks, far_blocks):
+        mine, theirs = prefill * units, decode * far_units
+        lo, hi = max(mine, theirs), min(mine + units, theirs + far_units)
+        if hi > lo:
+            out.append(((at + lo - mine) * unit, (far_at + lo - theirs) * unit, (hi - lo) * unit))
+        at, far_at = at + units, far_at + far_units
+    return out
+
+
 def state_writes(
     local: KVArgs,
     peer_state: Sequence[Sequence[int]],
@@ -222,15 +240,12 @@ def state_writes(
             assert share is not None
             far_item, far_blocks = int(share.peer[c][0][i]), split_blocks(share.peer[c][1], i)
             unit = item // sum(blocks)
-            at = far_at = 0  # where the block starts in this rank's row and in the peer's
-            for units, far_units in zip(blocks, far_blocks):
-                mine, theirs = share.prefill * units, share.decode * far_units
-                lo, hi = max(mine, theirs), min(mine + units, theirs + far_units)
-                if hi > lo:
-                    s = base + sr * item + (at + lo - mine) * unit
-                    d = far + dr * far_item + (far_at + lo - theirs) * unit
-                    parts.append((s, d, np.full(sr.size, (hi - lo) * unit, np.int64)))
-                at, far_at = at + units, far_at + far_units
+            for off, far_off, nb in share_spans(
+                blocks, far_blocks, share.prefill, share.decode, unit
+            ):
+                s = base + sr * item + off
+                d = far + dr * far_item + far_off
+                parts.append((s, d, np.full(sr.size, nb, np.int64)))
     if not parts:
         e = np.empty(0, dtype=np.int64)
         return e, e, e

@@ -133,6 +133,7 @@ CONNECTOR_BAD = {
     "idle_interval": secs(),
     "drain_timeout": secs(),
     "progress_delay_us": ints(0, 1_000_000),
+    "digest": FLAG,
 }
 CONNECTOR_MISFITS = [
     (dict(tp_rank=2, tp_size=2), "tp_rank"),
@@ -444,6 +445,7 @@ BENCH_BAD = {
     "layout": [["--layout", "diagonal"], ["--layout", "head"]],
     "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
     "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
+    "digest": [["--digest=1"]],
 }  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}
 

@@ -62,6 +62,7 @@ def run_transfer_bench(
     buffers: int = 1,
     shuffle: bool = False,
     step_us: int = 200,
+    digest: bool = False,
     **heads: Any,
 ) -> dict[str, Any]:
     """One run of every part, side by side (``step_us``: each rank's pause between
@@ -78,7 +79,7 @@ def run_transfer_bench(
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(backend, role, r, shape, reps, store.port, q, quiet, step_us * 1e-6),
+            args=(backend, role, r, shape, reps, store.port, q, quiet, step_us * 1e-6, digest),
         )
         for role, r in ranks
     ]
@@ -142,6 +143,24 @@ def run_transfer_bench(
         "lifecycle/raw-sliced": sliced / life,
         "handshake_median_s": hand,
         "bytes_verified": True,
+        **(_digest_numbers(dec, raw / life) if digest else {"digest": False}),
+    }
+
+
+def _digest_numbers(dec: list[Any], ratio: float) -> dict[str, Any]:
+    """The lifecycle-driven request ran with the KV digest: its ratio to raw, the
+    hash's speed here, and what decode checked (every leg of every repetition)."""
+    from transport.digest import ALGORITHM, measure
+
+    stats = [s for _, _, s in dec]
+    return {
+        "digest": True,
+        "lifecycle+digest/raw": ratio,
+        "hash": ALGORITHM,
+        "hash_gbps_2mib": measure(2 << 20),
+        "hash_gbps_64mib": measure(64 << 20),
+        "digests_checked": sum(s["digests_checked"] for s in stats),
+        "digest_mismatches": sum(s["digest_mismatches"] for s in stats),
     }
 
 
@@ -161,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         args.buffers,
         args.shuffle,
         args.step_us,
+        args.digest,
         **heads_flags(args),
     )
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
@@ -187,6 +207,13 @@ def _run(args: argparse.Namespace) -> int:
         f"the handshake before it took {1e3 * res['handshake_median_s']:.1f} ms; "
         "every lifecycle-driven byte and the metadata row verified on decode"
     )
+    if args.digest:
+        print(
+            f"with the KV digest ({res['hash']}: {res['hash_gbps_2mib']:.1f} GB/s on 2 MiB, "
+            f"{res['hash_gbps_64mib']:.1f} GB/s on 64 MiB here): lifecycle+digest/raw "
+            f"{100 * res['lifecycle+digest/raw']:.0f}%; {res['digests_checked']} leg digests "
+            f"checked on decode, {res['digest_mismatches']} differed"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
@@ -233,6 +260,11 @@ def add_parser(sub: Any) -> None:
         type=positive_int,
         default=200,
         help="each rank's pause between steps of the lifecycle-driven request",
+    )
+    p.add_argument(
+        "--digest",
+        action="store_true",
+        help="the lifecycle-driven request with the KV digest on (ConnectorConfig.digest)",
     )
     p.add_argument("--json")
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")

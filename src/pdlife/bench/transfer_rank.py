@@ -63,11 +63,12 @@ def rank_main(
     q: Any,
     quiet: bool,
     step_s: float = POLL,
+    digest: bool = False,
 ) -> None:
     """Run one rank; put ``(role, rank, {part: [(start, end), ...]}, verified, stats)``
     on ``q``, or ``(role, rank, None, why, None)`` if it failed."""
     try:
-        _run(backend, role, rank, shape, reps, port, q, quiet, step_s)
+        _run(backend, role, rank, shape, reps, port, q, quiet, step_s, digest)
     except Exception as e:
         q.put((role, rank, None, f"{type(e).__name__}: {e}", None))
         raise
@@ -83,6 +84,7 @@ def _run(
     q: Any,
     quiet: bool,
     step_s: float,
+    digest: bool = False,
 ) -> None:
     if quiet:
         divert(None)  # the engine's own lines; --verbose keeps them
@@ -120,6 +122,7 @@ def _run(
         kv_heads=shape.kv_heads,
         store_port=port,
         namespace=NS,
+        digest=digest,
         **staged,
     )
     mgr = get_backend(backend).manager(args, config)

@@ -100,6 +100,10 @@ class ConnectorConfig:
     #: the loop's pause when idle (a message wakes it sooner)
     idle_interval: float = attrs.field(default=0.05, validator=_C.number(0.0, MAX_SECONDS))
     drain_timeout: float = attrs.field(default=10.0, validator=_C.number(0.0, MAX_SECONDS))
+    #: a KV digest of every leg's bytes (:mod:`transport.digest`): prefill sends one
+    #: with each leg's "done"; decode asks for it and checks it before Success,
+    #: failing the request (checksum mismatch) on a difference, or when none came
+    digest: bool = attrs.field(default=False, validator=_C.flag())
     #: NIXL's progress thread: pause between polls (0: it spins)
     progress_delay_us: int = attrs.field(default=100, validator=_C.integer(0, 1_000_000))
 

@@ -14,6 +14,14 @@ Aborted until every sender stopped (Drained), or the drain timeout passed
 (Drained; Fenced while the writer it failed for stopped beating, see
 :mod:`transport.connector.liveness`).
 
+With ``ConnectorConfig.digest`` the register asks each prefill rank for a
+digest of its leg's bytes (:mod:`transport.digest`). Once every sender said
+"done" the request is Verifying: each sender's digest is checked against the
+bytes where they are final (after the staging scatter, when staged), and
+every leg is told "verified" before Done. A digest that differs, one of
+another signature, or none at all fails the request (reason checksum
+mismatch) and every leg is told so: the check fails closed.
+
 :class:`DecodeSide` plays this part on a decode rank; it reaches its connector
 through the :class:`~transport.connector.port.Port` alone.
 """
@@ -32,6 +40,8 @@ from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
 from transport.connector.messages import Msg
 from transport.connector.port import Port
+from transport.digest import LegDigest, decode_parts, flip
+from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, state_misfit
 from transport.staging import Scatter, Staging
 from transport.topology import Topology, TopologyError
@@ -45,7 +55,7 @@ class DecodeSide:
     """Decode's part of the protocol on one rank (see the module)."""
 
     RECEIVES: ClassVar[bool] = True  # prefill ranks write into decode's memory
-    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
+    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
     HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
 
     def __init__(self, port: Port) -> None:
@@ -59,6 +69,8 @@ class DecodeSide:
         self.expected: frozenset[int] = frozenset()  # a request waits for no one unplanned
         #: failures to tell prefill ranks whose group's record was not up yet
         self.owed: list[DecodeRequest] = []
+        #: room -> byte offset: flip that byte of its committed data before the check
+        self.corrupt: dict[int, int] = {}
 
     def start(self) -> None:
         """Nothing: decode reads prefill's group record, it publishes none."""
@@ -124,9 +136,12 @@ class DecodeSide:
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
         if kind == Msg.done:  # every write of this sender landed
+            if msg.get("notified") and p.config.digest:
+                return  # the engine's own word carries no digest: prefill's will
             leg.done = leg.stopped = True
+            leg.digest = LegDigest.from_msg(msg)
             if all(x.done for x in req.senders()):
-                p._fire(req, "complete")
+                self._landed(req, store)
             self._drain_if_stopped(req)
         elif kind in (Msg.failed, Msg.gave_up):
             # the sender failed it: "failed" once its writes drained; "gave_up" when a
@@ -212,7 +227,7 @@ class DecodeSide:
                     msg["decode_tp"] = c.tp_size
                     msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
                     msg.update(heads_major=p.kv_args.heads_major)
-                    msg.update(state=p.state_geom, state_leg=leg.state)
+                    msg.update(state=p.state_geom, state_leg=leg.state, digest=c.digest)
                     p._send(leg.peer, msg, store)
             return False
         return p.NOTIFIES and ph == Phase.Metadata
@@ -254,6 +269,7 @@ class DecodeSide:
                 return
             p.waited[req.index] = time.monotonic()
             req.num_pages = int(pages.size)  # what a fence on its writer holds
+            req.pages, req.slot, req.rows = pages.copy(), slot, state
             if blocks:
                 req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
                 p.scatter_left[req.index] = pages.size
@@ -266,14 +282,78 @@ class DecodeSide:
         if self.staging is None or indices.size == 0:
             return
         with p._lock:
-            due = (p.scatter_left[indices] > 0) & (p.phase[indices] == Phase.Done)
+            ph = p.phase[indices]
+            due = (p.scatter_left[indices] > 0) & ((ph == Phase.Done) | (ph == Phase.Verifying))
             reqs = [p._live(int(r)) for r in rooms[due].tolist()]
         for req in reqs:
             if not isinstance(req, DecodeRequest):
                 continue  # released meanwhile: the room is gone
-            if req.scatter is None or p._phase(req) != Phase.Done:
+            if req.scatter is None or p._phase(req) not in (Phase.Done, Phase.Verifying):
                 continue
             self.staging.scatter(req.scatter, p.config.scatter_pages)
+            if req.scatter.left == 0:  # the bytes are final
+                self._corrupt(req)
+                self._check(req, p.store)
             with p._lock:
                 if not req.released:
                     p.scatter_left[req.index] = req.scatter.left
+
+    def _landed(self, req: DecodeRequest, store: Any) -> None:
+        """Every sender said "done": Success, or with a digest, the check (once the
+        scatter placed the bytes, when staged)."""
+        p = self.port
+        if req.scatter is None:  # the bytes are final
+            self._corrupt(req)
+        if p._fire(req, "verify" if p.config.digest else "complete") and req.scatter is None:
+            self._check(req, store)
+
+    def _corrupt(self, req: DecodeRequest) -> None:
+        """A test asked (``Connector.corrupt``): flip one byte of the committed data."""
+        p, at = self.port, self.corrupt.pop(req.room, None)
+        if at is None:
+            return
+        for leg in sorted(req.senders(), key=lambda x: x.peer):
+            if flip(decode_parts(p.views, p, req, leg), at):  # the first leg with a byte
+                p.stats["corrupted"] += 1
+                return
+
+    def _check(self, req: DecodeRequest, store: Any) -> None:
+        """The bytes are final: compare each sender's digest (if Verifying) and
+        say whether they matched."""
+        p = self.port
+        if p._phase(req) != Phase.Verifying:
+            return
+        why = []
+        for leg in req.senders():
+            parts = decode_parts(p.views, p, req, leg)
+            mine, theirs = LegDigest.of(parts), leg.digest
+            p.stats["digests_checked"] += 1
+            p.stats["digest_bytes"] += mine.nbytes
+            if theirs is None:
+                why.append(f"prefill rank {leg.peer} sent no digest (is its digest off?)")
+            elif theirs.sig != mine.sig:
+                why.append(
+                    f"prefill rank {leg.peer} digested another layout (signature "
+                    f"{theirs.sig:#x}, here {mine.sig:#x}: another hash or part shape)"
+                )
+            elif theirs.value != mine.value:
+                why.append(
+                    f"prefill rank {leg.peer}'s {mine.nbytes} bytes differ here (digest "
+                    f"{theirs.value:#x} sent, {mine.value:#x} committed)"
+                )
+        if not why:
+            if p._fire(req, "matched"):
+                for peer in req.legs:
+                    p._send(
+                        peer, {"kind": Msg.verified, "room": req.room, "epoch": req.epoch}, store
+                    )
+            return
+        p.stats["digest_mismatches"] += len(why)
+        err = ChecksumMismatch(req.room, p.rank, "; ".join(why))
+        p.last_error = err
+        logger.error("%s", err)
+        req.why = str(err)
+        self.fail(req, FailureReason.CHECKSUM_MISMATCH, store)
+        for peer in req.legs:  # every one said "done" (stopped): told all the same
+            msg = {"kind": Msg.abort, "room": req.room, "why": req.why, "epoch": req.epoch}
+            p._send(peer, {**msg, "reason": int(FailureReason.CHECKSUM_MISMATCH)}, store)

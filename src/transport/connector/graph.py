@@ -9,7 +9,9 @@ goes Bootstrap -> Handshaken (decode registered the room) -> Metadata (decode
 said where to write) -> Writing (page and metadata-field writes in flight) ->
 RoomWritten (every one landed; the room field, written last, in flight) ->
 Done. A decode request goes Bootstrap -> Handshaken -> Metadata (it told
-prefill where to write) -> Done (prefill said every byte landed).
+prefill where to write) -> Done (prefill said every byte landed). With a KV
+digest (``ConnectorConfig.digest``), both pass Verifying before Done: prefill
+until every leg says its bytes matched, decode while it checks them.
 
 Failure is two phases, because a request that failed may still have writes
 in flight towards its pages: Aborted quarantines it until nothing more can
@@ -66,6 +68,7 @@ __all__ = [
     "ROLES",
     "ROLE_ID",
     "READY",
+    "LIVE",
     "EDGES",
     "TRIGGERS",
     "TRIGGER_ID",
@@ -93,6 +96,7 @@ class Phase(enum.IntEnum):
     Aborted = 6
     Drained = 7
     Fenced = 8
+    Verifying = 9  # with a digest: every byte landed, being checked (last: no renumbering)
 
 
 #: the two sides, in the order of the per-role tables' first axis
@@ -130,7 +134,8 @@ class ProtocolEdge:
 
 P = Phase
 _PREFILL, _DECODE = ("prefill",), ("decode",)
-_LIVE = (P.Bootstrap, P.Handshaken, P.Metadata, P.Writing, P.RoomWritten)
+#: the phases a request may still fail from
+LIVE = _LIVE = (P.Bootstrap, P.Handshaken, P.Metadata, P.Writing, P.RoomWritten, P.Verifying)
 
 #: the phase from which each side reports WaitingForInput, i.e. its scheduler
 #: may commit a metadata row to the request: decode once it registered the
@@ -168,12 +173,17 @@ EDGES: tuple[ProtocolEdge, ...] = (
         "every write landed; the room field goes last",
         _PREFILL,
     ),
+    # with a digest (decode asked for it): prefill waits for every leg's verdict,
+    # decode checks the bytes where they are final (after the staging scatter)
+    ProtocolEdge("verify", (P.RoomWritten,), P.Verifying, None, "digests sent", _PREFILL),
+    ProtocolEdge("verify", (P.Metadata,), P.Verifying, None, "digests in", _DECODE),
     ProtocolEdge(
         "complete", (P.RoomWritten,), P.Done, KVPoll.Success, "the room field landed", _PREFILL
     ),
     ProtocolEdge(
         "complete", (P.Metadata,), P.Done, KVPoll.Success, "prefill said every byte landed", _DECODE
     ),
+    ProtocolEdge("matched", (P.Verifying,), P.Done, KVPoll.Success, "every leg's digest matched"),
     ProtocolEdge(
         "abort", _LIVE, P.Aborted, KVPoll.Failed, "failed here; writes may still be in flight"
     ),

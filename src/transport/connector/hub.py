@@ -42,7 +42,8 @@ from transport.connector.mailbox import Mailbox
 from transport.connector.messages import Msg, check_words
 from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
-from transport.errors import ConfigError, DuplicateRoom
+from transport.digest import Views
+from transport.errors import ConfigError, DuplicateRoom, TransportError
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
 
@@ -60,6 +61,13 @@ SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
     "decode": DecodeSide,
 }
 check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
+#: what a connector counts: bytes and writes issued (prefill); fenced: on a
+#: silent writer (unfenced: once it spoke); stale: see liveness.received;
+#: stale_epoch: words of an attempt older than the live one, refused; the KV
+#: digest's (transport.digest): legs checked, found differing, bytes hashed
+#: here, and requests a test corrupted (see :meth:`Connector.corrupt`)
+STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch")
+DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted")
 
 
 class Connector(StatusArrays):
@@ -92,12 +100,8 @@ class Connector(StatusArrays):
         self.scatter_left: NDArray[np.int32]
         self.last_error: Exception | None = None
         self.side: Side[Any] = SIDES[c.role](self)  # (its staging is registered with the rest)
-        #: what this rank moved: bytes and writes issued (prefill)
-        #: fenced: on a silent writer (unfenced: once it spoke); stale: see liveness.received
-        #: stale_epoch: messages of an attempt older than the live one, refused
-        self.stats = dict.fromkeys(
-            ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
-        )
+        self.stats = dict.fromkeys(STATS + DIGEST_STATS, 0)  # (see STATS)
+        self.views = Views(kv_args)  # this rank's buffers, as the digest reads them
         info = self._start_engine()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
@@ -247,6 +251,19 @@ class Connector(StatusArrays):
                 return f"room={room}: not live here"
             return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
+    def corrupt(self, room: int, offset: int = 0) -> None:
+        """A test's fault (decode): flip every bit of one byte of ``room``'s data
+        once it is committed, before its digest is checked (after the staging
+        scatter, when staged; with the digest off, just before Success): byte
+        ``offset`` of the first row (page, metadata or state row) its first
+        sender sends. ``stats["corrupted"]`` counts the requests it hit."""
+        if not isinstance(self.side, DecodeSide):
+            raise TransportError(
+                f"room={room}: prefill rank {self.rank} holds no committed bytes to corrupt; "
+                "call corrupt() on a decode connector"
+            )
+        self.side.corrupt[room] = int(offset)
+
     def sender(self, room: int, epoch: int = 0) -> ConnectorSender:
         """Prefill's handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""
         return ConnectorSender(self, room, epoch)
@@ -303,8 +320,8 @@ class Connector(StatusArrays):
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, epoch, peer in self._notified():
-                    msg = {"kind": Msg.done, "room": room, "epoch": epoch, "from": peer}
-                    self._on_message(msg, store)
+                    done = {"kind": Msg.done, "room": room, "epoch": epoch, "from": peer}
+                    self._on_message({**done, "notified": True}, store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:

@@ -89,6 +89,8 @@ class PrefillLeg(Leg):
     issued: int = 0  # this request's source pages written (or skipped) so far
     fields_out: bool = False
     asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
+    verify: bool = False  # the decode rank asked for a digest: it says whether it matched
+    verified: bool = False
 
 
 @attrs.define(eq=False)
@@ -97,6 +99,7 @@ class DecodeLeg(Leg):
 
     done: bool = False
     stopped: bool = False  # it can write nothing more here
+    digest: Any = None  # the transport.digest.LegDigest its "done" carried (None: none)
 
 
 class Request(Generic[L]):
@@ -142,6 +145,10 @@ class DecodeRequest(Request[DecodeLeg]):
         self.staged = False  # lands in staging, then scatters
         self.scatter: Scatter | None = None
         self.why: str | None = None  # a misfit it was refused for, told to prefill
+        #: where its data goes, as told to prefill (the digest is checked there)
+        self.pages = np.empty(0, dtype=np.int64)
+        self.slot = -1
+        self.rows: list[NDArray[np.int64]] | None = None
 
     def senders(self) -> list[DecodeLeg]:
         """The legs data comes from: KV, or a share of split state."""

@@ -5,7 +5,8 @@ mailbox queue (:mod:`transport.connector.mailbox`) whose ``kind`` is one of the
 :class:`Msg` words; :data:`MESSAGES` says which side says each and what it
 means. Decode speaks first: it registers a request with every prefill rank
 it pairs with, says where to write, or asks them to stop. Prefill answers
-that every write landed, that the request failed (once its writes drained,
+that every write landed (with a digest of them when asked; decode then
+says they matched), that the request failed (once its writes drained,
 or at its drain timeout with some still in flight), or that it stopped.
 
 Each side names the words it says and hears (``SAYS`` and ``HEARS`` of
@@ -37,6 +38,7 @@ class Msg(str, enum.Enum):
     failed = "failed"
     gave_up = "gave_up"
     stopped = "stopped"
+    verified = "verified"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -71,6 +73,11 @@ MESSAGES: Mapping[Msg, Word] = MappingProxyType(
             "the sender gave the request up at its drain timeout: a write may still land",
         ),
         Msg.stopped: Word("prefill", "the sender heard the abort: nothing more is written"),
+        Msg.verified: Word(
+            "decode",
+            "every byte of the request from this sender matched the digest it sent "
+            "(a mismatch is an abort, reason checksum mismatch)",
+        ),
     }
 )
 

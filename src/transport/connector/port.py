@@ -25,6 +25,7 @@ from transport.connector.config import ConnectorConfig
 from transport.connector.legs import Request
 from transport.connector.mailbox import Mailbox
 from transport.connector.messages import Msg
+from transport.digest import Views
 from transport.layout import Writes
 from transport.staging import Staging
 from transport.status_arrays import Statuses
@@ -109,6 +110,7 @@ class Port(Statuses, Protocol):
     mail: Mailbox
     store: Any
     stats: dict[str, int]
+    views: Views
     last_error: Exception | None
     side: Side[Any]
     _wake: threading.Event

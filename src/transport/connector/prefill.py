@@ -6,13 +6,15 @@ Bootstrapping until every leg's page list is in, and WaitingForInput from
 then on: only then may the scheduler take a metadata row for it (taken at
 the handshake, the two sides' rows can each go to requests the other holds
 none for, and both wait for ever; see :mod:`transport.connector.graph`).
-The bootstrap timeout covers the whole wait. It then writes
-each leg's slice of every page handed to ``send()`` (pages of a cached prefix
-skipped), the metadata row's fields and the state rows on each primary leg;
-once all of that landed, each primary leg's room column (RoomWritten); once
-that landed too, every leg is told "done" (Done). A failed request tells every
-leg why, once none of its writes is in flight (a leg that aborted it is told
-"stopped").
+The bootstrap timeout covers the whole wait. It then writes each leg's
+slice of every page handed to ``send()`` (pages of a cached prefix skipped),
+the metadata row's fields and the state rows on each primary leg; once all
+of that landed, each primary leg's room column (RoomWritten); once that
+landed too, every leg is told "done" (Done). A decode rank that asked for a
+digest in its register is sent the digest of its leg's bytes with the "done"
+(:mod:`transport.digest`), and the request waits in Verifying until every
+such leg said "verified". A failed request tells every leg why, once none of
+its writes is in flight (a leg that aborted it is told "stopped").
 
 :class:`PrefillSide` plays this part on a prefill rank; it reaches its connector
 through the :class:`~transport.connector.port.Port` alone.
@@ -27,7 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from transport.connector.graph import IS_TERMINAL, Phase
+from transport.connector.graph import IS_TERMINAL, LIVE, Phase
 from transport.connector.legs import (
     PrefillLeg,
     PrefillRequest,
@@ -38,6 +40,7 @@ from transport.connector.legs import (
 )
 from transport.connector.messages import Msg
 from transport.connector.port import Port
+from transport.digest import LegDigest, prefill_parts
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
 from transport.staging import Staging
@@ -59,7 +62,7 @@ class PrefillSide:
 
     RECEIVES: ClassVar[bool] = False  # prefill's memory is only read
     SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
-    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
 
     def __init__(self, port: Port) -> None:
         self.port = port
@@ -126,7 +129,7 @@ class PrefillSide:
         kind, peer = msg["kind"], int(msg["from"])
         if kind == Msg.abort:  # a decode rank gave up: stop writing, say so once drained
             reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
-            if msg.get("why") and p._phase(req) < Phase.Done:  # a live request: this is why
+            if msg.get("why") and p._phase(req) in LIVE:  # a live request: this is why
                 p.last_error = TopologyError(
                     f"room={req.room} on prefill rank {p.rank}: {msg['why']}"
                 )
@@ -143,7 +146,7 @@ class PrefillSide:
             elif IS_TERMINAL[p._phase(req)] or leg is None:
                 p._send(peer, {"kind": Msg.stopped, "room": req.room, "epoch": req.epoch}, store)
             return
-        if p._phase(req) >= Phase.Aborted:  # failed here already: the leg hears why
+        if p._phase(req) in (Phase.Aborted, Phase.Drained):  # failed here: the leg hears why
             if kind == Msg.register:
                 word = {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}
                 p._send(peer, {**word, "epoch": req.epoch}, store)
@@ -161,6 +164,7 @@ class PrefillSide:
                 )
                 return
             leg.registered, leg.inc = True, msg.get("inc")
+            leg.verify = bool(msg.get("digest", False))
             if all(x.registered for x in req.legs.values()):
                 p._fire(req, "handshake")
             for held in [h for h in req.held if int(h["from"]) == peer]:
@@ -181,6 +185,10 @@ class PrefillSide:
             leg.told = True
             if all(x.told for x in req.legs.values()):
                 p._fire(req, "metadata")
+        elif kind == Msg.verified and peer in req.legs:  # that leg's bytes matched
+            req.legs[peer].verified = True
+            if all(x.verified or not x.verify for x in req.legs.values()):
+                p._fire(req, "matched")
 
     def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
         """A decode rank's word about a room released here: nothing more is written."""
@@ -202,15 +210,27 @@ class PrefillSide:
             if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
                 self._issue(req, store)
             elif ph == Phase.RoomWritten and not req.tokens:
-                if p._fire(req, "complete"):  # (close() may have failed it meanwhile)
-                    for peer in req.legs:
-                        p._send(
-                            peer, {"kind": Msg.done, "room": req.room, "epoch": req.epoch}, store
-                        )
+                self._done(req, store)
             elif ph == Phase.Aborted and not req.tokens:
                 self.tell_legs(req, store)
                 p._fire(req, "drain")
         return False  # no engine notifies prefill: its writes are polled
+
+    def _done(self, req: PrefillRequest, store: Any) -> None:
+        """Every write landed: tell every leg "done", with the digest of its bytes
+        when this rank digests; wait for the verdict of the legs that asked."""
+        p, words = self.port, {}
+        for peer, leg in req.legs.items():
+            words[peer] = {"kind": Msg.done, "room": req.room, "epoch": req.epoch}
+            if p.config.digest:
+                info = p._peer_info(peer, store) or {"state_geom": []}
+                d = LegDigest.of(prefill_parts(p.views, p, req, leg, info))
+                p.stats["digest_bytes"] += d.nbytes
+                words[peer].update(d.to_msg())
+        asked = any(leg.verify for leg in req.legs.values())
+        if p._fire(req, "verify" if asked else "complete"):  # (close() may have failed it)
+            for peer, msg in words.items():
+                p._send(peer, msg, store)
 
     def tell_legs(self, req: PrefillRequest, store: Any) -> None:
         """Tell every leg why the request failed ("stopped" to one that asked), a
