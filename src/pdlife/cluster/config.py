@@ -18,6 +18,10 @@ from pdlife.args import SimConfigError, SimConfigTypeError
 from pdlife.cluster.plan import MODES, FaultPlan
 from pdlife.cluster.topology import HEAD_BYTES, topology_problem
 
+#: --recovery: the presets of lifecycle.rules.recovery.preset
+RECOVERY_MODES = ("fail", "retry", "recompute")
+MAX_ATTEMPTS = 1 << 15
+
 _BLOCK = 4096
 _M62 = (1 << 62) - 1  # rooms stay within int64 wherever a column holds them
 SIM_LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
@@ -122,6 +126,16 @@ class SimConfig:
     max_live: int = attrs.field(default=256, validator=_C.integer(1))
     #: seconds between RSS samples
     rss_every: float = attrs.field(default=1.0, validator=_SEC)
+    #: what a failed request leads to (lifecycle.rules.recovery.preset)
+    recovery: str = attrs.field(default="fail", validator=_C.text(RECOVERY_MODES))
+    #: attempts in all per request, with recovery "retry"
+    max_attempts: int = attrs.field(default=3, validator=_C.integer(1, MAX_ATTEMPTS))
+    #: per request: decode flips one byte of its committed KV (byte-moving backends)
+    corrupt_prob: float = attrs.field(
+        default=0.0, validator=_C.number(0.0, 1.0, above=False, noun="a probability")
+    )
+    #: the connector checks each leg's KV digest before Success (byte-moving backends)
+    digest: bool = attrs.field(default=False, validator=_C.flag())
 
     def __attrs_post_init__(self) -> None:
         check_combinations(self)
@@ -345,6 +359,8 @@ def check_combinations(cfg: SimConfig) -> None:
             f"in {limit / 2**30:.1f} GiB: they take {need / 2**30:.1f} GiB over {cfg.world} "
             "ranks; lower page_size, kv_heads, the TP sizes or staging_pages",
         )
+    if cfg.corrupt_prob and cfg.backend == "fake":
+        fail(cfg, "corrupt_prob", cfg.corrupt_prob, "0 with the fake backend (it moves no bytes)")
     try:
         cfg.plan.validate_against(cfg.world, 2**62 if cfg.soak else cfg.requests)
     except FaultPlanError as e:

@@ -50,6 +50,16 @@ def draw(seed: int, salt: int, rank: int, rooms: NDArray[np.uint64]) -> NDArray[
     return out
 
 
+def attempt_keys(rooms: NDArray[np.uint64], epoch: int) -> NDArray[np.uint64]:
+    """What an attempt's draws are keyed by: the room for the first attempt (as
+    before retries existed), the room mixed with a later epoch."""
+    if epoch == 0:
+        return rooms
+    with np.errstate(over="ignore"):
+        out: NDArray[np.uint64] = _mix(rooms ^ (_GOLDEN * np.uint64(epoch)))
+    return out
+
+
 @attrs.frozen
 class Decision:
     """One phase-keyed draw: ``rank`` fails (or, rank -1, the client aborts)
@@ -69,26 +79,30 @@ def phase_decisions(
     world: int,
     rooms: NDArray[np.uint64],
     serves: Callable[[int], NDArray[np.bool_]] | None = None,
+    epoch: int = 0,
 ) -> list[Decision]:
     """Every phase-keyed draw for ``rooms`` (each rank's fault, the client's abort),
     with each request's winner marked: the earliest phase; ties go to the abort,
     then to the lowest rank. ``serves(rank)``, if given, masks the rooms a rank
     sees at all (prefill DP groups each see their own): a rank draws no fault
-    for a request it never sees, so it cannot win one it could not fire."""
+    for a request it never sees, so it cannot win one it could not fire. A
+    retried request's later ``epoch`` draws anew (the client's abort was drawn
+    once, for its first attempt)."""
     rooms = np.asarray(rooms, np.uint64)
+    keys = attempt_keys(rooms, epoch)
     n = rooms.size
     big = len(PHASES) * (world + 2)
     best = np.full(n, big, np.int64)
     found: list[tuple[NDArray[np.int64], int, str, NDArray[np.int64]]] = []
-    if abort_prob > 0:
+    if abort_prob > 0 and epoch == 0:
         hit = np.flatnonzero(draw(abort_seed, 3, 0, rooms) < abort_prob)
         phase = (draw(abort_seed, 4, 0, rooms[hit]) * len(PHASES)).astype(np.int64)
         found.append((hit, -1, "abort", phase))
     if plan.prob > 0:
         for r in range(world) if plan.prob_ranks is None else plan.prob_ranks:
-            drawn = draw(plan.seed, 1, r, rooms) < plan.prob
+            drawn = draw(plan.seed, 1, r, keys) < plan.prob
             hit = np.flatnonzero(drawn if serves is None else drawn & serves(r))
-            phase = (draw(plan.seed, 2, r, rooms[hit]) * len(PHASES)).astype(np.int64)
+            phase = (draw(plan.seed, 2, r, keys[hit]) * len(PHASES)).astype(np.int64)
             found.append((hit, r, "fail", phase))
     for hit, r, _, phase in found:
         np.minimum.at(best, hit, phase * (world + 2) + r + 1)

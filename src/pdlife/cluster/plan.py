@@ -154,11 +154,12 @@ class RankFaults:
         aborts_here: bool,
         groups: Sequence[int] | None = None,
         rank_group: Any = None,
+        epoch: int = 0,
     ) -> None:
-        """Draw the phase-keyed decisions of new requests; keep those this rank
-        carries out (its own faults; the client's aborts if ``aborts_here``).
-        With prefill DP, ``groups`` holds each request's DP group and
-        ``rank_group(rank)`` a rank's (None: it sees every request)."""
+        """Draw the phase-keyed decisions of new requests (at attempt ``epoch``);
+        keep those this rank carries out (its own faults; the client's aborts if
+        ``aborts_here``). With prefill DP, ``groups`` holds each request's DP
+        group and ``rank_group(rank)`` a rank's (None: it sees every request)."""
         if self.mode != "phase" or not rooms or (self.plan.prob == 0 and self.abort_prob == 0):
             return
         serves = None
@@ -176,6 +177,7 @@ class RankFaults:
             self.world,
             np.asarray(rooms, np.uint64),
             serves,
+            epoch,
         ):
             if d.rank == self.rank or (d.rank == -1 and aborts_here):
                 self.decisions.append(d)

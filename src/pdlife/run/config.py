@@ -224,6 +224,10 @@ FLAGS = {
     "plan": "--plan",
     "fault_mode": "--fault-mode",
     "soak": "--soak",
+    "recovery": "--recovery",
+    "max_attempts": "--max-attempts",
+    "corrupt_prob": "--corrupt-prob",
+    "digest": "--digest",
 }
 
 
@@ -304,6 +308,10 @@ def _build(args: argparse.Namespace, plan: FaultPlan, backend: str) -> SimConfig
             plan=plan,
             fault_mode=args.fault_mode,
             soak=args.soak,
+            recovery=args.recovery,
+            max_attempts=args.max_attempts,
+            corrupt_prob=args.corrupt_prob,
+            digest=args.digest,
             **_topology(args),
         )
     except SimConfigError as e:

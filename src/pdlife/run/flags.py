@@ -98,6 +98,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--abort-prob", type=probability, default=0.02, help="client aborts per request")
     p.add_argument(
+        "--recovery",
+        choices=("fail", "retry", "recompute"),
+        default="fail",
+        help="what a failed request leads to (docs/recovery.md): fail; retry what a new "
+        "attempt can cure at the next epoch; recompute it locally on decode",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        default=3,
+        help="with --recovery retry: attempts in all per request",
+    )
+    p.add_argument(
+        "--corrupt-prob",
+        type=probability,
+        default=0.0,
+        help="per request: decode flips one byte of its committed KV before the check "
+        "(byte-moving backends); --digest catches it",
+    )
+    p.add_argument(
+        "--digest",
+        action="store_true",
+        help="the connector checks each leg's KV digest before Success",
+    )
+    p.add_argument(
         "--fault-mode",
         choices=MODES,
         default="phase",

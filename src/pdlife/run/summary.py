@@ -27,11 +27,13 @@ def _rss_growth(samples: list[list[float]], requests: int) -> float | None:
 
 def _end_to_end(
     rooms: list[int], by_group: dict[str, list[dict[str, Any]]]
-) -> dict[str, tuple[str, int]]:
-    """Per request: Failed if either side failed it (decode's reason first, as the
-    side the client sees), Success only once decode succeeded, else unfinished.
-    Prefill DP groups each saw their own requests: their outcomes are merged."""
-    final: dict[str, tuple[str, int]] = {}
+) -> dict[str, tuple[str, int, int]]:
+    """Per request, at its last attempt: Failed if either side failed it
+    (decode's reason first, as the side the client sees), Success only once
+    decode succeeded, Recomputed when decode prefills it locally, else
+    unfinished; and its attempts. Prefill DP groups each saw their own
+    requests: their outcomes are merged."""
+    final: dict[str, tuple[str, int, int]] = {}
     firsts: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
     for results in by_group.values():
         if results:
@@ -42,11 +44,14 @@ def _end_to_end(
             o for side in ("decode", "prefill") if (o := seen.get(side)) and o[0] == "Failed"
         ]
         dec = seen.get("decode")
-        if failed_on:
-            final[room] = ("Failed", failed_on[0][1])
+        attempts = 1 + (int(dec[3]) if dec and len(dec) > 3 else 0)
+        if dec and dec[0] == "Recomputed":  # prefilled on decode: prefill's attempt is moot
+            final[room] = ("Recomputed", dec[1], attempts)
+        elif failed_on:
+            final[room] = ("Failed", failed_on[0][1], attempts)
         elif dec and dec[0] == "Success":
             # delivered: decode holds the KV and the first token (prefill may have died since)
-            final[room] = ("Success", FailureReason.NONE)
+            final[room] = ("Success", FailureReason.NONE, attempts)
     return final
 
 
@@ -70,7 +75,7 @@ def summarize(
     rooms = Workload(cfg).all_rooms(requests)
     final = _end_to_end(rooms, by_group)
     failed = Counter(
-        FailureReason(reason).label for status, reason in final.values() if status == "Failed"
+        FailureReason(reason).label for status, reason, _ in final.values() if status == "Failed"
     )
     aborted = failed.pop("aborted", 0)
     latency = np.concatenate(
@@ -112,7 +117,8 @@ def summarize(
     rss = {str(r): res.get("rss_mb", []) for r, res in sorted(ranks.items())}
     summary: dict[str, Any] = {
         "requests": requests,
-        "succeeded": sum(1 for s, _ in final.values() if s == "Success"),
+        "succeeded": sum(1 for s, _, _ in final.values() if s == "Success"),
+        **recovery_counts(cfg, final, by_side, ranks),
         "failed": dict(sorted(failed.items())),
         "aborted": aborted,
         "disagreements": disagreements,
@@ -169,7 +175,8 @@ def summarize(
             for d in decisions
         ],
         "outcomes": {
-            room: [status, FailureReason(reason).label] for room, (status, reason) in final.items()
+            room: [status, FailureReason(reason).label, attempts]
+            for room, (status, reason, attempts) in final.items()
         },
         "unfired_faults": unfired,
         "problems": problems,
@@ -265,6 +272,7 @@ def print_table(s: dict[str, Any]) -> None:
         ),
         ("fault mode", s["fault_mode"]),
         ("faults fired", s["faults_fired"]),
+        *_recovery_rows(s),
         ("elapsed", f"{s['elapsed_s']} s"),
     ]
     if growth:
@@ -292,3 +300,53 @@ def print_table(s: dict[str, Any]) -> None:
     for v in s["invariant_violations"][:20]:
         print(f"  VIOLATION: {v}")
     print("  result: " + ("OK" if s["ok"] else "FAILED"))
+
+
+def recovery_counts(
+    cfg: SimConfig,
+    final: dict[str, tuple[str, int, int]],
+    by_side: dict[str, list[dict[str, Any]]],
+    ranks: dict[int, dict[str, Any]],
+) -> dict[str, Any]:
+    """What recovery did (docs/recovery.md): attempts per request, retries,
+    recomputes, words of older attempts refused, and the corruptions injected,
+    caught by the digest and delivered unseen."""
+    first = by_side["decode"][0] if by_side["decode"] else {}
+
+    def stat(side: str, key: str) -> int:
+        return sum(int(r.get("transport_stats", {}).get(key, 0)) for r in by_side[side])
+
+    attempts = Counter(a for _, _, a in final.values())
+    return {
+        "recovery": cfg.recovery,
+        "attempts": {str(k): attempts[k] for k in sorted(attempts)},
+        "retries": int(first.get("retried", 0)),
+        "recomputed": int(first.get("recomputed", 0)),
+        "recompute_steps": int(first.get("recompute_steps", 0)),
+        "stale_refused": stat("prefill", "stale_epoch") + stat("decode", "stale_epoch"),
+        "corruptions": {
+            "injected": sum(int(r.get("corrupted", 0)) for r in by_side["decode"]),
+            "detected": stat("decode", "digest_mismatches"),
+            "unseen": sum(int(r.get("corrupt_unseen", 0)) for r in ranks.values()),
+            "digest": cfg.digest,
+        },
+    }
+
+
+def _recovery_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The recovery lines of the table, when anything recovered or was corrupted."""
+    rows: list[tuple[str, Any]] = []
+    if s.get("recovery", "fail") != "fail":
+        att = ", ".join(f"{k}: {v}" for k, v in s.get("attempts", {}).items())
+        rows += [
+            ("recovery", s["recovery"]),
+            ("attempts (requests)", att or "0"),
+            ("retries", s.get("retries", 0)),
+            ("recomputed", s.get("recomputed", 0)),
+            ("stale words refused", s.get("stale_refused", 0)),
+        ]
+    c = s.get("corruptions", {})
+    if c.get("injected"):
+        seen = f"{c['detected']} detected" if c.get("digest") else "digest off"
+        rows.append(("corruptions", f"{c['injected']} injected, {seen}, {c['unseen']} unseen"))
+    return rows

@@ -36,6 +36,7 @@ def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) 
         # or an engine write that never finished) is released after this: within
         # a run's step budget, and well past a loopback write's time in flight
         drain_timeout=DRAIN_TIMEOUT_S,
+        digest=cfg.digest,
     )
 
 

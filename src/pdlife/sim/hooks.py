@@ -19,6 +19,7 @@ from lifecycle.errors import PartialPollError
 from lifecycle.protocols import StepContext
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
+from lifecycle.rules.recovery import preset
 from lifecycle.status import S, T
 from lifecycle.table import RequestTable
 from pdlife.cluster.config import SimConfig
@@ -185,6 +186,7 @@ class SimQueue:
                 waiting_timeout=float(cfg.waiting_timeout) if fake else cfg.waiting_timeout_s,
                 stuck_after=cfg.stuck_after,
                 initial_capacity=cfg.capacity,
+                recovery=preset(cfg.recovery, cfg.max_attempts),
             ),
             clock=clock,
         )

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from lifecycle.result import StepResult
+from lifecycle.result import Retry, StepResult
 from lifecycle.status import B, F, KVPoll, Role, S, T, W
 from pdlife.cluster.config import SimConfig
 from pdlife.cluster.plan import RankFaults
@@ -27,6 +27,16 @@ def _rows(res: StepResult) -> Any:
     return zip(
         res.rooms.tolist(), res.statuses.tolist(), res.reasons.tolist(), res.origins.tolist()
     )
+
+
+def _then(res: StepResult) -> dict[int, Retry | str]:
+    """What the recovery table decided for each request that failed in ``res``
+    (decided from agreed reasons and epochs: the same on every rank)."""
+    if not res.failed.size:
+        return {}
+    out: dict[int, Retry | str] = {r.room: r for r in res.retries()}
+    out.update((room, "recompute") for room in res.recomputed.tolist())
+    return out
 
 
 @attrs.frozen
@@ -93,7 +103,7 @@ class PrefillLoop(_Loop):
                 h.init(ledger.need[room], slot)
                 self.sent[room] = 0
                 q1.table.remove(room)
-                q2.table.add(room, state=W, handle=h, handle_index=h.index)
+                q2.table.add(room, state=W, handle=h, handle_index=h.index, epoch=h.epoch)
             elif st == F:
                 q1.table.remove(room)
                 self.requests.finish(room, st, reason, origin)
@@ -150,12 +160,13 @@ class DecodeLoop(_Loop):
         q1, q2, ledger, buffers = self.queues.q1, self.queues.q2, self.ledger, self.buffers
         cfg, stats = self.cfg, self.stats
         r1 = self.steps.step(q1)
+        then = _then(r1)
         for room, st, reason, origin in _rows(r1):
             if st == F:
                 q1.table.remove(room)
                 if room in self.ready:
                     self.ready.remove(room)
-                self.requests.finish(room, st, reason, origin)
+                self.requests.finish(room, st, reason, origin, then.get(room))
             elif st == W and room not in self.ready:
                 self.ready.append(room)
             elif st in (T, S):
@@ -202,9 +213,11 @@ class DecodeLoop(_Loop):
                 handle=h,
                 handle_index=h.index,
                 metadata_slot=slot,
+                epoch=h.epoch,
             )
             q2.table.mark_metadata_sent(room, self.clock())
         r2 = self.steps.step(q2)
+        then = _then(r2)
         for room, st, reason, origin in _rows(r2):
             if st == S:
                 self.check(room)
@@ -213,7 +226,7 @@ class DecodeLoop(_Loop):
                 self.requests.finish(room, st, reason, origin)
             elif st == F:
                 q2.table.remove(room)
-                self.requests.finish(room, st, reason, origin)
+                self.requests.finish(room, st, reason, origin, then.get(room))
         return [r1, r2]
 
     def check(self, room: int) -> None:
@@ -231,6 +244,10 @@ class DecodeLoop(_Loop):
         problem, checked = self.buffers.verify(
             room, pages, slot, self.ledger.state_row_of.get(room)
         )
+        epoch = getattr(self.ledger.handles[room], "epoch", 0)
+        if problem is not None and (room, epoch) in self.requests.corrupted:
+            self.stats.corrupt_unseen += 1  # --corrupt-prob's flip, past a check that is off
+            return
         if problem is not None:
             self.violation(
                 f"room {room} on decode rank {self.rank}: {problem} "
@@ -252,11 +269,13 @@ class DecodeLoop(_Loop):
         for room in res.succeeded.tolist():
             q3.table.remove(room)
             self.ledger.drained(room)
+            self.requests.drained(room)
         for room in res.failed.tolist():
             q3.table.remove(room)
             self.stats.drain_failed += 1
             self.trace.event(kind="drain_failed", step=self.clock.step, room=room)
             self.ledger.drained(room)
+            self.requests.drained(room)
         if self.metrics is not None:
             self.metrics.fenced.set(self.ledger.fenced_pages(self.drain_poller.settled))
         return res

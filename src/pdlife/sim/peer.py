@@ -1,4 +1,6 @@
-"""The fake backend's word to the other side, in the simulator.
+"""The words between the two sides that no transport carries, in the simulator:
+the fake backend's failures, and the client's router handing a retried
+request to prefill.
 
 A byte-moving backend tells the other side why a request failed (its
 connector's messages). The fake backend moves nothing and has no link, so
@@ -9,6 +11,12 @@ of the other side that serves the request; each rank drains its queue at the
 start of every step and fails the request with that reason (a room it has
 not admitted yet is failed on admission). Each rank of a side may hear at a
 different step; the step's reduce makes them agree, as with a real backend.
+A notice names the attempt (epoch) it is about: one about another attempt of
+the room than the live one is never applied to it.
+
+:class:`Router` stands for the client's router when the recovery table
+retries a request: decode decides (it holds the agreed reason), and its
+first rank hands the next attempt to a prefill DP group through the store.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from lifecycle.reasons import FailureReason
 from pdlife.cluster.config import SimConfig
 from pdlife.cluster.topology import Place
 
-__all__ = ["PeerWord"]
+__all__ = ["PeerWord", "Router"]
 
 _MOST = 4096  # notices taken per step (the rest wait for the next)
 _EARLY = 100_000  # notices held for rooms not admitted yet (the oldest go first)
@@ -41,11 +49,12 @@ class PeerWord:
         self.store = store
         self.silent = silent
         self.told: dict[int, int] = {}  # room -> reason the other side gave
-        self.early: dict[int, int] = {}  # the same, for rooms not admitted yet
+        self.early: dict[int, tuple[int, int]] = {}  # room -> (epoch, reason), not admitted yet
         self.group: dict[int, int] = {}  # decode: room -> its prefill DP group
 
-    def tell(self, room: int, reason: int) -> None:
-        """``room`` failed here, for ``reason``: tell the other side (fake backend)."""
+    def tell(self, room: int, reason: int, epoch: int = 0) -> None:
+        """``room``'s attempt ``epoch`` failed here, for ``reason``: tell the other
+        side (fake backend)."""
         if self.silent or self.where.tp_rank != 0 or self.told.pop(room, None) is not None:
             return  # a real backend tells it; another rank of the side does; it told us
         cfg = self.cfg
@@ -54,7 +63,7 @@ class PeerWord:
         else:
             g = self.group.get(room, 0)
             targets = range(g * cfg.prefill, (g + 1) * cfg.prefill)
-        word = f"{room} {int(reason)}".encode()
+        word = f"{room} {int(reason)} {epoch}".encode()
         for r in targets:
             self.store.queue_push(_key(r), word)
 
@@ -65,12 +74,15 @@ class PeerWord:
             return
         key = _key(self.rank)
         for _ in range(min(int(self.store.queue_len(key)), _MOST)):
-            room, reason = (int(x) for x in bytes(self.store.queue_pop(key)).split())
+            room, reason, epoch = (int(x) for x in bytes(self.store.queue_pop(key)).split())
             h = handles.get(room)
-            if h is None:  # not admitted here yet (or failed here too, and finished)
+            live = -1 if h is None else getattr(h, "epoch", 0)
+            if epoch < live:
+                continue  # about an older attempt than the live one: never applied
+            if h is None or epoch > live:  # its attempt not admitted here yet
                 if len(self.early) >= _EARLY:
                     self.early.pop(next(iter(self.early)))
-                self.early[room] = reason
+                self.early[room] = (epoch, reason)
                 continue
             self.told[room] = reason
             h.fail(FailureReason(reason))
@@ -79,7 +91,62 @@ class PeerWord:
         """A room the other side failed before this rank admitted it fails now."""
         if not self.early:
             return
-        reason = self.early.pop(room, None)
-        if reason is not None:
-            self.told[room] = reason
-            h.fail(FailureReason(reason))
+        got = self.early.get(room)
+        if got is None or got[0] < getattr(h, "epoch", 0):
+            return
+        if got[0] == getattr(h, "epoch", 0):
+            del self.early[room]
+            self.told[room] = got[1]
+            h.fail(FailureReason(got[1]))
+
+
+class Router:
+    """The client's router, for retried requests: decode's first rank hands
+    each next attempt (room, epoch, prefill DP group, pages) to prefill
+    through the store, in order; prefill's ranks agree every step how many
+    they have seen (the side's first rank speaks for it, :meth:`words`) and
+    take them in that order. Decode's first rank also says when decode is
+    done: prefill serves retries until then."""
+
+    def __init__(self, store: Any, side: str, on: bool) -> None:
+        self.store = store
+        self.side = side
+        self.on = on
+        self.sent = 0  # decode's first rank: attempts handed over
+        self.agreed = 0  # prefill: attempts the side agreed it has seen
+        self.taken = 0  # prefill: attempts taken into its queue
+        self.closed = not on or side != "prefill"  # prefill: decode said it is done
+
+    def dispatch(self, room: int, epoch: int, group: int, pages: int) -> None:
+        """Decode's first rank: hand attempt ``epoch`` of ``room`` to prefill ``group``."""
+        self.store.set(f"router/{self.sent}", f"{room} {epoch} {group} {pages}")
+        self.sent += 1
+        self.store.set("router/count", str(self.sent))
+
+    def close(self) -> None:
+        """Decode's first rank: decode is done; no attempt comes any more."""
+        if self.on:
+            self.store.set("router/closed", "1")
+
+    def words(self, leads: bool) -> tuple[int, int]:
+        """What this rank saw (prefill's first rank; 0s elsewhere): attempts
+        handed over, and whether decode is done."""
+        if not (self.on and leads and self.side == "prefill"):
+            return 0, 0
+        count = int(self.store.get("router/count")) if self.store.check(["router/count"]) else 0
+        return count, int(self.store.check(["router/closed"]))
+
+    def agree(self, count: int, closed: int) -> None:
+        """The side's agreed view (its first rank's words)."""
+        self.agreed = max(self.agreed, count)
+        self.closed = self.closed or bool(closed)
+
+    def take(self) -> list[tuple[int, int, int, int]]:
+        """Prefill: the attempts agreed and not taken yet, in order."""
+        out = []
+        for i in range(self.taken, self.agreed):
+            word = bytes(self.store.get(f"router/{i}")).decode().split()
+            room, epoch, group, pages = (int(x) for x in word)
+            out.append((room, epoch, group, pages))
+        self.taken = self.agreed
+        return out

@@ -34,7 +34,7 @@ from pdlife.sim.hooks import DrainPoller, Queues, QueueSteps, StepClock
 from pdlife.sim.kv_bytes import RankBytes
 from pdlife.sim.ledger import Ledger
 from pdlife.sim.loops import DecodeLoop, LoopParts, PrefillLoop
-from pdlife.sim.peer import PeerWord
+from pdlife.sim.peer import PeerWord, Router
 from pdlife.sim.report import (
     close_backend,
     fault_report,
@@ -112,6 +112,7 @@ class RankRun:
         )
         # the fake backend's word between the sides (pdlife.sim.peer)
         self.peer = PeerWord(cfg, rank, self.place, store, silent=self.moves_bytes)
+        self.router = Router(store, self.side, on=cfg.recovery == "retry")
         self.soak = (
             Soak(cfg.soak, rank, self.place, store, self.work.arrival_rate) if cfg.soak else None
         )
@@ -126,6 +127,7 @@ class RankRun:
             self.queues,
             self.peer,
             out / "ranks" / f"rank{rank}.outcomes.jsonl",
+            self.router,
         )
         self.stats = RankStats(cfg.rss_every)
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
@@ -156,6 +158,11 @@ class RankRun:
             else DecodeLoop(parts, rank, self.faults, self.drain_poller, self.trace, self.metrics)
         )
 
+    @property
+    def leads(self) -> bool:
+        """Whether this is its side's first rank (it speaks for the side)."""
+        return self.rank in (0, self.cfg.prefill_ranks)
+
     def total(self) -> int | None:
         """The requests of the whole run (None: a soak not yet ended)."""
         return self.work.limit if self.soak is None else self.soak.limit
@@ -169,8 +176,10 @@ class RankRun:
         parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
         h = fingerprint(np.concatenate(parts).astype(np.uint64)) & (2**62 - 1) if parts else 0
         extra = (0, 0) if self.soak is None else self.soak.words(self.stats.elapsed())
-        mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done), *extra], dtype=np.int32)
+        routed = self.router.words(self.leads)
+        mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done), *extra, *routed], dtype=np.int32)
         got = self.coll.all_gather(mine)
+        self.router.agree(int(got[0, 5]), int(got[0, 6]))
         if not (got[:, :2] == got[0, :2]).all():
             self.stats.disagreements += 1
         if self.soak is not None:
@@ -183,7 +192,7 @@ class RankRun:
         stats.sample_rss(requests.finished, force=True)
         error = None
         all_done = False
-        leads = self.rank in (0, self.cfg.prefill_ranks)  # the side's first rank
+        leads = self.leads
         try:
             while clock.step < self.cfg.max_steps:
                 clock.step += 1
@@ -198,6 +207,7 @@ class RankRun:
                     pause_process(paused)
                 self.store.set(f"hb/{self.rank}", str(step))
                 requests.arrive(step, None if self.soak is None else self.soak.upto(step))
+                requests.retries()
                 requests.client_aborts(step)
                 self.peer.hear(self.ledger.handles)
                 results = self.loop.iteration()
@@ -205,8 +215,10 @@ class RankRun:
                 done = (
                     total is not None
                     and requests.admitted >= total
-                    and requests.finished == requests.serves(total)
+                    # prefill: every attempt it was handed; decode: every request's last
+                    and requests.finished == (requests.serves(total) or 0) + self._attempts_after()
                     and self.drain_poller.settled.issuperset(self.ledger.draining)
+                    and self.router.closed  # prefill serves retries until decode is done
                 )
                 all_done = self._agree_digest(results, done)
                 if not all_done and self.moves_bytes and not any(r.changed.size for r in results):
@@ -221,12 +233,21 @@ class RankRun:
                 if all_done:
                     if leads:
                         self.store.set(f"progress/{self.side}", str(requests.finished))
+                        if self.side == "decode":
+                            self.router.close()
                     break
         except RankFailure as e:
             error = who_died(self.store, self.rank, self.place, clock.step, e)
         except LifecycleError as e:
             stats.violations.append(f"step {clock.step}: {type(e).__name__}: {e}")
         return self.report(error, all_done)
+
+    def _attempts_after(self) -> int:
+        """Prefill: the attempts after a request's first it admitted (each finishes
+        once more); decode counts a request once, at its last attempt."""
+        if self.side == "prefill":
+            return self.requests.readmitted + len(self.requests.handed)
+        return 0
 
     def report(self, error: str | None, all_done: bool) -> dict[str, Any]:
         """Close the rank's files and backend; its outcomes, problems and samples."""
@@ -243,7 +264,7 @@ class RankRun:
         # a soak that never agreed on its end: what it admitted so far
         seen = requests.serves(requests.admitted) if serves is None else serves
         assert seen is not None
-        unfinished = seen - requests.finished
+        unfinished = seen + self._attempts_after() - requests.finished
         problems: list[str] = []
         if error is None and not all_done and not stats.violations:
             problems.append(
@@ -272,6 +293,12 @@ class RankRun:
             **self.ledger.report(settled),
             "drain_failed": stats.drain_failed,
             "bytes_checked": stats.bytes_checked,
+            "retried": requests.retried,
+            "readmitted": requests.readmitted,
+            "recomputed": requests.recomputed,
+            "recompute_steps": requests.recompute_steps,
+            "corrupted": len(requests.corrupted),
+            "corrupt_unseen": stats.corrupt_unseen,
             "bytes_asked": stats.bytes_asked,
             "bytes_due": stats.bytes_due,
             "staged": stats.staged,

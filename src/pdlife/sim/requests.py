@@ -1,7 +1,9 @@
 """A simulated rank's requests from admission to release: arrivals, the client's
 aborts, and finishing with an outcome (recorded, told to the other side),
 its buffers given back or, for a failed decode request, quarantined until
-every rank agrees its peer has stopped writing."""
+every rank agrees its peer has stopped writing. A request the recovery table
+retries starts its next attempt (epoch) once the failed one has drained:
+decode re-admits it and the router hands it to a prefill DP group."""
 
 from __future__ import annotations
 
@@ -10,15 +12,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lifecycle.reasons import FailureReason
+from lifecycle.result import Retry
+from lifecycle.rules.recovery import Where
 from lifecycle.status import KVPoll, Role, S, T
 from pdlife.cluster.config import SimConfig, Workload
 from pdlife.cluster.faults import dp_group_of
+from pdlife.cluster.phase_draws import attempt_keys, draw
 from pdlife.cluster.plan import RankFaults
 from pdlife.cluster.topology import Place
 from pdlife.sim.hooks import Queues
 from pdlife.sim.ledger import Ledger
-from pdlife.sim.peer import PeerWord
+from pdlife.sim.peer import PeerWord, Router
 
 __all__ = ["Requests"]
 
@@ -39,6 +46,7 @@ class Requests:
         queues: Queues,
         peer: PeerWord,
         outcomes: Path,
+        router: Router,
     ) -> None:
         self.cfg = cfg
         self.where = where
@@ -51,6 +59,19 @@ class Requests:
         self.abort_due: dict[int, list[int]] = {}  # step -> rooms (step mode)
         self.admitted = 0
         self.finished = 0
+        self.router = router
+        self.retried = 0  # attempts the recovery table sent round again (decode)
+        self.readmitted = 0  # attempts after a request's first, admitted here
+        self.recomputed = 0  # requests handed back to be prefilled locally (decode)
+        self.recompute_steps = 0  # the local prefills' cost, in scheduler steps
+        #: decode: room -> (its next epoch, prefill DP group, pages), once drained
+        self.next_attempt: dict[int, tuple[int, int, int]] = {}
+        #: prefill: attempts the router handed to this group, not admitted yet
+        self.handed: list[tuple[int, int, int]] = []
+        #: prefill: rooms handed a later attempt before their first arrived here
+        #: (decode failed the first at once): the first is never admitted
+        self.ahead: set[int] = set()
+        self.corrupted: set[tuple[int, int]] = set()  # (room, epoch) this rank corrupts
         self.outcomes_path = outcomes
         self._outcomes = outcomes.open("w")
 
@@ -62,24 +83,19 @@ class Requests:
         new = self.work.arriving(step, self.admitted, cfg.max_live - len(ledger.handles), upto)
         if not new:
             return
-        role = Role.SENDER if prefill else Role.RECEIVER
         rooms, groups = [], []
         dp = cfg.prefill_dp
         for i in new:
             if prefill and i % dp != self.where.dp_rank:
                 continue  # another prefill DP group serves it
             room, pages, abort_at = self.work.request(i)
-            if prefill:
-                h = self.manager.sender(room)
-            else:
-                h = self.manager.receiver(room)
-                h.init(prefill_dp_rank=i % dp)
-                self.peer.group[room] = i % dp
-            ledger.admit(room, h, pages)
-            self.peer.on_admit(room, h)
+            if room in self.ahead:  # its next attempt came first: this one is over
+                self.ahead.discard(room)
+                self.finished += 1
+                continue
+            self._start(room, 0, i % dp, pages)
             if abort_at:
                 self.abort_due.setdefault(abort_at, []).append(room)
-            self.queues.q1.table.add(room, role=role, handle=h, handle_index=h.index)
             rooms.append(room)
             groups.append(i % dp)
         self.admitted = new.stop
@@ -91,21 +107,103 @@ class Requests:
             rank_group=partial(dp_group_of, cfg),
         )
 
+    def _start(self, room: int, epoch: int, group: int, pages: int) -> None:
+        """Attempt ``epoch`` of ``room``: its handle, holdings and first queue row."""
+        prefill = self.where.side == "prefill"
+        if prefill:
+            h = self.manager.sender(room, epoch)
+        else:
+            h = self.manager.receiver(room, epoch)
+            h.init(prefill_dp_rank=group)
+            self.peer.group[room] = group
+            self._corrupt(room, epoch)
+        self.ledger.admit(room, h, pages)
+        self.peer.on_admit(room, h)
+        role = Role.SENDER if prefill else Role.RECEIVER
+        self.queues.q1.table.add(room, role=role, handle=h, handle_index=h.index, epoch=epoch)
+
+    def _corrupt(self, room: int, epoch: int) -> None:
+        """--corrupt-prob: decode's first rank flips a byte of this attempt's KV."""
+        p = self.cfg.corrupt_prob
+        if not p or self.where.tp_rank != 0:
+            return
+        key = attempt_keys(np.array([room], np.uint64), epoch)
+        if draw(self.cfg.seed, 7, 0, key)[0] < p:
+            self.manager.corrupt(room)
+            self.corrupted.add((room, epoch))
+
+    def retries(self) -> None:
+        """The attempts the router handed to this prefill group, each admitted
+        once its room's last attempt has finished here (decode: nothing)."""
+        if self.where.side != "prefill" or not self.router.on:
+            return
+        for room, epoch, group, pages in self.router.take():
+            if group == self.where.dp_rank:
+                self.handed.append((room, epoch, pages))
+                first = Workload.index_of(self.cfg.seed, room)
+                if (
+                    first is not None
+                    and first >= self.admitted
+                    and first % self.cfg.prefill_dp == group
+                ):
+                    self.ahead.add(room)
+        waiting = []
+        for room, epoch, pages in self.handed:
+            if room in self.ledger.handles:
+                waiting.append((room, epoch, pages))
+                continue
+            self._start(room, epoch, self.where.dp_rank, pages)
+            self.readmitted += 1
+            self.faults.admit([room], aborts_here=False, epoch=epoch)
+        self.handed = waiting
+
+    def drained(self, room: int) -> None:
+        """Decode: a failed attempt's buffers are free again; a retried request
+        starts its next attempt now (and the router hands it to prefill)."""
+        nxt = self.next_attempt.pop(room, None)
+        if nxt is None:
+            return
+        epoch, group, pages = nxt
+        self._start(room, epoch, group, pages)
+        self.readmitted += 1
+        self.faults.admit([room], aborts_here=False, epoch=epoch)
+        if self.where.tp_rank == 0:
+            self.router.dispatch(room, epoch, group, pages)
+
     def client_aborts(self, step: int) -> None:
         """The client's aborts due at ``step`` (step mode)."""
         for room in self.abort_due.pop(step, ()):
             self.queues.client_abort(room)
 
-    def finish(self, room: int, status: int, reason: int, origin: int) -> None:
+    def finish(
+        self, room: int, status: int, reason: int, origin: int, then: Retry | str | None = None
+    ) -> None:
         """Record a request's outcome and give back its buffers, or quarantine them
-        (a failed decode request) until the ranks agree its peer has drained."""
-        self._outcomes.write(f'[{room},"{KVPoll(status).name}",{reason},{origin}]\n')
-        self.finished += 1
+        (a failed decode request) until the ranks agree its peer has drained.
+        ``then`` (decode): the recovery table's word for a failure, a Retry, or
+        "recompute" (the request is prefilled locally)."""
+        h = self.ledger.handles[room]
+        epoch = getattr(h, "epoch", 0)
+        name = KVPoll(status).name
+        if isinstance(then, Retry):
+            name = "Retried"
+        elif then == "recompute":
+            name, self.recomputed = "Recomputed", self.recomputed + 1
+            steps = -(-self.ledger.need[room] // self.cfg.chunk_pages)
+            self.recompute_steps += steps  # its pages, a chunk per step, as prefill sends them
+        self._outcomes.write(f'[{room},"{name}",{reason},{origin},{epoch}]\n')
+        if isinstance(then, Retry):
+            self.retried += 1
+            g = self.peer.group.get(room, 0)
+            dp = self.cfg.prefill_dp
+            group = (g + 1) % dp if then.where is Where.ANOTHER else g
+            self.next_attempt[room] = (then.epoch, group, self.ledger.need[room])
+        else:
+            self.finished += 1
         self.faults.forget(room)
         held = self.ledger.end(room)
-        h = held[0]
         if status != S:
-            self.peer.tell(room, reason)
+            self.peer.tell(room, reason, epoch)
         self.peer.group.pop(room, None)
         if status == S or self.where.side == "prefill":
             # success: every write has landed. prefill: its buffers are only read from

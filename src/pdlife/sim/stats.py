@@ -49,6 +49,7 @@ class RankStats:
         self.stuck_reports = 0
         self.drain_failed = 0
         self.bytes_checked = 0
+        self.corrupt_unseen = 0  # decode: flipped bytes a Success carried (no digest)
         # decode: bytes asked of prefill (uncached pages of this rank's heads, the
         # state and metadata rows), in all and for the requests that succeeded, to
         # hold prefill's bytes_written against

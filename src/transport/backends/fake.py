@@ -122,17 +122,22 @@ class FakeManager(StatusArrays):
                 hit = indices[mask & (self.status[indices] != _F)]
                 self.status[hit], self.reason[hit] = _F, int(reason)
 
-    def sender(self, room: int) -> FakeSender:
-        return FakeSender(self, room)
+    def sender(self, room: int, epoch: int = 0) -> FakeSender:
+        """A prefill handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""
+        return FakeSender(self, room, epoch)
 
-    def receiver(self, room: int) -> FakeReceiver:
-        return FakeReceiver(self, room)
+    def receiver(self, room: int, epoch: int = 0) -> FakeReceiver:
+        """A decode handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""
+        return FakeReceiver(self, room, epoch)
 
 
 class _FakeRequest(StatusHandle):
-    def __init__(self, manager: FakeManager, room: int, initial: KVPoll) -> None:
+    def __init__(self, manager: FakeManager, room: int, initial: KVPoll, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 16:
+            raise ConfigError("epoch", epoch, "an int in 0..65535 (the request's attempt)")
         super().__init__(manager, room, manager.take(initial))
         self.manager = manager
+        self.epoch = epoch
         manager.born[self.index] = manager.waited[self.index] = manager.config.clock()
 
     def _move(self, status: KVPoll, reason: FailureReason = FailureReason.NONE) -> None:
@@ -159,8 +164,8 @@ class _FakeRequest(StatusHandle):
 
 
 class FakeSender(_FakeRequest):
-    def __init__(self, manager: FakeManager, room: int) -> None:
-        super().__init__(manager, room, KVPoll.WaitingForInput)
+    def __init__(self, manager: FakeManager, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, room, KVPoll.WaitingForInput, epoch)
 
     def init(self, num_pages: int, metadata_slot: int | None = None) -> None:
         if num_pages < 0:
@@ -181,8 +186,8 @@ class FakeSender(_FakeRequest):
 
 
 class FakeReceiver(_FakeRequest):
-    def __init__(self, manager: FakeManager, room: int) -> None:
-        super().__init__(manager, room, KVPoll.Bootstrapping)
+    def __init__(self, manager: FakeManager, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, room, KVPoll.Bootstrapping, epoch)
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         self._move(KVPoll.WaitingForInput)
