@@ -68,9 +68,9 @@ def check_against_plan(s):
     assert len(s["outcomes"]) == s["requests"] == 200
     winners = {str(d["room"]): d for d in s["fault_decisions"] if d["wins"]}
     want = {
-        room: ["Success", "none"]
+        room: ["Success", "none", 1]  # (one attempt: no recovery)
         if room not in winners
-        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault"]
+        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault", 1]
         for room in s["outcomes"]
     }
     assert s["outcomes"] == want

@@ -156,9 +156,9 @@ def test_prefill_dp_groups_fail_exactly_the_requests_drawn_for_them(run_sim):
     # see it (a draw of a rank that never sees the request must not win it)
     assert {str(d["room"]) for d in s["fault_decisions"]} == set(winners)
     want = {
-        room: ["Success", "none"]
+        room: ["Success", "none", 1]  # (one attempt: no recovery)
         if room not in winners
-        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault"]
+        else ["Failed", "aborted" if winners[room]["kind"] == "abort" else "injected fault", 1]
         for room in s["outcomes"]
     }
     assert len(s["outcomes"]) == 300 and s["outcomes"] == want
@@ -183,7 +183,7 @@ def test_a_metadata_fault_is_carried_by_the_decode_ranks_primary(run_sim, backen
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["unfired_faults"] == [] and s["faults_fired"] == 1
     room = str(Workload(SimConfig(seed=0)).all_rooms(24)[7])
-    assert s["outcomes"][room] == ["Failed", "metadata corrupt"]
+    assert s["outcomes"][room] == ["Failed", "metadata corrupt", 1]
     assert s["failed"] == {"metadata corrupt": 1} and s["succeeded"] == 23
     assert s["invariant_violations"] == [] and s["disagreements"] == 0
 
@@ -203,7 +203,7 @@ def test_under_prefill_dp_a_metadata_fault_is_reported_by_the_group_serving_it(
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["unfired_faults"] == [] and s["faults_fired"] == 1 and s["problems"] == []
     room = str(Workload(SimConfig(seed=0)).all_rooms(24)[7])
-    assert s["outcomes"][room] == ["Failed", "metadata corrupt"]
+    assert s["outcomes"][room] == ["Failed", "metadata corrupt", 1]
     assert s["failed"] == {"metadata corrupt": 1} and s["succeeded"] == 23
 
 

@@ -109,8 +109,13 @@ class PrefillLoop(_Loop):
                 self.requests.finish(room, st, reason, origin)
             elif st in (T, S):
                 self.violation(f"room {room} {KVPoll(st).name} in bootstrap queue")
-        # the forward pass: send the next chunk of every in-flight request
+        # the forward pass: send the next chunk of every in-flight request; one
+        # this rank is to fail (a phase-keyed fault) goes no further until it has:
+        # its data must not complete on decode before the fault fires here
+        pending = self.requests.faults.pending_fail
         for room in q2.table.rooms().tolist():
+            if room in pending:
+                continue
             total = ledger.need[room]
             k = min(self.cfg.chunk_pages, total - self.sent[room])
             if k > 0:
