@@ -70,3 +70,17 @@ def test_corruption_in_flight_is_caught_by_the_digest_or_counted_unseen(run_sim,
         assert c["detected"] == 0 and c["unseen"] == c["injected"]
     ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
     assert sum(r["corrupted"] for r in ranks) == c["injected"]
+
+
+def test_a_prefill_outage_heals_and_every_request_succeeds(run_sim, backend):
+    """Prefill rank 0 stops for 3 s (--peer-outage): decode declares it dead and
+    the requests in flight fail (peer dead). Their retries wait while the
+    group's health is open, then one probe goes through; once it succeeds the
+    rest follow, and every request ends Success at its second attempt."""
+    args = ("--requests", "300", "--abort-prob", "0", "--peer-outage", "0:10:3")
+    _, s, _ = run_sim(backend, "outage", *args, "--recovery", "retry")
+    assert s["ok"], s["problems"] + s["invariant_violations"]
+    assert s["succeeded"] == s["requests"] and s["failed"] == {}
+    assert s["attempts"].get("2", 0) > 0  # the outage failed requests in flight
+    assert set(s["attempts"]) <= {"1", "2"}  # no retry was spent while the group was open
+    assert s["peer_health"] == {"0": "healthy"} and s["peer_health_agreed"]

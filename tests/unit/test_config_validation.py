@@ -241,6 +241,10 @@ SIM_BAD = {
     "soak": secs(none=True),
     "max_live": ints(1),
     "rss_every": secs(),
+    "recovery": text(extra=[("sometimes", False), ("Retry", False)]),
+    "max_attempts": ints(1, 1 << 15),
+    "corrupt_prob": [(True, True), ("0.1", True), (NAN, False), (-0.1, False), (1.5, False)],
+    "digest": FLAG,
 }
 SIM_MISFITS = [
     (dict(prefill=40, decode=30), "prefill"),
@@ -408,6 +412,11 @@ SIMULATE_BAD = {
     "fail_prob": [["--fail-prob", "1.5"], ["--fail-prob", "nan"], ["--fail-prob", "inf"]],
     "abort_prob": [["--abort-prob", "-0.1"], ["--abort-prob", "x"]],
     "fault_mode": [["--fault-mode", "sometimes"]],
+    "recovery": [["--recovery", "sometimes"]],
+    "max_attempts": [["--max-attempts", "0"], ["--max-attempts", "x"], ["--max-attempts", str(1 << 16)]],
+    "corrupt_prob": [["--corrupt-prob", "1.5"], ["--corrupt-prob", "nan"], ["--corrupt-prob", "0.1", "--backend", "fake"]],
+    "digest": [["--digest=yes"]],
+    "peer_outage": [["--peer-outage", "0:5"], ["--peer-outage", "3:5:2"], ["--peer-outage", "0:5:9999"], ["--peer-outage", "0:5:2", "--pause-rank", "1"]],
     "plan": [["--plan", "{d}/missing.json"], ["--plan", "{d}/late.json"]],
     "kill_rank": [["--kill-rank", "4"], ["--kill-rank", "-1"]],
     "kill_step": [["--kill-step", "3"], ["--kill-rank", "1", "--kill-step", "0"], ["--kill-rank", "1", "--kill-step", "11", "--max-steps", "10"]],

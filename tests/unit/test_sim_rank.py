@@ -78,7 +78,7 @@ def test_the_fake_backend_hears_the_other_sides_failures_and_tells_its_own(tmp_p
         assert res["outcome"][str(room)][:2] == ["Failed", int(FailureReason.TRANSFER_ERROR)]
     # its own failure (request 0, injected here) went to prefill rank 0, once
     told = [bytes(w).split() for w in run.store.d.get("fakepeer/0", [])]
-    assert told == [[str(rooms[0]).encode(), str(int(FailureReason.INJECTED_FAULT)).encode()]]
+    assert told == [[str(rooms[0]).encode(), str(int(FailureReason.INJECTED_FAULT)).encode(), b"0"]]
 
 
 def test_a_drain_entry_agreed_failed_gives_its_buffers_back(tmp_path, monkeypatch):

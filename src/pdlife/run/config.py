@@ -231,9 +231,23 @@ FLAGS = {
 }
 
 
+def _outage_as_pause(args: argparse.Namespace, prefill_ranks: int) -> None:
+    """--peer-outage R:S:T is prefill rank R's process stopping at step S for T s."""
+    if getattr(args, "peer_outage", None) is None:
+        return
+    rank, step, secs = args.peer_outage
+    flag = f"--peer-outage {rank}:{step}:{secs:g}"
+    if args.pause_rank is not None:
+        raise UsageError(flag, "is a pause of a prefill rank: drop --pause-rank (or this flag)")
+    if rank >= prefill_ranks:
+        raise UsageError(flag, f"names a prefill rank's outage; choose 0..{prefill_ranks - 1}")
+    args.pause_rank, args.pause_step, args.pause_seconds = rank, step, secs
+
+
 def _flags_alone(args: argparse.Namespace) -> int:
     """The checks of the flags that need nothing but the flags; the run's world."""
     world = int(args.prefill * args.prefill_dp + args.decode)
+    _outage_as_pause(args, int(args.prefill * args.prefill_dp))
     if world > MAX_WORLD:
         raise UsageError(
             "--prefill-tp/--prefill-dp/--decode-tp",

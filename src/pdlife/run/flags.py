@@ -9,7 +9,7 @@ from pdlife.args import nonneg_int, port, positive_int, probability, seconds
 from pdlife.cluster.plan import MODES
 from pdlife.cluster.plan_doc import MAX_PAUSE_S
 
-__all__ = ["MAX_STEPS", "RequestsAction", "add_arguments"]
+__all__ = ["MAX_STEPS", "RequestsAction", "add_arguments", "outage"]
 
 MAX_STEPS = 3000
 
@@ -20,6 +20,26 @@ class RequestsAction(argparse.Action):
     def __call__(self, parser: Any, ns: argparse.Namespace, values: Any, opt: Any = None) -> None:
         ns.requests = values
         ns.requests_given = True
+
+
+def outage(text: str) -> tuple[int, int, float]:
+    """``RANK:STEP:SECONDS`` of --peer-outage."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        rank, step, secs = int(parts[0]), int(parts[1]), float(parts[2])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not RANK:STEP:SECONDS, e.g. 0:20:3 (prefill rank 0 stops at step "
+            "20 for 3 s)"
+        ) from None
+    if rank < 0 or step < 1 or not 0 < secs <= MAX_PAUSE_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the rank must be >= 0, the step >= 1 and the seconds in "
+            f"(0, {MAX_PAUSE_S:g}]"
+        )
+    return rank, step, secs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,6 +159,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "targeted fault: a long GC pause or a starved host; its heartbeats stop too)",
     )
     p.add_argument("--pause-step", type=positive_int, help="default 5")
+    p.add_argument(
+        "--peer-outage",
+        type=outage,
+        metavar="RANK:STEP:SECONDS",
+        help="a transient outage of prefill rank RANK from step STEP for SECONDS (its "
+        "process stops: decode declares it dead, then it comes back); see docs/recovery.md",
+    )
     p.add_argument("--pause-seconds", type=seconds, help=f"default 3, at most {MAX_PAUSE_S:g}")
     p.add_argument("--backend", default="auto", help="auto | fake | mooncake | nixl")
     p.add_argument("--max-steps", type=positive_int, default=MAX_STEPS)

@@ -193,6 +193,8 @@ def summarize(
         "soak_s": cfg.soak,
         "elapsed_s": round(elapsed, 2),
     }
+    if not summary["peer_health_agreed"]:
+        violations.append("decode ranks ended with different views of the prefill groups' health")
     summary["ok"] = not (
         violations
         or problems
@@ -317,7 +319,10 @@ def recovery_counts(
         return sum(int(r.get("transport_stats", {}).get(key, 0)) for r in by_side[side])
 
     attempts = Counter(a for _, _, a in final.values())
+    views = {r.get("peer_health_fp") for r in by_side["decode"]}
     return {
+        "peer_health": first.get("peer_health", {}),
+        "peer_health_agreed": len(views) <= 1,
         "recovery": cfg.recovery,
         "attempts": {str(k): attempts[k] for k in sorted(attempts)},
         "retries": int(first.get("retried", 0)),

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from lifecycle.recovery import PeerHealth
 from lifecycle.result import Retry, StepResult
 from lifecycle.status import B, F, KVPoll, Role, S, T, W
 from pdlife.cluster.config import SimConfig
@@ -157,14 +158,22 @@ class DecodeLoop(_Loop):
         self.trace = trace
         self.metrics = metrics
         self.ready: deque[int] = deque()  # rooms handshaken, waiting for buffers
+        #: each prefill DP group's health, from agreed outcomes only: the same view
+        #: on every decode rank (a retry sent "another" way is routed by it)
+        self.health = PeerHealth()
+        self.requests.health = self.health
 
     def iteration(self) -> list[StepResult]:
-        return [*self.receive(), self.drain()]
+        out = [*self.receive(), self.drain()]
+        self.health.tick()
+        self.requests.resume()
+        return out
 
     def receive(self) -> list[StepResult]:
         q1, q2, ledger, buffers = self.queues.q1, self.queues.q2, self.ledger, self.buffers
         cfg, stats = self.cfg, self.stats
         r1 = self.steps.step(q1)
+        self.health.observe_result(r1, self.requests.peer.group)
         then = _then(r1)
         for room, st, reason, origin in _rows(r1):
             if st == F:
@@ -222,6 +231,7 @@ class DecodeLoop(_Loop):
             )
             q2.table.mark_metadata_sent(room, self.clock())
         r2 = self.steps.step(q2)
+        self.health.observe_result(r2, self.requests.peer.group)
         then = _then(r2)
         for room, st, reason, origin in _rows(r2):
             if st == S:

@@ -74,7 +74,8 @@ class PeerWord:
             return
         key = _key(self.rank)
         for _ in range(min(int(self.store.queue_len(key)), _MOST)):
-            room, reason, epoch = (int(x) for x in bytes(self.store.queue_pop(key)).split())
+            room, reason, *rest = (int(x) for x in bytes(self.store.queue_pop(key)).split())
+            epoch = rest[0] if rest else 0  # (a word without one is about the first attempt)
             h = handles.get(room)
             live = -1 if h is None else getattr(h, "epoch", 0)
             if epoch < live:

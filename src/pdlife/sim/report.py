@@ -19,6 +19,7 @@ from pdlife.cluster.topology import Place
 from pdlife.sim.hooks import Queues
 
 __all__ = [
+    "peer_health",
     "close_backend",
     "fault_report",
     "linger",
@@ -154,3 +155,13 @@ def who_died(store: Any, rank: int, where: Place, step: int, e: RankFailure) -> 
         f"dead rank(s) {dead or 'unknown'} (last heartbeat step per rank {second}); "
         f"gloo said: {cause}"
     )
+
+
+def peer_health(loop: Any) -> dict[str, Any]:
+    """Decode: each prefill DP group's health at the end, and its fingerprint
+    (every decode rank must hold the same view)."""
+    health = getattr(loop, "health", None)
+    if health is None:
+        return {}
+    view = {str(p): v.state.name.lower() for p, v in sorted(health.view().items())}
+    return {"peer_health": view, "peer_health_fp": health.fingerprint()}

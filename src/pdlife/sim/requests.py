@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from lifecycle.reasons import FailureReason
+from lifecycle.recovery import PeerState, PeerView
 from lifecycle.result import Retry
 from lifecycle.rules.recovery import Where
 from lifecycle.status import KVPoll, Role, S, T
@@ -28,6 +29,8 @@ from pdlife.sim.ledger import Ledger
 from pdlife.sim.peer import PeerWord, Router
 
 __all__ = ["Requests"]
+
+_HEALTHY = PeerView(0, PeerState.HEALTHY)  # a group not seen yet
 
 
 class Requests:
@@ -66,12 +69,15 @@ class Requests:
         self.recompute_steps = 0  # the local prefills' cost, in scheduler steps
         #: decode: room -> (its next epoch, prefill DP group, pages), once drained
         self.next_attempt: dict[int, tuple[int, int, int]] = {}
+        #: decode: drained attempts waiting for their group's health to admit them
+        self.held: dict[int, tuple[int, int, int]] = {}
         #: prefill: attempts the router handed to this group, not admitted yet
         self.handed: list[tuple[int, int, int]] = []
         #: prefill: rooms handed a later attempt before their first arrived here
         #: (decode failed the first at once): the first is never admitted
         self.ahead: set[int] = set()
         self.corrupted: set[tuple[int, int]] = set()  # (room, epoch) this rank corrupts
+        self.health: Any = None  # decode: the prefill groups' health (PeerHealth)
         self.outcomes_path = outcomes
         self._outcomes = outcomes.open("w")
 
@@ -158,17 +164,27 @@ class Requests:
         self.handed = waiting
 
     def drained(self, room: int) -> None:
-        """Decode: a failed attempt's buffers are free again; a retried request
-        starts its next attempt now (and the router hands it to prefill)."""
+        """Decode: a failed attempt's buffers are free again; a retried request's
+        next attempt waits for its prefill group to admit traffic (see :meth:`resume`)."""
         nxt = self.next_attempt.pop(room, None)
-        if nxt is None:
-            return
-        epoch, group, pages = nxt
-        self._start(room, epoch, group, pages)
-        self.readmitted += 1
-        self.faults.admit([room], aborts_here=False, epoch=epoch)
-        if self.where.tp_rank == 0:
-            self.router.dispatch(room, epoch, group, pages)
+        if nxt is not None:
+            self.held[room] = nxt
+
+    def resume(self) -> None:
+        """Decode: start the held attempts whose prefill group's health admits
+        them (a group open after repeated failures waits out its cooldown, then
+        takes one probe); the router hands each to prefill. Decided from the
+        agreed health view: every decode rank starts the same ones."""
+        for room, (epoch, group, pages) in list(self.held.items()):
+            if not self.health.view().get(group, _HEALTHY).admits:
+                continue
+            self.health.choose([group], room)  # (a half-open group's probe)
+            del self.held[room]
+            self._start(room, epoch, group, pages)
+            self.readmitted += 1
+            self.faults.admit([room], aborts_here=False, epoch=epoch)
+            if self.where.tp_rank == 0:
+                self.router.dispatch(room, epoch, group, pages)
 
     def client_aborts(self, step: int) -> None:
         """The client's aborts due at ``step`` (step mode)."""
@@ -195,8 +211,10 @@ class Requests:
         if isinstance(then, Retry):
             self.retried += 1
             g = self.peer.group.get(room, 0)
-            dp = self.cfg.prefill_dp
-            group = (g + 1) % dp if then.where is Where.ANOTHER else g
+            group = g
+            if then.where is Where.ANOTHER:  # the next group the groups' health admits
+                dp = self.cfg.prefill_dp
+                group = self.health.choose([(g + 1 + k) % dp for k in range(dp)], room)
             self.next_attempt[room] = (then.epoch, group, self.ledger.need[room])
         else:
             self.finished += 1
