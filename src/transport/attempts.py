@@ -46,18 +46,28 @@ class Attempts(Generic[Q]):
     def __init__(self) -> None:
         self.reqs: dict[tuple[int, int], Q] = {}
         self.latest: dict[int, int] = {}  # room -> the epoch of its newest live attempt
+        self.older: dict[int, set[int]] = {}  # room -> its older attempts still live
         self.early: dict[int, list[dict[str, Any]]] = {}
         #: rooms released here -> (the attempt, its failure reason)
         self.cleared: dict[int, tuple[int, int]] = {}
         self.stale = 0  # words of older attempts refused
 
     def taken(self, room: int, epoch: int) -> bool:
-        """Whether ``room`` has a live attempt at ``epoch`` or later (a duplicate)."""
-        return self.latest.get(room, -1) >= epoch
+        """Whether ``room`` has had an attempt at ``epoch`` or later while one of
+        it is live (a duplicate). A room whose attempts were all released may
+        start again at any epoch
+        (a scheduler that reuses rooms should start the next at a later one,
+        or a late word of the old request could reach the new)."""
+        if room not in self.latest:
+            return False
+        cleared = self.cleared.get(room)
+        return max(self.latest[room], -1 if cleared is None else cleared[0]) >= epoch
 
     def add(self, room: int, epoch: int, req: Q) -> list[dict[str, Any]]:
         """Start attempt ``epoch`` of ``room``; the words that came before it."""
         self.reqs[room, epoch] = req
+        if room in self.latest:  # the older one still drains
+            self.older.setdefault(room, set()).add(self.latest[room])
         self.latest[room] = epoch
         self.cleared.pop(room, None)
         held = self.early.pop(room, [])
@@ -76,10 +86,22 @@ class Attempts(Generic[Q]):
     def release(self, room: int, epoch: int, reason: int) -> None:
         """Attempt ``epoch`` of ``room`` is released (``reason``: why it ended)."""
         del self.reqs[room, epoch]
-        if self.latest.get(room) != epoch:
-            return  # a newer attempt is live: the room is not cleared
-        del self.latest[room]
+        older = self.older.get(room)
+        if self.latest.get(room) != epoch:  # an older one: a newer attempt is live
+            if older is not None:
+                older.discard(epoch)
+                if not older:
+                    del self.older[room]
+            return
+        # the room's newest attempt is gone: a late word of it gets an answer
         self.cleared[room] = (epoch, reason)
+        if older:  # an older attempt still drains: now the room's newest live one
+            self.latest[room] = max(older)
+            older.discard(self.latest[room])
+            if not older:
+                del self.older[room]
+            return
+        del self.latest[room]
         if len(self.cleared) > _MOST_CLEARED:
             self.cleared.clear()
 

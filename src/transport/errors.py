@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "InvalidEpoch",
+    "epoch_of_arg",
     "TransportError",
     "BackendUnavailable",
     "ConfigError",
@@ -117,3 +119,28 @@ class ChecksumMismatch(TransportError):
             "check the link and memory between these ranks, or that both sides run with "
             "ConnectorConfig.digest and the same hash (transport.digest.ALGORITHM)"
         )
+
+
+class InvalidEpoch(TransportError, ValueError):
+    """A sender or receiver was asked for an attempt (epoch) that is not an int
+    in 0..65535. Nothing was changed."""
+
+    def __init__(self, room: object, epoch: object, role: str, rank: int) -> None:
+        self.room, self.epoch, self.role, self.rank = room, epoch, role, rank
+        super().__init__(
+            f"request room={room}: {role} rank {rank} was asked for attempt {epoch!r} "
+            f"({type(epoch).__name__}); an attempt (epoch) is an int in 0..65535, 0 for a "
+            "request's first and one more for each retry. Nothing was changed."
+        )
+
+
+def epoch_of_arg(room: object, epoch: object, role: str, rank: int) -> int:
+    """``epoch`` as an int, or :class:`InvalidEpoch` (numpy integers are taken)."""
+    import numbers
+
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral):
+        raise InvalidEpoch(room, epoch, role, rank)
+    value = int(epoch)
+    if not 0 <= value < 1 << 16:
+        raise InvalidEpoch(room, epoch, role, rank)
+    return value

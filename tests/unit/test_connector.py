@@ -252,7 +252,7 @@ def test_control_a_completion_naming_the_live_attempt_is_applied(pair):
 
 def test_attempts_of_a_room_are_ordered_and_checked(pair):
     from transport import DuplicateRoom
-    from transport.errors import ConfigError
+    from transport.errors import InvalidEpoch
 
     d, _, _ = pair["decode"]
     r = d.receiver(90, epoch=1)
@@ -260,6 +260,9 @@ def test_attempts_of_a_room_are_ordered_and_checked(pair):
         with pytest.raises(DuplicateRoom):
             d.receiver(90, epoch=epoch)
     for bad in (-1, 1 << 16, 1.5, True, "2"):
-        with pytest.raises(ConfigError, match="epoch"):
+        with pytest.raises(InvalidEpoch, match="attempt"):
             d.receiver(91, epoch=bad)
     assert d._live(90) is r._req and d._live(91) is None
+    import numpy as np
+
+    assert d.receiver(92, epoch=np.uint16(3)).epoch == 3  # an epoch read from a table

@@ -177,3 +177,13 @@ def test_a_bad_epoch_is_refused_and_nothing_is_added():
         with pytest.raises(InvalidArgument):
             t.extend([1, 2], epochs=[0, bad])
         assert len(t) == 0
+
+
+@pytest.mark.parametrize(
+    ("reasons", "epochs"),
+    [([R.NONE], [0]), ([14], [0]), ([-1], [0]), ([R.PEER_DEAD], [1 << 16]), ([5], [-1]),
+     ([5, 5], [0])],
+)  # fmt: skip
+def test_decide_refuses_what_is_not_an_agreed_failure(reasons, epochs):
+    with pytest.raises(InvalidArgument, match="decide"):
+        DEFAULT_RECOVERY.decide(np.array(reasons), np.array(epochs))

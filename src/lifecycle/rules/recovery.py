@@ -211,8 +211,17 @@ class RecoveryTable:
         """Per failed row (agreed reason, the epoch of the attempt that failed):
         the action, and the epoch of the next attempt (``epoch + 1`` where the
         action is retry, else ``epoch``). A retry on its last attempt fails."""
-        r = np.asarray(reasons, dtype=np.int64) & ((1 << REASON_BITS) - 1)
+        r = np.asarray(reasons, dtype=np.int64)
         e = np.asarray(epochs, dtype=np.int64)
+        if r.shape != e.shape or r.ndim != 1:
+            raise InvalidArgument("decide", (r.shape, e.shape), "one reason and one epoch per row")
+        known = r.size == 0 or (r.min() >= 0 and r.max() < R.NONE and self._action[r].min() >= 0)
+        if not known or (e.size and (e.min() < 0 or e.max() >= 1 << 16)):
+            raise InvalidArgument(
+                "decide reasons/epochs",
+                (r.tolist()[:8], e.tolist()[:8]),
+                "failure reason codes (not NONE) and epochs in 0..65535",
+            )
         action = self._action[r].copy()
         spent = (action == Action.RETRY) & (e + 1 >= self._max[r])
         action[spent] = Action.FAIL

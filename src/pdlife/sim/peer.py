@@ -134,8 +134,9 @@ class Router:
         handed over, and whether decode is done."""
         if not (self.on and leads and self.side == "prefill"):
             return 0, 0
+        closed = int(self.store.check(["router/closed"]))  # (first: it follows the last count)
         count = int(self.store.get("router/count")) if self.store.check(["router/count"]) else 0
-        return count, int(self.store.check(["router/closed"]))
+        return count, closed
 
     def agree(self, count: int, closed: int) -> None:
         """The side's agreed view (its first rank's words)."""

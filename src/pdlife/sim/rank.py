@@ -234,13 +234,14 @@ class RankRun:
                 if all_done:
                     if leads:
                         self.store.set(f"progress/{self.side}", str(requests.finished))
-                        if self.side == "decode":
-                            self.router.close()
                     break
         except RankFailure as e:
             error = who_died(self.store, self.rank, self.place, clock.step, e)
         except LifecycleError as e:
             stats.violations.append(f"step {clock.step}: {type(e).__name__}: {e}")
+        finally:
+            if leads and self.side == "decode":  # prefill serves retries until this
+                self.router.close()
         return self.report(error, all_done)
 
     def _attempts_after(self) -> int:

@@ -135,7 +135,7 @@ class Requests:
             return
         key = attempt_keys(np.array([room], np.uint64), epoch)
         if draw(self.cfg.seed, 7, 0, key)[0] < p:
-            self.manager.corrupt(room)
+            self.manager.corrupt(room, epoch=epoch)
             self.corrupted.add((room, epoch))
 
     def retries(self) -> None:
@@ -160,7 +160,7 @@ class Requests:
                 continue
             self._start(room, epoch, self.where.dp_rank, pages)
             self.readmitted += 1
-            self.faults.admit([room], aborts_here=False, epoch=epoch)
+            self._draw(room, epoch, self.where.dp_rank)
         self.handed = waiting
 
     def drained(self, room: int) -> None:
@@ -182,9 +182,17 @@ class Requests:
             del self.held[room]
             self._start(room, epoch, group, pages)
             self.readmitted += 1
-            self.faults.admit([room], aborts_here=False, epoch=epoch)
+            self._draw(room, epoch, group)
             if self.where.tp_rank == 0:
                 self.router.dispatch(room, epoch, group, pages)
+
+    def _draw(self, room: int, epoch: int, group: int) -> None:
+        """An attempt's phase-keyed faults, drawn anew (only ranks that see it draw)."""
+        dp = self.cfg.prefill_dp
+        groups = [group] if dp > 1 else None
+        rank_group = partial(dp_group_of, self.cfg)
+        self.faults.admit([room], aborts_here=False, groups=groups, rank_group=rank_group,
+                          epoch=epoch)  # fmt: skip
 
     def client_aborts(self, step: int) -> None:
         """The client's aborts due at ``step`` (step mode)."""
@@ -214,7 +222,9 @@ class Requests:
             group = g
             if then.where is Where.ANOTHER:  # the next group the groups' health admits
                 dp = self.cfg.prefill_dp
-                group = self.health.choose([(g + 1 + k) % dp for k in range(dp)], room)
+                view = self.health.view()
+                order = [(g + 1 + k) % dp for k in range(dp)]
+                group = next((x for x in order if view.get(x, _HEALTHY).admits), order[0])
             self.next_attempt[room] = (then.epoch, group, self.ledger.need[room])
         else:
             self.finished += 1

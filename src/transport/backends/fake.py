@@ -32,7 +32,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.rules.deadlines import DEADLINES, overdue
 from lifecycle.status import KVPoll
 from transport.connector.config import MAX_SECONDS
-from transport.errors import ConfigError, ConfigTypeError
+from transport.errors import ConfigError, ConfigTypeError, epoch_of_arg
 from transport.status_arrays import StatusArrays, StatusHandle
 
 _REASON = {d.name: d.reason for d in DEADLINES}
@@ -133,8 +133,7 @@ class FakeManager(StatusArrays):
 
 class _FakeRequest(StatusHandle):
     def __init__(self, manager: FakeManager, room: int, initial: KVPoll, epoch: int) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 16:
-            raise ConfigError("epoch", epoch, "an int in 0..65535 (the request's attempt)")
+        epoch = epoch_of_arg(room, epoch, "fake", 0)
         super().__init__(manager, room, manager.take(initial))
         self.manager = manager
         self.epoch = epoch

@@ -43,7 +43,7 @@ from transport.connector.messages import Msg, check_words
 from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
 from transport.digest import Views
-from transport.errors import ConfigError, DuplicateRoom, TransportError
+from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
 
@@ -165,8 +165,7 @@ class Connector(StatusArrays):
         """A new request for ``room`` at attempt ``epoch`` (``make``: its kind, from
         room and slot). A newer attempt of a room may start while an older one
         still drains its writes; the same or an older one is a duplicate."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 16:
-            raise ConfigError("epoch", epoch, "an int in 0..65535 (the request's attempt)")
+        epoch = epoch_of_arg(room, epoch, self.config.role, self.rank)
         with self._msg_lock:  # its early messages go before any later one
             with self._lock:
                 if self.attempts.taken(room, epoch):
@@ -238,6 +237,7 @@ class Connector(StatusArrays):
                 failed = int(self.status[req.index]) == F  # (a Success is never asked about)
                 reason = self.reason[req.index] if failed else FailureReason.ABORTED
                 self.attempts.release(req.room, req.epoch, int(reason))
+                getattr(self.side, "corrupt", {}).pop((req.room, req.epoch), None)
 
     def fenced(self) -> tuple[int, int]:
         """(requests, KV pages) held fenced on writers that stopped beating."""
@@ -251,18 +251,18 @@ class Connector(StatusArrays):
                 return f"room={room}: not live here"
             return describe(req, Phase(self._phase(req)).name, KVPoll(self.status[req.index]).name)
 
-    def corrupt(self, room: int, offset: int = 0) -> None:
-        """A test's fault (decode): flip every bit of one byte of ``room``'s data
-        once it is committed, before its digest is checked (after the staging
-        scatter, when staged; with the digest off, just before Success): byte
-        ``offset`` of the first row (page, metadata or state row) its first
+    def corrupt(self, room: int, offset: int = 0, epoch: int = 0) -> None:
+        """A test's fault (decode): flip every bit of one byte of attempt ``epoch``
+        of ``room`` once it is committed, before its digest is checked (after the
+        staging scatter, when staged; with the digest off, just before Success):
+        byte ``offset`` of the first row (page, metadata or state row) its first
         sender sends. ``stats["corrupted"]`` counts the requests it hit."""
         if not isinstance(self.side, DecodeSide):
             raise TransportError(
                 f"room={room}: prefill rank {self.rank} holds no committed bytes to corrupt; "
                 "call corrupt() on a decode connector"
             )
-        self.side.corrupt[room] = int(offset)
+        self.side.corrupt[room, int(epoch)] = int(offset)
 
     def sender(self, room: int, epoch: int = 0) -> ConnectorSender:
         """Prefill's handle on ``room``'s attempt ``epoch`` (a retry is the next one)."""

@@ -130,10 +130,10 @@ class PrefillSide:
         if kind == Msg.abort:  # a decode rank gave up: stop writing, say so once drained
             reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
             if msg.get("why") and p._phase(req) in LIVE:  # a live request: this is why
-                p.last_error = TopologyError(
-                    f"room={req.room} on prefill rank {p.rank}: {msg['why']}"
-                )
-                logger.error("%s", p.last_error)
+                mismatch = reason == FailureReason.CHECKSUM_MISMATCH  # (the table may retry it)
+                kind = TransportError if mismatch else TopologyError
+                p.last_error = kind(f"room={req.room} on prefill rank {p.rank}: {msg['why']}")
+                logger.log(logging.INFO if mismatch else logging.ERROR, "%s", p.last_error)
             leg = req.legs.get(peer)
             if leg is None and not req.legs:  # before any register: it is told once drained
                 leg = req.legs[peer] = PrefillLeg(peer, sends=False)
