@@ -84,3 +84,14 @@ def test_a_prefill_outage_heals_and_every_request_succeeds(run_sim, backend):
     assert s["attempts"].get("2", 0) > 0  # the outage failed requests in flight
     assert set(s["attempts"]) <= {"1", "2"}  # no retry was spent while the group was open
     assert s["peer_health"] == {"0": "healthy"} and s["peer_health_agreed"]
+
+
+def test_recompute_hands_failed_requests_back_to_be_prefilled_locally(run_sim):
+    _, s, _ = run_sim("fake", "recompute", "--requests", "300", "--fail-prob", "0.05",
+                      "--recovery", "recompute")  # fmt: skip
+    assert s["ok"], s["problems"] + s["invariant_violations"]
+    assert s["recomputed"] > 0 and s["recompute_steps"] >= s["recomputed"]
+    assert s["retries"] == 0 and s["attempts"] == {"1": s["requests"]}
+    recomputed = [o for o in s["outcomes"].values() if o[0] == "Recomputed"]
+    assert len(recomputed) == s["recomputed"]
+    assert {o[1] for o in recomputed} == {"injected fault"}  # what a retry would cure

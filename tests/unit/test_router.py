@@ -1,0 +1,82 @@
+"""The simulator's router for retried attempts (pdlife.sim.peer.Router) and the
+fake backend's word between the sides (PeerWord), each attempt by its epoch."""
+
+from types import SimpleNamespace
+
+from lifecycle.reasons import FailureReason
+from pdlife.sim.peer import PeerWord, Router
+
+
+class Store:
+    """The few TCPStore calls these use, in memory."""
+
+    def __init__(self):
+        self.d = {}
+
+    def set(self, key, value):
+        self.d[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.d[key]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+    def queue_push(self, key, value):
+        self.d.setdefault(key, []).append(value)
+
+    def queue_len(self, key):
+        return len(self.d.get(key, []))
+
+    def queue_pop(self, key):
+        return self.d[key].pop(0)
+
+
+def test_prefill_takes_the_attempts_decode_handed_over_in_order_once_agreed():
+    store = Store()
+    decode, prefill = Router(store, "decode", on=True), Router(store, "prefill", on=True)
+    assert decode.closed and not prefill.closed  # prefill serves retries until decode is done
+    assert prefill.words(leads=True) == (0, 0)
+    decode.dispatch(11, 1, 0, 5)
+    decode.dispatch(12, 2, 1, 3)
+    assert prefill.take() == []  # seen, not agreed yet
+    assert prefill.words(leads=False) == (0, 0)  # only the side's first rank speaks
+    prefill.agree(*prefill.words(leads=True))
+    assert prefill.take() == [(11, 1, 0, 5), (12, 2, 1, 3)] and prefill.take() == []
+    decode.close()
+    prefill.agree(*prefill.words(leads=True))
+    assert prefill.closed
+
+
+def test_a_router_that_is_off_says_nothing_and_never_holds_prefill():
+    r = Router(Store(), "prefill", on=False)
+    assert r.closed and r.words(leads=True) == (0, 0)
+
+
+def _word(store, rank, silent=False, side="decode"):
+    cfg = SimpleNamespace(prefill_ranks=2, world=4, prefill=2)
+    where = SimpleNamespace(side=side, tp_rank=0)
+    return PeerWord(cfg, rank, where, store, silent=silent)
+
+
+class Handle:
+    def __init__(self, epoch):
+        self.epoch, self.failed = epoch, None
+
+    def fail(self, reason):
+        self.failed = reason
+
+
+def test_a_notice_is_applied_only_to_the_attempt_it_names():
+    store = Store()
+    word = _word(store, 2)
+    late, live, ahead = Handle(1), Handle(1), Handle(2)
+    for room, epoch in ((1, 0), (2, 1), (3, 2)):  # older, the live one, a later attempt
+        store.queue_push(
+            "fakepeer/2", f"{room} {int(FailureReason.TRANSFER_ERROR)} {epoch}".encode()
+        )
+    word.hear({1: late, 2: live, 3: Handle(1)})
+    assert late.failed is None  # about attempt 0: never applied to attempt 1
+    assert live.failed == FailureReason.TRANSFER_ERROR
+    word.on_admit(3, ahead)  # attempt 2 of room 3 starts: its notice applies now
+    assert ahead.failed == FailureReason.TRANSFER_ERROR
