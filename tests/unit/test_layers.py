@@ -251,3 +251,14 @@ def test_the_public_surface_fits_on_one_screen():
         n for n in user_implements if getattr(lifecycle, n) is getattr(protocols, n)
     } == user_implements
     assert all(hasattr(lifecycle, n) for n in lifecycle.__all__)
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders are not packages: pytest imports each file by its base
+    name, so two of one name fail the whole run's collection (a subset run of
+    either folder would not show it)."""
+    from collections import Counter
+
+    tests = Path(__file__).parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert {n: c for n, c in names.items() if c > 1} == {}
