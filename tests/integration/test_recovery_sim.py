@@ -3,7 +3,7 @@ requests retried at the next epoch, the same per-request outcomes and
 attempt counts on every run of a seed, and corruption in flight caught by
 the KV digest (or counted as unseen without it).
 
-Each run is bounded (100 to 300 requests, 2P + 2D ranks, 127.0.0.1); no verdict
+Each run is bounded (80 to 160 requests, 2P + 2D ranks, 127.0.0.1); no verdict
 depends on timing: the faults are phase-keyed draws of the seed, per attempt.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
-RETRY = ("--requests", "160", "--fail-prob", "0.05", "--recovery", "retry", "--max-attempts", "3")
+RETRY = ("--requests", "120", "--fail-prob", "0.05", "--recovery", "retry", "--max-attempts", "3")
 
 
 def _failed_at_the_last_attempt(s, max_attempts):
@@ -59,7 +59,7 @@ def test_negative_control_without_recovery_nothing_is_retried(run_sim):
 
 @pytest.mark.parametrize("digest", [True, False], ids=["digest", "no-digest"])
 def test_corruption_in_flight_is_caught_by_the_digest_or_counted_unseen(run_sim, backend, digest):
-    args = ("--requests", "100", "--corrupt-prob", "0.05", "--abort-prob", "0")
+    args = ("--requests", "80", "--corrupt-prob", "0.05", "--abort-prob", "0")
     args += ("--recovery", "retry", "--digest") if digest else ()
     _, s, out = run_sim(backend, "c", *args)
     c = s["corruptions"]
@@ -79,7 +79,7 @@ def test_a_prefill_outage_heals_and_every_request_succeeds(run_sim, backend):
     the requests in flight fail (peer dead). Their retries wait while the
     group's health is open, then one probe goes through; once it succeeds the
     rest follow, and every request ends Success at its second attempt."""
-    args = ("--requests", "160", "--abort-prob", "0", "--peer-outage", "0:5:3")
+    args = ("--requests", "100", "--abort-prob", "0", "--peer-outage", "0:5:3")
     _, s, _ = run_sim(backend, "outage", *args, "--recovery", "retry")
     assert s["ok"], s["problems"] + s["invariant_violations"]
     assert s["succeeded"] == s["requests"] and s["failed"] == {}
