@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from store_stub import Store
 
 from pdlife.run import multinode
 
@@ -13,20 +14,6 @@ class FakeDist:
 
     def all_gather_object(self, out, _mine):
         out[:] = self.said
-
-
-class FakeStore:
-    def __init__(self):
-        self.kv = {}
-
-    def set(self, k, v):
-        self.kv[k] = v.encode() if isinstance(v, str) else v
-
-    def get(self, k):
-        return self.kv[k]
-
-    def check(self, keys):
-        return all(k in self.kv for k in keys)
 
 
 def test_sides_come_from_the_roles_not_the_rank_order():
@@ -57,7 +44,7 @@ def test_results_travel_through_the_store_and_the_silent_are_named(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     (src / "ranks").mkdir(parents=True)
     (src / "ranks" / "rank0.json").write_text(json.dumps({"rank": 0}))
-    store = FakeStore()
+    store = Store()
     multinode.publish(store, 0, src)  # rank 0 reported, no trace
     store.set("hb/1", "41")  # rank 1 started step 41, then went quiet
     where = multinode.Placement(0, (0,), (1,), ("192.0.2.1", "192.0.2.2"))

@@ -3,33 +3,10 @@ fake backend's word between the sides (PeerWord), each attempt by its epoch."""
 
 from types import SimpleNamespace
 
+from store_stub import Store
+
 from lifecycle.reasons import FailureReason
 from pdlife.sim.peer import PeerWord, Router
-
-
-class Store:
-    """The few TCPStore calls these use, in memory."""
-
-    def __init__(self):
-        self.d = {}
-
-    def set(self, key, value):
-        self.d[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key):
-        return self.d[key]
-
-    def check(self, keys):
-        return all(k in self.d for k in keys)
-
-    def queue_push(self, key, value):
-        self.d.setdefault(key, []).append(value)
-
-    def queue_len(self, key):
-        return len(self.d.get(key, []))
-
-    def queue_pop(self, key):
-        return self.d[key].pop(0)
 
 
 def test_prefill_takes_the_attempts_decode_handed_over_in_order_once_agreed():

@@ -3,35 +3,12 @@ the run's own bookkeeping -- buffers released, limits and faults reported."""
 
 import numpy as np
 import pytest
+from store_stub import Store
 
 from lifecycle import SingleRank
 from pdlife.cluster.plan import parse_plan
 from pdlife.sim import rank as sim
 from pdlife.sim.rank import RankRun, SimConfig, Workload
-
-
-class Store:
-    def __init__(self):
-        self.d = {}
-
-    def set(self, k, v):
-        self.d[k] = v.encode() if isinstance(v, str) else v
-
-    def get(self, k):
-        return self.d[k]
-
-    def check(self, keys):
-        return all(k in self.d for k in keys)
-
-    # the queues the fake backend's word to the other side travels on
-    def queue_push(self, k, v):
-        self.d.setdefault(k, []).append(v)
-
-    def queue_len(self, k):
-        return len(self.d.get(k, []))
-
-    def queue_pop(self, k, block=True):
-        return self.d[k].pop(0)
 
 
 def decode_rank(tmp_path, plan=None, **kw):
