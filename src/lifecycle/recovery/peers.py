@@ -248,12 +248,12 @@ class PeerHealth:
         lookup = peer_of.get if isinstance(peer_of, Mapping) else peer_of
         if not callable(lookup):
             raise InvalidArgument("peer_of", peer_of, "a mapping room -> peer, or a function")
-        rows = result.changed.tolist()
+        moved = result.changed
+        st = result.statuses[moved]
+        rows = moved[(st == KVPoll.Success) | (st == KVPoll.Failed)].tolist()  # finished only
         finished: list[tuple[int, int, FailureReason]] = []
         for row in rows:  # validate everything before changing anything
             status = int(result.statuses[row])
-            if status not in (KVPoll.Success, KVPoll.Failed):
-                continue
             room = int(result.rooms[row])
             where = lookup(room)
             if where is None:

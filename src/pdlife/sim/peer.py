@@ -93,9 +93,11 @@ class PeerWord:
         if not self.early:
             return
         got = self.early.get(room)
-        if got is None or got[0] < getattr(h, "epoch", 0):
+        if got is None:
             return
-        if got[0] == getattr(h, "epoch", 0):
+        if got[0] < getattr(h, "epoch", 0):  # about an attempt before this one: dropped
+            del self.early[room]
+        elif got[0] == getattr(h, "epoch", 0):
             del self.early[room]
             self.told[room] = got[1]
             h.fail(FailureReason(got[1]))
