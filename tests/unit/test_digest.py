@@ -124,3 +124,46 @@ def test_an_unknown_hash_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown digest algorithm 'md4'"):
         dg.new_hasher("md4")
     assert dg.measure(1 << 16, "crc32", reps=1) > 0
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_pieces_cut_across_rows_and_parts_give_one_digest_however_the_rows_lie(algo, monkeypatch):
+    """The stream is cut every _PIECE bytes wherever rows and parts break; the
+    same bytes in place, gathered or as one flat row give one digest."""
+    from transport.digest import hashing
+
+    monkeypatch.setattr(hashing, "_PIECE", 100)  # many pieces, each crossing a row edge
+    buf, aux, args = _kv()
+    v = dg.Views(args)
+    pages = np.array([6, 0, 3, 4], dtype=np.int64)
+    parts = v.kv_parts(pages, 0, 4) + v.row_parts(1)
+    flat = np.concatenate(
+        [buf.reshape(8, -1)[pages].reshape(-1)] + [a.reshape(4, -1)[1] for a in aux]
+    )
+    got = dg.digest(parts, algo)
+    assert got == dg.digest([(flat.reshape(1, -1), np.zeros(1, np.int64), (slice(None),))], algo)
+    assert got[1] == flat.size
+    monkeypatch.setattr(hashing, "_PIECE", 1 << 22)
+    assert dg.digest(parts, algo)[0] != got[0]  # another cut: another digest (both sides cut alike)
+
+
+def test_the_hashing_threads_give_the_digest_of_the_calling_thread(monkeypatch):
+    from transport.digest import hashing
+
+    monkeypatch.setattr(hashing, "_PIECE", 64)
+    monkeypatch.setattr(hashing, "_INLINE", 0)  # every stream on the threads
+    buf, _, args = _kv(pages=64)
+    v = dg.Views(args, threads=3)
+    pages = np.random.default_rng(1).permutation(64).astype(np.int64)
+    parts = v.kv_parts(pages, 1, 2)
+    pending = [v.start(parts) for _ in range(4)]  # several at once share the threads
+    want = dg.LegDigest.of(parts)
+    assert all(p.result() == want for p in pending)
+    assert v._pool is not None and len(pending[0].futures) > 1
+    buf[int(pages[0]) * buf.size // 64 + 20] ^= 1  # a byte of head 1 of the first page
+    assert v.start(parts).result() != want  # (a negative control)
+    v.close()
+    assert v._pool is None
+    buf[int(pages[0]) * buf.size // 64 + 20] ^= 1
+    assert v.start(parts).result() == want  # after close: hashed on the caller's thread
+    assert v._pool is None

@@ -40,7 +40,7 @@ from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.digest import LegDigest, decode_parts, flip
+from transport.digest import LegDigest, decode_digest, decode_parts, flip
 from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, state_misfit
 from transport.staging import Scatter, Staging
@@ -136,6 +136,8 @@ class DecodeSide:
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
         if kind == Msg.done:  # every write of this sender landed
+            if p.config.digest and req.scatter is None and leg.pending is None:
+                leg.pending = decode_digest(p, req, leg)  # final here: hashed while others land
             if msg.get("notified") and p.config.digest:
                 return  # the engine's own word carries no digest: prefill's will
             leg.done = leg.stopped = True
@@ -315,6 +317,7 @@ class DecodeSide:
         for leg in sorted(req.senders(), key=lambda x: x.peer):
             if flip(decode_parts(p.views, p, req, leg), at):  # the first leg with a byte
                 p.stats["corrupted"] += 1
+                leg.pending = None  # hashed before the flip: hashed again
                 return
 
     def _check(self, req: DecodeRequest, store: Any) -> None:
@@ -324,9 +327,10 @@ class DecodeSide:
         if p._phase(req) != Phase.Verifying:
             return
         why = []
+        for leg in req.senders():  # every leg's hash under way before any is waited for
+            leg.pending = leg.pending or decode_digest(p, req, leg)
         for leg in req.senders():
-            parts = decode_parts(p.views, p, req, leg)
-            mine, theirs = LegDigest.of(parts), leg.digest
+            mine, theirs = leg.pending.result(), leg.digest
             p.stats["digests_checked"] += 1
             p.stats["digest_bytes"] += mine.nbytes
             if theirs is None:

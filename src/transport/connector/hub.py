@@ -61,11 +61,10 @@ SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
     "decode": DecodeSide,
 }
 check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
-#: what a connector counts: bytes and writes issued (prefill); fenced: on a
-#: silent writer (unfenced: once it spoke); stale: see liveness.received;
-#: stale_epoch: words of an attempt older than the live one, refused; the KV
-#: digest's (transport.digest): legs checked, found differing, bytes hashed
-#: here, and requests a test corrupted (see :meth:`Connector.corrupt`)
+#: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
+#: writer (unfenced: once it spoke); stale: see liveness.received; stale_epoch: an
+#: older attempt's words, refused; the KV digest's (transport.digest): legs checked,
+#: found differing, bytes hashed here, requests a test corrupted (Connector.corrupt)
 STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch")
 DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted")
 
@@ -397,4 +396,5 @@ class Connector(StatusArrays):
         self._wake.set()
         self.mail.close()
         self._thread.join(timeout=2)
+        self.views.close()  # (its digest threads read the buffers the engine lets go)
         self._stop_engine()

@@ -91,6 +91,7 @@ class PrefillLeg(Leg):
     asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
     verify: bool = False  # the decode rank asked for a digest: it says whether it matched
     verified: bool = False
+    pending: Any = None  # the digest of its bytes being hashed (a transport.digest.Pending)
 
 
 @attrs.define(eq=False)
@@ -100,6 +101,7 @@ class DecodeLeg(Leg):
     done: bool = False
     stopped: bool = False  # it can write nothing more here
     digest: Any = None  # the transport.digest.LegDigest its "done" carried (None: none)
+    pending: Any = None  # the digest of its bytes here, being hashed (transport.digest.Pending)
 
 
 class Request(Generic[L]):

@@ -40,7 +40,7 @@ from transport.connector.legs import (
 )
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.digest import LegDigest, prefill_parts
+from transport.digest import prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
 from transport.staging import Staging
@@ -112,14 +112,9 @@ class PrefillSide:
         topo = Topology(c.tp_size, dtp, p.kv_heads, c.mla, p.split_state)
         base = int(msg["dp"]) * topo.decode_tp
         by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
-        req.legs = {
-            base + d: leg_of(
-                base + d,
-                by_decode.get(d),
-                c.tp_rank in topo.state_sources(d),  # the primary alone unless state is split
-            )
-            for d in topo.peers(c.tp_rank)
-        }
+        sources = {d: c.tp_rank in topo.state_sources(d) for d in topo.peers(c.tp_rank)}
+        # (state rows go on the primary leg alone unless state is split)
+        req.legs = {base + d: leg_of(base + d, by_decode.get(d), s) for d, s in sources.items()}
         req.decode_tp = dtp
         self.expected = frozenset(req.legs)
         return True
@@ -224,7 +219,7 @@ class PrefillSide:
             words[peer] = {"kind": Msg.done, "room": req.room, "epoch": req.epoch}
             if p.config.digest:
                 info = p._peer_info(peer, store) or {"state_geom": []}
-                d = LegDigest.of(prefill_parts(p.views, p, req, leg, info))
+                d = (leg.pending or prefill_digest(p, req, leg, info)).result()
                 p.stats["digest_bytes"] += d.nbytes
                 words[peer].update(d.to_msg())
         asked = any(leg.verify for leg in req.legs.values())
@@ -307,6 +302,8 @@ class PrefillSide:
         if why is not None:
             self._refuse(req, why)
             return False
+        if p.config.digest and leg.pending is None and n >= req.num_pages:
+            leg.pending = prefill_digest(p, req, leg, info)  # every byte known: hashed as it moves
         if not leg.sends:  # no KV: a share of split state only, once the pages are all in
             if n >= req.num_pages and not leg.fields_out:
                 if not self._state_out(req, leg, info, store):

@@ -9,8 +9,13 @@ rows the leg carries (component by component, tensor by tensor, the row span
 the leg owes). Prefill hashes the parts in its source buffers, decode the
 same parts in the buffers they were committed to (after the staging scatter,
 when staged). A part is a buffer viewed as rows (pages or state rows), the
-rows taken and a slice of each row; it is hashed with one call per gathered
-chunk of rows, never a Python call per page.
+rows taken and a slice of each row. The stream is cut into 4 MiB pieces
+wherever its rows break; each piece is hashed alone (runs of whole rows read
+in place, anything else gathered a piece at a time) and the digest is the
+hash of the pieces' hashes, so a rank's hashing threads take the pieces in
+parallel (:meth:`Views.start`): prefill starts its legs' digests as soon as
+their last writes are issued (while the engine moves the bytes), decode each
+leg's as soon as that leg's bytes are final.
 
 The hash is xxh3_64 (the ``xxhash`` package) where it imports, else zlib's
 crc32; :data:`ALGORITHM` names the one in use. Measured on this machine's
@@ -28,16 +33,18 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from buffers.kv_args import KVArgs, split_blocks
-from transport.layout import share_spans
+from buffers.kv_args import KVArgs
 
 __all__ = [
     "ALGORITHM",
@@ -45,11 +52,11 @@ __all__ = [
     "Part",
     "Views",
     "LegDigest",
+    "Pending",
     "new_hasher",
     "digest",
     "signature",
     "flip",
-    "state_parts",
     "measure",
 ]
 
@@ -64,9 +71,14 @@ ALGORITHM = "xxh3_64" if _xxhash is not None else "crc32"
 #: a signature of no digest (a sender with the digest off)
 NO_DIGEST = 0
 #: bump when the order of the parts changes: the signature then differs
-_VERSION = 1
-#: gathered chunks of about this many bytes: one hash call each, in cache
-_CHUNK = 1 << 22
+_VERSION = 2  # 2: the hash of the pieces' hashes
+#: the stream is hashed in pieces of this many bytes (one call each, in
+#: parallel where threads are free), then the pieces' hashes are hashed
+_PIECE = 1 << 22
+#: rows at least this long are read in place one run at a time, however scattered
+_ROW = 1 << 16
+#: a stream this short is hashed on the caller's thread (a thread's hand-off costs more)
+_INLINE = 1 << 18
 
 #: (a buffer as rows, the rows taken, the slice of each row after the first axis)
 Part = tuple[NDArray[np.uint8], NDArray[np.int64], tuple[slice, ...]]
@@ -104,9 +116,10 @@ def _view(ptr: int, nbytes: int) -> NDArray[np.uint8]:
 
 class Views:
     """One rank's buffers as numpy rows: KV pages as (pages, tokens, heads, bytes)
-    (head-major: (pages, heads, tokens, bytes)), metadata and state as (rows, bytes)."""
+    (head-major: (pages, heads, tokens, bytes)), metadata and state as (rows, bytes);
+    and the threads that hash them (:meth:`start`)."""
 
-    def __init__(self, kv: KVArgs) -> None:
+    def __init__(self, kv: KVArgs, threads: int | None = None) -> None:
         ps, heads = kv.page_size, kv.kv_head_num
         self.heads_major = kv.heads_major
         self.kv = []
@@ -122,6 +135,42 @@ class Views:
             for c in kv.state
         ]
         self.state_dims = [c.split_dims for c in kv.state]
+        self._threads = threads or min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self, parts: Sequence[Part], at_once: int | None = None) -> Pending:
+        """Start hashing ``parts`` on this rank's hashing threads (started on
+        first use; xxhash lets go of the GIL, so they run beside the caller and
+        beside each other), its pieces split among ``at_once`` of them (None:
+        all), and return at once. The bytes must not move until
+        :meth:`Pending.result`. A small stream, or any after :meth:`close`, is
+        hashed here and now."""
+        pieces, total = _pieces(parts)
+        sig = signature(parts)
+        with self._lock:
+            if self._pool is None and not self._closed and total > _INLINE:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-digest")
+            pool = self._pool if total > _INLINE else None
+        k = max(1, min(len(pieces), at_once or self._threads))
+        groups = [pieces[len(pieces) * i // k : len(pieces) * (i + 1) // k] for i in range(k)]
+        futures: list[Future[list[int]]] = []
+        for group in groups:
+            if pool is not None:
+                futures.append(pool.submit(_hash_pieces, group))
+            else:
+                futures.append(Future())
+                futures[-1].set_result(_hash_pieces(group))
+        return Pending(futures, sig, total)
+
+    def close(self) -> None:
+        """Wait for every hash in flight (they read this rank's buffers), then
+        stop the threads; later digests are hashed on the caller's thread."""
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def kv_parts(self, pages: NDArray[np.int64], head: int, count: int) -> list[Part]:
         """Heads ``[head, head + count)`` of ``pages`` in every KV buffer."""
@@ -133,37 +182,6 @@ class Views:
         """Metadata row ``slot``: every field, the room column (the last) last."""
         at = np.array([slot], dtype=np.int64)
         return [(v, at, (slice(None),)) for v in self.aux]
-
-
-def state_parts(
-    views: Views,
-    rows: Sequence[NDArray[np.int64]],
-    peer_geom: Sequence[Sequence[Any]],
-    share: tuple[int, int, bool] | None,
-    prefill: bool,
-) -> list[Part]:
-    """The state rows a leg carries, on either side: ``rows`` per component,
-    ``peer_geom`` the other side's :func:`~transport.layout.state_geometry`;
-    ``share`` None for whole rows, else (prefill TP rank, decode TP rank, whole
-    tensors too) for split state (as :func:`~transport.layout.state_writes`)."""
-    out: list[Part] = []
-    for c, (comp, r) in enumerate(zip(views.state, rows)):
-        for i, v in enumerate(comp):
-            if share is None:
-                out.append((v, r, (slice(None),)))
-                continue
-            blocks = split_blocks(views.state_dims[c], i)
-            if not blocks:
-                if share[2]:  # held whole: on the primary leg
-                    out.append((v, r, (slice(None),)))
-                continue
-            far = split_blocks(peer_geom[c][1], i)
-            pre, dec = (blocks, far) if prefill else (far, blocks)
-            unit = v.shape[1] // sum(blocks)
-            for p_off, d_off, n in share_spans(pre, dec, share[0], share[1], unit):
-                at = p_off if prefill else d_off
-                out.append((v, r, (slice(at, at + n),)))
-    return out
 
 
 def _rows_bytes(part: Part) -> int:
@@ -187,28 +205,78 @@ def _runs(rows: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]
     return rows[starts], np.diff(np.concatenate((starts, [rows.size])))
 
 
-def digest(parts: Sequence[Part], algorithm: str = ALGORITHM) -> tuple[int, int]:
-    """(digest, bytes hashed) of ``parts``, in order. Whole rows in few runs are
-    hashed in place; anything else is gathered, a chunk of rows per call."""
-    h = new_hasher(algorithm)
-    total = 0
+#: a stretch of the stream: (a part's rows with its slice applied, the rows to
+#: gather (None: rows [start, ...) read in place), start, first byte, end byte)
+_Seg = tuple[NDArray[np.uint8], "NDArray[np.int64] | None", int, int, int]
+
+
+def _stretches(parts: Sequence[Part]) -> Iterator[tuple[Any, Any, int, int]]:
+    """The stream of ``parts`` as (rows, gather or None, start, bytes): runs of
+    whole rows read in place (few runs, or rows of at least ``_ROW`` bytes),
+    anything else gathered."""
     for v, rows, inner in parts:
         if rows.size == 0:
             continue
         key = (slice(None), *inner)
         sub = v[key]
         row = int(np.prod(sub.shape[1:]))
-        total += row * int(rows.size)
-        if sub.flags.c_contiguous:  # whole rows: runs of them hashed in place
+        if row == 0:
+            continue
+        if sub.flags.c_contiguous:
             starts, lens = _runs(rows)
-            if starts.size * 8 <= rows.size or starts.size == 1:
+            if starts.size == 1 or starts.size * 8 <= rows.size or row >= _ROW:
                 for s, n in zip(starts.tolist(), lens.tolist()):
-                    h.update(sub[s : s + n])
+                    yield sub, None, s, n * row
                 continue
-        step = max(1, _CHUNK // max(row, 1))
-        for a in range(0, rows.size, step):
-            h.update(np.ascontiguousarray(sub[rows[a : a + step]]))
-    return int(h.intdigest()), total
+        yield sub, rows, 0, int(rows.size) * row
+
+
+def _pieces(parts: Sequence[Part]) -> tuple[list[list[_Seg]], int]:
+    """The stream of ``parts`` cut every ``_PIECE`` bytes (wherever its rows and
+    parts break), and its length."""
+    pieces: list[list[_Seg]] = [[]]
+    room, total = _PIECE, 0
+    for sub, rows, start, nbytes in _stretches(parts):
+        at = 0
+        while at < nbytes:
+            n = min(room, nbytes - at)
+            pieces[-1].append((sub, rows, start, at, at + n))
+            at, room, total = at + n, room - n, total + n
+            if room == 0:
+                pieces.append([])
+                room = _PIECE
+    return [p for p in pieces if p], total
+
+
+def _hash_piece(piece: Sequence[_Seg], algorithm: str) -> int:
+    h = new_hasher(algorithm)
+    for sub, rows, start, lo, hi in piece:
+        row = sub[0].size
+        r0, r1 = lo // row, -(-hi // row)
+        if rows is None:
+            block = sub[start + r0 : start + r1]  # whole rows: contiguous, read in place
+        else:
+            block = np.ascontiguousarray(sub[rows[r0:r1]])
+        h.update(block.reshape(-1)[lo - r0 * row : hi - r0 * row])
+    return int(h.intdigest())
+
+
+def _hash_pieces(pieces: Sequence[Sequence[_Seg]]) -> list[int]:
+    return [_hash_piece(p, ALGORITHM) for p in pieces]
+
+
+def _combine(values: Sequence[int], algorithm: str) -> int:
+    h = new_hasher(algorithm)
+    h.update(np.asarray(values, dtype="<u8").tobytes())
+    return int(h.intdigest())
+
+
+def digest(parts: Sequence[Part], algorithm: str = ALGORITHM) -> tuple[int, int]:
+    """(digest, bytes hashed) of ``parts``, in order, on the calling thread: the
+    hash of the hashes of the stream's ``_PIECE``-byte pieces (so that pieces
+    may be hashed in parallel: see :meth:`Views.start`)."""
+    pieces, total = _pieces(parts)
+    return _combine([_hash_piece(p, algorithm) for p in pieces], algorithm), total
 
 
 def flip(parts: Sequence[Part], offset: int = 0) -> bool:
@@ -224,6 +292,20 @@ def flip(parts: Sequence[Part], offset: int = 0) -> bool:
         target[np.unravel_index(offset % target.size, target.shape)] ^= 0xFF
         return True
     return False
+
+
+@attrs.frozen
+class Pending:
+    """A leg's digest being hashed (:meth:`Views.start`): its pieces' hashes to come."""
+
+    futures: list[Future[list[int]]]  # the pieces' hashes, a run of them each
+    sig: int
+    nbytes: int
+
+    def result(self) -> LegDigest:
+        """The digest, once every piece is hashed (waiting for them)."""
+        value = _combine([v for f in self.futures for v in f.result()], ALGORITHM)
+        return LegDigest(value, self.sig, self.nbytes)
 
 
 @attrs.frozen
@@ -264,51 +346,3 @@ def measure(nbytes: int, algorithm: str = ALGORITHM, reps: int = 5) -> float:
         digest([part], algorithm)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
-
-
-def leg_parts(
-    views: Views,
-    pages: NDArray[np.int64],
-    heads: tuple[int, int],
-    slot: int,
-    rows: Sequence[NDArray[np.int64]] | None,
-    state: tuple[Sequence[Sequence[Any]], tuple[int, int, bool] | None, bool],
-) -> list[Part]:
-    """A leg's parts on either side, in the order of the module's docstring:
-    ``pages`` (this side's, after any cached prefix) and ``heads`` (first head
-    here, count) of the KV, metadata row ``slot`` (-1: none), state ``rows``
-    (None: none) with ``state`` = (the other side's state geometry, the split
-    share or None, whether this is prefill)."""
-    parts = views.kv_parts(pages, *heads) if pages.size else []
-    if slot >= 0:
-        parts += views.row_parts(slot)
-    if rows is not None:
-        parts += state_parts(views, rows, *state)
-    return parts
-
-
-def prefill_parts(views: Views, port: Any, req: Any, leg: Any, info: dict[str, Any]) -> list[Part]:
-    """What prefill rank ``port`` sends on ``leg`` of ``req`` (see
-    :mod:`transport.connector.prefill`): its source bytes."""
-    pages = req.src[leg.skip :] if leg.sends else req.src[:0]
-    slot = req.local_slot if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0 else -1
-    rows = req.src_state if leg.state and leg.dst_state is not None else None
-    share = (port.config.tp_rank, leg.peer % req.decode_tp, leg.primary)
-    split = share if port.split_state else None
-    return leg_parts(
-        views, pages, (leg.src_head, leg.count), slot, rows, (info["state_geom"], split, True)
-    )
-
-
-def decode_parts(views: Views, port: Any, req: Any, leg: Any) -> list[Part]:
-    """What decode rank ``port`` holds of ``leg`` of ``req`` once committed (see
-    :mod:`transport.connector.decode`): the same bytes, in its own buffers."""
-    pages = req.pages if leg.sends else req.pages[:0]
-    slot = req.slot if leg.sends and leg.primary else -1
-    rows = req.rows if leg.state else None
-    group = port.mail.group(req.dp, port.store) or {}
-    ptp = int(group.get("tp_size", 1))
-    split = (leg.peer % ptp, port.config.tp_rank, leg.primary) if port.split_state else None
-    return leg_parts(
-        views, pages, (leg.dst_head, leg.count), slot, rows, (group.get("state", []), split, False)
-    )
