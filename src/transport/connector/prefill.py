@@ -40,7 +40,7 @@ from transport.connector.legs import (
 )
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.digest import prefill_digest
+from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
 from transport.staging import Staging
@@ -61,7 +61,9 @@ class PrefillSide:
     """Prefill's part of the protocol on one rank (see the module)."""
 
     RECEIVES: ClassVar[bool] = False  # prefill's memory is only read
-    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+    SAYS: ClassVar[frozenset[Msg]] = frozenset(
+        {Msg.done, Msg.landed, Msg.failed, Msg.gave_up, Msg.stopped}
+    )
     HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
 
     def __init__(self, port: Port) -> None:
@@ -311,9 +313,8 @@ class PrefillSide:
                 leg.fields_out = True
             return True
         if leg.issued < n:
-            at = np.arange(leg.issued, n)
-            keep = at >= leg.skip
-            dst_at = at[keep] - leg.skip
+            at = np.arange(max(leg.issued, leg.skip), n)  # (a cached prefix is not written)
+            dst_at = at - leg.skip
             if dst_at.size and dst_at[-1] >= leg.dst_pages.size:
                 self._refuse(
                     req,
@@ -321,13 +322,14 @@ class PrefillSide:
                     f"(it gave {leg.dst_pages.size} after a prefix of {leg.skip})",
                 )
                 return False
-            if keep.any():
-                w = kv_writes(
-                    p.kv_args, info, leg, src[leg.issued : n][keep], leg.dst_pages[dst_at]
-                )
-                p._submit(req, info, w, b"", store)
-            leg.issued = n
-        if n >= req.num_pages and not leg.fields_out:
+            end = n
+            if at.size:  # (noted: a slice per pass, the engine sends each note meanwhile)
+                take, note = landing_note(p, req, leg, int(dst_at[0]), dst_at.size)
+                end = int(at[take - 1]) + 1 if take < at.size else n
+                w = kv_writes(p.kv_args, info, leg, src[at[:take]], leg.dst_pages[dst_at[:take]])
+                p._submit(req, info, w, note, store)
+            leg.issued = end
+        if n >= req.num_pages and leg.issued >= n and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
                 self._refuse(
                     req,

@@ -7,6 +7,7 @@ from transport.digest.hashing import (
     LegDigest,
     Part,
     Pending,
+    Progress,
     Views,
     digest,
     flip,
@@ -15,8 +16,9 @@ from transport.digest.hashing import (
     signature,
 )
 from transport.digest.parts import (
-    decode_digest,
     decode_parts,
+    decode_progress,
+    landing_note,
     leg_parts,
     prefill_digest,
     prefill_parts,
@@ -40,5 +42,7 @@ __all__ = [
     "prefill_parts",
     "decode_parts",
     "prefill_digest",
-    "decode_digest",
+    "decode_progress",
+    "landing_note",
+    "Progress",
 ]
