@@ -322,14 +322,15 @@ class PrefillSide:
                     f"(it gave {leg.dst_pages.size} after a prefix of {leg.skip})",
                 )
                 return False
-            end = n
-            if at.size:  # (noted: a slice per pass, the engine sends each note meanwhile)
+            while at.size:  # (noted slices: the engine sends each note as it sees it landed)
                 take, note = landing_note(p, req, leg, int(dst_at[0]), dst_at.size)
-                end = int(at[take - 1]) + 1 if take < at.size else n
                 w = kv_writes(p.kv_args, info, leg, src[at[:take]], leg.dst_pages[dst_at[:take]])
                 p._submit(req, info, w, note, store)
-            leg.issued = end
-        if n >= req.num_pages and leg.issued >= n and not leg.fields_out:
+                if note:
+                    p._reap(req, store)
+                at, dst_at = at[take:], dst_at[take:]
+            leg.issued = n
+        if n >= req.num_pages and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
                 self._refuse(
                     req,
