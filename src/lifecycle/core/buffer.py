@@ -106,6 +106,26 @@ class StepBuffer:
             write_slots(slots, self.rank, pos, words)
         return buf
 
+    def repack(
+        self, f: Frame, values: NDArray[np.int8], capacity: int, want: int
+    ) -> NDArray[np.uint8] | None:
+        """:meth:`pack` for a step after a common one (every row fits, no row
+        failed, and the header, capacity and row count of the last pack stand,
+        with the failure slots left PAD by its reduce): only the words are
+        written. None when that is not so (:meth:`pack` then)."""
+        n = f.n
+        if not (
+            self._clean
+            and self._packed == n <= capacity == self._capacity
+            and self._key == (f.key, f.fp, 0, want, False)
+        ):
+            return None
+        buf = self.buf
+        buf[:HEADER] = self._hdr
+        status_words(values, buf[HEADER : HEADER + n])
+        self._clean = False
+        return buf
+
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:
         """The reduce returned this rank's own header and every active row at
         its agreed status (the caller checks that every row was packed).

@@ -123,6 +123,7 @@ class LocalStage:
         now: float,
         step: int,
         clock_error: HookError | None = None,
+        observed: Observation | None = None,
     ) -> None:
         # every stage adds work only when its source can hit: right after a
         # blocking collective each numpy call costs microseconds (cold caches),
@@ -130,13 +131,15 @@ class LocalStage:
         n = f.n
         self.now = now
         staging = self.staging
+        if observed is not None and staging is not None:  # the scatter advances before the poll
+            raise ValueError("a step with a staging gate observes its rows itself")
         early: Exception | None = None
         if staging is not None and n:
             try:
                 staging.advance(f.rooms, f.hidx)
             except Exception as e:  # fails the rows it was asked to advance
                 early = e
-        obs = self.obs = observe(
+        obs = self.obs = observed or observe(
             self.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
         )
         if early is not None:
@@ -151,13 +154,7 @@ class LocalStage:
         hooked = None
         # the common poll (every value live, nothing failed) on a stage no
         # verdict source can hit: no mask to build
-        quiet = obs.clean and (
-            self.faults is None
-            and not t.abort_count
-            and cfg.bootstrap_timeout is None
-            and cfg.waiting_timeout is None
-            and f.meta_bad is None
-        )
+        quiet = obs.clean and self._only_poll(t, f, cfg)
         if not quiet:
             x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
             if n:
@@ -212,6 +209,36 @@ class LocalStage:
         if codes is not None and codes is obs.backend and obs.failed is not None:
             # only the poller's Failed values: they are the Failed rows
             self._failed_at = (local, n, obs.failed.nonzero()[0])
+
+    def _only_poll(self, t: RequestTable, f: Frame, cfg: StepConfig) -> bool:
+        """No verdict source but the poll can hit (no fault hook, abort,
+        timeout or row outside the metadata pool)."""
+        return (
+            self.faults is None
+            and not t.abort_count
+            and cfg.bootstrap_timeout is None
+            and cfg.waiting_timeout is None
+            and f.meta_bad is None
+        )
+
+    def quiet(
+        self, t: RequestTable, f: Frame, cfg: StepConfig, obs: Observation, now: float
+    ) -> bool:
+        """:meth:`run` for a caller that observed the active rows itself
+        (``obs``), with a good clock reading and no staging gate: True when
+        every value is a live status, no verdict source but the poll can hit
+        and no gate has a Success to decide, this stage then left as run
+        would leave it; False, changing nothing, when run must decide."""
+        if not obs.clean or self.staging is not None or not self._only_poll(t, f, cfg):
+            return False
+        values = obs.raw
+        if self.metadata is not None or self.gates:
+            scan = obs.scan if obs.scan is not None else values.tobytes()
+            if _S_BYTE in scan:
+                return False
+        self.obs, self.now = obs, now
+        self.values, self.codes, self.unfailed, self._failed_at = values, None, values, None
+        return True
 
     def _armed(self, cfg: StepConfig) -> tuple[tuple[str, Any], ...]:
         """The sources that can hit under ``cfg`` (kept while ``cfg`` is the same)."""
