@@ -34,6 +34,7 @@ latches as usual); only the value reported changes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,8 +80,23 @@ def reset() -> None:
     _last_failures.clear()
 
 
+def _env_keys() -> tuple[Any, list[Any]] | None:
+    """The environment's own mapping and the failure variables' keys in it
+    (POSIX: the bytes os.environ keeps them under), or None where it has none."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or not callable(encode):
+        return None
+    return data, [encode(v) for v in _faults.ENV_VARS]
+
+
+_ENV = _env_keys()
+
+
 def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
-    """The failure probability as set now, drawing from this process's seeded generator."""
+    """The failure probability as set now, drawing from this process's seeded generator
+    (read on every call: when neither variable is set, two dict lookups say so)."""
+    if _ENV is not None and not any([k in _ENV[0] for k in _ENV[1]]):
+        return None
     fresh = _faults.from_env(rank)
     if fresh is None:
         return None
@@ -152,11 +168,12 @@ def run_consensus(
 ) -> list[int]:
     """One consensus step of ``kind`` over ``groups`` (reduced in order) for the
     caller's list; every argument is checked before anything is polled."""
-    n = _length(pollers, "pollers")
+    n = len(pollers) if type(pollers) is list else _length(pollers, "pollers")
     if decode_reqs is not None and _length(decode_reqs, "decode_reqs") != n:
         raise ValueError(f"decode_reqs has {len(decode_reqs)} entries for {n} pollers")
     for g, name in zip(groups, ("gloo_group", "the CP group")):
-        _check_group(g, name)
+        if g is not None:
+            _check_group(g, name)
     if staging_handler is not None:
         for method in ("is_done", "advance_scatter"):
             if not callable(getattr(staging_handler, method, None)):

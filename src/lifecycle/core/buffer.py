@@ -30,6 +30,8 @@ __all__ = ["StepBuffer"]
 _NONE = np.empty(0, dtype=np.int64)
 _NO_WORDS = np.empty(0, dtype=np.uint8)
 _REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
+#: a status byte to its word with no reason (bytes.translate)
+_WORDS = bytes((b << STATUS_SHIFT) & 0xFF for b in range(256))
 
 
 class StepBuffer:
@@ -48,6 +50,7 @@ class StepBuffer:
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
+        self._view: tuple[NDArray[np.uint8], memoryview] | None = None  # (buf, its view)
 
     def place(self, area: NDArray[np.uint8], capacity: int) -> None:
         """Pack into ``area`` (:func:`buffer_size` bytes of ``capacity``, all
@@ -107,12 +110,13 @@ class StepBuffer:
         return buf
 
     def repack(
-        self, f: Frame, values: NDArray[np.int8], capacity: int, want: int
+        self, f: Frame, scan: bytes | bytearray, capacity: int, want: int
     ) -> NDArray[np.uint8] | None:
         """:meth:`pack` for a step after a common one (every row fits, no row
         failed, and the header, capacity and row count of the last pack stand,
         with the failure slots left PAD by its reduce): only the words are
-        written. None when that is not so (:meth:`pack` then)."""
+        written, from the statuses ``scan`` (a byte each, all live), through a
+        memoryview (no numpy call). None when that is not so (:meth:`pack`)."""
         n = f.n
         if not (
             self._clean
@@ -120,9 +124,13 @@ class StepBuffer:
             and self._key == (f.key, f.fp, 0, want, False)
         ):
             return None
-        buf = self.buf
-        buf[:HEADER] = self._hdr
-        status_words(values, buf[HEADER : HEADER + n])
+        buf, kept = self.buf, self._view
+        view = kept[1] if kept is not None and kept[0] is buf else None
+        if view is None:
+            view = buf.data
+            self._view = (buf, view)
+        view[:HEADER] = self.header
+        view[HEADER : HEADER + n] = scan.translate(_WORDS)
         self._clean = False
         return buf
 
@@ -135,7 +143,7 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
-        return self.unchanged_in(reduced[: HEADER + f.n].tobytes(), 0, f)
+        return self.unchanged_in(reduced.data[: HEADER + f.n].tobytes(), 0, f)
 
     def unchanged_in(self, whole: bytes, at: int, f: Frame) -> bool:
         """:meth:`unchanged` for the segment at ``at`` of a reduced buffer

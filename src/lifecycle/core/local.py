@@ -25,13 +25,15 @@ from lifecycle.errors import HookError
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.graph import GATES
-from lifecycle.status import I8
+from lifecycle.status import I8, KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = ["LocalStage"]
 
 
 _S_BYTE = bytes([int(I8.S)])
+#: the live statuses' bytes (a poll of only these fails nothing)
+_LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
 
 
 class _Lazy:
@@ -221,24 +223,27 @@ class LocalStage:
             and f.meta_bad is None
         )
 
-    def quiet(
-        self, t: RequestTable, f: Frame, cfg: StepConfig, obs: Observation, now: float
-    ) -> bool:
-        """:meth:`run` for a caller that observed the active rows itself
-        (``obs``), with a good clock reading and no staging gate: True when
-        every value is a live status, no verdict source but the poll can hit
-        and no gate has a Success to decide, this stage then left as run
-        would leave it; False, changing nothing, when run must decide."""
-        if not obs.clean or self.staging is not None or not self._only_poll(t, f, cfg):
-            return False
-        values = obs.raw
-        if self.metadata is not None or self.gates:
-            scan = obs.scan if obs.scan is not None else values.tobytes()
-            if _S_BYTE in scan:
-                return False
-        self.obs, self.now = obs, now
+    def quiet(self, t: RequestTable, f: Frame, cfg: StepConfig, scan: bytes | bytearray) -> bool:
+        """Whether :meth:`run` would do nothing but take a caller's poll of the
+        active rows (``scan``: the statuses, a byte each) as it is: every value
+        a live status, no staging gate, no verdict source but the poll can
+        hit, and no gate has a Success to decide. Then :meth:`took` records
+        them as run would."""
+        return not (
+            scan.translate(None, _LIVE)
+            or self.staging is not None
+            or not self._only_poll(t, f, cfg)
+            or ((self.metadata is not None or self.gates) and _S_BYTE in scan)
+        )
+
+    def took(
+        self, values: NDArray[np.int8], scan: bytes, answers: list[object], now: float
+    ) -> None:
+        """This stage as :meth:`run` leaves it on a step :meth:`quiet` accepted."""
+        obs = self.obs = Observation(values)
+        obs.clean, obs.scan, obs.given = True, scan, answers
         self.values, self.codes, self.unfailed, self._failed_at = values, None, values, None
-        return True
+        self.now = now
 
     def _armed(self, cfg: StepConfig) -> tuple[tuple[str, Any], ...]:
         """The sources that can hit under ``cfg`` (kept while ``cfg`` is the same)."""

@@ -28,7 +28,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.rules.graph import VERDICTS
 from lifecycle.status import I8, KVPoll
 
-__all__ = ["Observation", "observe", "poll_each", "statuses", "contained", "BACKEND_REASONS"]
+__all__ = ["Observation", "observe", "poll_each", "statuses", "status_bytes", "contained"]
 
 #: each answer of a per-request poll, and what the polls that raised raised,
 #: by position (see :func:`poll_each`)
@@ -125,19 +125,21 @@ def observe(
     no_index: NDArray[np.bool_] | None,
     rank: int,
     polled: Polled | None = None,
+    values: NDArray[np.int8] | None = None,
 ) -> Observation:
     """Poll the active rows; see the module docstring for what is contained.
 
     ``polled``: a driver without a batch poller that already called each
     active row's handle, in the frame's order (:func:`poll_each`); those
-    answers are taken instead of polling again."""
+    answers are taken instead of polling again (``values``: their
+    :func:`statuses`, if the driver has them)."""
     k = rooms.size
     if poller is not None:
         obs = _batch(poller, rooms, hidx, no_index, rank)
     elif polled is not None:
         if len(polled[0]) != k:
             raise ValueError(f"{len(polled[0])} polled answers for {k} active rows")
-        obs = _observed(polled[0], polled[1], rooms, k)
+        obs = _observed(polled[0], polled[1], rooms, k, values)
     else:
         obs = _observed(*poll_each(map(handles.__getitem__, rows.tolist())), rooms, k)
     raw = obs.raw
@@ -260,9 +262,13 @@ def poll_each(pollers: Iterable[Any]) -> Polled:
 
 
 def _observed(
-    out: list[object], errors: dict[int, BaseException], rooms: NDArray[np.uint64], k: int
+    out: list[object],
+    errors: dict[int, BaseException],
+    rooms: NDArray[np.uint64],
+    k: int,
+    values: NDArray[np.int8] | None = None,
 ) -> Observation:
-    obs = Observation(statuses(out, k))
+    obs = Observation(statuses(out, k) if values is None else values)
     obs.given = out
     _raised(obs, errors, rooms, k, None)
     return obs
@@ -270,31 +276,31 @@ def _observed(
 
 def statuses(out: list[object], k: int) -> NDArray[np.int8]:
     """Each answer as a status, or -1 where it is not one: only integers are
-    statuses (2.7, True or "4" are invalid, never rounded). When every answer's
-    type is an integer type, the check is one pass over the types and one
-    conversion (to bytes when every answer is one: no intermediate array)."""
-    if all(t in _INT_TYPES or _int_type(t) for t in set(map(type, out))):
-        try:
-            raw = bytearray(out)  # type: ignore[arg-type]  # integers only (no bool)
-        except (OverflowError, TypeError, ValueError):  # some value outside 0..255
-            pass
-        else:
-            arr: NDArray[np.int8] = np.frombuffer(raw, dtype=np.int8)  # writable, no copy
-            if raw.translate(None, _STATUS_BYTES):  # some value past 4
-                arr = np.where((arr < 0) | (arr > 4), np.int8(-1), arr).astype(np.int8)
-            return arr
-        try:
-            wide = np.fromiter(out, dtype=np.int64, count=k)
-        except (OverflowError, TypeError, ValueError):
-            pass
-        else:
-            wide[(wide < 0) | (wide > 4)] = -1
-            return wide.astype(np.int8)
-    return np.fromiter(
+    statuses (2.7, True or "4" are invalid, never rounded). When every answer is
+    an integer in 0..255, one pass over their types and one conversion to bytes."""
+    raw = status_bytes(out)
+    if raw is not None:
+        arr: NDArray[np.int8] = np.frombuffer(raw, dtype=np.int8)  # writable, no copy
+        if raw.translate(None, _STATUS_BYTES):  # some value past 4
+            arr = np.where((arr < 0) | (arr > 4), np.int8(-1), arr).astype(np.int8)
+        return arr
+    return np.fromiter(  # some answer not an integer, or past 255: one by one
         (int(x) if validate.is_integer(x) and 0 <= x <= 4 else -1 for x in out),  # type: ignore[call-overload, operator]
         dtype=np.int8,
         count=k,
     )
+
+
+def status_bytes(out: list[object]) -> bytearray | None:
+    """The answers as bytes, one per answer, when every one is an integer (not a
+    bool) in 0..255; else None."""
+    types = set(map(type, out))
+    if not (types <= _INT_TYPES or all([t in _INT_TYPES or _int_type(t) for t in types])):
+        return None
+    try:
+        return bytearray(out)  # type: ignore[arg-type]  # integers only (no bool)
+    except (OverflowError, TypeError, ValueError):  # some value outside 0..255
+        return None
 
 
 _FAILED = int(KVPoll.Failed)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.config import Reading, read_clock
-from lifecycle.core.observe import Observation, Polled, observe
+from lifecycle.config import read_clock
+from lifecycle.core.frame import Frame
+from lifecycle.core.observe import Polled, observe, status_bytes, statuses
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.diagnose import diagnose
@@ -50,22 +51,38 @@ class Stepper(RawStepper):
         them before the next step). ``polled``: each active row's answer, in
         the frame's order, from a driver without a batch poller that polled
         its handles itself (see :func:`~lifecycle.core.observe.poll_each`).
-        The reduce runs on this thread, overlapping nothing."""
-        group = self._as_group()
+        The reduce runs on this thread, overlapping nothing.
+
+        After a common step, a step where only the poll acts (every answer a
+        live status, no gate with a Success to decide, no fault hook, abort,
+        timeout or stuck report) packs only the words, in a few calls."""
+        group, t = self._as_group(), self.table
+        if group._work is not None or self.in_flight or t.busy:
+            group._begin(collective, None)  # raises what a step here raises
+        if polled is not None and self.local.poller is not None:
+            raise ValueError("step_polled(polled=...) of a stepper with a batch poller")
+        read = read_clock(self.clock, self.rank, t.now)
+        f, values = self.frame(), None
+        if polled is not None:
+            answers = polled[0]
+            if len(answers) != f.n:
+                raise ValueError(f"{len(answers)} polled answers for {f.n} active rows")
+            if not (polled[1] or read[1] or t.terminal_count or self.config.stuck_after):
+                scan = status_bytes(answers)
+                buf = None if scan is None else self._quick(f, scan, answers, read[0])
+                if buf is not None:
+                    return self._reduce_quick(collective, f, buf)
+            values = statuses(answers, f.n)
         group._begin(collective, None)
         group._mark()
         try:
-            t, obs = self.table, None
-            read = read_clock(self.clock, self.rank, t.now)
+            obs = None
             if polled is not None:
-                if self.local.poller is not None:
-                    raise ValueError("step_polled(polled=...) of a stepper with a batch poller")
-                fr = self.frame()
-                obs = observe(None, t.handles, fr.rows, fr.rooms, fr.hidx, None, self.rank, polled)
-            buf = None if obs is None else self._quick(obs, read)
-            if buf is None:
-                buf = self._prepare(None, obs, read)  # raises before the table is busy
-            self.table.busy = True
+                obs = observe(
+                    None, t.handles, f.rows, f.rooms, f.hidx, None, self.rank, polled, values
+                )
+            buf = self._prepare(None, obs, read)  # raises before the table is busy
+            t.busy = True
             try:
                 wait_launches()
                 collective.all_reduce_min(buf)
@@ -76,9 +93,7 @@ class Stepper(RawStepper):
                 res = group._conclude(buf, collective)[0]
                 return res.statuses, res
             group._release()
-            f = self._frame
-            assert f is not None
-            if self.table.terminal_count or self.config.stuck_after is not None:
+            if t.terminal_count or self.config.stuck_after is not None:
                 res = group._stuck(collective, self, self._commit_unchanged())
                 return res.statuses, res
             self._commit_quiet()
@@ -86,20 +101,41 @@ class Stepper(RawStepper):
         finally:
             group._landed()
 
-    def _quick(self, obs: Observation, read: Reading) -> NDArray[np.uint8] | None:
-        """prepare() for a step after a common one where only the poll acts
+    def _quick(
+        self, f: Frame, scan: bytearray, answers: list[object], now: float
+    ) -> NDArray[np.uint8] | None:
+        """prepare() for a step where only the poll acts, after a common step
         (:meth:`LocalStage.quiet`, :meth:`StepBuffer.repack`): what prepare
-        would pack, in fewer calls; None where prepare must run."""
-        f = self._frame
-        if f is None or read[1] is not None:
+        would pack, in a few calls; None, changing nothing, where it must run."""
+        if not self.local.quiet(self.table, f, self.config, scan):
             return None
-        if not self.local.quiet(self.table, f, self.config, obs, read[0]):
-            return None
-        buf = self._buffer.repack(f, obs.raw, self._cap.rows, self._want)
-        if buf is None:
-            return None
-        self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
+        buf = self._buffer.repack(f, scan, self._cap.rows, self._want)
+        if buf is not None:
+            self.local.took(np.frombuffer(scan, dtype=np.int8), bytes(scan), answers, now)
+            self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
         return buf
+
+    def _reduce_quick(
+        self, collective: Collective, f: Frame, buf: NDArray[np.uint8]
+    ) -> tuple[NDArray[np.int8], StepResult | None]:
+        """Reduce what :meth:`_quick` packed and apply it, as :meth:`step_polled` does."""
+        t = self.table
+        self.in_flight = t.busy = True
+        try:
+            try:
+                wait_launches()
+                collective.all_reduce_min(buf)
+            except BaseException:
+                t.busy = False
+                raise
+            if self._buffer.unchanged(buf, f):
+                t.busy = False
+                self._commit_quiet()
+                return f.state_all, None
+            res = self._as_group()._conclude(buf, collective)[0]
+            return res.statuses, res
+        finally:
+            self.in_flight = False
 
     def start(
         self, collective: Collective, tag: int | None = None, *, worker: bool = False
