@@ -274,11 +274,12 @@ def _observed(
     return obs
 
 
-def statuses(out: list[object], k: int) -> NDArray[np.int8]:
+def statuses(out: list[object], k: int, raw: bytearray | None = None) -> NDArray[np.int8]:
     """Each answer as a status, or -1 where it is not one: only integers are
     statuses (2.7, True or "4" are invalid, never rounded). When every answer is
-    an integer in 0..255, one pass over their types and one conversion to bytes."""
-    raw = status_bytes(out)
+    an integer in 0..255, one pass over their types and one conversion to bytes
+    (``raw``: :func:`status_bytes` of ``out``, if taken already)."""
+    raw = raw if raw is not None else status_bytes(out)
     if raw is not None:
         arr: NDArray[np.int8] = np.frombuffer(raw, dtype=np.int8)  # writable, no copy
         if raw.translate(None, _STATUS_BYTES):  # some value past 4

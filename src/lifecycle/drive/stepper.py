@@ -67,12 +67,13 @@ class Stepper(RawStepper):
             answers = polled[0]
             if len(answers) != f.n:
                 raise ValueError(f"{len(answers)} polled answers for {f.n} active rows")
+            scan = None
             if not (polled[1] or read[1] or t.terminal_count or self.config.stuck_after):
                 scan = status_bytes(answers)
                 buf = None if scan is None else self._quick(f, scan, answers, read[0])
                 if buf is not None:
                     return self._reduce_quick(collective, f, buf)
-            values = statuses(answers, f.n)
+            values = statuses(answers, f.n, scan)
         group._begin(collective, None)
         group._mark()
         try:
