@@ -95,7 +95,7 @@ _ENV = _env_keys()
 def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
     """The failure probability as set now, drawing from this process's seeded generator
     (read on every call: when neither variable is set, two dict lookups say so)."""
-    if _ENV is not None and not any([k in _ENV[0] for k in _ENV[1]]):
+    if _ENV is not None and _ENV[0].keys().isdisjoint(_ENV[1]):
         return None
     fresh = _faults.from_env(rank)
     if fresh is None:
@@ -197,7 +197,10 @@ def run_consensus(
         metadata_buffers=metadata_buffers,
         server_args=server_args,
         staging_handler=staging_handler,
-        faults=_fault_hook(coll.rank),
+        # the variables are read on every call: when neither is set, in one C call
+        faults=None
+        if _ENV is not None and _ENV[0].keys().isdisjoint(_ENV[1])
+        else _fault_hook(coll.rank),
     )
     _last_failures[:] = failures
     return statuses
@@ -257,7 +260,8 @@ def poll_and_all_reduce(
     ``metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index, 0]`` is
     still 0 counts as Transferring, except on the fake path.
     """
-    _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce")
+    if metadata_buffers is not None and decode_reqs is None:
+        _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce")  # raises
     gated = decode_reqs is not None and metadata_buffers is not None
     return run_consensus(
         "flat",

@@ -216,7 +216,7 @@ class LocalStage:
         """No verdict source but the poll can hit (no fault hook, abort,
         timeout or row outside the metadata pool)."""
         return (
-            self.faults is None
+            self.hooks.faults is None
             and not t.abort_count
             and cfg.bootstrap_timeout is None
             and cfg.waiting_timeout is None
@@ -229,11 +229,12 @@ class LocalStage:
         a live status, no staging gate, no verdict source but the poll can
         hit, and no gate has a Success to decide. Then :meth:`took` records
         them as run would."""
+        h = self.hooks
         return not (
             scan.translate(None, _LIVE)
-            or self.staging is not None
+            or h.staging is not None
             or not self._only_poll(t, f, cfg)
-            or ((self.metadata is not None or self.gates) and _S_BYTE in scan)
+            or ((h.metadata is not None or h.gates) and _S_BYTE in scan)
         )
 
     def took(
