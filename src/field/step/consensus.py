@@ -190,7 +190,10 @@ def run_consensus(
     dlist = decode_reqs if decode_reqs is None or type(decode_reqs) is list else list(decode_reqs)
     first = plist[0] if dlist is None else dlist[0]
     key = (kind, id(coll), gated, staged)
-    session = _session(key, coll, first, gated, staged)
+    pool = _sessions.get(key)  # the queue this list is, most often the one seen last
+    session = (
+        pool[0] if pool and pool[0].holds(first) else _session(key, coll, first, gated, staged)
+    )
     statuses, failures = session.run(
         plist,
         dlist,

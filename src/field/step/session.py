@@ -175,7 +175,9 @@ class Session:
         if self.staging is not None:
             assert decode_reqs is not None
             self.staging.rebind(decode_reqs, staging_handler)
-        stepper = self._stepper(faults, fresh)
+        stepper = self.stepper
+        if stepper is None or fresh or faults is not self.faults:
+            stepper = self._stepper(faults)
         try:
             # the list's pollers are the table's handles in the step's order (not
             # with staging: it advances first and swaps handles): polled here
@@ -348,9 +350,7 @@ class Session:
         )
         self.table, self._want = table, ((), [])
 
-    def _stepper(self, faults: FaultHook | None, rebuild: bool = False) -> Stepper:
-        if self.stepper is not None and not rebuild and faults is self.faults:
-            return self.stepper
+    def _stepper(self, faults: FaultHook | None) -> Stepper:
         assert self.table is not None
         self.faults = faults
         self.stepper = Stepper(
