@@ -116,6 +116,16 @@ class Stepper(RawStepper):
             self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
         return buf
 
+    def _pack(self) -> NDArray[np.uint8]:
+        # after a common step, a step with no Failed value and no tag packs only
+        # its words (StepBuffer.repack: what pack would write, without numpy)
+        f, local = self._frame, self.local
+        if f is not None and self._tag == 0 and local.values is local.unfailed:
+            buf = self._buffer.repack(f, local.values.tobytes(), self._cap.rows, self._want)
+            if buf is not None:
+                return buf
+        return super()._pack()
+
     def _reduce_quick(
         self, collective: Collective, f: Frame, buf: NDArray[np.uint8]
     ) -> tuple[NDArray[np.int8], StepResult | None]:
