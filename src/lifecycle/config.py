@@ -21,6 +21,7 @@ __all__ = [
     "tag_word",
     "require_method",
     "read_clock",
+    "Reading",
     "FIRST_CAPACITY",
     "MAX_CAPACITY",
     "MAX_RANK",
@@ -118,14 +119,18 @@ def require_method(obj: object, method: str, what: str) -> None:
 MAX_RANK = (1 << 24) - 1
 
 
-def read_clock(
-    clock: Callable[[], float], rank: int, last: float
-) -> tuple[float, HookError | None]:
+#: a clock's reading: the time, and the hook error of a clock that misbehaved
+Reading = tuple[float, HookError | None]
+
+
+def read_clock(clock: Callable[[], float], rank: int, last: float) -> Reading:
     """The clock's reading; a clock that raises or answers a non-finite or
     non-numeric value is a hook error (``last``, the table's last time, stands
     in; 0 if it has none)."""
     try:
         value = clock()
+        if type(value) is float and math.isfinite(value):  # the common reading, in one check
+            return value, None
         now = validate.finite(value)
         if now is None:
             raise HookError("clock", rank, f"answered {value!r}, not a finite time")

@@ -167,7 +167,8 @@ class Wrapped:
 
 
 def test_negative_control_a_session_that_trusts_the_list_answers_wrong(coll, monkeypatch):
-    """With the list comparison switched off, a replaced request keeps the old one's answer."""
+    """With the list comparison switched off, a replaced request is taken for the old
+    one: its failure is reported under the old one's room."""
     import field.step.session
 
     monkeypatch.setattr(field.step.session, "_same", lambda a, b: True)
@@ -175,10 +176,12 @@ def test_negative_control_a_session_that_trusts_the_list_answers_wrong(coll, mon
     kept = Session(coll, gated=False, staged=False)
     kw = {"metadata_buffers": None, "server_args": None, "staging_handler": None, "faults": None}
     assert kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0] == [2, 3, 1]
-    queue[0] = Req(4, 0, 0)  # a new request in the first one's place
-    got = kept.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
+    queue[0] = Req(4, 0, 0)  # a new request in the first one's place, failing
+    got = kept.run([r.kv_receiver for r in queue], list(queue), **kw)
     fresh = Session(coll, gated=False, staged=False)
-    assert got != fresh.run([r.kv_receiver for r in queue], list(queue), **kw)[0]
+    want = fresh.run([r.kv_receiver for r in queue], list(queue), **kw)
+    assert [f.room for f in want[1]] == [4]
+    assert (got[0], [f.room for f in got[1]]) != (want[0], [f.room for f in want[1]])
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -34,6 +34,7 @@ latches as usual); only the value reported changes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,8 +80,23 @@ def reset() -> None:
     _last_failures.clear()
 
 
+def _env_keys() -> tuple[Any, list[Any]] | None:
+    """The environment's own mapping and the failure variables' keys in it
+    (POSIX: the bytes os.environ keeps them under), or None where it has none."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or not callable(encode):
+        return None
+    return data, [encode(v) for v in _faults.ENV_VARS]
+
+
+_ENV = _env_keys()
+
+
 def _fault_hook(rank: int) -> _faults.ProbabilisticFaults | None:
-    """The failure probability as set now, drawing from this process's seeded generator."""
+    """The failure probability as set now, drawing from this process's seeded generator
+    (read on every call: when neither variable is set, two dict lookups say so)."""
+    if _ENV is not None and _ENV[0].keys().isdisjoint(_ENV[1]):
+        return None
     fresh = _faults.from_env(rank)
     if fresh is None:
         return None
@@ -152,11 +168,12 @@ def run_consensus(
 ) -> list[int]:
     """One consensus step of ``kind`` over ``groups`` (reduced in order) for the
     caller's list; every argument is checked before anything is polled."""
-    n = _length(pollers, "pollers")
+    n = len(pollers) if type(pollers) is list else _length(pollers, "pollers")
     if decode_reqs is not None and _length(decode_reqs, "decode_reqs") != n:
         raise ValueError(f"decode_reqs has {len(decode_reqs)} entries for {n} pollers")
     for g, name in zip(groups, ("gloo_group", "the CP group")):
-        _check_group(g, name)
+        if g is not None:
+            _check_group(g, name)
     if staging_handler is not None:
         for method in ("is_done", "advance_scatter"):
             if not callable(getattr(staging_handler, method, None)):
@@ -173,14 +190,20 @@ def run_consensus(
     dlist = decode_reqs if decode_reqs is None or type(decode_reqs) is list else list(decode_reqs)
     first = plist[0] if dlist is None else dlist[0]
     key = (kind, id(coll), gated, staged)
-    session = _session(key, coll, first, gated, staged)
+    pool = _sessions.get(key)  # the queue this list is, most often the one seen last
+    session = (
+        pool[0] if pool and pool[0].holds(first) else _session(key, coll, first, gated, staged)
+    )
     statuses, failures = session.run(
         plist,
         dlist,
         metadata_buffers=metadata_buffers,
         server_args=server_args,
         staging_handler=staging_handler,
-        faults=_fault_hook(coll.rank),
+        # the variables are read on every call: when neither is set, in one C call
+        faults=None
+        if _ENV is not None and _ENV[0].keys().isdisjoint(_ENV[1])
+        else _fault_hook(coll.rank),
     )
     _last_failures[:] = failures
     return statuses
@@ -240,7 +263,8 @@ def poll_and_all_reduce(
     ``metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index, 0]`` is
     still 0 counts as Transferring, except on the fake path.
     """
-    _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce")
+    if metadata_buffers is not None and decode_reqs is None:
+        _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce")  # raises
     gated = decode_reqs is not None and metadata_buffers is not None
     return run_consensus(
         "flat",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import operator
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+_INDEX = operator.attrgetter("metadata_buffer_index")
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,18 @@ class RoomGate:
     def landed(
         self, slots: NDArray[np.int64], rooms: NDArray[np.uint64]
     ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        col = self._np
+        if col is not None and self._rooms_known:  # the common case, in few numpy calls
+            try:
+                idx = list(map(_INDEX, map(self._reqs.__getitem__, slots.tolist())))
+            except Exception:  # a request without the attribute: the slow path says which
+                idx = None
+            readable = idx is not None and set(map(type, idx)) <= {int}
+            if readable and idx and min(idx) >= 0 and max(idx) < col.shape[0]:
+                room = col[np.fromiter(idx, dtype=np.int64, count=len(idx))]
+                landed = room != 0
+                want = np.asarray(rooms, dtype=np.uint64).view(np.int64)
+                return landed, landed & (room != want)
         rows = self._rows(slots)
         bad = (rows < 0) | (rows >= len(self._col))
         try:

@@ -20,13 +20,15 @@ them and applies only what changed in the list since the last call:
   field's function would.
 
 A request's position in the list is its handle index (and, for the metadata
-gate, its metadata slot), so the gates read the caller's objects by position.
-"""
+gate, its metadata slot), so the gates read the caller's objects by position,
+and the session polls the list itself, in one loop, when no staging gate
+advances first."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,8 @@ from numpy.typing import NDArray
 
 from field.step.gates import RoomGate, StagingAdapter, is_fake, room_of
 from lifecycle.config import StepConfig
+from lifecycle.core.frame import Frame
+from lifecycle.core.observe import Polled, poll_each
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.stepper import Stepper
 from lifecycle.errors import IllegalTransition
@@ -48,6 +52,7 @@ __all__ = ["Session", "room_of"]
 logger = logging.getLogger(__name__)
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
+_REQ_ROOM = operator.attrgetter("req.bootstrap_room")
 
 
 def _rooms(
@@ -86,6 +91,10 @@ class Session:
         self._prefs: list[Any] = []
         #: the table slot of each live row, in order
         self._slots = _NO_IDS
+        #: ((id(table), its version, k), the rooms of the first k rows)
+        self._want: tuple[tuple[int, ...], list[int]] = ((), [])
+        #: the last frame whose rows were seen to be the list's, in order
+        self._direct: Frame | None = None
 
     def holds(self, first: Any) -> bool:
         """True when ``first`` is one of this session's live rows."""
@@ -166,22 +175,38 @@ class Session:
         if self.staging is not None:
             assert decode_reqs is not None
             self.staging.rebind(decode_reqs, staging_handler)
-        stepper = self._stepper(faults, fresh)
+        stepper = self.stepper
+        if stepper is None or fresh or faults is not self.faults:
+            stepper = self._stepper(faults)
         try:
-            result = stepper.step(self.collective)
+            # the list's pollers are the table's handles in the step's order (not
+            # with staging: it advances first and swaps handles): polled here
+            polled = None if self.staging is not None else self._poll(stepper, pollers)
+            statuses, result = stepper.step_polled(self.collective, polled)
         except IllegalTransition:
             raise  # run() replays what this rank contributed
         except BaseException:
             self._forget()  # whatever state it was left in is not reused
             raise
         self.capacity = stepper.capacity
-        statuses: NDArray[np.int8] = result.statuses
+        if result is None:  # nothing moved, no row is at Success or Failed
+            return statuses.tolist(), []
         assert self.table is not None
         if self.table.terminal_count:
             self._retire(statuses)
         # failures only where some row is at Failed (most calls have none)
         failures = result.failures() if statuses.size and statuses.min() == 0 else []
         return statuses.tolist(), failures
+
+    def _poll(self, stepper: Stepper, pollers: list[Any]) -> Polled | None:
+        """Each poller's answer, when the step's rows are the list's in order
+        (checked once per frame); else None (the step polls its rows)."""
+        f, n = stepper.frame(), len(pollers)
+        if f is not self._direct:
+            if not (f.n == n and f.all_active and np.array_equal(f.hidx, np.arange(n))):
+                return None
+            self._direct = f
+        return poll_each(pollers)
 
     def _forget(self) -> None:
         self.table = self.stepper = None
@@ -259,9 +284,17 @@ class Session:
     def _rooms_hold(self, pollers: list[Any], decode_reqs: list[Any] | None, k: int) -> bool:
         """Whether the first ``k`` requests still carry the rooms their rows hold
         (the metadata gate holds each row to its request's room)."""
-        assert self.table is not None and decode_reqs is not None
-        want = self.table.room[self._slots[:k]].tolist()
-        got = [getattr(getattr(d, "req", d), "bootstrap_room", None) for d in decode_reqs[:k]]
+        table = self.table
+        assert table is not None and decode_reqs is not None
+        key, want = self._want
+        if key != (id(table), table.version, k):  # the rows' rooms, read once per change
+            want = table.room[self._slots[:k]].tolist()
+            self._want = ((id(table), table.version, k), want)
+        reqs = decode_reqs if k == len(decode_reqs) else decode_reqs[:k]
+        try:
+            got = list(map(_REQ_ROOM, reqs))  # the common shape, in one C loop
+        except AttributeError:
+            got = [getattr(getattr(d, "req", d), "bootstrap_room", None) for d in reqs]
         return bool(got == want or _rooms(pollers, decode_reqs, 0)[:k] == want)
 
     def _append(
@@ -315,11 +348,9 @@ class Session:
         self._slots = table.extend(
             ids, handles=pollers, fake=self._fake(decode_reqs, server_args, 0)
         )
-        self.table = table
+        self.table, self._want = table, ((), [])
 
-    def _stepper(self, faults: FaultHook | None, rebuild: bool = False) -> Stepper:
-        if self.stepper is not None and not rebuild and faults is self.faults:
-            return self.stepper
+    def _stepper(self, faults: FaultHook | None) -> Stepper:
         assert self.table is not None
         self.faults = faults
         self.stepper = Stepper(

@@ -30,6 +30,8 @@ __all__ = ["StepBuffer"]
 _NONE = np.empty(0, dtype=np.int64)
 _NO_WORDS = np.empty(0, dtype=np.uint8)
 _REASON_MASK = np.uint8((1 << STATUS_SHIFT) - 1)
+#: a status byte to its word with no reason (bytes.translate)
+_WORDS = bytes((b << STATUS_SHIFT) & 0xFF for b in range(256))
 
 
 class StepBuffer:
@@ -48,6 +50,9 @@ class StepBuffer:
         self._key: tuple[object, ...] = ()
         #: the header as last sent
         self.header = b""
+        self._view: tuple[NDArray[np.uint8], memoryview] | None = None  # (buf, its view)
+        #: (header, unchanged words, the two joined): a common step's reduced bytes
+        self._expect: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
     def place(self, area: NDArray[np.uint8], capacity: int) -> None:
         """Pack into ``area`` (:func:`buffer_size` bytes of ``capacity``, all
@@ -106,6 +111,31 @@ class StepBuffer:
             write_slots(slots, self.rank, pos, words)
         return buf
 
+    def repack(
+        self, f: Frame, scan: bytes | bytearray, capacity: int, want: int
+    ) -> NDArray[np.uint8] | None:
+        """:meth:`pack` for a step after a common one (every row fits, no row
+        failed, and the header, capacity and row count of the last pack stand,
+        with the failure slots left PAD by its reduce): only the words are
+        written, from the statuses ``scan`` (a byte each, all live), through a
+        memoryview (no numpy call). None when that is not so (:meth:`pack`)."""
+        n = f.n
+        if not (
+            self._clean
+            and self._packed == n <= capacity == self._capacity
+            and self._key == (f.key, f.fp, 0, want, False)
+        ):
+            return None
+        buf, kept = self.buf, self._view
+        view = kept[1] if kept is not None and kept[0] is buf else None
+        if view is None:
+            view = buf.data
+            self._view = (buf, view)
+        view[:HEADER] = self.header
+        view[HEADER : HEADER + n] = scan.translate(_WORDS)
+        self._clean = False
+        return buf
+
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:
         """The reduce returned this rank's own header and every active row at
         its agreed status (the caller checks that every row was packed).
@@ -115,7 +145,12 @@ class StepBuffer:
         equal to its row's agreed status (a failure would read Failed) no row
         moves, nothing can raise and no origin is fetched (and no rank
         failed a row, so no rank wrote a failure slot)."""
-        return self.unchanged_in(reduced[: HEADER + f.n].tobytes(), 0, f)
+        words, exp = f.unchanged_words(), self._expect
+        if exp[0] is not self.header or exp[1] is not words:  # both kept until they change
+            exp = self._expect = (self.header, words, self.header + words)
+        same = reduced.data[: HEADER + f.n].tobytes() == exp[2]
+        self._clean = same
+        return same
 
     def unchanged_in(self, whole: bytes, at: int, f: Frame) -> bool:
         """:meth:`unchanged` for the segment at ``at`` of a reduced buffer

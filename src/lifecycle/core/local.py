@@ -25,13 +25,15 @@ from lifecycle.errors import HookError
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.graph import GATES
-from lifecycle.status import I8
+from lifecycle.status import I8, KVPoll
 from lifecycle.table import RequestTable
 
 __all__ = ["LocalStage"]
 
 
 _S_BYTE = bytes([int(I8.S)])
+#: the live statuses' bytes (a poll of only these fails nothing)
+_LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
 
 
 class _Lazy:
@@ -123,6 +125,7 @@ class LocalStage:
         now: float,
         step: int,
         clock_error: HookError | None = None,
+        observed: Observation | None = None,
     ) -> None:
         # every stage adds work only when its source can hit: right after a
         # blocking collective each numpy call costs microseconds (cold caches),
@@ -130,13 +133,15 @@ class LocalStage:
         n = f.n
         self.now = now
         staging = self.staging
+        if observed is not None and staging is not None:  # the scatter advances before the poll
+            raise ValueError("a step with a staging gate observes its rows itself")
         early: Exception | None = None
         if staging is not None and n:
             try:
                 staging.advance(f.rooms, f.hidx)
             except Exception as e:  # fails the rows it was asked to advance
                 early = e
-        obs = self.obs = observe(
+        obs = self.obs = observed or observe(
             self.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
         )
         if early is not None:
@@ -151,13 +156,7 @@ class LocalStage:
         hooked = None
         # the common poll (every value live, nothing failed) on a stage no
         # verdict source can hit: no mask to build
-        quiet = obs.clean and (
-            self.faults is None
-            and not t.abort_count
-            and cfg.bootstrap_timeout is None
-            and cfg.waiting_timeout is None
-            and f.meta_bad is None
-        )
+        quiet = obs.clean and self._only_poll(t, f, cfg)
         if not quiet:
             x = Inputs(t, f, cfg, now, step, obs, self.hooks, self.rank)
             if n:
@@ -212,6 +211,40 @@ class LocalStage:
         if codes is not None and codes is obs.backend and obs.failed is not None:
             # only the poller's Failed values: they are the Failed rows
             self._failed_at = (local, n, obs.failed.nonzero()[0])
+
+    def _only_poll(self, t: RequestTable, f: Frame, cfg: StepConfig) -> bool:
+        """No verdict source but the poll can hit (no fault hook, abort,
+        timeout or row outside the metadata pool)."""
+        return (
+            self.hooks.faults is None
+            and not t.abort_count
+            and cfg.bootstrap_timeout is None
+            and cfg.waiting_timeout is None
+            and f.meta_bad is None
+        )
+
+    def quiet(self, t: RequestTable, f: Frame, cfg: StepConfig, scan: bytes | bytearray) -> bool:
+        """Whether :meth:`run` would do nothing but take a caller's poll of the
+        active rows (``scan``: the statuses, a byte each) as it is: every value
+        a live status, no staging gate, no verdict source but the poll can
+        hit, and no gate has a Success to decide. Then :meth:`took` records
+        them as run would."""
+        h = self.hooks
+        return not (
+            scan.translate(None, _LIVE)
+            or h.staging is not None
+            or not self._only_poll(t, f, cfg)
+            or ((h.metadata is not None or h.gates) and _S_BYTE in scan)
+        )
+
+    def took(
+        self, values: NDArray[np.int8], scan: bytes, answers: list[object], now: float
+    ) -> None:
+        """This stage as :meth:`run` leaves it on a step :meth:`quiet` accepted."""
+        obs = self.obs = Observation(values)
+        obs.clean, obs.scan, obs.given = True, scan, answers
+        self.values, self.codes, self.unfailed, self._failed_at = values, None, values, None
+        self.now = now
 
     def _armed(self, cfg: StepConfig) -> tuple[tuple[str, Any], ...]:
         """The sources that can hit under ``cfg`` (kept while ``cfg`` is the same)."""

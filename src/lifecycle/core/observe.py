@@ -16,7 +16,7 @@ collective:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,11 @@ from lifecycle.reasons import FailureReason
 from lifecycle.rules.graph import VERDICTS
 from lifecycle.status import I8, KVPoll
 
-__all__ = ["Observation", "observe", "contained", "BACKEND_REASONS"]
+__all__ = ["Observation", "observe", "poll_each", "statuses", "status_bytes", "contained"]
+
+#: each answer of a per-request poll, and what the polls that raised raised,
+#: by position (see :func:`poll_each`)
+Polled = tuple[list[object], dict[int, BaseException]]
 
 _F = I8.F
 _I8 = np.dtype(np.int8)
@@ -38,6 +42,7 @@ _UNKNOWN = np.int8(FailureReason.UNKNOWN)
 #: numpy reduction right after a collective, when caches are cold)
 _LIVE = bytes(int(s) for s in KVPoll if s != KVPoll.Failed)
 _FAILED_BYTE = bytes([int(KVPoll.Failed)])
+_STATUS_BYTES = bytes(int(s) for s in KVPoll)
 _HOOK = FailureReason.HOOK_ERROR
 #: reasons a backend may report for a Failed (its own, or a peer's it relays)
 BACKEND_REASONS = np.array(
@@ -119,14 +124,24 @@ def observe(
     hidx: NDArray[np.int64],
     no_index: NDArray[np.bool_] | None,
     rank: int,
+    polled: Polled | None = None,
+    values: NDArray[np.int8] | None = None,
 ) -> Observation:
-    """Poll the active rows; see the module docstring for what is contained."""
+    """Poll the active rows; see the module docstring for what is contained.
+
+    ``polled``: a driver without a batch poller that already called each
+    active row's handle, in the frame's order (:func:`poll_each`); those
+    answers are taken instead of polling again (``values``: their
+    :func:`statuses`, if the driver has them)."""
     k = rooms.size
-    obs = (
-        _batch(poller, rooms, hidx, no_index, rank)
-        if poller is not None
-        else _each(handles, rows, rooms)
-    )
+    if poller is not None:
+        obs = _batch(poller, rooms, hidx, no_index, rank)
+    elif polled is not None:
+        if len(polled[0]) != k:
+            raise ValueError(f"{len(polled[0])} polled answers for {k} active rows")
+        obs = _observed(polled[0], polled[1], rooms, k, values)
+    else:
+        obs = _observed(*poll_each(map(handles.__getitem__, rows.tolist())), rooms, k)
     raw = obs.raw
     if not k:
         return obs
@@ -228,45 +243,65 @@ def _batch(
     return obs
 
 
-def _each(
-    handles: Sequence[Any], rows: NDArray[np.int64], rooms: NDArray[np.uint64]
-) -> Observation:
-    k = rooms.size
+def poll_each(pollers: Iterable[Any]) -> Polled:
+    """Call each poller's ``poll()`` in order: the answers, and the exception of
+    each poll that raised by its position (its answer there is Failed)."""
     out: list[object] = []
     append = out.append
     errors: dict[int, BaseException] = {}
-    it = iter(rows.tolist())
-    while True:  # one loop over every handle; a poll that raises is noted and skipped
+    it = iter(pollers)
+    while True:  # one loop over every poller; a poll that raises is noted and skipped
         try:
-            for s in it:
-                append(handles[s].poll())
+            for p in it:
+                append(p.poll())
             break
         except Exception as e:
             errors[len(out)] = e
             append(_FAILED)
-    obs = Observation(_statuses(out, k))
+    return out, errors
+
+
+def _observed(
+    out: list[object],
+    errors: dict[int, BaseException],
+    rooms: NDArray[np.uint64],
+    k: int,
+    values: NDArray[np.int8] | None = None,
+) -> Observation:
+    obs = Observation(statuses(out, k) if values is None else values)
     obs.given = out
     _raised(obs, errors, rooms, k, None)
     return obs
 
 
-def _statuses(out: list[object], k: int) -> NDArray[np.int8]:
+def statuses(out: list[object], k: int, raw: bytearray | None = None) -> NDArray[np.int8]:
     """Each answer as a status, or -1 where it is not one: only integers are
-    statuses (2.7, True or "4" are invalid, never rounded). When every answer's
-    type is an integer type, the check is one pass over the types and one array."""
-    if all(t in _INT_TYPES or _int_type(t) for t in set(map(type, out))):
-        try:
-            wide = np.fromiter(out, dtype=np.int64, count=k)
-        except (OverflowError, TypeError, ValueError):
-            pass
-        else:
-            wide[(wide < 0) | (wide > 4)] = -1
-            return wide.astype(np.int8)
-    return np.fromiter(
+    statuses (2.7, True or "4" are invalid, never rounded). When every answer is
+    an integer in 0..255, one pass over their types and one conversion to bytes
+    (``raw``: :func:`status_bytes` of ``out``, if taken already)."""
+    raw = raw if raw is not None else status_bytes(out)
+    if raw is not None:
+        arr: NDArray[np.int8] = np.frombuffer(raw, dtype=np.int8)  # writable, no copy
+        if raw.translate(None, _STATUS_BYTES):  # some value past 4
+            arr = np.where((arr < 0) | (arr > 4), np.int8(-1), arr).astype(np.int8)
+        return arr
+    return np.fromiter(  # some answer not an integer, or past 255: one by one
         (int(x) if validate.is_integer(x) and 0 <= x <= 4 else -1 for x in out),  # type: ignore[call-overload, operator]
         dtype=np.int8,
         count=k,
     )
+
+
+def status_bytes(out: list[object]) -> bytearray | None:
+    """The answers as bytes, one per answer, when every one is an integer (not a
+    bool) in 0..255; else None."""
+    types = set(map(type, out))
+    if not (types <= _INT_TYPES or all([t in _INT_TYPES or _int_type(t) for t in types])):
+        return None
+    try:
+        return bytearray(out)  # type: ignore[arg-type]  # integers only (no bool)
+    except (OverflowError, TypeError, ValueError):  # some value outside 0..255
+        return None
 
 
 _FAILED = int(KVPoll.Failed)

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-Per rank, for the ordered list of live requests of one queue, a step is
-five stages; every docstring numbers them so:
+Per rank, for the ordered list of live requests of one queue, a step is five
+stages; every docstring numbers them so:
 
 1. **frame** (:mod:`~lifecycle.core.frame`) -- the rows not yet agreed
    terminal, gathered once per change of the table (terminal rows latch).
@@ -49,6 +49,7 @@ from lifecycle.config import (
     FIRST_CAPACITY,
     MAX_CAPACITY,
     MAX_RANK,
+    Reading,
     StepConfig,
     read_clock,
     require_method,
@@ -58,6 +59,7 @@ from lifecycle.core.buffer import StepBuffer
 from lifecycle.core.capacity import Capacity
 from lifecycle.core.frame import Frame
 from lifecycle.core.local import LocalStage
+from lifecycle.core.observe import Observation
 from lifecycle.core.packing import Header, buffer_size, stable_hash
 from lifecycle.core.settle import Settled, Who, settle, unchanged_result
 from lifecycle.errors import InvalidArgument, ReducedBufferMismatch, StepInFlight
@@ -109,11 +111,8 @@ class RawStepper:
             agreed_capacity = validate.integer(
                 agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
             )
-        self.table = table
-        self.rank = rank
-        self.queue = queue
-        self.config = config or StepConfig()
-        self.clock = clock
+        self.table, self.rank, self.queue = table, rank, queue
+        self.config, self.clock = config or StepConfig(), clock
         self.local = LocalStage(
             rank, poller=poller, staging=staging, metadata=metadata, gates=gates, faults=faults
         )
@@ -134,8 +133,7 @@ class RawStepper:
         self._want = Capacity.first(self.config.initial_capacity).rows
         self._frame: Frame | None = None
         self._buffer = StepBuffer(rank, self.config.fingerprint, stable_hash(queue))
-        self._tag = 0
-        self._prepared = False
+        self._tag, self._prepared = 0, False
         self._settled: Settled | None = None
         #: (a reduced buffer, its header) of the step in hand
         self._seen: tuple[NDArray[np.uint8], Header] | None = None
@@ -172,20 +170,22 @@ class RawStepper:
         self._idle("prepare")
         return self._prepare(tag)
 
-    def _prepare(self, tag: int | None) -> NDArray[np.uint8]:
-        word = 0 if tag is None else tag_word(tag, self.rank)
-        t = self.table
-        f = self._frame
+    def frame(self) -> Frame:
+        """The rows the next step works on (rebuilt when the table changed)."""
+        t, f = self.table, self._frame
         if t._limbo or f is None or f.key != (t.version, t.columns_version, t.terminal_count):
-            f = self._frame = Frame.of(
-                t, f, self._pool, self._by_index, self.local.metadata is not None
-            )
-        now, late = read_clock(self.clock, self.rank, t.now)
-        self.local.run(t, f, self.config, now, t.step_no + 1, late)
-        self._tag = word
-        self._prepared = True
-        self._settled = None
-        self._seen = None
+            meta = self.local.metadata is not None
+            f = self._frame = Frame.of(t, f, self._pool, self._by_index, meta)
+        return f
+
+    def _prepare(
+        self, tag: int | None, observed: Observation | None = None, read: Reading | None = None
+    ) -> NDArray[np.uint8]:
+        word = 0 if tag is None else tag_word(tag, self.rank)
+        t, f = self.table, self.frame()  # ``read``: the clock's reading, if taken already
+        now, late = read or read_clock(self.clock, self.rank, t.now)
+        self.local.run(t, f, self.config, now, t.step_no + 1, late, observed)
+        self._tag, self._prepared, self._settled, self._seen = word, True, None, None
         return self._pack()
 
     def _pack(self) -> NDArray[np.uint8]:
@@ -264,17 +264,20 @@ class RawStepper:
         return unchanged_result(self.queue, self.local, f, self.table.step_no + 1)
 
     def _commit_unchanged(self, result: StepResult | None = None) -> StepResult:
+        result = result or self.unchanged_result()
+        self._commit_quiet()
+        return result
+
+    def _commit_quiet(self) -> None:
+        """:meth:`commit_unchanged` for a driver that builds no result."""
         f = self._frame
         assert f is not None and self._prepared
-        result = result or self.unchanged_result()
         # the header came back as this rank sent it: its own floor was agreed
         cap = self._cap
         if cap.floor < self._want or cap.rows < cap.floor or f.n * 4 < cap.rows:
             self._cap = cap.with_floor(self._want).settled(f.n)  # else: nothing changes
-        self._prepared = False
-        self._settled = None
-        self.table.step_no, self.table.now = result.step, self.local.now
-        return result
+        self._prepared, self._settled = False, None
+        self.table.step_no, self.table.now = self.table.step_no + 1, self.local.now
 
     def repack(self) -> NDArray[np.uint8]:
         """The prepared local values at the current capacity (no second poll)."""
@@ -301,11 +304,9 @@ class RawStepper:
         if not self._prepared or self._frame is None:
             raise RuntimeError("origins() before prepare(): a step is prepare, reduce, apply")
         if self._settled is None:
-            who = Who(self.rank, self.queue, self.config)
-            hdr = self._header(reduced)
-            self._settled = settle(
-                who, self._frame, hdr, reduced, self.capacity, self._tag, self.local
-            )
+            who, hdr = Who(self.rank, self.queue, self.config), self._header(reduced)
+            f, cap = self._frame, self.capacity
+            self._settled = settle(who, f, hdr, reduced, cap, self._tag, self.local)
         return self._settled.fetch
 
     def apply(
@@ -355,8 +356,7 @@ class RawStepper:
     def _commit(self, settled: Settled) -> StepResult:
         if settled is not self._settled:
             raise RuntimeError("commit(): pass the outcome settle() returned for this step")
-        self._prepared = False
-        self._settled = None
+        self._prepared, self._settled = False, None
         self._cap = self._cap.settled(settled.hdr.need)
         return settled.commit(self.table, self.local, self.queue, self.config.recovery)
 

@@ -10,6 +10,12 @@ a group share one driver.
 
 from __future__ import annotations
 
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle.config import read_clock
+from lifecycle.core.frame import Frame
+from lifecycle.core.observe import Polled, observe, status_bytes, statuses
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.diagnose import diagnose
@@ -34,6 +40,113 @@ class Stepper(RawStepper):
     def step(self, collective: Collective, tag: int | None = None) -> StepResult:
         """prepare -> MIN all-reduce over ``collective`` -> apply."""
         return self._as_group().step(collective, tag)[0]
+
+    def step_polled(
+        self, collective: Collective, polled: Polled | None = None
+    ) -> tuple[NDArray[np.int8], StepResult | None]:
+        """:meth:`step` for a driver that needs the agreed statuses first:
+        (the whole list's agreed statuses, the step's result). On a step where
+        nothing moved and no row is terminal (the common one) no result is
+        built: it is None, and the statuses are the table's own column (read
+        them before the next step). ``polled``: each active row's answer, in
+        the frame's order, from a driver without a batch poller that polled
+        its handles itself (see :func:`~lifecycle.core.observe.poll_each`).
+        The reduce runs on this thread, overlapping nothing.
+
+        After a common step, a step where only the poll acts (every answer a
+        live status, no gate with a Success to decide, no fault hook, abort,
+        timeout or stuck report) packs only the words, in a few calls."""
+        group, t = self._as_group(), self.table
+        if group._work is not None or self.in_flight or t.busy:
+            group._begin(collective, None)  # raises what a step here raises
+        if polled is not None and self.local.poller is not None:
+            raise ValueError("step_polled(polled=...) of a stepper with a batch poller")
+        read = read_clock(self.clock, self.rank, t.now)
+        f, values = self.frame(), None
+        if polled is not None:
+            answers = polled[0]
+            if len(answers) != f.n:
+                raise ValueError(f"{len(answers)} polled answers for {f.n} active rows")
+            scan = None
+            if not (polled[1] or read[1] or t.terminal_count or self.config.stuck_after):
+                scan = status_bytes(answers)
+                buf = None if scan is None else self._quick(f, scan, answers, read[0])
+                if buf is not None:
+                    return self._reduce_quick(collective, f, buf)
+            values = statuses(answers, f.n, scan)
+        group._begin(collective, None)
+        group._mark()
+        try:
+            obs = None
+            if polled is not None:
+                obs = observe(
+                    None, t.handles, f.rows, f.rooms, f.hidx, None, self.rank, polled, values
+                )
+            buf = self._prepare(None, obs, read)  # raises before the table is busy
+            t.busy = True
+            try:
+                wait_launches()
+                collective.all_reduce_min(buf)
+            except BaseException:
+                group._release()
+                raise
+            if not self._unchanged(buf):
+                res = group._conclude(buf, collective)[0]
+                return res.statuses, res
+            group._release()
+            if t.terminal_count or self.config.stuck_after is not None:
+                res = group._stuck(collective, self, self._commit_unchanged())
+                return res.statuses, res
+            self._commit_quiet()
+            return f.state_all, None
+        finally:
+            group._landed()
+
+    def _quick(
+        self, f: Frame, scan: bytearray, answers: list[object], now: float
+    ) -> NDArray[np.uint8] | None:
+        """prepare() for a step where only the poll acts, after a common step
+        (:meth:`LocalStage.quiet`, :meth:`StepBuffer.repack`): what prepare
+        would pack, in a few calls; None, changing nothing, where it must run."""
+        if not self.local.quiet(self.table, f, self.config, scan):
+            return None
+        buf = self._buffer.repack(f, scan, self._cap.rows, self._want)
+        if buf is not None:
+            self.local.took(np.frombuffer(scan, dtype=np.int8), bytes(scan), answers, now)
+            self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
+        return buf
+
+    def _pack(self) -> NDArray[np.uint8]:
+        # after a common step, a step with no Failed value and no tag packs only
+        # its words (StepBuffer.repack: what pack would write, without numpy)
+        f, local = self._frame, self.local
+        if f is not None and self._tag == 0 and local.values is local.unfailed:
+            buf = self._buffer.repack(f, local.values.tobytes(), self._cap.rows, self._want)
+            if buf is not None:
+                return buf
+        return super()._pack()
+
+    def _reduce_quick(
+        self, collective: Collective, f: Frame, buf: NDArray[np.uint8]
+    ) -> tuple[NDArray[np.int8], StepResult | None]:
+        """Reduce what :meth:`_quick` packed and apply it, as :meth:`step_polled` does."""
+        t = self.table
+        self.in_flight = t.busy = True
+        try:
+            try:
+                wait_launches()
+                collective.all_reduce_min(buf)
+            except BaseException:
+                t.busy = False
+                raise
+            if self._buffer.unchanged(buf, f):
+                t.busy = False
+                self._commit_quiet()
+                return f.state_all, None
+            res = self._as_group()._conclude(buf, collective)[0]
+            return res.statuses, res
+        finally:
+            self.in_flight = False
 
     def start(
         self, collective: Collective, tag: int | None = None, *, worker: bool = False

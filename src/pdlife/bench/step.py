@@ -196,11 +196,14 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
             f()
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
-    for rep in range(reps):
-        # rotate the order so each variant follows each other one equally often
-        # (what ran before decides how cold the caches are)
-        k = rep % len(order)
-        for name, f in order[k:] + order[:k]:
+    # a new order every repetition, the same on both ranks (their collectives
+    # pair up): what ran before decides how cold the caches are and whether
+    # the vCPU sat idle, and a rotation would put each variant after the same
+    # one every time (one of them after overlap_inline's 5 ms sleep)
+    shuffle = np.random.default_rng(n)
+    for _ in range(reps):
+        for i in shuffle.permutation(len(order)).tolist():
+            name, f = order[i]
             dist.barrier()
             t0 = time.perf_counter()
             visible = f()
