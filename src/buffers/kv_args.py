@@ -209,6 +209,13 @@ class KVArgs:
     #: (each head's tokens one after the other: (kv_head_num, page_size, head
     #: bytes)), so that a rank's slice of a page is one run. Both sides must agree.
     heads_major: bool = attrs.field(default=False, validator=_CHECK.flag())
+    #: KV heads per head-group region: 0 (the default), a page is one block of the
+    #: buffer (laid out as ``heads_major`` says); k >= 1, each KV buffer is cut into
+    #: ``kv_head_num / k`` regions one after the other, region g holding heads
+    #: ``[g*k, (g+1)*k)`` of every page as (pages, page_size, k, head bytes), so a
+    #: head group of consecutive pages is one run. k divides kv_head_num; token-major
+    #: only. Both sides must give the same k.
+    head_group: int = attrs.field(default=0, validator=_CHECK.integer(0))
 
     def __attrs_post_init__(self) -> None:
         for kind in ("kv", "aux"):
@@ -219,6 +226,22 @@ class KVArgs:
                     _CHECK.fail(
                         self, name, got, f"{len(ptrs)} entries, parallel to {kind}_data_ptrs"
                     )
+        if self.head_group and self.kv_head_num % self.head_group:
+            _CHECK.fail(
+                self,
+                "head_group",
+                self.head_group,
+                f"0 (no head groups) or a head count that divides kv_head_num "
+                f"({self.kv_head_num}): a page's heads are cut into whole groups",
+            )
+        if self.head_group and self.heads_major:
+            _CHECK.fail(
+                self,
+                "head_group",
+                self.head_group,
+                "0 with head-major pages (heads_major=True): a head-group region is "
+                "token-major, (pages, page_size, head_group, head bytes)",
+            )
         unit = self.page_size * self.kv_head_num
         for i, item in enumerate(self.kv_item_lens):
             if item % unit:
@@ -250,6 +273,11 @@ class KVArgs:
     def head_bytes(self) -> tuple[int, ...]:
         """Bytes of one head of one token, per KV buffer."""
         return tuple(it // (self.page_size * self.kv_head_num) for it in self.kv_item_lens)
+
+    @property
+    def head_groups(self) -> int:
+        """Regions each KV buffer is cut into (1 without head groups)."""
+        return self.kv_head_num // self.head_group if self.head_group else 1
 
     def with_state(self, *components: StateComponent) -> KVArgs:
         """A copy with ``components`` appended after the existing ones (order matters)."""

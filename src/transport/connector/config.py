@@ -157,6 +157,14 @@ def check_fit(kv_args: Any, config: Any) -> int:
                 "False with head-major pages (KVArgs.heads_major): a rank's head slice of a "
                 "head-major page is one run already; staging gathers token-major slices",
             )
+        if kv_args.head_group:
+            _C.fail(
+                c,
+                "staging",
+                True,
+                "False with pages cut in head groups (KVArgs.head_group): a head group of "
+                "consecutive pages is one run already; staging gathers token-major slices",
+            )
         if not kv_args.aux_data_lens:
             _C.fail(
                 c,

@@ -77,7 +77,7 @@ class PrefillSide:
         """Publish this DP group's record: decode plans its legs from it."""
         p, c = self.port, self.port.config
         group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
-        group["heads_major"] = p.kv_args.heads_major
+        group.update(heads_major=p.kv_args.heads_major, head_group=p.kv_args.head_group)
         p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
 
     def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
@@ -104,7 +104,7 @@ class PrefillSide:
                 f"prefill {p.kv_heads} (mla={c.mla})"
             )
         else:
-            why = layout_misfit(p.kv_args.heads_major, bool(msg.get("heads_major", False)))
+            why = layout_misfit(p.kv_args, msg)
             why = why or state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
         if why is not None:
             self._refuse(req, f"{why}; both sides must serve the same model")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import threading
 import zlib
@@ -116,16 +117,19 @@ def _view(ptr: int, nbytes: int) -> NDArray[np.uint8]:
 
 class Views:
     """One rank's buffers as numpy rows: KV pages as (pages, tokens, heads, bytes)
-    (head-major: (pages, heads, tokens, bytes)), metadata and state as (rows, bytes);
+    (head-major: (pages, heads, tokens, bytes); cut in head groups, one such view
+    per group region, of the group's heads), metadata and state as (rows, bytes);
     and the threads that hash them (:meth:`start`)."""
 
     def __init__(self, kv: KVArgs, threads: int | None = None) -> None:
         ps, heads = kv.page_size, kv.kv_head_num
         self.heads_major = kv.heads_major
-        self.kv = []
+        self.group = kv.head_group or heads  # heads per region
+        self.kv: list[list[NDArray[np.uint8]]] = []  # per buffer, its regions
         for p, n, it, hb in zip(kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens, kv.head_bytes):
-            shape = (heads, ps, hb) if kv.heads_major else (ps, heads, hb)
-            self.kv.append(_view(p, n - n % it).reshape(-1, *shape))
+            shape = (heads, ps, hb) if kv.heads_major else (ps, self.group, hb)
+            whole = _view(p, n - n % it).reshape(kv.head_groups, -1, *shape)
+            self.kv.append(list(whole))
         self.aux = [
             _view(p, n - n % it).reshape(-1, it)
             for p, n, it in zip(kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens)
@@ -173,10 +177,17 @@ class Views:
             pool.shutdown(wait=True)
 
     def kv_parts(self, pages: NDArray[np.int64], head: int, count: int) -> list[Part]:
-        """Heads ``[head, head + count)`` of ``pages`` in every KV buffer."""
-        heads = slice(head, head + count)
-        inner = (heads,) if self.heads_major else (slice(None), heads)
-        return [(v, pages, inner) for v in self.kv]
+        """Heads ``[head, head + count)`` of ``pages`` in every KV buffer (cut in
+        head groups: buffer by buffer, the slice's piece in each group in turn)."""
+        if self.heads_major:
+            return [(v[0], pages, (slice(head, head + count),)) for v in self.kv]
+        k, end = self.group, head + count
+        cuts = [head, *range((head // k + 1) * k, end, k), end]
+        return [
+            (v[lo // k], pages, (slice(None), slice(lo % k, lo % k + hi - lo)))
+            for v in self.kv
+            for lo, hi in itertools.pairwise(cuts)
+        ]
 
     def row_parts(self, slot: int) -> list[Part]:
         """Metadata row ``slot``: every field, the room column (the last) last."""
