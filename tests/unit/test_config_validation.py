@@ -170,6 +170,7 @@ KV_BAD = {
     "ib_device": text(none=True),
     "kv_head_num": ints(1),
     "heads_major": FLAG,
+    "head_group": ints(0),
 }
 KV_MISFITS = [
     (dict(kv_data_lens=[1024, 1024]), "kv_data_lens"),  # not parallel to the pointers
@@ -179,6 +180,9 @@ KV_MISFITS = [
     (dict(kv_data_lens=[1000]), "kv_data_lens"),  # not a whole number of pages
     (dict(kv_data_ptrs=[1, 2], kv_data_lens=[1024, 2048], kv_item_lens=[64, 64]), "kv_data_lens"),
     (dict(aux_data_ptrs=[1], aux_data_lens=[100], aux_item_lens=[64]), "aux_data_lens"),
+    (dict(kv_head_num=4, head_group=3), "head_group"),  # groups must cut the heads evenly
+    (dict(kv_head_num=4, head_group=2, heads_major=True), "head_group"),  # token-major only
+    (dict(kv_head_num=4, head_group=2), None),
 ]
 
 STATE = dict(type=StateType.MAMBA, ptrs=[0, 4096], lens=[640, 640], item_lens=[64, 64])
@@ -352,11 +356,15 @@ def test_numpy_integers_are_integers_and_become_python_ints():
 
 
 # -- a connector: its config against its KVArgs, before anything starts -------------------------
-def _kv(pages=8, aux=True, heads=1, heads_major=False):
-    kv = [torch.zeros((pages, 64 * heads), dtype=torch.uint8)]
+def _kv(pages=8, aux=True, heads=1, heads_major=False, head_group=0):
+    shape = (heads // head_group, pages, 64 * head_group) if head_group else (pages, 64 * heads)
+    kv = [torch.zeros(shape, dtype=torch.uint8)]
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     infos = MetadataBuffers(4, layout).buf_infos() if aux else ([], [], [])
-    return kv_args_for(kv, infos, 0, kv_head_num=heads, heads_major=heads_major), kv
+    args = kv_args_for(
+        kv, infos, 0, kv_head_num=heads, heads_major=heads_major, head_group=head_group
+    )
+    return args, kv
 
 
 @pytest.mark.parametrize(
@@ -367,6 +375,8 @@ def _kv(pages=8, aux=True, heads=1, heads_major=False):
         (dict(pages=8), dict(staging=True, staging_pages=9), "staging_pages", ConfigError),
         # a head-major page's slice is one run already: nothing to gather
         (dict(heads_major=True), dict(staging=True), "staging", ConfigError),
+        # nor is a head group of pages cut in head groups
+        (dict(heads=2, head_group=1), dict(staging=True, kv_heads=2), "staging", ConfigError),
     ],
 )
 def test_a_connector_checks_its_config_against_its_kv_args_first(
