@@ -67,20 +67,24 @@ def _in_page(ps: int, hb: int, heads: int, head: int, count: int) -> Any:
 def _layout_name(layout: tuple[bool, int]) -> str:
     heads_major, group = layout
     if group:
-        return f"cut in head groups of {group} (KVArgs.head_group)"
-    return "head-major (KVArgs.heads_major)" if heads_major else "token-major"
+        return f"cut in head groups of {group}"
+    return "head-major" if heads_major else "token-major"
 
 
-def page_layout(of: KVArgs | dict[str, Any]) -> tuple[bool, int]:
+def page_layout(of: KVArgs | dict[str, Any] | bool) -> tuple[bool, int]:
     """How a side lays out a page's heads, (``heads_major``, ``head_group``): from
     its KVArgs, or from the record or message it published them in (a peer that
-    names neither is token-major without head groups)."""
+    names neither is token-major without head groups), or ``heads_major`` alone."""
     if isinstance(of, KVArgs):
         return of.heads_major, of.head_group
+    if isinstance(of, bool):
+        return of, 0
     return bool(of.get("heads_major", False)), int(of.get("head_group", 0) or 0)
 
 
-def layout_misfit(prefill: KVArgs | dict[str, Any], decode: KVArgs | dict[str, Any]) -> str | None:
+def layout_misfit(
+    prefill: KVArgs | dict[str, Any] | bool, decode: KVArgs | dict[str, Any] | bool
+) -> str | None:
     """Why the two sides' pages cannot be cut into each other's head slices, or
     None: each side's :func:`page_layout` (from its KVArgs, or from what it
     published) must be the same."""
@@ -90,7 +94,7 @@ def layout_misfit(prefill: KVArgs | dict[str, Any], decode: KVArgs | dict[str, A
     return (
         f"prefill's KV pages are {_layout_name(mine)}, decode's "
         f"{_layout_name(theirs)}; both sides must lay out a page's heads alike "
-        "(KVArgs.heads_major, KVArgs.head_group)"
+        "(KVArgs.heads_major) and cut them in the same head groups (KVArgs.head_group)"
     )
 
 

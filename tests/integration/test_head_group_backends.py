@@ -70,5 +70,5 @@ def test_a_peer_whose_pages_are_not_cut_alike_is_refused(backend):
     assert codes == [0, 0]
     status, kind, text, writes = got["decode"]
     assert (status, kind, writes) == (KVPoll.Failed, "TopologyError", 0)
-    assert "head groups of 2 (KVArgs.head_group)" in text
+    assert "cut in head groups of 2" in text and "(KVArgs.head_group)" in text
     assert got["prefill"][0] == KVPoll.Failed and got["prefill"][3] == 0

@@ -310,6 +310,7 @@ class PrefillSide:
                     return False
                 leg.fields_out = True
             return True
+        w: Any = None  # (src, dst, lengths) this pass writes on the leg
         if leg.issued < n:
             at = np.arange(leg.issued, n)
             keep = at >= leg.skip
@@ -325,7 +326,6 @@ class PrefillSide:
                 w = kv_writes(
                     p.kv_args, info, leg, src[leg.issued : n][keep], leg.dst_pages[dst_at]
                 )
-                p._submit(req, info, w, b"", store)
             leg.issued = n
         if n >= req.num_pages and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
@@ -336,17 +336,15 @@ class PrefillSide:
                 )
                 return False
             if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0:
-                # the row's fields travel with the last pages; only the room waits for all
-                p._submit(
-                    req,
-                    info,
-                    row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False),
-                    b"",
-                    store,
-                )
+                # the row's fields go in one write with the last pages (one engine
+                # transfer, not two); only the room waits for all
+                row = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False)
+                w = row if w is None else tuple(np.concatenate(c) for c in zip(w, row))
             if not self._state_out(req, leg, info, store):
                 return False
             leg.fields_out = True
+        if w is not None:
+            p._submit(req, info, w, b"", store)
         return True
 
     def _state_out(
