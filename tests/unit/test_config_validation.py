@@ -461,9 +461,9 @@ BENCH_BAD = {
     "page_tokens": [["--page-tokens", "0"], ["--mib", "1", "--page-tokens", "4096"]],
     "head_dim": [["--head-dim", "0"], ["--mib", "1", "--head-dim", "100000"]],
     "kv_heads": [["--kv-heads", "0"], ["--kv-heads", "x"], ["--mib", "1", "--kv-heads", "4096"]],
-    "layout": [["--layout", "diagonal"], ["--layout", "head"]],
+    "layout": [["--layout", "diagonal"], ["--layout", "head"], ["--layout", "group"]],
     "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
-    "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
+    "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"], ["--staging", "--prefill-tp", "2", "--layout", "group"]],
     "digest": [["--digest=1"]],
 }  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}

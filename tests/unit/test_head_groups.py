@@ -264,3 +264,15 @@ def test_a_peer_whose_pages_are_not_cut_alike_is_refused(store, grouped_side):
     finally:
         p.m.close()
         d.m.close()
+
+
+def test_the_bench_cuts_every_rank_in_the_largest_group_both_sides_hold_whole():
+    from pdlife.bench.transfer_shape import pattern, shape_of
+
+    s = shape_of(2, None, prefill_tp=2, decode_tp=1, layout="group")
+    assert (s.head_group, s.layout, s.tensor_shape(8)) == (4, "group", (2, 64, 16, 4, 256))
+    assert shape_of(2, None, prefill_tp=1, decode_tp=2, kv_heads=1, layout="group").head_group == 1
+    plain = shape_of(2, None, prefill_tp=2, decode_tp=1, layout="token")
+    grouped = pattern(s, range(8), 0)  # (regions, pages, tokens, heads of the region, bytes)
+    want = pattern(plain, range(8), 0).reshape(64, 16, 2, 4, 256).transpose(2, 0, 1, 3, 4)
+    assert np.array_equal(grouped, want)
