@@ -133,6 +133,7 @@ CONNECTOR_BAD = {
     "idle_interval": secs(),
     "drain_timeout": secs(),
     "progress_delay_us": ints(0, 1_000_000),
+    "nixl_threads": ints(0, 64),
     "digest": FLAG,
 }
 CONNECTOR_MISFITS = [
