@@ -8,6 +8,7 @@ state components appended in the same order on both sides.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ __all__ = [
     "DescribesState",
     "collect_state",
     "check_draft_geometry",
+    "group_pieces",
 ]
 
 
@@ -295,3 +297,11 @@ def check_draft_geometry(target: Sequence[StateComponent], draft: Sequence[State
     for t, d in zip(target, draft):
         if t.geometry != d.geometry:
             raise GeometryMismatch(f"component {t.type.value}", t.geometry, d.geometry)
+
+
+def group_pieces(head: int, count: int, group: int) -> list[tuple[int, int, int]]:
+    """Heads ``[head, head + count)`` of a page cut where its head groups of
+    ``group`` heads break (``KVArgs.head_group``): (group, first head in the
+    group, heads) per piece, in order."""
+    cuts = [head, *range((head // group + 1) * group, head + count, group), head + count]
+    return [(lo // group, lo % group, hi - lo) for lo, hi in itertools.pairwise(cuts)]

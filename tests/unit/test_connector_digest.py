@@ -4,9 +4,12 @@ on both sides; a byte corrupted on decode fails the request there and on
 prefill (checksum mismatch); with the digest off the same corruption goes
 unseen; a decode that asks a prefill that does not digest fails closed."""
 
+import queue
+
 import numpy as np
 import pytest
-from stub_engine import wait_for
+import test_connector_topologies as topologies
+from stub_engine import CopyConnector, wait_for
 from test_connector_topologies import PS, Rank, finish, run_request, store  # noqa: F401
 
 from lifecycle import FailureReason, KVPoll
@@ -150,3 +153,61 @@ def test_split_state_shares_are_digested_alike_on_both_sides(build, pt, dt):
     finish(senders, receivers, dec)
     assert all(d.m.stats["digest_mismatches"] == 0 for d in dec)
     assert all(d.m.stats["digests_checked"] >= 1 for d in dec)
+
+
+class NotingConnector(CopyConnector):
+    """An engine that notes each noted write's landing to decode, as NIXL does
+    (one decode rank: every note goes to it)."""
+
+    NOTIFIES = True
+    inbox: "queue.SimpleQueue[tuple]"
+
+    def _write(self, info, src, dst, lens, notif):
+        token = super()._write(info, src, dst, lens, notif)
+        if notif:
+            n = [int(w) for w in notif.decode().split(":")]
+            self.inbox.put((n[0], n[1], self.rank, None if len(n) == 2 else (n[2], n[3])))
+        return token
+
+    def _notified(self):
+        out = []
+        while self.config.role == "decode" and not self.inbox.empty():
+            out.append(self.inbox.get())
+        return out
+
+
+@pytest.fixture
+def noting(monkeypatch):
+    """Connectors whose engine notes every write; pieces of 64 bytes, so that
+    each page is a noted write of its own and a piece of the digest."""
+    from transport.digest import hashing, parts
+
+    monkeypatch.setattr(NotingConnector, "inbox", queue.SimpleQueue(), raising=False)
+    monkeypatch.setattr(topologies, "CopyConnector", NotingConnector)
+    monkeypatch.setattr(hashing, "PIECE", 64)
+    monkeypatch.setattr(parts, "PIECE", 64)
+
+
+@pytest.mark.parametrize(("pt", "kw"), [(1, {}), (2, {}), (2, {"state": True})])
+def test_decode_hashes_each_noted_write_as_it_lands(build, noting, pt, kw):
+    pre, dec = build(pt, 1, **kw)
+    senders, receivers, dst = run_request(pre, dec, room=57, n=6, prefix=1)
+    finish(senders, receivers, dec)
+    dec[0].check(57, dst, first_page=1)
+    st = dec[0].m.stats
+    assert st["digests_checked"] == pt and st["digest_mismatches"] == 0, st
+    # a note per page after the prefix, from each sender (heard by the loop's next pass)
+    wait_for(lambda: st["landed"] == 5 * pt, "every note heard")
+
+
+def test_a_byte_corrupted_after_its_pages_were_hashed_is_still_caught(build, noting):
+    """The corruption lands after the notes had decode hash those pages: the
+    pieces hashed before it are hashed again (else it would go unseen)."""
+    pre, dec = build(1, 1)
+    dec[0].m.corrupt(59, offset=3)
+    senders, receivers, _ = run_request(pre, dec, room=59, n=4)
+    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode fails the request")
+    assert receivers[0].failure_reason() == FailureReason.CHECKSUM_MISMATCH
+    st = dec[0].m.stats
+    assert (st["corrupted"], st["digest_mismatches"]) == (1, 1)
+    wait_for(lambda: st["landed"] == 4, "every note heard")

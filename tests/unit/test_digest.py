@@ -128,11 +128,11 @@ def test_an_unknown_hash_is_refused_by_name():
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_pieces_cut_across_rows_and_parts_give_one_digest_however_the_rows_lie(algo, monkeypatch):
-    """The stream is cut every _PIECE bytes wherever rows and parts break; the
+    """The stream is cut every PIECE bytes wherever rows and parts break; the
     same bytes in place, gathered or as one flat row give one digest."""
     from transport.digest import hashing
 
-    monkeypatch.setattr(hashing, "_PIECE", 100)  # many pieces, each crossing a row edge
+    monkeypatch.setattr(hashing, "PIECE", 100)  # many pieces, each crossing a row edge
     buf, aux, args = _kv()
     v = dg.Views(args)
     pages = np.array([6, 0, 3, 4], dtype=np.int64)
@@ -143,14 +143,14 @@ def test_pieces_cut_across_rows_and_parts_give_one_digest_however_the_rows_lie(a
     got = dg.digest(parts, algo)
     assert got == dg.digest([(flat.reshape(1, -1), np.zeros(1, np.int64), (slice(None),))], algo)
     assert got[1] == flat.size
-    monkeypatch.setattr(hashing, "_PIECE", 1 << 22)
+    monkeypatch.setattr(hashing, "PIECE", 1 << 22)
     assert dg.digest(parts, algo)[0] != got[0]  # another cut: another digest (both sides cut alike)
 
 
 def test_the_hashing_threads_give_the_digest_of_the_calling_thread(monkeypatch):
     from transport.digest import hashing
 
-    monkeypatch.setattr(hashing, "_PIECE", 64)
+    monkeypatch.setattr(hashing, "PIECE", 64)
     monkeypatch.setattr(hashing, "_INLINE", 0)  # every stream on the threads
     buf, _, args = _kv(pages=64)
     v = dg.Views(args, threads=3)
@@ -167,3 +167,32 @@ def test_the_hashing_threads_give_the_digest_of_the_calling_thread(monkeypatch):
     buf[int(pages[0]) * buf.size // 64 + 20] ^= 1
     assert v.start(parts).result() == want  # after close: hashed on the caller's thread
     assert v._pool is None
+
+
+def test_progress_hashes_a_piece_only_once_every_page_it_covers_is_in(monkeypatch):
+    """Pieces of the paged parts start as their pages land (in any order);
+    bytes changed on pages not yet in are hashed as they end up, and the
+    digest is the one of the final bytes."""
+    from transport.digest import hashing
+
+    monkeypatch.setattr(hashing, "PIECE", 96)  # a page is 128 bytes: pieces cross pages
+    monkeypatch.setattr(hashing, "_INLINE", 0)
+    buf, _, args = _kv()
+    v = dg.Views(args)
+    pages = np.array([5, 1, 6, 2], dtype=np.int64)
+    parts = v.kv_parts(pages, 0, 4) + v.row_parts(0)
+    prog = dg.Progress(v, parts, paged=1)
+    assert prog.needs[-1] == float("inf")  # the row's piece: only at the end
+    prog.landed(2, 3)  # not a prefix yet: nothing starts
+    assert prog.prefix == 0 and not any(prog.futures)
+    prog.landed(0, 2)
+    assert prog.prefix == 3
+    started = [f is not None for f in prog.futures]
+    assert started == [n <= 3 for n in prog.needs] and any(started) and not all(started)
+    buf.reshape(8, -1)[2, 5] ^= 0xFF  # request page 3 (buffer page 2): not in yet
+    prog.landed(3, 4)
+    got = prog.finish().result()
+    assert got == dg.LegDigest.of(parts)  # the final bytes
+    buf.reshape(8, -1)[2, 5] ^= 0xFF
+    assert got != dg.LegDigest.of(parts)  # (the control: that byte is covered)
+    v.close()

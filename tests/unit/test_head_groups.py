@@ -276,3 +276,21 @@ def test_the_bench_cuts_every_rank_in_the_largest_group_both_sides_hold_whole():
     grouped = pattern(s, range(8), 0)  # (regions, pages, tokens, heads of the region, bytes)
     want = pattern(plain, range(8), 0).reshape(64, 16, 2, 4, 256).transpose(2, 0, 1, 3, 4)
     assert np.array_equal(grouped, want)
+
+
+def test_decode_hashes_each_head_groups_pages_as_they_land():
+    # a slice across two head groups is two KV parts per buffer: every piece of
+    # both is hashed once its pages are in, none left for the end
+    from types import SimpleNamespace
+
+    from transport.digest.parts import decode_progress
+
+    pool = Pool(range(4), 2)  # 2 buffers of 2 regions
+    port = SimpleNamespace(
+        views=Views(pool.args), store=None, split_state=False, config=SimpleNamespace(tp_rank=0),
+        mail=SimpleNamespace(group=lambda dp, store: {}),
+    )  # fmt: skip
+    req = SimpleNamespace(pages=np.arange(PAGES), slot=-1, rows=None, dp=0)
+    leg = SimpleNamespace(sends=True, primary=False, state=False, dst_head=0, count=4, peer=0)
+    progress = decode_progress(port, req, leg)
+    assert len(progress.needs) and max(progress.needs) == PAGES  # all paged, none inf

@@ -87,10 +87,13 @@ def test_a_transfer_in_error_state_is_a_transfer_error():
 
 
 def test_the_room_notification_completes_decode():
-    notifs = {"peer-agent": [b"9:2", b"9", b"not-a-room", b"5:x"], "stranger": [b"7:0"]}
+    notifs = {
+        "peer-agent": [b"9:2", b"9", b"not-a-room", b"5:x", b"9:2:0:8", b"9:2:8", b"9:2:-1:3"],
+        "stranger": [b"7:0"],
+    }
     m = bare_manager(StubAgent(notifs=notifs), role="decode")
-    # (room, its attempt, the peer rank whose room write landed)
-    assert m._notified() == [(9, 2, 1)]
+    # (room, its attempt, the peer rank whose write landed, its pages: None for the last)
+    assert m._notified() == [(9, 2, 1, None), (9, 2, 1, (0, 8))]
     assert m._notified() == []  # consumed once
 
 

@@ -100,11 +100,16 @@ def _descs(addrs: NDArray[np.int64], lens: NDArray[np.int64]) -> NDArray[np.uint
     return np.stack((addrs, lens, np.zeros_like(addrs)), axis=1).astype(np.uint64)
 
 
-def _room_epoch(note: bytes | str) -> tuple[int, int] | None:
-    """A completion notification's (room, epoch): b"room:epoch" (None: not ours)."""
+def _room_epoch(note: bytes | str) -> tuple[int, int, tuple[int, int] | None] | None:
+    """A completion notification's (room, epoch, span): b"room:epoch" for an
+    attempt's last write (span None), b"room:epoch:first:end" for its pages
+    [first, end) (None: not ours)."""
     text = note.decode(errors="replace") if isinstance(note, bytes) else str(note)
-    room, sep, epoch = text.partition(":")
-    return (int(room), int(epoch)) if sep and room.isdigit() and epoch.isdigit() else None
+    words = text.split(":")
+    if len(words) not in (2, 4) or not all(w.isdigit() for w in words):
+        return None
+    n = [int(w) for w in words]
+    return (n[0], n[1], None) if len(n) == 2 else (n[0], n[1], (n[2], n[3]))
 
 
 class NixlManager(Connector):
@@ -161,7 +166,7 @@ class NixlManager(Connector):
         except Exception:
             return  # NIXL could not cancel a failed transfer: it owns the handle now
 
-    def _notified(self) -> list[tuple[int, int, int]]:
+    def _notified(self) -> list[tuple[int, int, int, tuple[int, int] | None]]:
         if self.config.role != "decode":
             return []
         try:
@@ -172,7 +177,7 @@ class NixlManager(Connector):
         for name, msgs in notes.items():
             peer = self._peer_of.get(name.decode() if isinstance(name, bytes) else str(name))
             if peer is not None:  # the room landed last: every write of that peer did
-                out += [(*note, peer) for m in msgs if (note := _room_epoch(m)) is not None]
+                out += [(n[0], n[1], peer, n[2]) for m in msgs if (n := _room_epoch(m)) is not None]
         return out
 
     def _stop_engine(self) -> None:

@@ -40,7 +40,7 @@ from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.digest import LegDigest, decode_digest, decode_parts, flip
+from transport.digest import LegDigest, decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, page_layout, state_misfit
 from transport.staging import Scatter, Staging
@@ -56,7 +56,9 @@ class DecodeSide:
 
     RECEIVES: ClassVar[bool] = True  # prefill ranks write into decode's memory
     SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
-    HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+    HEARS: ClassVar[frozenset[Msg]] = frozenset(
+        {Msg.done, Msg.landed, Msg.failed, Msg.gave_up, Msg.stopped}
+    )
 
     def __init__(self, port: Port) -> None:
         self.port = port
@@ -135,9 +137,16 @@ class DecodeSide:
         kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
-        if kind == Msg.done:  # every write of this sender landed
+        if kind == Msg.landed:  # (this side's parse of the engine's note: pages in)
+            p.stats["landed"] += 1
+            first, end = msg["span"]
+            hashing = p.config.digest and req.scatter is None and leg.pending is None
+            if hashing and 0 <= first < end <= req.pages.size:
+                leg.progress = leg.progress or decode_progress(p, req, leg)
+                leg.progress.landed(first, end)  # hashed while the rest moves
+        elif kind == Msg.done:  # every write of this sender landed
             if p.config.digest and req.scatter is None and leg.pending is None:
-                leg.pending = decode_digest(p, req, leg)  # final here: hashed while others land
+                leg.pending = (leg.progress or decode_progress(p, req, leg)).finish()
             if msg.get("notified") and p.config.digest:
                 return  # the engine's own word carries no digest: prefill's will
             leg.done = leg.stopped = True
@@ -317,7 +326,7 @@ class DecodeSide:
         for leg in sorted(req.senders(), key=lambda x: x.peer):
             if flip(decode_parts(p.views, p, req, leg), at):  # the first leg with a byte
                 p.stats["corrupted"] += 1
-                leg.pending = None  # hashed before the flip: hashed again
+                leg.pending = leg.progress = None  # hashed before the flip: hashed again
                 return
 
     def _check(self, req: DecodeRequest, store: Any) -> None:
@@ -328,7 +337,7 @@ class DecodeSide:
             return
         why = []
         for leg in req.senders():  # every leg's hash under way before any is waited for
-            leg.pending = leg.pending or decode_digest(p, req, leg)
+            leg.pending = leg.pending or decode_progress(p, req, leg).finish()
         for leg in req.senders():
             mine, theirs = leg.pending.result(), leg.digest
             p.stats["digests_checked"] += 1

@@ -180,3 +180,4 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
                 "(raise ConnectorConfig.staging_pages)"
             )
         m.side.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)
+        m._wake.set()  # data is due: an engine that notes its landing is polled closely

@@ -64,9 +64,9 @@ check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
 #: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
 #: writer (unfenced: once it spoke); stale: see liveness.received; stale_epoch: an
 #: older attempt's words, refused; the KV digest's (transport.digest): legs checked,
-#: found differing, bytes hashed here, requests a test corrupted (Connector.corrupt)
+#: found differing, bytes hashed, requests corrupted (Connector.corrupt), notes of pages in
 STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch")
-DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted")
+DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted", "landed")
 
 
 class Connector(StatusArrays):
@@ -152,9 +152,9 @@ class Connector(StatusArrays):
 
     def _forget(self, token: Any) -> None: ...
 
-    def _notified(self) -> list[tuple[int, int, int]]:
-        """(room, epoch, peer) of each attempt whose last write the engine itself
-        told this (decode) rank of."""
+    def _notified(self) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+        """(room, epoch, peer, span) of each note the engine gave this (decode) rank:
+        span None for an attempt's last write, else the pages that landed."""
         return []
 
     def _stop_engine(self) -> None: ...
@@ -318,9 +318,9 @@ class Connector(StatusArrays):
                     last_look = now
                 for msg in self.mail.received():
                     self._on_message(msg, store)
-                for room, epoch, peer in self._notified():
-                    done = {"kind": Msg.done, "room": room, "epoch": epoch, "from": peer}
-                    self._on_message({**done, "notified": True}, store)
+                for room, epoch, peer, span in self._notified():
+                    word = {"kind": Msg.landed if span else Msg.done, "room": room, "epoch": epoch}
+                    self._on_message({**word, "from": peer, "notified": True, "span": span}, store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:

@@ -102,6 +102,7 @@ class DecodeLeg(Leg):
     stopped: bool = False  # it can write nothing more here
     digest: Any = None  # the transport.digest.LegDigest its "done" carried (None: none)
     pending: Any = None  # the digest of its bytes here, being hashed (transport.digest.Pending)
+    progress: Any = None  # its pages hashed as they land (transport.digest.Progress)
 
 
 class Request(Generic[L]):

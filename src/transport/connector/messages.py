@@ -39,6 +39,7 @@ class Msg(str, enum.Enum):
     gave_up = "gave_up"
     stopped = "stopped"
     verified = "verified"
+    landed = "landed"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -67,6 +68,11 @@ MESSAGES: Mapping[Msg, Word] = MappingProxyType(
             "decode", "decode failed the request: stop writing it (why: a misfit it refused)"
         ),
         Msg.done: Word("prefill", "every write of the request from this sender landed"),
+        Msg.landed: Word(
+            "prefill",
+            "the engine's own note that the sender's writes of the leg's pages "
+            "[first, end) landed (with the digest on: decode hashes them meanwhile)",
+        ),
         Msg.failed: Word("prefill", "the sender failed the request; none of its writes is left"),
         Msg.gave_up: Word(
             "prefill",

@@ -40,7 +40,7 @@ from transport.connector.legs import (
 )
 from transport.connector.messages import Msg
 from transport.connector.port import Port
-from transport.digest import prefill_digest
+from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
 from transport.staging import Staging
@@ -61,7 +61,9 @@ class PrefillSide:
     """Prefill's part of the protocol on one rank (see the module)."""
 
     RECEIVES: ClassVar[bool] = False  # prefill's memory is only read
-    SAYS: ClassVar[frozenset[Msg]] = frozenset({Msg.done, Msg.failed, Msg.gave_up, Msg.stopped})
+    SAYS: ClassVar[frozenset[Msg]] = frozenset(
+        {Msg.done, Msg.landed, Msg.failed, Msg.gave_up, Msg.stopped}
+    )
     HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
 
     def __init__(self, port: Port) -> None:
@@ -312,9 +314,8 @@ class PrefillSide:
             return True
         w: Any = None  # (src, dst, lengths) this pass writes on the leg
         if leg.issued < n:
-            at = np.arange(leg.issued, n)
-            keep = at >= leg.skip
-            dst_at = at[keep] - leg.skip
+            at = np.arange(max(leg.issued, leg.skip), n)  # (a cached prefix is not written)
+            dst_at = at - leg.skip
             if dst_at.size and dst_at[-1] >= leg.dst_pages.size:
                 self._refuse(
                     req,
@@ -322,10 +323,15 @@ class PrefillSide:
                     f"(it gave {leg.dst_pages.size} after a prefix of {leg.skip})",
                 )
                 return False
-            if keep.any():
-                w = kv_writes(
-                    p.kv_args, info, leg, src[leg.issued : n][keep], leg.dst_pages[dst_at]
-                )
+            while at.size:  # (noted slices: the engine sends each note as it sees it landed)
+                take, note = landing_note(p, req, leg, int(dst_at[0]), dst_at.size)
+                w = kv_writes(p.kv_args, info, leg, src[at[:take]], leg.dst_pages[dst_at[:take]])
+                at, dst_at = at[take:], dst_at[take:]
+                if note or at.size:  # (an unnoted last write waits: the row's fields join it)
+                    p._submit(req, info, w, note, store)
+                    w = None
+                    if note:
+                        p._reap(req, store)
             leg.issued = n
         if n >= req.num_pages and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
@@ -336,8 +342,7 @@ class PrefillSide:
                 )
                 return False
             if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0:
-                # the row's fields go in one write with the last pages (one engine
-                # transfer, not two); only the room waits for all
+                # the fields join the last unnoted write (one transfer); the room waits
                 row = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False)
                 w = row if w is None else tuple(np.concatenate(c) for c in zip(w, row))
             if not self._state_out(req, leg, info, store):

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
+import math
 import os
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -45,7 +45,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from buffers.kv_args import KVArgs
+from buffers.kv_args import KVArgs, group_pieces
 
 __all__ = [
     "ALGORITHM",
@@ -54,6 +54,7 @@ __all__ = [
     "Views",
     "LegDigest",
     "Pending",
+    "Progress",
     "new_hasher",
     "digest",
     "signature",
@@ -75,7 +76,7 @@ NO_DIGEST = 0
 _VERSION = 2  # 2: the hash of the pieces' hashes
 #: the stream is hashed in pieces of this many bytes (one call each, in
 #: parallel where threads are free), then the pieces' hashes are hashed
-_PIECE = 1 << 22
+PIECE = 1 << 22
 #: rows at least this long are read in place one run at a time, however scattered
 _ROW = 1 << 16
 #: a stream this short is hashed on the caller's thread (a thread's hand-off costs more)
@@ -117,9 +118,8 @@ def _view(ptr: int, nbytes: int) -> NDArray[np.uint8]:
 
 class Views:
     """One rank's buffers as numpy rows: KV pages as (pages, tokens, heads, bytes)
-    (head-major: (pages, heads, tokens, bytes); cut in head groups, one such view
-    per group region, of the group's heads), metadata and state as (rows, bytes);
-    and the threads that hash them (:meth:`start`)."""
+    (head-major: (pages, heads, tokens, bytes); per head group region if cut in
+    groups), metadata and state as (rows, bytes); and the threads that hash them."""
 
     def __init__(self, kv: KVArgs, threads: int | None = None) -> None:
         ps, heads = kv.page_size, kv.kv_head_num
@@ -128,8 +128,7 @@ class Views:
         self.kv: list[list[NDArray[np.uint8]]] = []  # per buffer, its regions
         for p, n, it, hb in zip(kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens, kv.head_bytes):
             shape = (heads, ps, hb) if kv.heads_major else (ps, self.group, hb)
-            whole = _view(p, n - n % it).reshape(kv.head_groups, -1, *shape)
-            self.kv.append(list(whole))
+            self.kv.append(list(_view(p, n - n % it).reshape(kv.head_groups, -1, *shape)))
         self.aux = [
             _view(p, n - n % it).reshape(-1, it)
             for p, n, it in zip(kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens)
@@ -151,22 +150,24 @@ class Views:
         all), and return at once. The bytes must not move until
         :meth:`Pending.result`. A small stream, or any after :meth:`close`, is
         hashed here and now."""
-        pieces, total = _pieces(parts)
-        sig = signature(parts)
+        pieces, total, _ = _pieces(parts)
+        k = max(1, min(len(pieces), at_once or self._threads))
+        groups = [pieces[len(pieces) * i // k : len(pieces) * (i + 1) // k] for i in range(k)]
+        futures = [self._submit(group, total) for group in groups]
+        return Pending(futures, signature(parts), total)
+
+    def _submit(self, pieces: Sequence[Sequence[_Seg]], total: int) -> Future[list[int]]:
+        """The hashes of ``pieces``, to come from a hashing thread (here and now
+        for a stream of ``total`` bytes at most ``_INLINE``, or after close)."""
         with self._lock:
             if self._pool is None and not self._closed and total > _INLINE:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-digest")
             pool = self._pool if total > _INLINE else None
-        k = max(1, min(len(pieces), at_once or self._threads))
-        groups = [pieces[len(pieces) * i // k : len(pieces) * (i + 1) // k] for i in range(k)]
-        futures: list[Future[list[int]]] = []
-        for group in groups:
-            if pool is not None:
-                futures.append(pool.submit(_hash_pieces, group))
-            else:
-                futures.append(Future())
-                futures[-1].set_result(_hash_pieces(group))
-        return Pending(futures, sig, total)
+        if pool is not None:
+            return pool.submit(_hash_pieces, pieces)
+        done: Future[list[int]] = Future()
+        done.set_result(_hash_pieces(pieces))
+        return done
 
     def close(self) -> None:
         """Wait for every hash in flight (they read this rank's buffers), then
@@ -181,13 +182,8 @@ class Views:
         head groups: buffer by buffer, the slice's piece in each group in turn)."""
         if self.heads_major:
             return [(v[0], pages, (slice(head, head + count),)) for v in self.kv]
-        k, end = self.group, head + count
-        cuts = [head, *range((head // k + 1) * k, end, k), end]
-        return [
-            (v[lo // k], pages, (slice(None), slice(lo % k, lo % k + hi - lo)))
-            for v in self.kv
-            for lo, hi in itertools.pairwise(cuts)
-        ]
+        cut = group_pieces(head, count, self.group)
+        return [(v[g], pages, (slice(None), slice(o, o + c))) for v in self.kv for g, o, c in cut]
 
     def row_parts(self, slot: int) -> list[Part]:
         """Metadata row ``slot``: every field, the room column (the last) last."""
@@ -221,11 +217,11 @@ def _runs(rows: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]
 _Seg = tuple[NDArray[np.uint8], "NDArray[np.int64] | None", int, int, int]
 
 
-def _stretches(parts: Sequence[Part]) -> Iterator[tuple[Any, Any, int, int]]:
-    """The stream of ``parts`` as (rows, gather or None, start, bytes): runs of
-    whole rows read in place (few runs, or rows of at least ``_ROW`` bytes),
-    anything else gathered."""
-    for v, rows, inner in parts:
+def _stretches(parts: Sequence[Part]) -> Iterator[tuple[int, int, Any, Any, int, int]]:
+    """The stream of ``parts`` as (part, its first row, rows, gather or None,
+    start, bytes): runs of whole rows read in place (few runs, or rows of at
+    least ``_ROW`` bytes), anything else gathered."""
+    for i, (v, rows, inner) in enumerate(parts):
         if rows.size == 0:
             continue
         key = (slice(None), *inner)
@@ -236,27 +232,38 @@ def _stretches(parts: Sequence[Part]) -> Iterator[tuple[Any, Any, int, int]]:
         if sub.flags.c_contiguous:
             starts, lens = _runs(rows)
             if starts.size == 1 or starts.size * 8 <= rows.size or row >= _ROW:
+                first = 0
                 for s, n in zip(starts.tolist(), lens.tolist()):
-                    yield sub, None, s, n * row
+                    yield i, first, sub, None, s, n * row
+                    first += n
                 continue
-        yield sub, rows, 0, int(rows.size) * row
+        yield i, 0, sub, rows, 0, int(rows.size) * row
 
 
-def _pieces(parts: Sequence[Part]) -> tuple[list[list[_Seg]], int]:
-    """The stream of ``parts`` cut every ``_PIECE`` bytes (wherever its rows and
-    parts break), and its length."""
+def _pieces(parts: Sequence[Part], paged: int = 0) -> tuple[list[list[_Seg]], int, list[float]]:
+    """The stream of ``parts`` cut every ``PIECE`` bytes (wherever its rows and
+    parts break), its length, and for each piece how many rows of the first
+    ``paged`` parts must be in before it can be hashed (inf: it holds bytes
+    of a later part)."""
     pieces: list[list[_Seg]] = [[]]
-    room, total = _PIECE, 0
-    for sub, rows, start, nbytes in _stretches(parts):
-        at = 0
+    needs: list[float] = [0]
+    room, total = PIECE, 0
+    for i, first, sub, rows, start, nbytes in _stretches(parts):
+        at, row = 0, int(sub[0].size)
         while at < nbytes:
             n = min(room, nbytes - at)
             pieces[-1].append((sub, rows, start, at, at + n))
+            need = first + -(-(at + n) // row) if i < paged else math.inf
+            needs[-1] = max(needs[-1], need)
             at, room, total = at + n, room - n, total + n
             if room == 0:
                 pieces.append([])
-                room = _PIECE
-    return [p for p in pieces if p], total
+                needs.append(0)
+                room = PIECE
+    if not pieces[-1]:
+        pieces.pop()
+        needs.pop()
+    return pieces, total, needs
 
 
 def _hash_piece(piece: Sequence[_Seg], algorithm: str) -> int:
@@ -284,9 +291,9 @@ def _combine(values: Sequence[int], algorithm: str) -> int:
 
 def digest(parts: Sequence[Part], algorithm: str = ALGORITHM) -> tuple[int, int]:
     """(digest, bytes hashed) of ``parts``, in order, on the calling thread: the
-    hash of the hashes of the stream's ``_PIECE``-byte pieces (so that pieces
+    hash of the hashes of the stream's ``PIECE``-byte pieces (so that pieces
     may be hashed in parallel: see :meth:`Views.start`)."""
-    pieces, total = _pieces(parts)
+    pieces, total, _ = _pieces(parts)
     return _combine([_hash_piece(p, algorithm) for p in pieces], algorithm), total
 
 
@@ -317,6 +324,38 @@ class Pending:
         """The digest, once every piece is hashed (waiting for them)."""
         value = _combine([v for f in self.futures for v in f.result()], ALGORITHM)
         return LegDigest(value, self.sig, self.nbytes)
+
+
+class Progress:
+    """A leg's digest hashed as its pages land: ``parts`` whose first ``paged``
+    parts have the leg's pages as rows, in request order (the KV buffers). A
+    piece starts on the hashing threads once every page it covers is in
+    (:meth:`landed`); the rest, and any not started, at :meth:`finish`."""
+
+    def __init__(self, views: Views, parts: Sequence[Part], paged: int) -> None:
+        self.views, self.sig = views, signature(parts)
+        self.pieces, self.nbytes, self.needs = _pieces(parts, paged)
+        self.futures: list[Future[list[int]] | None] = [None] * len(self.pieces)
+        self.prefix = 0  # pages [0, prefix) are in
+        self._spans: list[tuple[int, int]] = []  # pages in beyond the prefix
+
+    def landed(self, first: int, end: int) -> None:
+        """Pages ``[first, end)`` are in and final: hash the pieces now covered."""
+        self._spans.append((first, end))
+        self._spans.sort()
+        while self._spans and self._spans[0][0] <= self.prefix:
+            self.prefix = max(self.prefix, self._spans.pop(0)[1])
+        self._start(lambda need: need <= self.prefix)
+
+    def finish(self) -> Pending:
+        """Every byte is in: hash the pieces not started; the digest to come."""
+        self._start(lambda need: True)
+        return Pending([f for f in self.futures if f is not None], self.sig, self.nbytes)
+
+    def _start(self, ready: Callable[[float], bool]) -> None:
+        for i, (f, need) in enumerate(zip(self.futures, self.needs)):
+            if f is None and ready(need):
+                self.futures[i] = self.views._submit([self.pieces[i]], self.nbytes)
 
 
 @attrs.frozen

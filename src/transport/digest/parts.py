@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from buffers.kv_args import split_blocks
-from transport.digest.hashing import Part, Pending, Views
+from transport.digest.hashing import PIECE, Part, Pending, Progress, Views
 from transport.layout import share_spans
 
 __all__ = [
@@ -27,8 +27,13 @@ __all__ = [
     "prefill_parts",
     "decode_parts",
     "prefill_digest",
-    "decode_digest",
+    "decode_progress",
+    "landing_note",
+    "SLICES",
 ]
+
+#: about this many noted writes of a leg's KV (see :func:`landing_note`)
+SLICES = 8
 
 
 def state_parts(
@@ -117,6 +122,27 @@ def prefill_digest(port: Any, req: Any, leg: Any, info: dict[str, Any]) -> Pendi
     return port.views.start(parts, at_once=1)  # type: ignore[no-any-return]
 
 
-def decode_digest(port: Any, req: Any, leg: Any) -> Pending:
-    """Start hashing (:meth:`Views.start`) what decode rank ``port`` holds of ``leg``."""
-    return port.views.start(decode_parts(port.views, port, req, leg))  # type: ignore[no-any-return]
+def decode_progress(port: Any, req: Any, leg: Any) -> Progress:
+    """What decode rank ``port`` holds of ``leg``, hashed as its pages land
+    (:class:`~transport.digest.hashing.Progress`)."""
+    # (its KV parts: one per KV buffer, or per head group of one cut in groups)
+    kv = port.views.kv_parts(req.pages[:0], leg.dst_head, leg.count)
+    paged = len(kv) if leg.sends and req.pages.size else 0
+    return Progress(port.views, decode_parts(port.views, port, req, leg), paged)
+
+
+def landing_note(port: Any, req: Any, leg: Any, first: int, count: int) -> tuple[int, bytes]:
+    """How many of the leg's pages ``[first, first + count)`` (its pages on
+    decode, after any prefix) prefill rank ``port`` writes now, and the
+    engine's completion note for that write. All of them and no note, unless
+    the digest is on and the engine notes each write's landing (NIXL): then a
+    slice of about 1/``SLICES`` of the leg (a piece at least), noted
+    ``room:epoch:first:end``, so that decode hashes it as it lands while the
+    next moves (one slice per pass of the loop, which lets the engine send
+    the note)."""
+    if not (port.config.digest and port.NOTIFIES):
+        return count, b""
+    kv = port.kv_args
+    page = max(sum(kv.kv_item_lens) * leg.count // max(kv.kv_head_num, 1), 1)
+    take = min(count, max(-(-leg.dst_pages.size // SLICES), -(-PIECE // page)))
+    return take, f"{req.room}:{req.epoch}:{first}:{first + take}".encode()
