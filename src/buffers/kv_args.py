@@ -8,6 +8,7 @@ state components appended in the same order on both sides.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ __all__ = [
     "DescribesState",
     "collect_state",
     "check_draft_geometry",
+    "group_pieces",
 ]
 
 
@@ -209,6 +211,13 @@ class KVArgs:
     #: (each head's tokens one after the other: (kv_head_num, page_size, head
     #: bytes)), so that a rank's slice of a page is one run. Both sides must agree.
     heads_major: bool = attrs.field(default=False, validator=_CHECK.flag())
+    #: KV heads per head-group region: 0 (the default), a page is one block of the
+    #: buffer (laid out as ``heads_major`` says); k >= 1, each KV buffer is cut into
+    #: ``kv_head_num / k`` regions one after the other, region g holding heads
+    #: ``[g*k, (g+1)*k)`` of every page as (pages, page_size, k, head bytes), so a
+    #: head group of consecutive pages is one run. k divides kv_head_num; token-major
+    #: only. Both sides must give the same k.
+    head_group: int = attrs.field(default=0, validator=_CHECK.integer(0))
 
     def __attrs_post_init__(self) -> None:
         for kind in ("kv", "aux"):
@@ -219,6 +228,22 @@ class KVArgs:
                     _CHECK.fail(
                         self, name, got, f"{len(ptrs)} entries, parallel to {kind}_data_ptrs"
                     )
+        if self.head_group and self.kv_head_num % self.head_group:
+            _CHECK.fail(
+                self,
+                "head_group",
+                self.head_group,
+                f"0 (no head groups) or a head count that divides kv_head_num "
+                f"({self.kv_head_num}): a page's heads are cut into whole groups",
+            )
+        if self.head_group and self.heads_major:
+            _CHECK.fail(
+                self,
+                "head_group",
+                self.head_group,
+                "0 with head-major pages (heads_major=True): a head-group region is "
+                "token-major, (pages, page_size, head_group, head bytes)",
+            )
         unit = self.page_size * self.kv_head_num
         for i, item in enumerate(self.kv_item_lens):
             if item % unit:
@@ -251,6 +276,11 @@ class KVArgs:
         """Bytes of one head of one token, per KV buffer."""
         return tuple(it // (self.page_size * self.kv_head_num) for it in self.kv_item_lens)
 
+    @property
+    def head_groups(self) -> int:
+        """Regions each KV buffer is cut into (1 without head groups)."""
+        return self.kv_head_num // self.head_group if self.head_group else 1
+
     def with_state(self, *components: StateComponent) -> KVArgs:
         """A copy with ``components`` appended after the existing ones (order matters)."""
         return attrs.evolve(self, state=self.state + tuple(components))
@@ -267,3 +297,11 @@ def check_draft_geometry(target: Sequence[StateComponent], draft: Sequence[State
     for t, d in zip(target, draft):
         if t.geometry != d.geometry:
             raise GeometryMismatch(f"component {t.type.value}", t.geometry, d.geometry)
+
+
+def group_pieces(head: int, count: int, group: int) -> list[tuple[int, int, int]]:
+    """Heads ``[head, head + count)`` of a page cut where its head groups of
+    ``group`` heads break (``KVArgs.head_group``): (group, first head in the
+    group, heads) per piece, in order."""
+    cuts = [head, *range((head // group + 1) * group, head + count, group), head + count]
+    return [(lo // group, lo % group, hi - lo) for lo, hi in itertools.pairwise(cuts)]

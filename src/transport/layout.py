@@ -1,12 +1,14 @@
 """Where each write of a request goes, as arrays of (source address,
 destination address, length): KV pages coalesced into runs contiguous on both
 sides, head slices of pages when the two sides' TP sizes differ (a run per
-token of a token-major page, one per head-major page), state rows,
+token of a token-major page, one per head-major page, one per head group of
+consecutive pages when the buffers are cut in head groups), state rows,
 and a metadata row split into its fields and its room column, which is
 written alone and last so that a row whose room matches is complete."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "page_writes",
     "sliced_page_writes",
     "layout_misfit",
+    "page_layout",
     "state_writes",
     "state_geometry",
     "splits_state",
@@ -55,25 +58,107 @@ def coalesce(s: NDArray[np.int64], d: NDArray[np.int64], n: NDArray[np.int64]) -
     return s[starts], d[starts], np.add.reduceat(n, starts)
 
 
-def _in_page(ps: int, hb: int, heads: int, head: int, count: int, heads_major: bool) -> Any:
-    """Where heads ``[head, head + count)`` lie in a page of ``heads`` heads: the
-    runs' offsets in the page and their length. Token-major: one run per token;
-    head-major: the slice's tokens are one run."""
-    if heads_major:
-        return np.array([head * ps * hb], dtype=np.int64), count * ps * hb
-    return np.arange(ps, dtype=np.int64) * heads * hb + head * hb, count * hb
+def _in_page(ps: int, hb: int, heads: int, head: int, count: int) -> Any:
+    """Where heads ``[head, head + count)`` lie in a head-major page of ``heads``
+    heads: the offset of the slice's one run in the page, and its length."""
+    return np.array([head * ps * hb], dtype=np.int64), count * ps * hb
 
 
-def layout_misfit(prefill_heads_major: bool, decode_heads_major: bool) -> str | None:
-    """Why the two sides' pages cannot be cut into each other's head slices, or None."""
-    if prefill_heads_major == decode_heads_major:
+def _layout_name(layout: tuple[bool, int]) -> str:
+    heads_major, group = layout
+    if group:
+        return f"cut in head groups of {group}"
+    return "head-major" if heads_major else "token-major"
+
+
+def page_layout(of: KVArgs | dict[str, Any] | bool) -> tuple[bool, int]:
+    """How a side lays out a page's heads, (``heads_major``, ``head_group``): from
+    its KVArgs, or from the record or message it published them in (a peer that
+    names neither is token-major without head groups), or ``heads_major`` alone."""
+    if isinstance(of, KVArgs):
+        return of.heads_major, of.head_group
+    if isinstance(of, bool):
+        return of, 0
+    return bool(of.get("heads_major", False)), int(of.get("head_group", 0) or 0)
+
+
+def layout_misfit(
+    prefill: KVArgs | dict[str, Any] | bool, decode: KVArgs | dict[str, Any] | bool
+) -> str | None:
+    """Why the two sides' pages cannot be cut into each other's head slices, or
+    None: each side's :func:`page_layout` (from its KVArgs, or from what it
+    published) must be the same."""
+    mine, theirs = page_layout(prefill), page_layout(decode)
+    if mine == theirs:
         return None
-    name = {False: "token-major", True: "head-major"}
     return (
-        f"prefill's KV pages are {name[prefill_heads_major]}, decode's "
-        f"{name[decode_heads_major]} (KVArgs.heads_major); both sides must lay out "
-        "a page's heads alike"
+        f"prefill's KV pages are {_layout_name(mine)}, decode's "
+        f"{_layout_name(theirs)}; both sides must lay out a page's heads alike "
+        "(KVArgs.heads_major) and cut them in the same head groups (KVArgs.head_group)"
     )
+
+
+def _chunks(head: int, group: int, far_head: int, far_group: int, count: int) -> list[int]:
+    """Where a slice of ``count`` heads breaks at either side's head groups
+    (``head``/``far_head``: its first head on each side): the slice-relative
+    cuts, 0 and ``count`` included."""
+    cuts = {0, count}
+    for h0, k in ((head, group), (far_head, far_group)):
+        cuts.update(range((h0 // k + 1) * k - h0, count, k))
+    return sorted(cuts)
+
+
+def _group_at(
+    pages: NDArray[np.int64], geom: tuple[int, int, int, int], head: int, count: int, whole: bool
+) -> Any:
+    """Where heads ``[head, head + count)`` (inside one head group) of ``pages`` lie
+    in a buffer cut in head groups (``geom``: page_size, head bytes, heads per
+    group, bytes per region): their offsets in the buffer, one per page
+    (``whole``: the piece is a whole group on both sides) or one per token."""
+    ps, hb, k, region = geom
+    g, o = divmod(head, k)
+    start = pages[:, None] * (ps * k * hb) + g * region + o * hb
+    return start if whole else start + np.arange(ps, dtype=np.int64) * (k * hb)
+
+
+def _grouped_writes(
+    local: KVArgs,
+    far: tuple[Sequence[int], int, Sequence[int] | None],
+    src: NDArray[np.int64],
+    dst: NDArray[np.int64],
+    heads: tuple[int, int, int],
+) -> Writes:
+    """:func:`sliced_page_writes` for token-major pages, cut in head groups or
+    not (a page without groups is one group of all its heads): a run per token
+    of each piece of the slice that lies inside one group on both sides, or a
+    run per page where the piece is a whole group on both; coalesced per
+    buffer, so a whole group of consecutive pages is one run."""
+    dst_ptrs, dst_heads, dst_lens = far
+    src_head, dst_head, count = heads
+    ps, n = local.page_size, local.kv_head_num
+    k, far_k = local.head_group or n, local.head_group or dst_heads
+    if far_k < dst_heads and dst_lens is None:
+        raise ValueError("head-group writes need the peer's KV buffer sizes (kv_lens)")
+    cuts = _chunks(src_head, k, dst_head, far_k, count)
+    parts = []
+    for b, (base, to, hb) in enumerate(zip(local.kv_data_ptrs, dst_ptrs, local.head_bytes)):
+        mine = (ps, hb, k, local.kv_data_lens[b] // local.head_groups)
+        theirs = (ps, hb, far_k, int(dst_lens[b]) // (dst_heads // far_k) if dst_lens else 0)
+        s_, d_, n_ = [], [], []
+        for lo, hi in itertools.pairwise(cuts):
+            whole = hi - lo == k == far_k
+            s = base + _group_at(src, mine, src_head + lo, hi - lo, whole)
+            d = int(to) + _group_at(dst, theirs, dst_head + lo, hi - lo, whole)
+            s_.append(s.reshape(-1))
+            d_.append(d.reshape(-1))
+            n_.append(np.full(s.size, (ps if whole else 1) * (hi - lo) * hb, np.int64))
+        # coalesced per buffer: a run must stay inside one registered region, even
+        # where two buffers happen to lie back to back in memory on both sides
+        parts.append(coalesce(*(np.concatenate(x).astype(np.int64) for x in (s_, d_, n_))))
+    if not parts:
+        return runs(src[:0], dst[:0])
+    s, d, ln = (np.concatenate(c).astype(np.int64) for c in zip(*parts))
+    return s, d, ln
 
 
 def sliced_page_writes(
@@ -85,22 +170,25 @@ def sliced_page_writes(
     src_head: int,
     dst_head: int,
     count: int,
+    dst_lens: Sequence[int] | None = None,
 ) -> Writes:
     """Heads ``[src_head, src_head + count)`` of local pages ``src`` to heads
     ``[dst_head, dst_head + count)`` of the peer's pages ``dst``, whose pages hold
     ``dst_heads`` heads of the same size, laid out as the local ones (token-major:
-    one run per token; head-major, ``local.heads_major``: one run per page),
-    coalesced where both sides are contiguous (whole pages when both hold exactly
-    the slice)."""
-    ps, heads, hm = local.page_size, local.kv_head_num, local.heads_major
+    one run per token; head-major, ``local.heads_major``: one run per page; cut
+    in head groups, ``local.head_group``: one run per whole group of consecutive
+    pages, ``dst_lens`` the peer's KV buffer sizes), coalesced where both sides
+    are contiguous (whole pages when both hold exactly the slice)."""
+    if not local.heads_major:
+        far = (dst_ptrs, dst_heads, dst_lens)
+        return _grouped_writes(local, far, src, dst, (src_head, dst_head, count))
+    ps, heads = local.page_size, local.kv_head_num
     parts = []
-    for base, far, hb in zip(local.kv_data_ptrs, dst_ptrs, local.head_bytes):
-        at, run = _in_page(ps, hb, heads, src_head, count, hm)
-        to, _ = _in_page(ps, hb, dst_heads, dst_head, count, hm)
+    for base, far_base, hb in zip(local.kv_data_ptrs, dst_ptrs, local.head_bytes):
+        at, run = _in_page(ps, hb, heads, src_head, count)
+        to, _ = _in_page(ps, hb, dst_heads, dst_head, count)
         s = base + src[:, None] * (ps * heads * hb) + at
-        d = far + dst[:, None] * (ps * dst_heads * hb) + to
-        # coalesced per buffer: a run must stay inside one registered region, even
-        # where two buffers happen to lie back to back in memory on both sides
+        d = far_base + dst[:, None] * (ps * dst_heads * hb) + to
         parts.append(coalesce(s.reshape(-1), d.reshape(-1), np.full(s.size, run, np.int64)))
     if not parts:
         return runs(src[:0], dst[:0])
@@ -287,12 +375,16 @@ def kv_args_for(
     kv_head_num: int = 1,
     state: Sequence[StateComponent] = (),
     heads_major: bool = False,
+    head_group: int = 0,
 ) -> KVArgs:
     """KVArgs from a list of KV tensors shaped (num_pages, ...) and metadata
     ``buf_infos()``; a tensor shaped (num_pages, page_size, kv_head_num, head
     bytes) is what head slicing expects, or (num_pages, kv_head_num, page_size,
-    head bytes) with ``heads_major``."""
+    head bytes) with ``heads_major``, or, cut in head groups of ``head_group``
+    heads, (kv_head_num / head_group, num_pages, page_size, head_group, head
+    bytes)."""
     return KVArgs(
+        head_group=head_group,
         page_size=page_size,
         kv_head_num=kv_head_num,
         heads_major=heads_major,
@@ -300,7 +392,7 @@ def kv_args_for(
         engine_rank=engine_rank,
         kv_data_ptrs=[t.data_ptr() for t in tensors],
         kv_data_lens=[t.nbytes for t in tensors],
-        kv_item_lens=[t[0].nbytes for t in tensors],
+        kv_item_lens=[t.nbytes // t.shape[1 if head_group else 0] for t in tensors],
         aux_data_ptrs=aux[0],
         aux_data_lens=aux[1],
         aux_item_lens=aux[2],

@@ -58,7 +58,7 @@ HETERO_KEYS += ("prefill_tp", "decode_tp", "page_tokens", "kv_heads", "head_byte
 
 @pytest.mark.network
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", ["token", "head"])
+@pytest.mark.parametrize("layout", ["token", "head", "group"])
 def test_bench_transfer_moves_head_slices_from_two_prefill_ranks_and_checks_every_byte(
     backend, layout
 ):
@@ -75,8 +75,9 @@ def test_bench_transfer_moves_head_slices_from_two_prefill_ranks_and_checks_ever
     assert res["bytes_verified"] and res["bytes"] == 2 << 20
     assert (res["prefill_tp"], res["decode_tp"], res["layout"]) == (2, 1, layout)
     assert res["page_kib"] == 32 and res["runs"] == 2  # raw-1:1: one run per prefill rank
-    # the connector's KV runs: one per token of each page (token-major) or one per
-    # page (head-major) on each prefill rank, then the primary's metadata row
-    kv_runs = 2 * 64 * (16 if layout == "token" else 1)
+    # the connector's KV runs: one per token of each page (token-major), one per
+    # page (head-major) or one per head group of the request's consecutive pages
+    # (pools cut in head groups) on each prefill rank, then the primary's metadata row
+    kv_runs = 2 if layout == "group" else 2 * 64 * (16 if layout == "token" else 1)
     assert kv_runs < res["lifecycle_runs"] < kv_runs + 16
     assert all(res[k] > 0 for k in ("raw-1:1_gbps", "lifecycle_gbps", "raw_sliced_gbps"))

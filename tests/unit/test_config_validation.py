@@ -133,6 +133,7 @@ CONNECTOR_BAD = {
     "idle_interval": secs(),
     "drain_timeout": secs(),
     "progress_delay_us": ints(0, 1_000_000),
+    "nixl_threads": ints(0, 64),
     "digest": FLAG,
 }
 CONNECTOR_MISFITS = [
@@ -170,6 +171,7 @@ KV_BAD = {
     "ib_device": text(none=True),
     "kv_head_num": ints(1),
     "heads_major": FLAG,
+    "head_group": ints(0),
 }
 KV_MISFITS = [
     (dict(kv_data_lens=[1024, 1024]), "kv_data_lens"),  # not parallel to the pointers
@@ -179,6 +181,9 @@ KV_MISFITS = [
     (dict(kv_data_lens=[1000]), "kv_data_lens"),  # not a whole number of pages
     (dict(kv_data_ptrs=[1, 2], kv_data_lens=[1024, 2048], kv_item_lens=[64, 64]), "kv_data_lens"),
     (dict(aux_data_ptrs=[1], aux_data_lens=[100], aux_item_lens=[64]), "aux_data_lens"),
+    (dict(kv_head_num=4, head_group=3), "head_group"),  # groups must cut the heads evenly
+    (dict(kv_head_num=4, head_group=2, heads_major=True), "head_group"),  # token-major only
+    (dict(kv_head_num=4, head_group=2), None),
 ]
 
 STATE = dict(type=StateType.MAMBA, ptrs=[0, 4096], lens=[640, 640], item_lens=[64, 64])
@@ -352,11 +357,15 @@ def test_numpy_integers_are_integers_and_become_python_ints():
 
 
 # -- a connector: its config against its KVArgs, before anything starts -------------------------
-def _kv(pages=8, aux=True, heads=1, heads_major=False):
-    kv = [torch.zeros((pages, 64 * heads), dtype=torch.uint8)]
+def _kv(pages=8, aux=True, heads=1, heads_major=False, head_group=0):
+    shape = (heads // head_group, pages, 64 * head_group) if head_group else (pages, 64 * heads)
+    kv = [torch.zeros(shape, dtype=torch.uint8)]
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     infos = MetadataBuffers(4, layout).buf_infos() if aux else ([], [], [])
-    return kv_args_for(kv, infos, 0, kv_head_num=heads, heads_major=heads_major), kv
+    args = kv_args_for(
+        kv, infos, 0, kv_head_num=heads, heads_major=heads_major, head_group=head_group
+    )
+    return args, kv
 
 
 @pytest.mark.parametrize(
@@ -367,6 +376,8 @@ def _kv(pages=8, aux=True, heads=1, heads_major=False):
         (dict(pages=8), dict(staging=True, staging_pages=9), "staging_pages", ConfigError),
         # a head-major page's slice is one run already: nothing to gather
         (dict(heads_major=True), dict(staging=True), "staging", ConfigError),
+        # nor is a head group of pages cut in head groups
+        (dict(heads=2, head_group=1), dict(staging=True, kv_heads=2), "staging", ConfigError),
     ],
 )
 def test_a_connector_checks_its_config_against_its_kv_args_first(
@@ -451,9 +462,9 @@ BENCH_BAD = {
     "page_tokens": [["--page-tokens", "0"], ["--mib", "1", "--page-tokens", "4096"]],
     "head_dim": [["--head-dim", "0"], ["--mib", "1", "--head-dim", "100000"]],
     "kv_heads": [["--kv-heads", "0"], ["--kv-heads", "x"], ["--mib", "1", "--kv-heads", "4096"]],
-    "layout": [["--layout", "diagonal"], ["--layout", "head"]],
+    "layout": [["--layout", "diagonal"], ["--layout", "head"], ["--layout", "group"]],
     "step_us": [["--step-us", "0"], ["--step-us", "0.5"], ["--step-us", "2000000"]],
-    "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"]],
+    "staging": [["--staging=1"], ["--staging"], ["--staging", "--kv-heads", "8"], ["--staging", "--prefill-tp", "2", "--layout", "head"], ["--staging", "--prefill-tp", "2", "--layout", "group"]],
     "digest": [["--digest=1"]],
 }  # fmt: skip
 COMMANDS = {"simulate": SIMULATE_BAD, "bench-transfer": BENCH_BAD}

@@ -110,3 +110,22 @@ def test_a_notification_that_never_comes_is_the_waiting_timeout():
         KVPoll.Failed,
         FailureReason.WAITING_TIMEOUT,
     )
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_the_agent_is_built_with_the_configured_worker_threads(monkeypatch, threads):
+    # nixl_threads reaches the agent as its UCX backend's num_threads
+    from nixl_cu12 import _api
+
+    from transport.backends.nixl import make_agent
+
+    seen = {}
+
+    def fake_agent(name, cfg):
+        seen.update(name=name, threads=cfg.num_threads)
+        return "agent"
+
+    monkeypatch.setattr(_api, "nixl_agent", fake_agent)
+    assert make_agent("a", 250, threads) == "agent"
+    assert (seen["name"], seen["threads"]) == ("a", threads)
+    assert NixlConfig(role="prefill", tp_rank=0, store_port=1).nixl_threads == 4

@@ -48,6 +48,10 @@ from pdlife.engine_output import choose
 __all__ = ["add_parser", "run_transfer_bench"]
 
 
+#: how the summary line names each --layout
+_LAYOUT_TEXT = {"token": "token-major", "head": "head-major", "group": "cut in head groups"}
+
+
 def _span(per_rank: list[list[tuple[float, float]]]) -> list[float]:
     """Per repetition: from the first rank's start to the last rank's end."""
     return [max(e for _, e in rep) - min(s for s, _ in rep) for rep in zip(*per_rank)]
@@ -118,7 +122,7 @@ def run_transfer_bench(
         "page_tokens": shape.page_tokens,
         "kv_heads": shape.kv_heads,
         "head_bytes": shape.head_bytes,
-        "layout": "head" if shape.heads_major else "token",
+        "layout": shape.layout,
         "staging": shape.staging,
         # separate runs of the raw 1:1 write (per pair of ranks, page and buffer)
         "runs": _raw_count(shape),
@@ -187,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     if shape.kv_heads > 1 or shape.page_tokens > 1:
         shape_text = (
             f"{args.buffers} buffer(s) of {shape.page_tokens}-token pages of "
-            f"{shape.kv_heads} heads x {shape.head_bytes} bytes, {res['layout']}-major"
+            f"{shape.kv_heads} heads x {shape.head_bytes} bytes, {_LAYOUT_TEXT[res['layout']]}"
             f"{', staged on decode' if shape.staging else ''}; "
             f"prefill TP {shape.prefill_tp} -> decode TP {shape.decode_tp}"
         )
@@ -246,9 +250,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv-heads", type=positive_int, help="the model's KV heads (default 8)")
     p.add_argument(
         "--layout",
-        choices=["token", "head"],
+        choices=["token", "head", "group"],
         default="token",
-        help="a page's heads per token (token-major) or its tokens per head (head-major)",
+        help="a page's heads per token (token-major), its tokens per head (head-major), "
+        "or every rank's buffers cut in one region per head group (KVArgs.head_group: "
+        "the largest group that both TP sizes hold whole)",
     )
     p.add_argument(
         "--staging",

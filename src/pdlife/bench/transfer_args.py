@@ -61,7 +61,7 @@ def _check_shape(args: argparse.Namespace) -> Shape:
                 f"--kv-heads {s.kv_heads} x --head-dim {s.head_bytes // DTYPE_BYTES} x "
                 f"{DTYPE_BYTES} bytes)",
             )
-        if args.staging and (s.heads_major or s.prefill_tp == s.decode_tp):
+        if args.staging and (s.layout != "token" or s.prefill_tp == s.decode_tp):
             raise UsageError(
                 "--staging",
                 "decode stages token-major head slices: give --layout token and TP sizes "
@@ -69,9 +69,9 @@ def _check_shape(args: argparse.Namespace) -> Shape:
             )
     elif args.staging:
         raise UsageError("--staging", "whole pages are never staged: give TP sizes that differ")
-    elif args.layout == "head":
+    elif args.layout != "token":
         raise UsageError(
-            "--layout head",
+            f"--layout {args.layout}",
             "a page of one token of one head has one layout: give --kv-heads, --page-tokens "
             "or TP sizes that differ",
         )

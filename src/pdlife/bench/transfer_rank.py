@@ -111,6 +111,7 @@ def _run(
         page_size=shape.page_tokens,
         kv_head_num=len(heads),
         heads_major=shape.heads_major,
+        head_group=shape.head_group,
     )
     staged: dict[str, Any] = {}
     if role == "decode" and shape.staging:  # a staging region of the request's pages per slot
@@ -162,7 +163,7 @@ def _run(
                 times["handshake"].append(hand)
                 times["life"].append(life)
                 rows = torch.from_numpy(dst)
-                verified &= all(torch.equal(t[rows], w) for t, w in zip(kv, want))
+                verified &= all(torch.equal(shape.held(t, rows), w) for t, w in zip(kv, want))
                 verified &= meta.room_of(1) == room
                 meta.clear_room(1)
             else:

@@ -6,7 +6,7 @@ A :class:`Shape` is the model's KV (``buffers`` buffers of ``pages`` pages,
 each page ``page_tokens`` tokens x ``kv_heads`` heads of ``head_bytes``) and
 the two TP sizes; every rank holds its heads of every page (see
 :class:`transport.topology.Topology`), token-major or head-major
-(``heads_major``). The pattern is a function of a byte's place in the model's
+(``heads_major``), or cut in one region per head group (``head_group``). The pattern is a function of a byte's place in the model's
 KV (page, token, global head, byte, buffer), so a decode rank checks every
 byte it holds against the bytes the model's page holds there, whichever
 prefill rank wrote them.
@@ -20,6 +20,7 @@ run per buffer, or one per page when decode's pages are shuffled.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -48,6 +49,8 @@ class Shape:
     decode_tp: int = 1
     heads_major: bool = False
     shuffle: bool = False
+    #: heads per head-group region on every rank (KVArgs.head_group; 0: none)
+    head_group: int = 0
     #: decode lands head slices in a staging region, then scatters them
     staging: bool = False
 
@@ -79,10 +82,22 @@ class Shape:
         dec = sum(len(self.heads("decode", d)) for d in range(self.decode_tp))
         return self.buffers * self.pages * self.page_bytes(pre + (5 if self.staging else 2) * dec)
 
-    def tensor_shape(self, heads: int) -> tuple[int, int, int, int]:
+    @property
+    def layout(self) -> str:
+        """The ``--layout`` this shape was built from."""
+        return "group" if self.head_group else "head" if self.heads_major else "token"
+
+    def tensor_shape(self, heads: int) -> tuple[int, ...]:
+        if self.head_group:
+            k = self.head_group
+            return (heads // k, self.pages, self.page_tokens, k, self.head_bytes)
         if self.heads_major:
             return (self.pages, heads, self.page_tokens, self.head_bytes)
         return (self.pages, self.page_tokens, heads, self.head_bytes)
+
+    def held(self, t: Any, pages: Any) -> Any:
+        """Pages ``pages`` of a rank's KV tensor ``t`` (of every head-group region)."""
+        return t[:, pages] if self.head_group else t[pages]
 
     def dst_pages(self) -> NDArray[np.int64]:
         """Decode's page for each of prefill's: the same, or a fixed permutation."""
@@ -117,7 +132,11 @@ def shape_of(
     else:
         t, h, hb = 1, 1, (page_kib or 256) * 1024
     per_buffer = total_mib * 1024 * 1024 // buffers
+    group = 0
+    if layout == "group":  # the largest group every rank of both sides holds whole
+        group = math.gcd(*(max(1, h // tp) for tp in (prefill_tp, decode_tp)))
     return Shape(
+        head_group=group,
         pages=per_buffer // (t * h * hb),
         page_tokens=t,
         kv_heads=h,
@@ -144,7 +163,12 @@ def pattern(shape: Shape, heads: range, buf: int, chunk: int = 256) -> NDArray[n
     for p0 in range(0, s.pages, chunk):
         pg = np.arange(p0, min(p0 + chunk, s.pages), dtype=np.int64) * 37 % 251
         v = ((pg.astype(np.int16)[:, None, None, None] + inner) % 251).astype(np.uint8)
-        out[p0 : p0 + pg.size] = v.transpose(0, 2, 1, 3) if s.heads_major else v
+        if s.head_group:  # (regions, pages, tokens, heads of the region, bytes)
+            k = s.head_group
+            grouped = v.reshape(*v.shape[:2], -1, k, s.head_bytes).transpose(2, 0, 1, 3, 4)
+            out[:, p0 : p0 + pg.size] = grouped
+        else:
+            out[p0 : p0 + pg.size] = v.transpose(0, 2, 1, 3) if s.heads_major else v
     return out
 
 

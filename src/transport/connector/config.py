@@ -106,6 +106,9 @@ class ConnectorConfig:
     digest: bool = attrs.field(default=False, validator=_C.flag())
     #: NIXL's progress thread: pause between polls (0: it spins)
     progress_delay_us: int = attrs.field(default=100, validator=_C.integer(0, 1_000_000))
+    #: NIXL's UCX worker threads that post a transfer's descriptors in parallel
+    #: (the agent's ``num_threads``; 0: the caller's thread posts them all)
+    nixl_threads: int = attrs.field(default=4, validator=_C.integer(0, 64))
 
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -156,6 +159,14 @@ def check_fit(kv_args: Any, config: Any) -> int:
                 True,
                 "False with head-major pages (KVArgs.heads_major): a rank's head slice of a "
                 "head-major page is one run already; staging gathers token-major slices",
+            )
+        if kv_args.head_group:
+            _C.fail(
+                c,
+                "staging",
+                True,
+                "False with pages cut in head groups (KVArgs.head_group): a head group of "
+                "consecutive pages is one run already; staging gathers token-major slices",
             )
         if not kv_args.aux_data_lens:
             _C.fail(

@@ -42,7 +42,7 @@ from transport.connector.messages import Msg
 from transport.connector.port import Port
 from transport.digest import LegDigest, decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
-from transport.layout import layout_misfit, state_misfit
+from transport.layout import layout_misfit, page_layout, state_misfit
 from transport.staging import Scatter, Staging
 from transport.topology import Topology, TopologyError
 
@@ -189,7 +189,7 @@ class DecodeSide:
                 f"(mla={c.mla})"
             )
         else:
-            why = layout_misfit(bool(group.get("heads_major", False)), p.kv_args.heads_major)
+            why = layout_misfit(group, p.kv_args)
             why = why or state_misfit(group.get("state", []), ptp, p.state_geom, c.tp_size)
         if why is not None and failing:
             # refused for a misfit: every rank of the group is told why, at once,
@@ -237,7 +237,7 @@ class DecodeSide:
                     msg = {"kind": Msg.register, "room": req.room, "epoch": req.epoch}
                     msg["decode_tp"] = c.tp_size
                     msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
-                    msg.update(heads_major=p.kv_args.heads_major)
+                    msg.update(zip(("heads_major", "head_group"), page_layout(p.kv_args)))
                     msg.update(state=p.state_geom, state_leg=leg.state, digest=c.digest)
                     p._send(leg.peer, msg, store)
             return False

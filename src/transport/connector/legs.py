@@ -172,14 +172,17 @@ def kv_writes(
     dst: NDArray[np.int64],
 ) -> Writes:
     """Local pages ``src`` to the leg's pages ``dst``: whole pages when both sides
-    hold exactly the leg's heads in the peer's own KV buffers, head slices else.
+    hold exactly the leg's heads in the peer's own KV buffers (and in one head
+    group: pages cut in several are written group by group), head slices else.
     A staging block (``leg.dst_ptrs``) holds the leg's heads alone: they start
     at its head 0, whichever heads of decode's pages they are."""
     whole = leg.count == local.kv_head_num == leg.dst_heads and leg.dst_ptrs is None
-    if whole:
+    if whole and local.head_groups == 1:
         return page_writes(local, info, src, dst)
     ptrs, at = (info["kv_ptrs"], leg.dst_head) if leg.dst_ptrs is None else (leg.dst_ptrs, 0)
-    return sliced_page_writes(local, ptrs, leg.dst_heads, src, dst, leg.src_head, at, leg.count)
+    lens = info.get("kv_lens") if leg.dst_ptrs is None else None
+    heads = (leg.src_head, at, leg.count)
+    return sliced_page_writes(local, ptrs, leg.dst_heads, src, dst, *heads, dst_lens=lens)
 
 
 def rows_of(

@@ -79,7 +79,7 @@ class PrefillSide:
         """Publish this DP group's record: decode plans its legs from it."""
         p, c = self.port, self.port.config
         group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
-        group["heads_major"] = p.kv_args.heads_major
+        group.update(heads_major=p.kv_args.heads_major, head_group=p.kv_args.head_group)
         p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
 
     def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
@@ -106,7 +106,7 @@ class PrefillSide:
                 f"prefill {p.kv_heads} (mla={c.mla})"
             )
         else:
-            why = layout_misfit(p.kv_args.heads_major, bool(msg.get("heads_major", False)))
+            why = layout_misfit(p.kv_args, msg)
             why = why or state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
         if why is not None:
             self._refuse(req, f"{why}; both sides must serve the same model")
@@ -312,6 +312,7 @@ class PrefillSide:
                     return False
                 leg.fields_out = True
             return True
+        w: Any = None  # (src, dst, lengths) this pass writes on the leg
         if leg.issued < n:
             at = np.arange(max(leg.issued, leg.skip), n)  # (a cached prefix is not written)
             dst_at = at - leg.skip
@@ -325,10 +326,12 @@ class PrefillSide:
             while at.size:  # (noted slices: the engine sends each note as it sees it landed)
                 take, note = landing_note(p, req, leg, int(dst_at[0]), dst_at.size)
                 w = kv_writes(p.kv_args, info, leg, src[at[:take]], leg.dst_pages[dst_at[:take]])
-                p._submit(req, info, w, note, store)
-                if note:
-                    p._reap(req, store)
                 at, dst_at = at[take:], dst_at[take:]
+                if note or at.size:  # (an unnoted last write waits: the row's fields join it)
+                    p._submit(req, info, w, note, store)
+                    w = None
+                    if note:
+                        p._reap(req, store)
             leg.issued = n
         if n >= req.num_pages and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
@@ -339,17 +342,14 @@ class PrefillSide:
                 )
                 return False
             if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0:
-                # the row's fields travel with the last pages; only the room waits for all
-                p._submit(
-                    req,
-                    info,
-                    row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False),
-                    b"",
-                    store,
-                )
+                # the fields join the last unnoted write (one transfer); the room waits
+                row = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False)
+                w = row if w is None else tuple(np.concatenate(c) for c in zip(w, row))
             if not self._state_out(req, leg, info, store):
                 return False
             leg.fields_out = True
+        if w is not None:
+            p._submit(req, info, w, b"", store)
         return True
 
     def _state_out(

@@ -45,7 +45,7 @@ import attrs
 import numpy as np
 from numpy.typing import NDArray
 
-from buffers.kv_args import KVArgs
+from buffers.kv_args import KVArgs, group_pieces
 
 __all__ = [
     "ALGORITHM",
@@ -118,16 +118,17 @@ def _view(ptr: int, nbytes: int) -> NDArray[np.uint8]:
 
 class Views:
     """One rank's buffers as numpy rows: KV pages as (pages, tokens, heads, bytes)
-    (head-major: (pages, heads, tokens, bytes)), metadata and state as (rows, bytes);
-    and the threads that hash them (:meth:`start`)."""
+    (head-major: (pages, heads, tokens, bytes); per head group region if cut in
+    groups), metadata and state as (rows, bytes); and the threads that hash them."""
 
     def __init__(self, kv: KVArgs, threads: int | None = None) -> None:
         ps, heads = kv.page_size, kv.kv_head_num
         self.heads_major = kv.heads_major
-        self.kv = []
+        self.group = kv.head_group or heads  # heads per region
+        self.kv: list[list[NDArray[np.uint8]]] = []  # per buffer, its regions
         for p, n, it, hb in zip(kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens, kv.head_bytes):
-            shape = (heads, ps, hb) if kv.heads_major else (ps, heads, hb)
-            self.kv.append(_view(p, n - n % it).reshape(-1, *shape))
+            shape = (heads, ps, hb) if kv.heads_major else (ps, self.group, hb)
+            self.kv.append(list(_view(p, n - n % it).reshape(kv.head_groups, -1, *shape)))
         self.aux = [
             _view(p, n - n % it).reshape(-1, it)
             for p, n, it in zip(kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens)
@@ -177,10 +178,12 @@ class Views:
             pool.shutdown(wait=True)
 
     def kv_parts(self, pages: NDArray[np.int64], head: int, count: int) -> list[Part]:
-        """Heads ``[head, head + count)`` of ``pages`` in every KV buffer."""
-        heads = slice(head, head + count)
-        inner = (heads,) if self.heads_major else (slice(None), heads)
-        return [(v, pages, inner) for v in self.kv]
+        """Heads ``[head, head + count)`` of ``pages`` in every KV buffer (cut in
+        head groups: buffer by buffer, the slice's piece in each group in turn)."""
+        if self.heads_major:
+            return [(v[0], pages, (slice(head, head + count),)) for v in self.kv]
+        cut = group_pieces(head, count, self.group)
+        return [(v[g], pages, (slice(None), slice(o, o + c))) for v in self.kv for g, o, c in cut]
 
     def row_parts(self, slot: int) -> list[Part]:
         """Metadata row ``slot``: every field, the room column (the last) last."""

@@ -125,7 +125,9 @@ def prefill_digest(port: Any, req: Any, leg: Any, info: dict[str, Any]) -> Pendi
 def decode_progress(port: Any, req: Any, leg: Any) -> Progress:
     """What decode rank ``port`` holds of ``leg``, hashed as its pages land
     (:class:`~transport.digest.hashing.Progress`)."""
-    paged = len(port.views.kv) if leg.sends and req.pages.size else 0
+    # (its KV parts: one per KV buffer, or per head group of one cut in groups)
+    kv = port.views.kv_parts(req.pages[:0], leg.dst_head, leg.count)
+    paged = len(kv) if leg.sends and req.pages.size else 0
     return Progress(port.views, decode_parts(port.views, port, req, leg), paged)
 
 
