@@ -42,3 +42,19 @@ def handshaken(*senders):
     is done. Prefill still reports Bootstrapping until every leg's page list is
     in (decode's scheduler has given the request its pages and metadata row)."""
     return all(s.manager._phase(s._req) == Phase.Handshaken for s in senders)
+
+
+def refused_for_layout(prefill, decode, room, says):
+    """Decode refuses ``room`` for a layout misfit (a TopologyError saying ``says``)
+    and prefill is told: (the prefill sender, the decode receiver), both Failed."""
+    from lifecycle import KVPoll
+    from transport.topology import TopologyError
+
+    s = prefill.sender(room)
+    r = decode.receiver(room)
+    r.init()
+    wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
+    assert isinstance(decode.last_error, TopologyError)
+    assert says in str(decode.last_error)
+    wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
+    return s, r

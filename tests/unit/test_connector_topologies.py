@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
+from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
@@ -233,13 +233,7 @@ def test_pages_laid_out_unlike_the_peers_are_refused_on_either_side(store, pre_h
     p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), heads_major=pre_hm, namespace=ns)
     d = Rank("decode", 1, 0, store, Topology(1, 1, 2), heads_major=not pre_hm, namespace=ns)
     try:
-        s = p.m.sender(4)
-        r = d.m.receiver(4)
-        r.init()
-        wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
-        assert isinstance(d.m.last_error, TopologyError)
-        assert "(KVArgs.heads_major)" in str(d.m.last_error)
-        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
+        refused_for_layout(p.m, d.m, 4, "(KVArgs.heads_major)")
         assert "decode rank 0 refused it: prefill's KV pages are" in str(p.m.last_error)
     finally:
         p.m.close()

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
+from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.errors import BadSetting
@@ -20,7 +20,7 @@ from transport.connector.hub import ConnectorConfig
 from transport.connector.legs import kv_writes, leg_of
 from transport.digest import Views, digest, flip, signature
 from transport.layout import coalesce, kv_args_for, layout_misfit, sliced_page_writes
-from transport.topology import Topology, TopologyError, head_range
+from transport.topology import Topology, head_range
 
 PAGES, PS, HB = 12, 4, 8
 META = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
@@ -253,13 +253,7 @@ def test_a_peer_whose_pages_are_not_cut_alike_is_refused(store, grouped_side):
     p = Rank("prefill", 1, 0, store, ns, 4, k[0])
     d = Rank("decode", 1, 0, store, ns, 4, k[1])
     try:
-        s = p.m.sender(4)
-        r = d.m.receiver(4)
-        r.init()
-        wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
-        assert isinstance(d.m.last_error, TopologyError)
-        assert "KVArgs.head_group" in str(d.m.last_error)
-        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
+        refused_for_layout(p.m, d.m, 4, "KVArgs.head_group")
         assert p.m.stats["bytes_written"] == 0
     finally:
         p.m.close()

@@ -138,8 +138,8 @@ def landing_note(port: Any, req: Any, leg: Any, first: int, count: int) -> tuple
     the digest is on and the engine notes each write's landing (NIXL): then a
     slice of about 1/``SLICES`` of the leg (a piece at least), noted
     ``room:epoch:first:end``, so that decode hashes it as it lands while the
-    next moves (one slice per pass of the loop, which lets the engine send
-    the note)."""
+    next moves (prefill polls each slice once issued, so the engine sends
+    its note before the next goes)."""
     if not (port.config.digest and port.NOTIFIES):
         return count, b""
     kv = port.kv_args
