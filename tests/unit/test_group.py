@@ -151,7 +151,7 @@ def test_a_started_step_builds_its_common_result_before_finish_and_applies_it_th
 
 
 def test_a_pending_reduce_runs_what_follows_it_once_and_only_if_it_landed():
-    from lifecycle.drive.collective import _Thread
+    from lifecycle.testing.simulated import _Thread
 
     ran = []
     done = _Thread(lambda: None)

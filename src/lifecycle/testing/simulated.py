@@ -11,15 +11,55 @@ aborting the process.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.drive.collective import Pending, _Thread
+from lifecycle.drive.collective import Pending
 from lifecycle.errors import LifecycleError, RankFailure
 
 __all__ = ["SimulatedWorld"]
+
+
+class _Thread:
+    """A blocking reduce run on a thread (for collectives without async ops)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._landed = False
+        self._after: list[Callable[[], None]] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:
+            self._error = e
+        with self._lock:
+            self._landed = True
+            after = self._after
+        if self._error is None:
+            for cb in after:
+                cb()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the reduce has landed (on this thread, or at once if
+        it already has); ``wait`` returns after it."""
+        with self._lock:
+            if not self._landed:
+                self._after.append(fn)
+                return
+        if self._error is None:
+            fn()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class SimulatedWorld:

@@ -17,6 +17,7 @@ __all__ = [
     "three_queues",
     "churn_case",
     "field_queue",
+    "field_stepper",
 ]
 
 
@@ -189,3 +190,20 @@ def field_queue(n: int) -> tuple[list[Any], list[Any], list[Any], Any]:
     ]
     meta = MetadataBuffers(n, 16, torch.float32)  # every row's room is 0: not landed
     return ungated, gated, reqs, meta
+
+
+def field_stepper(rank: int, n: int) -> Any:
+    """Our step on the field's ungated queue (:func:`field_queue`): the same
+    rooms and statuses (half waiting for input, half transferring) answered by
+    one batch poll, no gates. After its first step nothing moves."""
+    from lifecycle import KVPoll, RequestTable, Stepper
+
+    backend = ChurnBackend(n)
+    backend.status[:n] = 2 + np.arange(n) % 2
+    table = RequestTable(rank=rank, capacity=n)
+    table.extend(
+        np.arange(9001, 9001 + n, dtype=np.uint64),
+        state=KVPoll.WaitingForInput,
+        handle_indices=np.arange(n),
+    )
+    return Stepper(table, rank, poller=backend)

@@ -4,7 +4,60 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_table"]
+import numpy as np
+
+__all__ = ["format_table", "summarise"]
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e6
+    return {
+        "median_us": float(np.median(a)),
+        "p25_us": float(np.percentile(a, 25)),
+        "p90_us": float(np.percentile(a, 90)),
+    }
+
+
+def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: the median over repetitions of the smaller rank time."""
+    row: dict[str, Any] = {}
+    for name, first in ranks[0]["times"].items():
+        both = np.min([r["times"][name] for r in ranks], axis=0)
+        row[name] = _stats(list(both))
+        row[name]["rank0_median_us"] = _stats(first)["median_us"]
+    row["transitions"]["create_machine_us"] = ranks[0]["create_machine_us"]
+    row["ratios"] = _ratios({k: v["median_us"] for k, v in row.items()})
+    # a collective here is bimodal (an idle vCPU halts, and its wake-up can
+    # take milliseconds): the lower quartiles compare the fast mode
+    row["ratios_p25"] = _ratios({k: v["p25_us"] for k, v in row.items() if k != "ratios"})
+    return row
+
+
+def _ratios(med: dict[str, float]) -> dict[str, float]:
+    field = {}
+    if "field" in med:
+        field = {
+            "field/ours": med["field"] / med["ours"],
+            "field/ours_field": med["field"] / med["ours_field"],
+            "compat/field": med["compat"] / med["field"],
+            "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
+        }
+    return {
+        **field,
+        "ours-hooks_floor/floor": (med["ours"] - med["hooks_floor"]) / med["floor"],
+        "ours/floor": med["ours"] / med["floor"],
+        "hooks_floor/floor": med["hooks_floor"] / med["floor"],
+        "ours/hooks_floor": med["ours"] / med["hooks_floor"],
+        "fused3/floor": med["fused3"] / med["floor"],
+        "separate3/fused3": med["separate3"] / med["fused3"],
+        "churn/floor": med["churn"] / med["floor"],
+        "churn_one/floor": med["churn_one"] / med["floor"],
+        "overlap_visible/floor": med["overlap_visible"] / med["floor"],
+        "overlap_inline/floor": med["overlap_inline"] / med["floor"],
+        "pattern/ours": med["pattern"] / med["ours"],
+        "transitions/ours": med["transitions"] / med["ours"],
+    }
+
 
 _COLUMNS = (
     "floor",
@@ -55,7 +108,7 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(
                 f"{'':>6} field {row['field']['median_us']:.0f} us, gated "
                 f"{row['field_gated']['median_us']:.0f} us; {compat}; field/ours "
-                f"{r['field/ours']:.2f}, compat/field {r['compat/field']:.2f}, "
+                f"{r['field/ours']:.2f}, field/ours_field {r['field/ours_field']:.2f}, compat/field {r['compat/field']:.2f}, "
                 f"compat_gated/field_gated {r['compat_gated/field_gated']:.2f}"
             )
         else:

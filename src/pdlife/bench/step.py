@@ -28,7 +28,8 @@ times, back to back and in the same order on both ranks:
   pollers (half waiting for input, half transferring), ungated, when SGLang is
   importable here (else skipped, and said so in one line); ``field_gated``:
   the same function with its metadata gate on a decode transfer queue (two
-  thirds at Success with the row not landed);
+  thirds at Success with the row not landed); ``ours_field``: a
+  :class:`Stepper` on the ungated queue's rooms and statuses, one batch poll;
 - ``compat`` / ``compat_gated``: the drop-in, :func:`field.step.consensus.poll_and_all_reduce`,
   on the same queues with the same arguments (its table kept across calls);
 - ``overlap_visible``: ``start(worker=True)`` + ``finish`` with a 5 ms sleep
@@ -63,8 +64,15 @@ import numpy as np
 import torch
 
 from pdlife.args import positive_int
-from pdlife.bench.cases import ObjPoller, churn_case, field_queue, gated_queue, three_queues
-from pdlife.bench.report import format_table
+from pdlife.bench.cases import (
+    ObjPoller,
+    churn_case,
+    field_queue,
+    field_stepper,
+    gated_queue,
+    three_queues,
+)
+from pdlife.bench.report import format_table, summarise
 
 __all__ = ["add_parser", "run_bench", "format_table"]
 
@@ -80,15 +88,6 @@ def field_function() -> tuple[Any, str]:
     except Exception as e:  # not installed, or its import set is incomplete
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
     return poll_and_all_reduce, ""
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e6
-    return {
-        "median_us": float(np.median(a)),
-        "p25_us": float(np.percentile(a, 25)),
-        "p90_us": float(np.percentile(a, 90)),
-    }
 
 
 def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
@@ -171,12 +170,18 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     def compat() -> None:
         compat_poll(f_ungated, group)
 
+    f_stepper = field_stepper(rank, n)
+
+    def ours_field() -> None:
+        f_stepper.step(coll)
+
     def compat_gated() -> None:
         compat_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
 
     variants = {
         "floor": floor,
         "ours": ours,
+        "ours_field": ours_field,
         "hooks_floor": hooks_floor,
         "pattern": pattern,
         "fused3": fused3,
@@ -237,46 +242,6 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     return {"times": times, "create_machine_us": create * 1e6}
 
 
-def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per variant: the median over repetitions of the smaller rank time."""
-    row: dict[str, Any] = {}
-    for name, first in ranks[0]["times"].items():
-        both = np.min([r["times"][name] for r in ranks], axis=0)
-        row[name] = _stats(list(both))
-        row[name]["rank0_median_us"] = _stats(first)["median_us"]
-    row["transitions"]["create_machine_us"] = ranks[0]["create_machine_us"]
-    row["ratios"] = _ratios({k: v["median_us"] for k, v in row.items()})
-    # a collective here is bimodal (an idle vCPU halts, and its wake-up can
-    # take milliseconds): the lower quartiles compare the fast mode
-    row["ratios_p25"] = _ratios({k: v["p25_us"] for k, v in row.items() if k != "ratios"})
-    return row
-
-
-def _ratios(med: dict[str, float]) -> dict[str, float]:
-    field = {}
-    if "field" in med:
-        field = {
-            "field/ours": med["field"] / med["ours"],
-            "compat/field": med["compat"] / med["field"],
-            "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
-        }
-    return {
-        **field,
-        "ours-hooks_floor/floor": (med["ours"] - med["hooks_floor"]) / med["floor"],
-        "ours/floor": med["ours"] / med["floor"],
-        "hooks_floor/floor": med["hooks_floor"] / med["floor"],
-        "ours/hooks_floor": med["ours"] / med["hooks_floor"],
-        "fused3/floor": med["fused3"] / med["floor"],
-        "separate3/fused3": med["separate3"] / med["fused3"],
-        "churn/floor": med["churn"] / med["floor"],
-        "churn_one/floor": med["churn_one"] / med["floor"],
-        "overlap_visible/floor": med["overlap_visible"] / med["floor"],
-        "overlap_inline/floor": med["overlap_inline"] / med["floor"],
-        "pattern/ours": med["pattern"] / med["ours"],
-        "transitions/ours": med["transitions"] / med["ours"],
-    }
-
-
 def _bench_rank(
     rank: int, world: int, sizes: tuple[int, ...], reps: int, t_reps: int
 ) -> dict[str, Any]:
@@ -327,7 +292,7 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
 
     results = run_ranks(_bench_rank, 2, sizes, reps, t_reps, timeout=1800, pg_timeout=300)
     res: dict[str, Any] = {
-        "sizes": {n: _summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
+        "sizes": {n: summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
         "table": results[0]["table"],
     }
     _, why = field_function()
