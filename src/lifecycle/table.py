@@ -5,10 +5,9 @@ requests of one scheduler queue. Every per-request field (state, reason,
 origin, clocks, metadata slot...) is a numpy column indexed by a *slot*
 that never moves while the request lives; ``order`` lists the slots in queue
 order (insertion order, which every rank reproduces by making the same
-calls). Removal is O(1): the slot is marked dead, the order compacted on
-its next read. The only Python objects kept per request are the optional
-per-request pollers (``handles``), for backends without a batch poll.
-"""
+calls). Removal is O(1): the slot is marked dead, the order compacted on its
+next read; adding or removing nothing changes nothing. The only Python
+objects per request are the optional pollers (``handles``)."""
 
 from __future__ import annotations
 
@@ -221,11 +220,9 @@ class RequestTable:
     ) -> NDArray[np.int64]:
         """Add many requests at the end of the queue, in order; returns their slots.
 
-        Validation happens first: a room that is not an integer in
-        1..2**64-1 (0 only with ``fake``), a duplicate, a state or role that is
-        not a member of its enum, a column of the wrong type or length raises
-        a typed error and the table is left as it was.
-        """
+        Validation happens first: a room that is not an integer in 1..2**64-1
+        (0 only with ``fake``), a duplicate, a state or role not of its enum, a
+        column of the wrong type or length raises, leaving the table as it was."""
         self._check_idle()
         rank = self.rank
         room_list = validate.rooms(rooms, rank)
@@ -241,6 +238,8 @@ class RequestTable:
             raise InvalidArgument("handles", f"{len(handles)} handles", f"{k} (one per room)", rank)
         if len(self._index) + k > MAX_ROWS:
             raise InvalidArgument("rooms", f"{k} more rows", f"at most {MAX_ROWS} live rows", rank)
+        if not k:  # nothing joins: the list and the frames cached from it stand
+            return np.empty(0, dtype=np.int64)
         self.order()  # recycle dead slots before taking new ones
         if len(self._free) < k:
             self._grow(len(self._index) + k)
@@ -292,7 +291,8 @@ class RequestTable:
         if len(set(room_list)) != len(room_list):
             raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
         slots = [self._index.pop(r) for r in room_list]
-        self._drop(slots)
+        if slots:  # nothing leaves: the list and the frames cached from it stand
+            self._drop(slots)
         return len(slots)
 
     def _drop(self, slots: list[int]) -> None:

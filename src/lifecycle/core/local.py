@@ -238,7 +238,11 @@ class LocalStage:
         )
 
     def took(
-        self, values: NDArray[np.int8], scan: bytes, answers: list[object], now: float
+        self,
+        values: NDArray[np.int8],
+        scan: bytes,
+        answers: list[object] | NDArray[Any] | None,
+        now: float,
     ) -> None:
         """This stage as :meth:`run` leaves it on a step :meth:`quiet` accepted."""
         obs = self.obs = Observation(values)

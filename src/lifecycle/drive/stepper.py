@@ -10,12 +10,15 @@ a group share one driver.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.config import read_clock
 from lifecycle.core.frame import Frame
 from lifecycle.core.observe import Polled, observe, status_bytes, statuses
+from lifecycle.core.settle import unchanged_result
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.diagnose import diagnose
@@ -32,6 +35,13 @@ class Stepper(RawStepper):
 
     _group: StepGroup | None = None
 
+    @property
+    def _by_batch(self) -> bool:
+        """A batch poller and no staging gate (which advances before the poll):
+        a step may poll first, then take the quick step or prepare with that poll."""
+        local = self.local
+        return local.poller is not None and local.staging is None
+
     def _as_group(self) -> StepGroup:
         if self._group is None:
             self._group = StepGroup([self])
@@ -39,6 +49,15 @@ class Stepper(RawStepper):
 
     def step(self, collective: Collective, tag: int | None = None) -> StepResult:
         """prepare -> MIN all-reduce over ``collective`` -> apply."""
+        if tag is None and self._by_batch:
+            # a lone stepper with a batch poller: the common step in a few calls
+            res = self.step_polled(collective)[1]
+            if res is None:  # nothing moved: the result the group would build
+                f = self._frame
+                assert f is not None
+                f.unchanged_words()
+                res = unchanged_result(self.queue, self.local, f, self.table.step_no)
+            return res
         return self._as_group().step(collective, tag)[0]
 
     def step_polled(
@@ -62,8 +81,15 @@ class Stepper(RawStepper):
         if polled is not None and self.local.poller is not None:
             raise ValueError("step_polled(polled=...) of a stepper with a batch poller")
         read = read_clock(self.clock, self.rank, t.now)
-        f, values = self.frame(), None
-        if polled is not None:
+        f, values, obs = self.frame(), None, None
+        if self._by_batch and not (read[1] or t.terminal_count or self.config.stuck_after):
+            # the batch poll, once: the quick step takes it, or prepare below
+            obs = observe(self.local.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, t.rank)
+            if obs.clean and obs.scan is not None:
+                buf = self._quick(f, obs.scan, obs.given, read[0], obs.raw)
+                if buf is not None:
+                    return self._reduce_quick(collective, f, buf)
+        elif polled is not None:
             answers = polled[0]
             if len(answers) != f.n:
                 raise ValueError(f"{len(answers)} polled answers for {f.n} active rows")
@@ -77,7 +103,6 @@ class Stepper(RawStepper):
         group._begin(collective, None)
         group._mark()
         try:
-            obs = None
             if polled is not None:
                 obs = observe(
                     None, t.handles, f.rows, f.rooms, f.hidx, None, self.rank, polled, values
@@ -103,16 +128,24 @@ class Stepper(RawStepper):
             group._landed()
 
     def _quick(
-        self, f: Frame, scan: bytearray, answers: list[object], now: float
+        self,
+        f: Frame,
+        scan: bytes | bytearray,
+        answers: list[object] | NDArray[Any] | None,
+        now: float,
+        values: NDArray[np.int8] | None = None,
     ) -> NDArray[np.uint8] | None:
         """prepare() for a step where only the poll acts, after a common step
         (:meth:`LocalStage.quiet`, :meth:`StepBuffer.repack`): what prepare
-        would pack, in a few calls; None, changing nothing, where it must run."""
+        would pack, in a few calls; None, changing nothing, where it must run.
+        ``values``: the answers as statuses, if taken already."""
         if not self.local.quiet(self.table, f, self.config, scan):
             return None
         buf = self._buffer.repack(f, scan, self._cap.rows, self._want)
         if buf is not None:
-            self.local.took(np.frombuffer(scan, dtype=np.int8), bytes(scan), answers, now)
+            if values is None:
+                values = np.frombuffer(scan, dtype=np.int8)
+            self.local.took(values, bytes(scan), answers, now)
             self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
         return buf
 

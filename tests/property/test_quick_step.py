@@ -1,0 +1,174 @@
+"""A lone stepper's quick step (batch poller, no staging gate: the poll is
+taken once, and a step where only the poll acts packs in a few calls) is the
+group's step, byte for byte.
+
+Two ranks over a simulated world run one random history: on the *mixed* run
+rank 0 steps with ``Stepper.step`` (which takes the quick step whenever it
+can) and rank 1 through ``StepGroup([stepper]).step`` (never quick); on the
+*reference* run both go through the group. The histories hold quiet stretches
+(nothing moves, so the quick step runs), progress, failures, values outside
+KVPoll, a poller that raises, arrivals and departures, and optionally a
+gate that holds some rooms' Success and a fault hook that fails some rooms
+at some steps (each decides what the quick step may skip). Every step's
+result must be the same on both runs and both ranks, and the quick step must
+have run.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lifecycle import KVPoll, RequestTable, StepConfig, StepGroup, Stepper
+from lifecycle.testing import SimulatedWorld, StatusBoard
+
+W = 2
+#: what a step does to each row's local answer: keep it, move it on, fail it,
+#: answer a value outside KVPoll
+MOVES = ("keep", "keep", "keep", "advance", "fail", "invalid")
+
+
+class _HoldOdd:
+    """Holds the Success of odd rooms on rank 1 (a local gate)."""
+
+    name = "hold_odd"
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def closed(self, rooms, indices):
+        return (rooms % 2 == 1) & (self.rank == 1)
+
+
+class _FailAt:
+    """Fails, on rank 0, the rooms divisible by 3 at the steps given."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def inject(self, ctx):
+        return (ctx.rooms % 3 == 0) & (ctx.step in self.steps)
+
+
+def _run(history, quick_on_rank0, gate=False, fault_steps=None):
+    tables = [RequestTable(rank=r) for r in range(W)]
+    boards = [StatusBoard() for _ in range(W)]
+    config = StepConfig(invalid_status="fail")
+
+    def hooks(r):
+        faults = _FailAt(fault_steps) if fault_steps is not None and r == 0 else None
+        return {"gates": (_HoldOdd(r),) if gate else (), "faults": faults}
+
+    steppers = [
+        Stepper(tables[r], r, poller=boards[r], config=config, **hooks(r)) for r in range(W)
+    ]
+    groups = [StepGroup([s]) for s in steppers]
+    world = SimulatedWorld(W, timeout=20)
+    quick = [0]
+    inner = steppers[0]._reduce_quick
+
+    def counted(*a):
+        quick[0] += 1
+        return inner(*a)
+
+    steppers[0]._reduce_quick = counted
+    out, next_room = [], 1
+
+    def rank_step(r):
+        if r == 0 and quick_on_rank0:
+            return steppers[r].step(world.rank(r))
+        return groups[r].step(world.rank(r))[0]
+
+    with ThreadPoolExecutor(W) as pool:
+        for admit, moves, raising in history:
+            rooms = list(range(next_room, next_room + admit))
+            next_room += admit
+            for t in tables:
+                t.extend(rooms)
+            for r in range(W):
+                t = tables[r]
+                for i, (room, cur) in enumerate(zip(t.rooms().tolist(), t.states().tolist())):
+                    move = moves[(r * 5 + i) % len(moves)]
+                    if move == "advance":
+                        boards[r].status[room] = min(int(cur) + 1, int(KVPoll.Success))
+                    elif move == "fail":
+                        boards[r].status[room] = KVPoll.Failed
+                    elif move == "invalid":
+                        boards[r].status[room] = 9
+                    else:  # keep: answer the agreed status
+                        boards[r].status[room] = int(cur)
+            if raising is not None:  # this rank's poller raises at this step
+                boards[raising].raising = RuntimeError("backend gone")
+            results = list(pool.map(rank_step, range(W)))
+            step = [
+                (
+                    res.step,
+                    res.rooms.tolist(),
+                    res.statuses.tolist(),
+                    res.reasons.tolist(),
+                    res.origins.tolist(),
+                    res.changed.tolist(),
+                )
+                for res in results
+            ]
+            assert step[0] == step[1]  # both ranks agree, whichever path they took
+            out.append(step[0])
+            for r in range(W):
+                done = np.concatenate([results[r].succeeded, results[r].failed])
+                tables[r].remove_many(done)
+    return out, quick[0]
+
+
+history = st.lists(
+    st.tuples(
+        st.integers(0, 12),
+        st.one_of(
+            st.just(["keep"]),  # a quiet step: nothing moves
+            st.lists(st.sampled_from(MOVES), min_size=1, max_size=7),
+        ),
+        st.just(None),
+    ),
+    min_size=2,
+    max_size=10,
+)
+
+
+@settings(max_examples=40)
+@given(
+    history=history,
+    quiet_tail=st.integers(2, 4),
+    raising_at=st.integers(0, 12),
+    gate=st.booleans(),
+    fault_steps=st.none() | st.frozensets(st.integers(1, 14), max_size=3),
+)
+def test_the_quick_step_is_the_groups_step(history, quiet_tail, raising_at, gate, fault_steps):
+    history = list(history)
+    if raising_at < len(history):  # a poller that raises, on one rank, at one step
+        admit, moves, _ = history[raising_at]
+        history[raising_at] = (admit, moves, raising_at % W)
+    history += [(0, ["keep"], None)] * quiet_tail  # always some quiet steps at the end
+    mixed, quick = _run(history, True, gate, fault_steps)
+    reference, none = _run(history, False, gate, fault_steps)
+    assert mixed == reference
+    assert none == 0
+    # quiet steps after a common step over live rows take the quick step
+    # (with no fault hook: one makes every step prepare in full)
+    tail = mixed[-quiet_tail:-1]
+    if fault_steps is None and any(r[2] and all(s in (1, 2, 3) for s in r[2]) for r in tail):
+        assert quick > 0
+    if fault_steps is not None:
+        assert quick == 0
+
+
+def test_quiet_steps_take_the_quick_step_and_stay_in_step():
+    history = [(5, ["keep"], None)] + [(0, ["keep"], None)] * 6
+    history += [(0, ["advance"], None), (0, ["keep"], None), (0, ["keep"], 0)]
+    mixed, quick = _run(history, quick_on_rank0=True)
+    reference, _ = _run(history, quick_on_rank0=False)
+    assert mixed == reference
+    # the first step prepares in full (and agrees the capacity); every quiet
+    # step after a common step is quick, so is the step where rows move
+    # (the reduce tells it, and it applies as the group would)
+    assert quick >= 6
+    assert [s[2] for s in mixed][-3] == [int(KVPoll.WaitingForInput)] * 5
