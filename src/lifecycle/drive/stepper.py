@@ -20,7 +20,7 @@ from lifecycle.core.frame import Frame
 from lifecycle.core.observe import Polled, observe, status_bytes, statuses
 from lifecycle.core.settle import unchanged_result
 from lifecycle.core.step import RawStepper
-from lifecycle.drive.collective import Collective
+from lifecycle.drive.collective import Collective, start_min
 from lifecycle.drive.diagnose import diagnose
 from lifecycle.drive.group import StepGroup
 from lifecycle.drive.worker import wait_launches
@@ -51,7 +51,7 @@ class Stepper(RawStepper):
         """prepare -> MIN all-reduce over ``collective`` -> apply."""
         if tag is None and self._by_batch:
             # a lone stepper with a batch poller: the common step in a few calls
-            res = self.step_polled(collective)[1]
+            res = self._step_polled(collective, None, True)[1]
             if res is None:  # nothing moved: the result the group would build
                 f = self._frame
                 assert f is not None
@@ -75,6 +75,13 @@ class Stepper(RawStepper):
         After a common step, a step where only the poll acts (every answer a
         live status, no gate with a Success to decide, no fault hook, abort,
         timeout or stuck report) packs only the words, in a few calls."""
+        return self._step_polled(collective, polled, False)
+
+    def _step_polled(
+        self, collective: Collective, polled: Polled | None, result: bool
+    ) -> tuple[NDArray[np.int8], StepResult | None]:
+        """:meth:`step_polled`; ``result``: a quick step builds the result of a
+        step where nothing moved while its reduce is in flight."""
         group, t = self._as_group(), self.table
         if group._work is not None or self.in_flight or t.busy:
             group._begin(collective, None)  # raises what a step here raises
@@ -88,7 +95,7 @@ class Stepper(RawStepper):
             if obs.clean and obs.scan is not None:
                 buf = self._quick(f, obs.scan, obs.given, read[0], obs.raw)
                 if buf is not None:
-                    return self._reduce_quick(collective, f, buf)
+                    return self._reduce_quick(collective, f, buf, result)
         elif polled is not None:
             answers = polled[0]
             if len(answers) != f.n:
@@ -160,26 +167,41 @@ class Stepper(RawStepper):
         return super()._pack()
 
     def _reduce_quick(
-        self, collective: Collective, f: Frame, buf: NDArray[np.uint8]
+        self, collective: Collective, f: Frame, buf: NDArray[np.uint8], result: bool = False
     ) -> tuple[NDArray[np.int8], StepResult | None]:
-        """Reduce what :meth:`_quick` packed and apply it, as :meth:`step_polled` does."""
-        t = self.table
+        """Reduce what :meth:`_quick` packed and apply it, as :meth:`step_polled`
+        does (``result``: build the result of a step where nothing moved while
+        the reduce is in flight, and return it if so)."""
+        t, ready = self.table, None
         self.in_flight = t.busy = True
         try:
             try:
                 wait_launches()
-                collective.all_reduce_min(buf)
+                if result:
+                    work = start_min(collective, buf)
+                    ready = self._unchanged_ahead()
+                    work.wait()
+                else:
+                    collective.all_reduce_min(buf)
             except BaseException:
                 t.busy = False
                 raise
             if self._buffer.unchanged(buf, f):
                 t.busy = False
                 self._commit_quiet()
-                return f.state_all, None
+                return f.state_all, ready
             res = self._as_group()._conclude(buf, collective)[0]
             return res.statuses, res
         finally:
             self.in_flight = False
+
+    def _unchanged_ahead(self) -> StepResult | None:
+        """:meth:`unchanged_result`, or None if it cannot be built (the step
+        then builds what it needs after the reduce)."""
+        try:
+            return self.unchanged_result()
+        except Exception:
+            return None
 
     def start(
         self, collective: Collective, tag: int | None = None, *, worker: bool = False
