@@ -17,6 +17,7 @@ have run.
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ MOVES = ("keep", "keep", "keep", "advance", "fail", "invalid")
 
 
 class _HoldOdd:
-    """Holds the Success of odd rooms on rank 1 (a local gate)."""
+    """Holds the Success of odd rooms on rank 0, the rank that steps quick (a local gate)."""
 
     name = "hold_odd"
 
@@ -38,7 +39,7 @@ class _HoldOdd:
         self.rank = rank
 
     def closed(self, rooms, indices):
-        return (rooms % 2 == 1) & (self.rank == 1)
+        return (rooms % 2 == 1) & (self.rank == 0)
 
 
 class _FailAt:
@@ -172,3 +173,20 @@ def test_quiet_steps_take_the_quick_step_and_stay_in_step():
     # (the reduce tells it, and it applies as the group would)
     assert quick >= 6
     assert [s[2] for s in mixed][-3] == [int(KVPoll.WaitingForInput)] * 5
+
+
+@pytest.mark.parametrize("n", [40, 2100])
+def test_a_gate_is_asked_in_a_quick_step_too_short_and_long(n):
+    # past observe.LONG rows the statuses are checked and packed by numpy calls
+    history = [(n, ["keep"], None)] + [(0, ["keep"], None)] * 3
+    for _ in range(3):  # Bootstrapping -> ... -> Success, quiet steps between
+        history += [(0, ["advance"], None), (0, ["keep"], None), (0, ["keep"], None)]
+    for gate in (False, True):
+        mixed, quick = _run(history, True, gate)
+        reference, _ = _run(history, False, gate)
+        assert mixed == reference
+        assert quick >= 3
+        # without the gate every request reached Success and left; with it,
+        # rank 0 holds the odd rooms' Success: they stay, agreed Transferring
+        final = mixed[-1][2]
+        assert final == ([int(KVPoll.Transferring)] * (n // 2) if gate else [])

@@ -112,13 +112,14 @@ class StepBuffer:
         return buf
 
     def repack(
-        self, f: Frame, scan: bytes | bytearray, capacity: int, want: int
+        self, f: Frame, scan: bytes | bytearray | NDArray[np.int8], capacity: int, want: int
     ) -> NDArray[np.uint8] | None:
         """:meth:`pack` for a step after a common one (every row fits, no row
         failed, and the header, capacity and row count of the last pack stand,
         with the failure slots left PAD by its reduce): only the words are
         written, from the statuses ``scan`` (a byte each, all live), through a
-        memoryview (no numpy call). None when that is not so (:meth:`pack`)."""
+        memoryview (no numpy call); given as an int8 array (a long list), in
+        one numpy call. None when that is not so (:meth:`pack`)."""
         n = f.n
         if not (
             self._clean
@@ -132,7 +133,10 @@ class StepBuffer:
             view = buf.data
             self._view = (buf, view)
         view[:HEADER] = self.header
-        view[HEADER : HEADER + n] = scan.translate(_WORDS)
+        if isinstance(scan, np.ndarray):
+            status_words(scan, buf[HEADER : HEADER + n])
+        else:
+            view[HEADER : HEADER + n] = scan.translate(_WORDS)
         self._clean = False
         return buf
 

@@ -223,24 +223,29 @@ class LocalStage:
             and f.meta_bad is None
         )
 
-    def quiet(self, t: RequestTable, f: Frame, cfg: StepConfig, scan: bytes | bytearray) -> bool:
+    def quiet(
+        self, t: RequestTable, f: Frame, cfg: StepConfig, scan: bytes | bytearray | NDArray[np.int8]
+    ) -> bool:
         """Whether :meth:`run` would do nothing but take a caller's poll of the
-        active rows (``scan``: the statuses, a byte each) as it is: every value
-        a live status, no staging gate, no verdict source but the poll can
-        hit, and no gate has a Success to decide. Then :meth:`took` records
-        them as run would."""
+        active rows (``scan``: the statuses, a byte each, or as an int8 array)
+        as it is: every value a live status, no staging gate, no verdict
+        source but the poll can hit, and no gate has a Success to decide.
+        Then :meth:`took` records them as run would."""
         h = self.hooks
-        return not (
-            scan.translate(None, _LIVE)
-            or h.staging is not None
-            or not self._only_poll(t, f, cfg)
-            or ((h.metadata is not None or h.gates) and _S_BYTE in scan)
-        )
+        if h.staging is not None or not self._only_poll(t, f, cfg):
+            return False
+        gated = h.metadata is not None or bool(h.gates)
+        if isinstance(scan, np.ndarray):  # a long list: two numpy calls
+            if not scan.size:
+                return True
+            lo, hi = scan[scan.argmin()], scan[scan.argmax()]
+            return bool(lo >= _B and hi <= _S and not (gated and hi == _S))
+        return not (scan.translate(None, _LIVE) or (gated and _S_BYTE in scan))
 
     def took(
         self,
         values: NDArray[np.int8],
-        scan: bytes,
+        scan: bytes | None,
         answers: list[object] | NDArray[Any] | None,
         now: float,
     ) -> None:

@@ -11,8 +11,7 @@ collective:
 - a value outside KVPoll, a float, a bool: ``poll_value`` (INVALID_STATUS);
 - a row a by-index batch poller cannot answer for (no handle index), or a
   ``failure_reasons`` hook that raises or answers nonsense: ``hook_error``
-  (HOOK_ERROR).
-"""
+  (HOOK_ERROR)."""
 
 from __future__ import annotations
 
@@ -116,6 +115,10 @@ def _either(a: NDArray[np.bool_] | None, b: NDArray[np.bool_] | None) -> NDArray
     return a if b is None else a | b
 
 
+#: past this many rows statuses are checked and packed by numpy calls, not as bytes
+LONG = 2048
+
+
 def observe(
     poller: Any,
     handles: Sequence[Any],
@@ -147,7 +150,7 @@ def observe(
         return obs
     rest = None
     if obs.errors is None and obs.hooked is None:
-        if k > 2048 and raw[raw.argmin()] >= 1 and raw[raw.argmax()] <= 4:
+        if k > LONG and raw[raw.argmin()] >= 1 and raw[raw.argmax()] <= 4:
             obs.clean = True  # a long list: two cheap calls, no copy to scan
             return obs
         scan = raw.tobytes()

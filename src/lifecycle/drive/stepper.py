@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 
 from lifecycle.config import read_clock
 from lifecycle.core.frame import Frame
-from lifecycle.core.observe import Polled, observe, status_bytes, statuses
+from lifecycle.core.observe import LONG, Polled, observe, status_bytes, statuses
 from lifecycle.core.settle import unchanged_result
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective, start_min
@@ -92,8 +92,9 @@ class Stepper(RawStepper):
         if self._by_batch and not (read[1] or t.terminal_count or self.config.stuck_after):
             # the batch poll, once: the quick step takes it, or prepare below
             obs = observe(self.local.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, t.rank)
-            if obs.clean and obs.scan is not None:
-                buf = self._quick(f, obs.scan, obs.given, read[0], obs.raw)
+            if obs.clean:  # a long list has no scan: its array serves
+                words = obs.raw if obs.scan is None else obs.scan
+                buf = self._quick(f, words, obs.given, read[0], obs.raw)
                 if buf is not None:
                     return self._reduce_quick(collective, f, buf, result)
         elif polled is not None:
@@ -137,7 +138,7 @@ class Stepper(RawStepper):
     def _quick(
         self,
         f: Frame,
-        scan: bytes | bytearray,
+        scan: bytes | bytearray | NDArray[np.int8],
         answers: list[object] | NDArray[Any] | None,
         now: float,
         values: NDArray[np.int8] | None = None,
@@ -150,9 +151,12 @@ class Stepper(RawStepper):
             return None
         buf = self._buffer.repack(f, scan, self._cap.rows, self._want)
         if buf is not None:
-            if values is None:
-                values = np.frombuffer(scan, dtype=np.int8)
-            self.local.took(values, bytes(scan), answers, now)
+            if isinstance(scan, np.ndarray):
+                self.local.took(scan if values is None else values, None, answers, now)
+            else:
+                if values is None:
+                    values = np.frombuffer(scan, dtype=np.int8)
+                self.local.took(values, bytes(scan), answers, now)
             self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
         return buf
 
@@ -161,7 +165,9 @@ class Stepper(RawStepper):
         # its words (StepBuffer.repack: what pack would write, without numpy)
         f, local = self._frame, self.local
         if f is not None and self._tag == 0 and local.values is local.unfailed:
-            buf = self._buffer.repack(f, local.values.tobytes(), self._cap.rows, self._want)
+            values = local.values  # a long list in one numpy call, a short one as bytes
+            words = values if values.size > LONG else values.tobytes()
+            buf = self._buffer.repack(f, words, self._cap.rows, self._want)
             if buf is not None:
                 return buf
         return super()._pack()
