@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle import KVPoll, RequestTable, StepConfig, StepGroup, Stepper
+from lifecycle.errors import CollectiveMismatch
 from lifecycle.testing import SimulatedWorld, StatusBoard
 
 W = 2
@@ -52,7 +53,7 @@ class _FailAt:
         return (ctx.rooms % 3 == 0) & (ctx.step in self.steps)
 
 
-def _run(history, quick_on_rank0, gate=False, fault_steps=None):
+def _run(history, quick_on_rank0, gate=False, fault_steps=None, tagged=False):
     tables = [RequestTable(rank=r) for r in range(W)]
     boards = [StatusBoard() for _ in range(W)]
     config = StepConfig(invalid_status="fail")
@@ -76,13 +77,13 @@ def _run(history, quick_on_rank0, gate=False, fault_steps=None):
     steppers[0]._reduce_quick = counted
     out, next_room = [], 1
 
-    def rank_step(r):
+    def rank_step(r, tag):
         if r == 0 and quick_on_rank0:
-            return steppers[r].step(world.rank(r))
-        return groups[r].step(world.rank(r))[0]
+            return steppers[r].step(world.rank(r), tag)
+        return groups[r].step(world.rank(r), tag)[0]
 
     with ThreadPoolExecutor(W) as pool:
-        for admit, moves, raising in history:
+        for i, (admit, moves, raising) in enumerate(history):
             rooms = list(range(next_room, next_room + admit))
             next_room += admit
             for t in tables:
@@ -101,7 +102,8 @@ def _run(history, quick_on_rank0, gate=False, fault_steps=None):
                         boards[r].status[room] = int(cur)
             if raising is not None:  # this rank's poller raises at this step
                 boards[raising].raising = RuntimeError("backend gone")
-            results = list(pool.map(rank_step, range(W)))
+            # an iteration number as the tag: a new header every step
+            results = list(pool.map(rank_step, range(W), [i + 1 if tagged else None] * W))
             step = [
                 (
                     res.step,
@@ -142,15 +144,18 @@ history = st.lists(
     raising_at=st.integers(0, 12),
     gate=st.booleans(),
     fault_steps=st.none() | st.frozensets(st.integers(1, 14), max_size=3),
+    tagged=st.booleans(),
 )
-def test_the_quick_step_is_the_groups_step(history, quiet_tail, raising_at, gate, fault_steps):
+def test_the_quick_step_is_the_groups_step(
+    history, quiet_tail, raising_at, gate, fault_steps, tagged
+):
     history = list(history)
     if raising_at < len(history):  # a poller that raises, on one rank, at one step
         admit, moves, _ = history[raising_at]
         history[raising_at] = (admit, moves, raising_at % W)
     history += [(0, ["keep"], None)] * quiet_tail  # always some quiet steps at the end
-    mixed, quick = _run(history, True, gate, fault_steps)
-    reference, none = _run(history, False, gate, fault_steps)
+    mixed, quick = _run(history, True, gate, fault_steps, tagged)
+    reference, none = _run(history, False, gate, fault_steps, tagged)
     assert mixed == reference
     assert none == 0
     # quiet steps after a common step over live rows take the quick step
@@ -175,18 +180,42 @@ def test_quiet_steps_take_the_quick_step_and_stay_in_step():
     assert [s[2] for s in mixed][-3] == [int(KVPoll.WaitingForInput)] * 5
 
 
+@pytest.mark.parametrize("tagged", [False, True])
 @pytest.mark.parametrize("n", [40, 2100])
-def test_a_gate_is_asked_in_a_quick_step_too_short_and_long(n):
+def test_a_gate_is_asked_in_a_quick_step_too_short_and_long(n, tagged):
     # past observe.LONG rows the statuses are checked and packed by numpy calls
     history = [(n, ["keep"], None)] + [(0, ["keep"], None)] * 3
     for _ in range(3):  # Bootstrapping -> ... -> Success, quiet steps between
         history += [(0, ["advance"], None), (0, ["keep"], None), (0, ["keep"], None)]
     for gate in (False, True):
-        mixed, quick = _run(history, True, gate)
-        reference, _ = _run(history, False, gate)
+        mixed, quick = _run(history, True, gate, tagged=tagged)
+        reference, _ = _run(history, False, gate, tagged=tagged)
         assert mixed == reference
         assert quick >= 3
         # without the gate every request reached Success and left; with it,
         # rank 0 holds the odd rooms' Success: they stay, agreed Transferring
         final = mixed[-1][2]
         assert final == ([int(KVPoll.Transferring)] * (n // 2) if gate else [])
+
+
+def test_ranks_whose_tags_differ_raise_together_in_a_quick_step():
+    tables = [RequestTable(rank=r) for r in range(W)]
+    boards = [StatusBoard() for _ in range(W)]
+    steppers = [Stepper(tables[r], r, poller=boards[r]) for r in range(W)]
+    world = SimulatedWorld(W, timeout=20)
+    for t in tables:
+        t.extend([1, 2, 3])
+    with ThreadPoolExecutor(W) as pool:
+        for it in (1, 2, 3):  # quiet steps: the later ones are quick
+            list(pool.map(lambda r, it=it: steppers[r].step(world.rank(r), it), range(W)))
+
+        def skewed(r):
+            try:
+                steppers[r].step(world.rank(r), 4 + r)  # rank 1 is an iteration ahead
+            except CollectiveMismatch as e:
+                return e
+            return None
+
+        errors = list(pool.map(skewed, range(W)))
+    assert all(isinstance(e, CollectiveMismatch) and "tag" in str(e) for e in errors)
+    assert [t.step_no for t in tables] == [3, 3]  # the refused step changed nothing

@@ -112,19 +112,25 @@ class StepBuffer:
         return buf
 
     def repack(
-        self, f: Frame, scan: bytes | bytearray | NDArray[np.int8], capacity: int, want: int
+        self,
+        f: Frame,
+        scan: bytes | bytearray | NDArray[np.int8],
+        capacity: int,
+        want: int,
+        tag: int = 0,
     ) -> NDArray[np.uint8] | None:
         """:meth:`pack` for a step after a common one (every row fits, no row
         failed, and the header, capacity and row count of the last pack stand,
         with the failure slots left PAD by its reduce): only the words are
         written, from the statuses ``scan`` (a byte each, all live), through a
         memoryview (no numpy call); given as an int8 array (a long list), in
-        one numpy call. None when that is not so (:meth:`pack`)."""
-        n = f.n
+        one numpy call. A ``tag`` word (an iteration number) that moved is
+        encoded anew. None when that is not so (:meth:`pack`)."""
+        n, key = f.n, self._key
         if not (
             self._clean
             and self._packed == n <= capacity == self._capacity
-            and self._key == (f.key, f.fp, 0, want, False)
+            and (key == (f.key, f.fp, tag, want, False) or self._retag(f, tag, want))
         ):
             return None
         buf, kept = self.buf, self._view
@@ -139,6 +145,18 @@ class StepBuffer:
             view[HEADER : HEADER + n] = scan.translate(_WORDS)
         self._clean = False
         return buf
+
+    def _retag(self, f: Frame, tag: int, want: int) -> bool:
+        """The header of the last pack with another tag, when only the tag moved."""
+        key = self._key
+        if not (len(key) == 5 and key[:2] == (f.key, f.fp) and key[3:] == (want, False)):
+            return False
+        self.header = encode_header(
+            f.fp, f.n_all, self._config_hash, self._queue_hash, tag, f.n, want, None
+        )
+        self._hdr = np.frombuffer(self.header, dtype=np.uint8)
+        self._key = (f.key, f.fp, tag, want, False)
+        return True
 
     def unchanged(self, reduced: NDArray[np.uint8], f: Frame) -> bool:
         """The reduce returned this rank's own header and every active row at

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.config import read_clock
+from lifecycle.config import read_clock, tag_word
 from lifecycle.core.frame import Frame
 from lifecycle.core.observe import LONG, Polled, observe, status_bytes, statuses
 from lifecycle.core.settle import unchanged_result
@@ -49,9 +49,9 @@ class Stepper(RawStepper):
 
     def step(self, collective: Collective, tag: int | None = None) -> StepResult:
         """prepare -> MIN all-reduce over ``collective`` -> apply."""
-        if tag is None and self._by_batch:
+        if self._by_batch:
             # a lone stepper with a batch poller: the common step in a few calls
-            res = self._step_polled(collective, None, True)[1]
+            res = self._step_polled(collective, None, True, tag)[1]
             if res is None:  # nothing moved: the result the group would build
                 f = self._frame
                 assert f is not None
@@ -78,13 +78,15 @@ class Stepper(RawStepper):
         return self._step_polled(collective, polled, False)
 
     def _step_polled(
-        self, collective: Collective, polled: Polled | None, result: bool
+        self, collective: Collective, polled: Polled | None, result: bool, tag: int | None = None
     ) -> tuple[NDArray[np.int8], StepResult | None]:
         """:meth:`step_polled`; ``result``: a quick step builds the result of a
-        step where nothing moved while its reduce is in flight."""
+        step where nothing moved while its reduce is in flight; ``tag``: as
+        :meth:`step`'s."""
         group, t = self._as_group(), self.table
         if group._work is not None or self.in_flight or t.busy:
-            group._begin(collective, None)  # raises what a step here raises
+            group._begin(collective, tag)  # raises what a step here raises
+        word = 0 if tag is None else tag_word(tag, self.rank)  # raises for a bad tag
         if polled is not None and self.local.poller is not None:
             raise ValueError("step_polled(polled=...) of a stepper with a batch poller")
         read = read_clock(self.clock, self.rank, t.now)
@@ -94,7 +96,7 @@ class Stepper(RawStepper):
             obs = observe(self.local.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, t.rank)
             if obs.clean:  # a long list has no scan: its array serves
                 words = obs.raw if obs.scan is None else obs.scan
-                buf = self._quick(f, words, obs.given, read[0], obs.raw)
+                buf = self._quick(f, words, obs.given, read[0], obs.raw, word)
                 if buf is not None:
                     return self._reduce_quick(collective, f, buf, result)
         elif polled is not None:
@@ -108,14 +110,14 @@ class Stepper(RawStepper):
                 if buf is not None:
                     return self._reduce_quick(collective, f, buf)
             values = statuses(answers, f.n, scan)
-        group._begin(collective, None)
+        group._begin(collective, tag)
         group._mark()
         try:
             if polled is not None:
                 obs = observe(
                     None, t.handles, f.rows, f.rooms, f.hidx, None, self.rank, polled, values
                 )
-            buf = self._prepare(None, obs, read)  # raises before the table is busy
+            buf = self._prepare(tag, obs, read)  # raises before the table is busy
             t.busy = True
             try:
                 wait_launches()
@@ -142,14 +144,16 @@ class Stepper(RawStepper):
         answers: list[object] | NDArray[Any] | None,
         now: float,
         values: NDArray[np.int8] | None = None,
+        tag: int = 0,
     ) -> NDArray[np.uint8] | None:
         """prepare() for a step where only the poll acts, after a common step
         (:meth:`LocalStage.quiet`, :meth:`StepBuffer.repack`): what prepare
         would pack, in a few calls; None, changing nothing, where it must run.
-        ``values``: the answers as statuses, if taken already."""
+        ``values``: the answers as statuses, if taken already; ``tag``: the
+        step's tag word."""
         if not self.local.quiet(self.table, f, self.config, scan):
             return None
-        buf = self._buffer.repack(f, scan, self._cap.rows, self._want)
+        buf = self._buffer.repack(f, scan, self._cap.rows, self._want, tag)
         if buf is not None:
             if isinstance(scan, np.ndarray):
                 self.local.took(scan if values is None else values, None, answers, now)
@@ -157,17 +161,17 @@ class Stepper(RawStepper):
                 if values is None:
                     values = np.frombuffer(scan, dtype=np.int8)
                 self.local.took(values, bytes(scan), answers, now)
-            self._tag, self._prepared, self._settled, self._seen = 0, True, None, None
+            self._tag, self._prepared, self._settled, self._seen = tag, True, None, None
         return buf
 
     def _pack(self) -> NDArray[np.uint8]:
-        # after a common step, a step with no Failed value and no tag packs only
+        # after a common step, a step with no Failed value packs only
         # its words (StepBuffer.repack: what pack would write, without numpy)
         f, local = self._frame, self.local
-        if f is not None and self._tag == 0 and local.values is local.unfailed:
+        if f is not None and local.values is local.unfailed:
             values = local.values  # a long list in one numpy call, a short one as bytes
             words = values if values.size > LONG else values.tobytes()
-            buf = self._buffer.repack(f, words, self._cap.rows, self._want)
+            buf = self._buffer.repack(f, words, self._cap.rows, self._want, self._tag)
             if buf is not None:
                 return buf
         return super()._pack()
