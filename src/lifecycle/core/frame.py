@@ -10,6 +10,7 @@ between costs no gathers at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,20 +55,32 @@ def no_origins(n: int) -> NDArray[np.int32]:
     return out
 
 
-_RANGE: NDArray[np.int64] = np.arange(1024, dtype=np.int64)
-_RANGE.setflags(write=False)
+#: read-only arrays that only grow, by name (see :func:`_shared`)
+_SHARED: dict[str, NDArray[Any]] = {}
+
+
+def _shared(name: str, n: int, make: Callable[[int], NDArray[Any]]) -> NDArray[Any]:
+    """The first ``n`` entries of the read-only array ``name`` (``make(size)``
+    builds it, doubling as needed; each caller slices the one it read: another
+    thread may replace it)."""
+    a = _SHARED.get(name)
+    if a is None or a.size < n:
+        a = make(max(n, 1024 if a is None else 2 * a.size))
+        a.setflags(write=False)
+        _SHARED[name] = a
+    return a[:n]
 
 
 def _positions(n: int) -> NDArray[np.int64]:
-    """``0..n-1`` (read-only), sliced from a range that only grows (each
-    caller slices the one it read: another thread may replace it)."""
-    global _RANGE
-    r = _RANGE
-    if r.size < n:
-        r = np.arange(max(n, 2 * r.size), dtype=np.int64)
-        r.setflags(write=False)
-        _RANGE = r
-    return r[:n]
+    """``0..n-1`` (read-only)."""
+    out: NDArray[np.int64] = _shared("positions", n, lambda m: np.arange(m, dtype=np.int64))
+    return out
+
+
+def _zeros16(n: int) -> NDArray[np.uint16]:
+    """``n`` zero epochs (read-only)."""
+    out: NDArray[np.uint16] = _shared("epochs", n, lambda m: np.zeros(m, dtype=np.uint16))
+    return out
 
 
 class Frame:
@@ -108,7 +121,8 @@ class Frame:
         self.key = Frame.key_of(t)
         rows_all = self.rows_all = t.order().copy()
         self.rooms_all = t.room[rows_all]
-        self.epoch_all = t.epoch[rows_all]
+        # most tables never retried a request: every epoch 0, nothing to gather
+        self.epoch_all = t.epoch[rows_all] if t.epoch.any() else _zeros16(rows_all.size)
         self.epoch_all.setflags(write=False)
         self.n_all = rows_all.size
         # agreed columns of the whole list, kept current by the step's apply
