@@ -48,7 +48,13 @@ class Stepper(RawStepper):
         return self._group
 
     def step(self, collective: Collective, tag: int | None = None) -> StepResult:
-        """prepare -> MIN all-reduce over ``collective`` -> apply."""
+        """prepare -> MIN all-reduce over ``collective`` -> apply.
+
+        With a batch poller and no staging gate the batch poll runs first, and
+        a step where only the poll acts after a common step (every answer a
+        live status, no gate with a Success to decide, no fault hook, abort,
+        timeout or stuck report) packs only its words and builds its result
+        while the reduce is in flight (:meth:`step_polled`'s quick step)."""
         if self._by_batch:
             # a lone stepper with a batch poller: the common step in a few calls
             res = self._step_polled(collective, None, True, tag)[1]
