@@ -96,13 +96,11 @@ class RequestTable:
         self.columns_version = 0  # bumped when a per-request column is edited by hand
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
-        #: live requests whose reason or origin a move carried in: only they
-        #: (and terminal ones) can differ from NONE and -1 (skips two gathers)
+        #: live requests whose reason or origin a move carried in (skips two gathers)
         self.carried = 0
+        self.epoched = 0  # live requests at an epoch past 0, retries (skips a gather)
         self.step_no = 0  # advanced by the stepper
-        # time of the last step, for rows added between steps; NaN until a
-        # stepper owns the table (it then stamps the rows added before it)
-        self.now = float("nan")
+        self.now = float("nan")  # the last step's time (NaN until a stepper owns the table)
         self.busy = False  # a started step is in flight (see StepGroup.start)
 
     # -- size and lookup -------------------------------------------------
@@ -248,6 +246,7 @@ class RequestTable:
         room_arr = np.asarray(room_list, dtype=np.uint64)
         self.room[slots] = room_arr
         self.epoch[slots] = epoch
+        self.epoched += int(np.count_nonzero(self.epoch[slots]))
         self.room_key[slots] = room_keys(room_arr, self.epoch[slots])
         self.state[slots] = state
         self.terminal_count += k if KVPoll(state).terminal else 0
@@ -276,8 +275,7 @@ class RequestTable:
     def remove(self, room: int) -> RequestInfo:
         """Remove one request (O(1)); returns its last row."""
         self._check_idle()
-        slot = self.slot_of(room)
-        info = self._info(slot)
+        info = self._info(slot := self.slot_of(room))
         del self._index[info.room]
         self._drop([slot])
         return info
@@ -301,6 +299,8 @@ class RequestTable:
         self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
         if self.carried:
             self.carried -= int(self.carries[slots].sum())
+        if self.epoched:
+            self.epoched -= int(np.count_nonzero(self.epoch[slots]))
         self.abort_requested[slots] = False
         self.alive[slots] = False
         for s in slots:

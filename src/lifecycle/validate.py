@@ -123,6 +123,8 @@ def int_column(
     if type(value) is int and lo <= value <= hi:
         return value
     arr = np.asarray(value)
+    if arr.shape == (0,) == (k,):  # an empty column for an empty batch (numpy reads float)
+        arr = arr.astype(np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.size != k):
         raise InvalidArgument(what, value, f"an integer or {k} integers in {lo}..{hi}", rank)
     if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
@@ -139,6 +141,8 @@ def bool_column(
     if type(value) is bool:
         return value
     arr = np.asarray(value)
+    if arr.shape == (0,) == (k,):  # an empty column for an empty batch
+        arr = arr.astype(np.bool_)
     if arr.dtype != np.bool_ or arr.ndim > 1 or (arr.ndim == 1 and arr.size != k):
         raise InvalidArgument(what, value, f"a bool or {k} bools", rank)
     out: NDArray[np.bool_] = np.broadcast_to(arr, (k,))

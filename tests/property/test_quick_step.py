@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifecycle import KVPoll, RequestTable, StepConfig, StepGroup, Stepper
+from lifecycle.drive.collective import SingleRank
 from lifecycle.errors import CollectiveMismatch
 from lifecycle.testing import SimulatedWorld, StatusBoard
 
@@ -90,8 +91,8 @@ def _run(history, quick_on_rank0, gate=False, fault_steps=None, tagged=False):
                 t.extend(rooms)
             for r in range(W):
                 t = tables[r]
-                for i, (room, cur) in enumerate(zip(t.rooms().tolist(), t.states().tolist())):
-                    move = moves[(r * 5 + i) % len(moves)]
+                for j, (room, cur) in enumerate(zip(t.rooms().tolist(), t.states().tolist())):
+                    move = moves[(r * 5 + j) % len(moves)]
                     if move == "advance":
                         boards[r].status[room] = min(int(cur) + 1, int(KVPoll.Success))
                     elif move == "fail":
@@ -219,3 +220,50 @@ def test_ranks_whose_tags_differ_raise_together_in_a_quick_step():
         errors = list(pool.map(skewed, range(W)))
     assert all(isinstance(e, CollectiveMismatch) and "tag" in str(e) for e in errors)
     assert [t.step_no for t in tables] == [3, 3]  # the refused step changed nothing
+
+
+class _Meddler(StatusBoard):
+    """A batch poller that, on its second call, does something to the stepper
+    or the table during the poll (``act``), and fails room 2 then."""
+
+    def __init__(self, act):
+        super().__init__(default=KVPoll.WaitingForInput)
+        self.act, self.stepper, self.seen = act, None, []
+
+    def poll_many(self, rooms, indices):
+        if self.calls == 1:
+            self.status[2] = KVPoll.Failed
+            try:
+                self.act(self.stepper)
+            except Exception as e:  # what the stepper said, kept for the test
+                self.seen.append(type(e).__name__)
+        return super().poll_many(rooms, indices)
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda s: s.prepare(),  # re-entry: refused, as in a group's step
+        lambda s: s.table.remove(1),  # the list changes under the poll
+        lambda s: s.table.add(9),
+    ],
+)
+def test_a_poll_that_meddles_sees_and_gets_what_a_group_step_gives(act):
+    out = []
+    for lone in (True, False):
+        table = RequestTable()
+        table.extend([1, 2, 3])
+        board = _Meddler(act)
+        board.stepper = s = Stepper(table, 0, poller=board)
+        group = StepGroup([s])
+        results = [s.step(SingleRank()) if lone else group.step(SingleRank())[0] for _ in range(3)]
+        assert not table.busy and not s.in_flight
+        out.append(
+            (
+                board.seen,
+                [dict(zip(r.rooms.tolist(), r.statuses.tolist())) for r in results],
+                [r.reasons.tolist() for r in results],
+                sorted(table.rooms().tolist()),
+            )
+        )
+    assert out[0] == out[1]

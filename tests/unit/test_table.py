@@ -72,3 +72,31 @@ def test_growth_preserves_everything():
     t.extend(range(1, 1001))
     t.remove_many(range(1, 1001, 2))
     assert t.rooms().tolist() == list(range(2, 1001, 2))
+
+
+def test_adding_or_removing_nothing_changes_nothing_even_with_empty_columns():
+    t = RequestTable()
+    t.extend([1, 2])
+    version = t.version
+    # a scheduler calls these every iteration, often with nothing in them
+    assert t.extend([], handle_indices=[], metadata_slots=[], epochs=[], fake=[]).size == 0
+    assert t.extend(np.empty(0, dtype=np.uint64), handles=[]).size == 0
+    assert t.remove_many([]) == 0
+    assert t.version == version and t.rooms().tolist() == [1, 2]
+    # an empty column for a non-empty batch is still refused
+    with pytest.raises(Exception, match="handle_indices"):
+        t.extend([3], handle_indices=[])
+    assert t.rooms().tolist() == [1, 2]
+
+
+def test_the_table_counts_its_retried_rows():
+    t = RequestTable()
+    t.extend([1, 2, 3], epochs=[0, 2, 1])
+    assert t.epoched == 2
+    t.remove(2)
+    assert t.epoched == 1
+    t.add(2, epoch=3)  # the retry joins again, an epoch on
+    t.remove_many([1, 3])
+    assert t.epoched == 1
+    t.remove(2)
+    assert t.epoched == 0

@@ -122,7 +122,7 @@ class Frame:
         rows_all = self.rows_all = t.order().copy()
         self.rooms_all = t.room[rows_all]
         # most tables never retried a request: every epoch 0, nothing to gather
-        self.epoch_all = t.epoch[rows_all] if t.epoch.any() else _zeros16(rows_all.size)
+        self.epoch_all = t.epoch[rows_all] if t.epoched else _zeros16(rows_all.size)
         self.epoch_all.setflags(write=False)
         self.n_all = rows_all.size
         # agreed columns of the whole list, kept current by the step's apply

@@ -236,8 +236,6 @@ class LocalStage:
             return False
         gated = h.metadata is not None or bool(h.gates)
         if isinstance(scan, np.ndarray):  # a long list: two numpy calls
-            if not scan.size:
-                return True
             lo, hi = scan[scan.argmin()], scan[scan.argmax()]
             return bool(lo >= _B and hi <= _S and not (gated and hi == _S))
         return not (scan.translate(None, _LIVE) or (gated and _S_BYTE in scan))

@@ -24,17 +24,12 @@ stages; every docstring numbers them so:
 
 Steps 1-3 are :meth:`RawStepper.prepare`; :meth:`RawStepper.origins` and
 :meth:`RawStepper.apply` follow the reduces. This is the sans-I/O stepper:
-nothing here does I/O, and nothing here imports what does. The drivers
-compose it with a :class:`~lifecycle.drive.collective.Collective`:
-:class:`~lifecycle.drive.stepper.Stepper` (``step``, ``start``/``finish`` to
-overlap the reduce with the forward pass, ``diagnose``) and
-:class:`~lifecycle.drive.group.StepGroup` (several queues in one reduce).
+nothing here does I/O or imports what does. The drivers compose it with a
+:class:`~lifecycle.drive.collective.Collective`: :class:`~lifecycle.drive.stepper.Stepper`
+and :class:`~lifecycle.drive.group.StepGroup` (several queues in one reduce).
 
-The buffer has an agreed *capacity* (:mod:`lifecycle.core.capacity`): the first
-step of a stepper reduces at a fixed size (:data:`FIRST_CAPACITY`) whatever
-its configuration, and every later size is computed from reduced headers
-only, so the sizes of the collectives always match across ranks.
-"""
+The buffer's *capacity* is agreed (:mod:`lifecycle.core.capacity`): the first step
+reduces at :data:`FIRST_CAPACITY`, every later size comes from reduced headers."""
 
 from __future__ import annotations
 
@@ -179,10 +174,15 @@ class RawStepper:
         return f
 
     def _prepare(
-        self, tag: int | None, observed: Observation | None = None, read: Reading | None = None
+        self,
+        tag: int | None,
+        observed: Observation | None = None,
+        read: Reading | None = None,
+        frame: Frame | None = None,
     ) -> NDArray[np.uint8]:
+        # ``read``, ``frame``: the clock's reading and the rows ``observed`` polled
         word = 0 if tag is None else tag_word(tag, self.rank)
-        t, f = self.table, self.frame()  # ``read``: the clock's reading, if taken already
+        t, f = self.table, self.frame() if frame is None else frame
         now, late = read or read_clock(self.clock, self.rank, t.now)
         self.local.run(t, f, self.config, now, t.step_no + 1, late, observed)
         self._tag, self._prepared, self._settled, self._seen = word, True, None, None

@@ -5,7 +5,8 @@ driven over a :class:`~lifecycle.drive.collective.Collective`.
 MIN all-reduce; ``start``/``finish`` split it around the forward pass;
 ``diagnose`` asks every rank who holds each request back. Each goes through
 a :class:`~lifecycle.drive.group.StepGroup` of this one queue, so a lone stepper and
-a group share one driver.
+a group share one driver; a lone stepper's ``step`` (with a batch poller) and
+``step_polled`` take a quick step of their own where only the poll acts.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class Stepper(RawStepper):
         With a batch poller and no staging gate the batch poll runs first, and
         a step where only the poll acts after a common step (every answer a
         live status, no gate with a Success to decide, no fault hook, abort,
-        timeout or stuck report) packs only its words and builds its result
-        while the reduce is in flight (:meth:`step_polled`'s quick step)."""
+        timeout, stuck report, terminal row or clock error) packs only its
+        words and builds its result while the reduce is in flight
+        (:meth:`step_polled`'s quick step)."""
         if self._by_batch:
             # a lone stepper with a batch poller: the common step in a few calls
             res = self._step_polled(collective, None, True, tag)[1]
@@ -98,8 +100,15 @@ class Stepper(RawStepper):
         read = read_clock(self.clock, self.rank, t.now)
         f, values, obs = self.frame(), None, None
         if self._by_batch and not (read[1] or t.terminal_count or self.config.stuck_after):
-            # the batch poll, once: the quick step takes it, or prepare below
-            obs = observe(self.local.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, t.rank)
+            # the batch poll, once: the quick step takes it, or prepare below (over
+            # this frame, whatever the poll did); in flight, as in a group's step
+            self.in_flight = True
+            try:
+                obs = observe(
+                    self.local.poller, t.handles, f.rows, f.rooms, f.hidx, f.no_index, self.rank
+                )
+            finally:
+                self.in_flight = False
             if obs.clean:  # a long list has no scan: its array serves
                 words = obs.raw if obs.scan is None else obs.scan
                 buf = self._quick(f, words, obs.given, read[0], obs.raw, word)
@@ -123,7 +132,7 @@ class Stepper(RawStepper):
                 obs = observe(
                     None, t.handles, f.rows, f.rooms, f.hidx, None, self.rank, polled, values
                 )
-            buf = self._prepare(tag, obs, read)  # raises before the table is busy
+            buf = self._prepare(tag, obs, read, f)  # raises before the table is busy
             t.busy = True
             try:
                 wait_launches()
@@ -171,8 +180,8 @@ class Stepper(RawStepper):
         return buf
 
     def _pack(self) -> NDArray[np.uint8]:
-        # after a common step, a step with no Failed value packs only
-        # its words (StepBuffer.repack: what pack would write, without numpy)
+        # after a common step, a step with no Failed value packs only its
+        # words (StepBuffer.repack: what pack would write, in one call)
         f, local = self._frame, self.local
         if f is not None and local.values is local.unfailed:
             values = local.values  # a long list in one numpy call, a short one as bytes
@@ -190,6 +199,7 @@ class Stepper(RawStepper):
         the reduce is in flight, and return it if so)."""
         t, ready = self.table, None
         self.in_flight = t.busy = True
+        self._as_group()._step = object()  # a late callback of an earlier start is not ours
         try:
             try:
                 wait_launches()

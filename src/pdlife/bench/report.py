@@ -63,6 +63,7 @@ _COLUMNS = (
     "floor",
     "hooks_floor",
     "ours",
+    "ours_field",
     "fused3",
     "separate3",
     "churn",
