@@ -44,9 +44,12 @@ def test_aborts_and_a_killed_prefill_rank(tmp_path, run_sim, backend):
     live: its writes die with it, and decode asks no engine about any write
     (it waits for prefill's "done", or on NIXL also the room's notification,
     whose absence is no error), so it hears of rank 1 only from its silent
-    heartbeat: peer dead. The surviving prefill rank 0 writes only to decode
-    rank 2, which lives. In eleven runs of this test's command per backend,
-    requests failed only as aborted or peer dead.
+    heartbeat: peer dead. A decode rank that first reads rank 1's endpoint
+    record after rank 1 died cannot connect to it (NIXL's add_remote_agent
+    raises): that fails no request, the connect is tried again a heartbeat
+    later (it once failed every live request of that rank as a transfer
+    error, in 1 of 2 loaded runs). The surviving prefill rank 0 writes only
+    to decode rank 2, which lives.
 
     Rank 0 stops on its group's broken collective, holding the buffers of the
     requests it had not finished; it must hold nothing else.

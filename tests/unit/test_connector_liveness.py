@@ -98,14 +98,14 @@ class HangConnector(CopyConnector):
         return 0
 
 
-def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0)):
+def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0), decode_cls=CopyConnector):
     store = store_server()
     port = store.port
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     sides = {"store": store}
     for role, cls, drain_s in (
         ("prefill", prefill_cls, drain[0]),
-        ("decode", CopyConnector, drain[1]),
+        ("decode", decode_cls, drain[1]),
     ):
         kv = [torch.zeros((8, 64), dtype=torch.uint8)]
         meta = MetadataBuffers(4, layout)
@@ -352,3 +352,58 @@ def test_vllm_49250_a_restarted_prefill_is_a_new_incarnation(pair, monkeypatch, 
         wait_for(lambda: r2.poll() == KVPoll.Success == s2.poll(), "room 8 succeeds")
     else:
         assert r2.poll() == KVPoll.Success and s2.poll() != KVPoll.Success
+
+
+class UnreachableAtFirst(CopyConnector):
+    """Its engine cannot reach a peer for its first ``refusals`` tries (NIXL's
+    add_remote_agent raising on a peer whose process just died, or not yet
+    listening): the record is published, the peer is not there."""
+
+    refusals = 2
+
+    def _start_engine(self):
+        self.tries = 0
+        return super()._start_engine()
+
+    def _connect(self, peer, info):
+        self.tries += 1
+        if self.tries <= self.refusals:
+            raise RuntimeError("NIXL_ERR_BACKEND: loadRemoteMD failed")
+
+
+def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
+    # the connect that raised used to fail every live request of the rank as
+    # a transfer error, from a peer none of them had reached yet
+    sides = _make_pair(decode_cls=UnreachableAtFirst)
+    p, d = sides["prefill"], sides["decode"]
+    try:
+        _succeeds(p, d, 11)
+        assert d.tries == UnreachableAtFirst.refusals + 1  # once per try, then once more
+        assert d.last_error is None
+        _succeeds(p, d, 12)  # connected: not tried again
+        assert d.tries == UnreachableAtFirst.refusals + 1
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)
+
+
+def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
+    class NeverReached(UnreachableAtFirst):
+        refusals = 10**9
+
+    sides = _make_pair(decode_cls=NeverReached)
+    p, d = sides["prefill"], sides["decode"]
+    try:
+        p.sender(21)
+        r = d.receiver(21)
+        t0 = time.monotonic()
+        r.init()
+        with paused(p):  # it published, then went silent (a dead process)
+            wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
+        took = time.monotonic() - t0
+        assert r.failure_reason() == FailureReason.PEER_DEAD
+        # tried again a heartbeat interval apart, not on every pass of the loop
+        assert 1 <= d.tries <= 2 + took / d.config.heartbeat_interval
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)

@@ -284,10 +284,7 @@ class Connector(StatusArrays):
 
     # -- messages ------------------------------------------------------------------------
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
-        info, new = self.mail.peer(peer, store)
-        if new and info is not None:
-            self._connect(peer, info)
-        return info
+        return self.mail.connected(peer, store, self._connect, self.config.heartbeat_interval)
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
         with self._msg_lock:  # one message at a time, whichever thread (see _take)

@@ -20,7 +20,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +53,8 @@ class Mailbox:
         self.store = self.client()
         self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._peers: dict[int, dict[str, Any]] = {}
+        #: peer -> when to try connecting again (its record is up, its engine was not)
+        self._retry_at: dict[int, float] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         #: peer -> (its heartbeat value, seconds this rank has watched it unchanged)
         self._seen: dict[int, tuple[bytes, float]] = {}
@@ -115,6 +117,33 @@ class Mailbox:
             return None, False
         self._peers[peer] = info
         return info, True
+
+    def connected(
+        self,
+        peer: int,
+        store: Any,
+        connect: Callable[[int, dict[str, Any]], None],
+        retry_s: float,
+    ) -> dict[str, Any] | None:
+        """The peer's endpoint record once ``connect`` took it (once per record);
+        None while it is not published, or while the peer it names cannot be
+        reached. A peer that published and then died fails the connect: that is
+        no fault of any request, so none is failed for it here. The connect is
+        tried again after ``retry_s``; if the peer stays silent, its heartbeat
+        says it is dead."""
+        if peer not in self._peers and self._retry_at.get(peer, 0.0) > time.monotonic():
+            return None
+        info, new = self.peer(peer, store)
+        if new and info is not None:
+            try:
+                connect(peer, info)
+            except Exception as e:
+                self._peers.pop(peer, None)  # read and connected anew on a later try
+                self._retry_at[peer] = time.monotonic() + retry_s
+                logger.debug("rank %d: connecting to peer %d failed (%s)", self._rank, peer, e)
+                return None
+            self._retry_at.pop(peer, None)
+        return info
 
     def _record(self, peer: int, store: Any) -> dict[str, Any] | None:
         """The peer's endpoint record as the store holds it now (None: not published)."""
