@@ -38,7 +38,10 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given the command line, with only the command it names
+    (and what that command's module adds), so that e.g. ``pdlife replay``
+    never loads the simulator. Every command for ``--help`` or none named."""
     p = _Parser(
         prog="pdlife", description="KV-cache transfer lifecycle tooling for PD disaggregation"
     )
@@ -52,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_diagram)
 
-    from pdlife import register_commands
+    from pdlife import COMMANDS, register_commands
 
-    register_commands(sub)
+    named = [a for a in argv or () if not a.startswith("-")][:1]
+    known = named and (named[0] in COMMANDS or named[0] in sub.choices)  # (diagram: here)
+    register_commands(sub, named if known else None)
     return p
 
 
@@ -64,7 +69,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # a bad flag (one line written, 2) or --help (0)

@@ -17,6 +17,7 @@ from pdlife.cluster.config import MAX_WORLD, STATE_SPLIT_GRAIN, SimConfig, longe
 from pdlife.cluster.plan import FaultPlan, TargetedFault, load_plan
 from pdlife.cluster.plan_doc import MAX_PAUSE_S
 from pdlife.cluster.topology import topology_problem
+from pdlife.run.launch import apart
 
 __all__ = [
     "FLAGS",
@@ -348,8 +349,9 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     if args.metrics_port:  # (0: each rank binds a port the OS picks)
         _check_ports(args.metrics_port, world)
     writable_dir(Path(args.out), "--out")
-    # last: loading an engine's library may open its own sockets
-    backend, why = pick_backend(args.backend)
+    # last: loading an engine's library may open its own sockets; in a child,
+    # so that its threads never run in a launcher that forks ranks
+    backend, why = apart(pick_backend, args.backend, what=f"--backend {args.backend}")
     return attrs.evolve(cfg, backend=backend), why
 
 

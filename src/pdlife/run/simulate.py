@@ -10,7 +10,6 @@ an env:// group and rank 0 merges.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from pdlife.run.config import shape as _shape
 from pdlife.run.config import sim_config as _config
 from pdlife.run.config import torchrun as _torchrun
 from pdlife.run.flags import MAX_STEPS, add_arguments
+from pdlife.run.launch import start_ranks
 from pdlife.run.summary import print_table, summarize
 from pdlife.sim.rank import SimConfig, run_rank
 
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-def _worker(cfg: SimConfig, rank: int, out: str, port: int, quiet: bool = True) -> None:
+def _worker(rank: int, port: int, cfg: SimConfig, out: str, quiet: bool = True) -> None:
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
@@ -92,19 +92,6 @@ def _progress(store: Any, total: int | None, start: float) -> None:
     sys.stderr.flush()
 
 
-def _rank_context() -> Any:
-    """Ranks fork from a server that imported the simulator once (torch and
-    all) instead of each importing it anew: no engine or thread runs there,
-    each rank starts its own after the fork. Started by :func:`simulate`, after
-    ``_run`` checked every argument: a bad one starts nothing."""
-    from multiprocessing import forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pdlife.sim.rank", "pdlife.run.simulate"])
-    forkserver.ensure_running()
-    return ctx
-
-
 def _engine_log(out: Path, rank: int) -> Path:
     """Where rank ``rank``'s engine writes its own lines (see pdlife.engine_output)."""
     return out / "ranks" / f"rank{rank}.engine.log"
@@ -125,15 +112,16 @@ def simulate(
     ]
     for old in stale:
         old.unlink(missing_ok=True)
-    store = store_server(cfg.world + 1)  # on a port the OS picks as it binds
-    port = store.port
-    ctx = _rank_context()
-    procs = [
-        ctx.Process(target=_worker, args=(cfg, r, str(out), port, quiet)) for r in range(cfg.world)
-    ]
     start = time.monotonic()
-    for p in procs:
-        p.start()
+    # the ranks fork from here (see pdlife.run.launch), then the store starts on
+    # a port the OS picks as it binds, and each rank is told it
+    procs, store = start_ranks(
+        cfg.world,
+        _worker,
+        (cfg, str(out), quiet),
+        lambda: store_server(cfg.world + 1),
+        preload=["pdlife.sim.rank", "pdlife.run.simulate"],
+    )
     total = None if cfg.soak else cfg.requests
     deadline = start + timeout + (cfg.soak or 0.0)
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
@@ -238,28 +226,7 @@ def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None, quiet: b
     return 0 if summary["ok"] else 1
 
 
-def _replay(args: argparse.Namespace) -> int:
-    from pdlife.trace import TraceError, replay
-
-    try:
-        report = replay(Path(args.dir))
-    except TraceError as e:
-        raise UsageError(f"replay {args.dir}", str(e)) from None
-    if report.ok:
-        print(f"replay: {report.steps_checked} collective steps recomputed; no difference")
-        return 0
-    d = report.first_difference or {}
-    print(
-        f"replay: first difference at step {d['step']} ({d['side']} {d['queue']} queue): {d['detail']}"
-    )
-    return 1
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="run a local PD cluster under a fault plan")
     add_arguments(p)
     p.set_defaults(func=_run, requests_given=False)
-
-    r = sub.add_parser("replay", help="recompute a recorded run from its local observations")
-    r.add_argument("dir")
-    r.set_defaults(func=_replay)
