@@ -387,6 +387,48 @@ def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
             sides[role].close(wait=0)
 
 
+def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
+    # it beats, so it is never named dead: without the give-up its requests
+    # would wait out the bootstrap timeout with the cause unsaid
+    class NeverReached(UnreachableAtFirst):
+        refusals = 10**9
+
+    sides = _make_pair(decode_cls=NeverReached)
+    p, d = sides["prefill"], sides["decode"]
+    try:
+        p.sender(31)
+        r = d.receiver(31)
+        r.init()
+        wait_for(lambda: r.poll() == KVPoll.Failed, "decode gives up on prefill")
+        assert r.failure_reason() == FailureReason.TRANSFER_ERROR
+        give_up = 3 * d.config.heartbeat_misses + 1
+        assert d.tries == give_up  # one try a heartbeat interval, no more
+        assert isinstance(d.last_error, ConnectionError)
+        assert "peer 0" in str(d.last_error) and "NIXL_ERR_BACKEND" in str(d.last_error)
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)
+
+
+def test_the_give_up_counts_failures_in_a_row_only():
+    mail = object.__new__(Mailbox)  # only connected()'s own state
+    mail._peers, mail._retry_at, mail._failed, mail._renewed, mail._rank = {}, {}, {}, set(), 1
+    mail.peer = lambda peer, store: ({"addr": "x"}, True)
+    fails = iter([True, True, False, True, True, True])
+
+    def connect(peer, info):
+        if next(fails):
+            raise OSError("unreachable")
+
+    for _ in range(2):
+        assert mail.connected(0, None, connect, 0.0, give_up=3) is None
+    assert mail.connected(0, None, connect, 0.0, give_up=3) == {"addr": "x"}  # count reset
+    for _ in range(2):
+        assert mail.connected(0, None, connect, 0.0, give_up=3) is None
+    with pytest.raises(ConnectionError, match=r"peer 0 .* 3 connects in a row"):
+        mail.connected(0, None, connect, 0.0, give_up=3)
+
+
 def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
     class NeverReached(UnreachableAtFirst):
         refusals = 10**9

@@ -4,6 +4,7 @@ one usage error. The fork path needs a process without threads of its own, so
 those checks run in a fresh interpreter (a pytest worker has threads)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -76,13 +77,14 @@ def test_the_backend_probe_loads_no_engine_in_the_launcher(backend, tmp_path):
             ["simulate", "--backend", {backend!r}, "--out", {str(tmp_path)!r}])
         cfg, why = sim_config(args)
         engines = [m for m in ("mooncake.engine", "nixl_cu12") if m in sys.modules]
+        from pdlife.run import launch
         print(json.dumps({{"backend": cfg.backend, "engines": engines,
-                           "threads": len(os.listdir("/proc/self/task"))}}))
+                           "forkable": launch.forkable()}}))
         """
     )
     assert got["backend"] == backend
     assert got["engines"] == []  # it loaded in the probe's child only
-    assert got["threads"] <= launch.TORCH_THREADS  # so the ranks may fork from here
+    assert got["forkable"] is True  # so the ranks may fork from here
 
 
 def test_ranks_fork_from_a_launcher_without_threads_and_each_hears_the_port(tmp_path):
@@ -181,9 +183,35 @@ def test_in_a_process_with_threads_the_probe_runs_here_and_ranks_use_a_fork_serv
     t.start()  # (a pytest worker may have none of its own)
     try:
         assert launch.forkable() is False
-        assert (
-            launch.apart(lambda x: x + 1, 1, what="x") == 2
-        )  # (a lambda: not pickled, not forked)
+        assert launch.apart(os.getpid, what="x") == os.getpid()  # run here, not forked
     finally:
         stop.set()
         t.join()
+
+
+def test_native_threads_of_a_big_machine_do_not_stop_the_fork():
+    # numpy's BLAS and torch start a thread per core as they import or first
+    # compute: on a bigger machine, more than the two seen here
+    got = _python(
+        """
+        import json, os
+        import numpy, torch
+        torch.set_num_threads(4)
+        torch.ones(1 << 22).sum()  # (its intra-op pool: native threads)
+        from pdlife.run import launch
+        print(json.dumps({"native": len(os.listdir("/proc/self/task")),
+                          "forkable": launch.forkable()}))
+        """
+    )
+    assert got["native"] > 2  # what the old count refused
+    assert got["forkable"] is True
+
+
+def test_a_launcher_that_loaded_an_engine_does_not_fork(monkeypatch):
+    assert launch.forkable() in (True, False)  # (a pytest worker may run threads)
+    monkeypatch.setattr(launch.threading, "active_count", lambda: 1)
+    for m in launch.ENGINES:  # (this worker may have loaded one to see if it is there)
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    assert launch.forkable() is True
+    monkeypatch.setitem(sys.modules, "mooncake", type(sys)("mooncake"))
+    assert launch.forkable() is False

@@ -53,6 +53,14 @@ def _barrier(store: Any, key: str, world: int, leader: bool) -> None:
         store.wait([f"go/{key}"])
 
 
+def _connected(mgr: Any, peer: int, store: Any) -> dict[str, Any]:
+    """The peer's record once the engine connected to it: tried a heartbeat
+    apart until the connector gives up (it raises, naming the peer)."""
+    while (info := mgr._peer_info(peer, store)) is None:
+        time.sleep(mgr.config.heartbeat_interval)
+    return info  # type: ignore[no-any-return]
+
+
 def rank_main(
     backend: str,
     role: str,
@@ -138,7 +146,7 @@ def _run(
         peers = shape.topology.contacts(rank)
     peer_role = "decode" if role == "prefill" else "prefill"
     store.wait([f"{NS}/{peer_role}/{p}/endpoint" for p in peers])
-    infos = {p: mgr._peer_info(p, store) for p in peers}  # connected, as the connector writes
+    infos = {p: _connected(mgr, p, store) for p in peers}  # as the connector writes
     dst = shape.dst_pages()
     writes = {}
     if role == "prefill":

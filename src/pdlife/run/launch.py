@@ -3,10 +3,11 @@ imported the simulator (torch and all) already, instead of each rank, or a
 fork server, importing it anew. That import is most of what a short run costs
 (about 2 s of CPU on a small machine).
 
-Forking is safe only from a process that runs no thread of its own besides
-the one torch starts as it imports (torch's fork handlers cover it): an
-engine's threads (Mooncake starts five as it imports) would be missing in the
-child, with whatever they held. So the launcher never loads an engine: the
+Forking is safe only from a process that runs no Python thread besides its
+main one and has loaded no transfer engine: the native threads torch and
+numpy's BLAS start as they import (as many as the machine has cores, less
+one) have fork handlers of their own, but an engine's threads (Mooncake starts
+five as it imports) would be missing in the child, with whatever they held. So the launcher never loads an engine: the
 backend probe runs in a forked child (:func:`apart`), and the store, whose
 server is a thread, starts after the ranks are forked; each rank is handed its
 port through a pipe. Where the launcher does run other threads (an in-process
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -26,14 +28,13 @@ from typing import Any, TypeVar
 
 from pdlife.args import UsageError
 
-__all__ = ["apart", "forkable", "start_ranks"]
+__all__ = ["ENGINES", "apart", "forkable", "start_ranks"]
 
 logger = logging.getLogger(__name__)
 
-#: the threads of a process that imported torch (2.13) and nothing that starts
-#: its own: the interpreter's and one of torch's. More, and ranks start from a
-#: fork server instead (slower, as safe).
-TORCH_THREADS = 2
+#: the transfer engines' modules: one loaded here, and ranks start from a fork
+#: server instead (slower, as safe)
+ENGINES = ("mooncake", "nixl_cu12", "nixl")
 #: how long a forked probe or a rank waiting for the store's port may take
 WAIT_S = 120.0
 
@@ -42,11 +43,9 @@ T = TypeVar("T")
 
 def forkable() -> bool:
     """Whether this process may fork ranks (see the module's docstring)."""
-    try:
-        native = len(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux: no way to count them
+    if sys.platform != "linux":  # fork as the default start of every rank: Linux only
         return False
-    return threading.active_count() == 1 and native <= TORCH_THREADS
+    return threading.active_count() == 1 and not any(m in sys.modules for m in ENGINES)
 
 
 def _probe(fn: Callable[..., Any], args: tuple[Any, ...], send: Connection) -> None:

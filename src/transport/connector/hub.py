@@ -284,7 +284,9 @@ class Connector(StatusArrays):
 
     # -- messages ------------------------------------------------------------------------
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
-        return self.mail.connected(peer, store, self._connect, self.config.heartbeat_interval)
+        c = self.config  # (a dead peer is named after heartbeat_misses: only a live one errs)
+        tries = 3 * c.heartbeat_misses + 1
+        return self.mail.connected(peer, store, self._connect, c.heartbeat_interval, tries)
 
     def _on_message(self, msg: dict[str, Any], store: Any) -> None:
         with self._msg_lock:  # one message at a time, whichever thread (see _take)

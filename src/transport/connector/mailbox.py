@@ -55,6 +55,8 @@ class Mailbox:
         self._peers: dict[int, dict[str, Any]] = {}
         #: peer -> when to try connecting again (its record is up, its engine was not)
         self._retry_at: dict[int, float] = {}
+        #: peer -> connects that failed in a row (a live peer never reached is an error)
+        self._failed: dict[int, int] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         #: peer -> (its heartbeat value, seconds this rank has watched it unchanged)
         self._seen: dict[int, tuple[bytes, float]] = {}
@@ -124,13 +126,17 @@ class Mailbox:
         store: Any,
         connect: Callable[[int, dict[str, Any]], None],
         retry_s: float,
+        give_up: int = 0,
     ) -> dict[str, Any] | None:
         """The peer's endpoint record once ``connect`` took it (once per record);
         None while it is not published, or while the peer it names cannot be
         reached. A peer that published and then died fails the connect: that is
         no fault of any request, so none is failed for it here. The connect is
         tried again after ``retry_s``; if the peer stays silent, its heartbeat
-        says it is dead."""
+        says it is dead. A peer still failing its ``give_up``-th connect in a row
+        (0: never) has been failing for ``(give_up - 1) * retry_s``: a peer that
+        beats yet cannot be reached (a route, a bad record), whose connect error
+        is raised then, naming it, rather than leaving its requests to time out."""
         if peer not in self._peers and self._retry_at.get(peer, 0.0) > time.monotonic():
             return None
         info, new = self.peer(peer, store)
@@ -140,9 +146,19 @@ class Mailbox:
             except Exception as e:
                 self._peers.pop(peer, None)  # read and connected anew on a later try
                 self._retry_at[peer] = time.monotonic() + retry_s
-                logger.debug("rank %d: connecting to peer %d failed (%s)", self._rank, peer, e)
+                failed = self._failed[peer] = self._failed.get(peer, 0) + 1
+                log = logger.info if failed == 1 else logger.debug
+                log("rank %d: connecting to peer %d failed (%s); trying again", self._rank, peer, e)
+                if give_up and failed >= give_up:
+                    self._failed.pop(peer, None)
+                    raise ConnectionError(
+                        f"rank {self._rank}: peer {peer} published its endpoint but {failed} "
+                        f"connects in a row failed over {(failed - 1) * retry_s:g} s (last: {e}); "
+                        "check the peer's advertised address and the route to it"
+                    ) from e
                 return None
             self._retry_at.pop(peer, None)
+            self._failed.pop(peer, None)
         return info
 
     def _record(self, peer: int, store: Any) -> dict[str, Any] | None:
