@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -215,3 +216,40 @@ def test_a_launcher_that_loaded_an_engine_does_not_fork(monkeypatch):
     assert launch.forkable() is True
     monkeypatch.setitem(sys.modules, "mooncake", type(sys)("mooncake"))
     assert launch.forkable() is False
+
+
+def test_ranks_whose_launcher_is_gone_before_it_said_exit_at_once():
+    # each forked rank closes the pipe ends it inherited, its own write end
+    # included: the launcher's exit is an end of file, not a wait of WAIT_S
+    got = _python(
+        """
+        import json, os, sys
+        from pdlife.run import launch
+
+        def store():
+            print(json.dumps({"pids": [p.pid for p in procs], "forked": launch.forkable()}))
+            sys.stdout.flush()
+            os._exit(0)  # gone before the ranks are told the port
+
+        procs = []
+        real = launch.mp.get_context("fork").Process.start
+        def start(self):
+            real(self)
+            procs.append(self)
+        launch.mp.get_context("fork").Process.start = start
+        launch.start_ranks(2, print, (), store, preload=[])
+        """
+    )
+    assert got["forked"] is True
+    deadline = time.monotonic() + launch.WAIT_S / 4  # they exit in milliseconds; old: WAIT_S
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    while any(running(pid) for pid in got["pids"]):
+        assert time.monotonic() < deadline, "a rank still waits for a launcher that is gone"
+        time.sleep(0.05)

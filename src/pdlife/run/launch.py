@@ -90,12 +90,24 @@ def apart(fn: Callable[..., T], *args: Any, what: str) -> T:
 
 
 def _ranked(
-    target: Callable[..., None], rank: int, recv: Connection, args: tuple[Any, ...]
+    target: Callable[..., None],
+    rank: int,
+    recv: Connection,
+    args: tuple[Any, ...],
+    others: list[Connection],
 ) -> None:
-    """A rank: wait for the store's port, then run ``target(rank, port, *args)``."""
-    if not recv.poll(WAIT_S):
+    """A rank: wait for the store's port, then run ``target(rank, port, *args)``.
+    ``others``: the pipe ends a forked rank inherited besides its own read end
+    (closed first, so that a launcher gone before it said is an end of file
+    here, not a wait of ``WAIT_S``)."""
+    for end in others:
+        end.close()
+    try:
+        port = int(recv.recv()) if recv.poll(WAIT_S) else None
+    except EOFError:
+        port = None
+    if port is None:
         os._exit(5)  # the launcher never said: it is gone
-    port = int(recv.recv())
     recv.close()
     target(rank, port, *args)
 
@@ -111,7 +123,8 @@ def start_ranks(
     store they meet at (``store()``, whose ``.port`` each is told): (the
     processes, the store). Forked from here when :func:`forkable`, else from a
     fork server that imported ``preload``."""
-    if forkable():
+    fork = forkable()
+    if fork:
         ctx: Any = mp.get_context("fork")
     else:
         from multiprocessing import forkserver
@@ -121,18 +134,25 @@ def start_ranks(
         ctx.set_forkserver_preload(preload)
         forkserver.ensure_running()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    ends = [end for pipe in pipes for end in pipe]
     procs: list[BaseProcess] = [
-        ctx.Process(target=_ranked, args=(target, r, recv, args))
+        ctx.Process(
+            target=_ranked,
+            args=(target, r, recv, args, [e for e in ends if e is not recv] if fork else []),
+        )
         for r, (recv, _) in enumerate(pipes)
     ]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            p.start()
         server = store()  # its server thread starts only now, after every fork
     except BaseException:
         for p in procs:
-            p.kill()
-            p.join()
+            if p.pid is not None:
+                p.kill()
+                p.join()
+        for end in ends:
+            end.close()
         raise
     for recv, send in pipes:
         send.send(server.port)
