@@ -371,6 +371,10 @@ class UnreachableAtFirst(CopyConnector):
             raise RuntimeError("NIXL_ERR_BACKEND: loadRemoteMD failed")
 
 
+class NeverReached(UnreachableAtFirst):
+    refusals = 10**9
+
+
 def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
     # the connect that raised used to fail every live request of the rank as
     # a transfer error, from a peer none of them had reached yet
@@ -390,9 +394,6 @@ def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
 def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
     # it beats, so it is never named dead: without the give-up its requests
     # would wait out the bootstrap timeout with the cause unsaid
-    class NeverReached(UnreachableAtFirst):
-        refusals = 10**9
-
     sides = _make_pair(decode_cls=NeverReached)
     p, d = sides["prefill"], sides["decode"]
     try:
@@ -430,9 +431,6 @@ def test_the_give_up_counts_failures_in_a_row_only():
 
 
 def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
-    class NeverReached(UnreachableAtFirst):
-        refusals = 10**9
-
     sides = _make_pair(decode_cls=NeverReached)
     p, d = sides["prefill"], sides["decode"]
     try:

@@ -6,11 +6,11 @@ fork server, importing it anew. That import is most of what a short run costs
 Forking is safe only from a process that runs no Python thread besides its
 main one and has loaded no transfer engine: the native threads torch and
 numpy's BLAS start as they import (as many as the machine has cores, less
-one) have fork handlers of their own, but an engine's threads (Mooncake starts
-five as it imports) would be missing in the child, with whatever they held. So the launcher never loads an engine: the
-backend probe runs in a forked child (:func:`apart`), and the store, whose
-server is a thread, starts after the ranks are forked; each rank is handed its
-port through a pipe. Where the launcher does run other threads (an in-process
+one) have fork handlers of their own, but an engine's threads (Mooncake
+starts five as it imports) would be missing in the child, with whatever they
+held. So the launcher never loads an engine: the backend probe runs in a
+forked child (:func:`apart`), and the store, whose server is a thread, starts
+after the ranks are forked; each rank is handed its port through a pipe. Where the launcher does run other threads (an in-process
 caller), the ranks start from a fork server as before.
 """
 
