@@ -65,6 +65,8 @@ def from_env(rank: int = 0, env: Mapping[str, str] | None = None) -> Probabilist
             prob = float(raw)
         except ValueError:
             raise FaultPlanError(var, f"must be a probability, got {raw!r}") from None
+        if not 0.0 <= prob <= 1.0:  # (nan too)
+            raise FaultPlanError(var, f"must be a probability within [0, 1], got {raw!r}")
         if prob == 0.0:
             return None
         seed_raw = env.get(SEED_VAR, "0")

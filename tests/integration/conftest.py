@@ -1,32 +1,24 @@
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from engines import FOREIGN, engine_env, require
 
 
 def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """Run `pdlife simulate` in a fresh interpreter; returns the process and
+    """Run `pdlife simulate` in a process of its own (forked by the zygote); returns the process and
     summary.json. What it prints is its own: no engine's line reaches it."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdlife",
-            "simulate",
-            "--backend",
-            backend,
-            "--quiet",
-            "--no-timeline",  # the default run of test_simulate draws one
-            "--out",
-            str(out),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = zygote.run(
+        "simulate",
+        "--backend",
+        backend,
+        "--quiet",
+        "--no-timeline",  # the default run of test_simulate draws one
+        "--out",
+        str(out),
+        *args,
         env=engine_env(),
     )
     foreign = FOREIGN.findall(proc.stdout + proc.stderr)

@@ -8,10 +8,9 @@ depends on timing: the faults are phase-keyed draws of the seed, per attempt.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
+import zygote
 from engines import require
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -43,12 +42,7 @@ def test_failed_requests_are_retried_and_end_alike_on_every_run(run_sim, backend
         return  # (the run is repeated on one backend; docs/recovery.md has both, 2000 requests)
     _, s2, out2 = run_sim(backend, "b", *RETRY)
     assert s2["outcomes"] == s1["outcomes"]  # per request: status, reason and attempts
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdlife", "simulate", "--compare", str(out1), str(out2)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = zygote.run("simulate", "--compare", str(out1), str(out2), timeout=60)
     assert proc.returncode == 0 and "end the same (room, status, reason, attempts)" in proc.stdout
 
 

@@ -139,6 +139,9 @@ def test_field_environment_variables_keep_working():
     assert (hook.prob, hook.seed) == (0.1, 7)
     with pytest.raises(FaultPlanError, match="SGLANG_TEST_DISAGG_FAILURE_PROB"):
         from_env(env={"SGLANG_TEST_DISAGG_FAILURE_PROB": "often"})
+    for raw in ("2", "-0.5", "nan"):  # out of range: the variable is named, not "prob"
+        with pytest.raises(FaultPlanError, match=r"DISAGGREGATION_TEST_FAILURE_PROB.*within"):
+            from_env(env={"DISAGGREGATION_TEST_FAILURE_PROB": raw})
 
 
 def states_ctx(rooms, states, step=1):

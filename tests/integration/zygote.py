@@ -1,0 +1,169 @@
+"""``python -m pdlife ...`` for the tests, forked from a process that has
+imported torch and the simulator once.
+
+A fresh interpreter spends about 2 s of CPU importing torch and pdlife before
+a simulator run starts; a short run's own work is less than that. Each pytest
+worker starts one zygote: a single-threaded Python process that imports them
+and loads no transfer engine (``pdlife.run.launch.forkable`` holds there),
+then forks one child per command. The child is what a fresh process would be
+for the command: its own session (so a timeout kills it and every rank it
+forked), the environment, directory and argument list asked for, standard
+output and error in files (an engine's own lines included, written by its
+native code straight to the descriptors), and the exit code ``main`` returns.
+
+What differs from a fresh interpreter: the modules are imported already, and
+every child has the zygote's string-hash seed. A test of reproducibility
+across processes therefore runs one side in a fresh interpreter (``fresh=True``).
+Where the zygote cannot start or has died, a fresh interpreter runs the
+command: the verdict never depends on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+#: the zygote's own program: read a request per line on standard input, fork,
+#: write {"pid"} then, once the child is reaped, {"rc"}
+PROGRAM = r"""
+import json, os, sys, traceback
+import torch, torch.distributed  # noqa: F401
+import pdlife.cli, pdlife.run.simulate, pdlife.run.launch  # noqa: F401
+if not pdlife.run.launch.forkable():
+    print(json.dumps({"error": "not forkable"}), flush=True)
+    sys.exit(0)
+print(json.dumps({"ready": os.getpid()}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            fd_in = os.open(os.devnull, os.O_RDONLY)
+            fd_out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd_err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+                os.dup2(fd, target)
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(req["env"])
+            os.chdir(req["cwd"])
+            sys.argv = ["pdlife", *req["argv"]]
+            code = pdlife.cli.main(req["argv"])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class Zygote:
+    """One per pytest worker (see :func:`run`)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PROGRAM],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        first = self.proc.stdout.readline() if self.proc.stdout else ""
+        self.ok = first.startswith('{"ready"')
+        #: the last child's pid, which is also its session's id
+        self.pid = 0
+
+    def alive(self) -> bool:
+        return self.ok and self.proc.poll() is None
+
+    def run(
+        self, argv: list[str], env: dict[str, str], timeout: float
+    ) -> tuple[int, str, str] | None:
+        """The child's exit code, output and error; None when the zygote died
+        before it could say (the caller then runs the command afresh)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with tempfile.TemporaryDirectory(prefix="zygote") as d:
+            out, err = Path(d) / "out", Path(d) / "err"
+            req = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(out)}
+            req["stderr"] = str(err)
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+                pid = self.pid = json.loads(self.proc.stdout.readline())["pid"]
+            except (OSError, ValueError, KeyError):
+                self.ok = False
+                return None
+            # the child's own session: on a timeout it goes with every rank it forked
+            fired = threading.Event()
+            timer = threading.Timer(timeout, _kill_session, (pid, fired))
+            timer.start()
+            try:
+                line = self.proc.stdout.readline()
+            finally:
+                timer.cancel()
+            if not line:  # the zygote died: its child and the ranks go too
+                _kill_session(pid)
+                self.ok = False
+                return None
+            rc = json.loads(line)["rc"]
+            text = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if fired.is_set() and rc == -signal.SIGKILL:
+            raise subprocess.TimeoutExpired(["pdlife", *argv], timeout, *text)
+        return rc, text[0], text[1]
+
+
+def _kill_session(pid: int, fired: threading.Event | None = None) -> None:
+    if fired is not None:
+        fired.set()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+_zygote: Zygote | None = None
+_lock = threading.Lock()
+
+
+def run(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 240, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``python -m pdlife *argv`` as ``subprocess.run(..., capture_output=True,
+    text=True)`` would run it: in a child of the zygote, or in a fresh
+    interpreter when ``fresh`` or when no zygote can serve."""
+    global _zygote
+    env = dict(os.environ if env is None else env)
+    if not fresh and _lock.acquire(blocking=False):
+        try:
+            if _zygote is None or not _zygote.alive():
+                _zygote = Zygote()
+            done = _zygote.run(list(argv), env, timeout) if _zygote.alive() else None
+            if done is not None:
+                return subprocess.CompletedProcess(["pdlife", *argv], *done)
+        finally:
+            _lock.release()
+    return subprocess.run(
+        [sys.executable, "-m", "pdlife", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
