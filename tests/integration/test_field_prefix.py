@@ -143,13 +143,12 @@ def _decode(backend, mgr, kv, meta):
 
 
 def test_only_the_pages_after_decodes_prefix_move(backend):
-    import multiprocessing as mp
 
     from lifecycle import KVPoll
-    from lifecycle.testing.spawn import store_server
+    from lifecycle.testing.spawn import rank_context, store_server
 
     store = store_server(2)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [
         ctx.Process(target=_side, args=(backend, side, store.port, q))

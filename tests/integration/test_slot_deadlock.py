@@ -26,7 +26,6 @@ deadlock) and on Mooncake and NIXL (a process a side, on 127.0.0.1).
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from engines import require
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
-from lifecycle.testing.spawn import store_server
+from lifecycle.testing.spawn import rank_context, store_server
 from transport.connector.hub import Connector, ConnectorConfig
 from transport.layout import kv_args_for
 
@@ -390,7 +389,7 @@ def _side_main(backend: str, role: str, port: int, ns: str, old: bool, q: Any) -
 
 def run_pair(backend: str, ns: str, old: bool) -> list[dict[str, Any]]:
     server = store_server(3)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [
         ctx.Process(target=_side_main, args=(backend, role, server.port, ns, old, q))

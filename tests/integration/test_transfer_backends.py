@@ -140,13 +140,12 @@ def _abort_pair(backend, role, port, q):
 
 
 def _pair(target, backend, timeout=60):
-    import multiprocessing as mp
 
-    from lifecycle.testing.spawn import store_server
+    from lifecycle.testing.spawn import rank_context, store_server
 
     store = store_server(3)
     port = store.port
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(backend, r, port, q)) for r in ("prefill", "decode")]
     for p in procs:

@@ -22,7 +22,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["run_ranks", "on_threads", "RanksTimedOut", "RankError", "free_port", "store_server"]
+__all__ = [
+    "rank_context",
+    "run_ranks",
+    "on_threads",
+    "RanksTimedOut",
+    "RankError",
+    "free_port",
+    "store_server",
+]
 
 
 class RanksTimedOut(RuntimeError):
@@ -99,6 +107,16 @@ def _entry(
         out.put((rank, pickle.dumps(("err", repr(e), traceback.format_exc()))))
 
 
+def rank_context() -> Any:
+    """The multiprocessing context rank processes start from: a fork server
+    that imported torch.distributed and lifecycle once (nothing runs there, and
+    it loads no transfer engine), instead of a fresh interpreter importing them
+    anew for each rank (about 2 s of CPU on a small machine)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "lifecycle"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -112,10 +130,7 @@ def run_ranks(
     With ``allow_errors`` a rank's exception is returned in its place as a
     :class:`RankError` instead of raised.
     """
-    # ranks fork from a server that imported torch.distributed and lifecycle
-    # once (nothing runs there), instead of each importing them anew
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "lifecycle"])
+    ctx = rank_context()
     out = ctx.Queue()
     server = store_server(world_size)  # the ranks' rendezvous, held until they end
     port = server.port

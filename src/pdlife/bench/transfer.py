@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +70,14 @@ def run_transfer_bench(
 ) -> dict[str, Any]:
     """One run of every part, side by side (``step_us``: each rank's pause between
     steps; ``heads``: :func:`shape_of`'s TP sizes, head geometry, layout, staging)."""
-    from lifecycle.testing.spawn import store_server
+    from lifecycle.testing.spawn import rank_context, store_server
 
     shape = shape_of(total_mib, page_kib, buffers, shuffle, **heads)
     quiet = choose(verbose)
     ranks = [("prefill", r) for r in range(shape.prefill_tp)]
     ranks += [("decode", r) for r in range(shape.decode_tp)]
     store = store_server(len(ranks) + 1)  # on a port the OS picks as it binds
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [
         ctx.Process(
