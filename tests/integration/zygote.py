@@ -96,6 +96,14 @@ class Zygote:
     def alive(self) -> bool:
         return self.ok and self.proc.poll() is None
 
+    def close(self) -> None:
+        """Let it go (a child it runs is in a session of its own, left be)."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        self.proc.kill()
+        self.proc.wait()
+
     def run(
         self, argv: list[str], env: dict[str, str], timeout: float
     ) -> tuple[int, str, str] | None:
@@ -119,6 +127,10 @@ class Zygote:
             timer.start()
             try:
                 line = self.proc.stdout.readline()
+            except BaseException:  # (pytest-timeout's alarm, ^C): the child goes
+                _kill_session(pid)
+                self.ok = False  # its answer would come out of turn: a new zygote
+                raise
             finally:
                 timer.cancel()
             if not line:  # the zygote died: its child and the ranks go too
@@ -154,6 +166,8 @@ def run(
     if not fresh and _lock.acquire(blocking=False):
         try:
             if _zygote is None or not _zygote.alive():
+                if _zygote is not None:
+                    _zygote.close()
                 _zygote = Zygote()
             done = _zygote.run(list(argv), env, timeout) if _zygote.alive() else None
             if done is not None:
