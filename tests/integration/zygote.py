@@ -153,6 +153,8 @@ def _kill_session(pid: int, fired: threading.Event | None = None) -> None:
 
 _zygote: Zygote | None = None
 _lock = threading.Lock()
+#: a zygote that could not start is not tried again by this process
+_unable = False
 
 
 def run(
@@ -161,14 +163,15 @@ def run(
     """``python -m pdlife *argv`` as ``subprocess.run(..., capture_output=True,
     text=True)`` would run it: in a child of the zygote, or in a fresh
     interpreter when ``fresh`` or when no zygote can serve."""
-    global _zygote
+    global _zygote, _unable
     env = dict(os.environ if env is None else env)
-    if not fresh and _lock.acquire(blocking=False):
+    if not fresh and not _unable and _lock.acquire(blocking=False):
         try:
             if _zygote is None or not _zygote.alive():
                 if _zygote is not None:
                     _zygote.close()
                 _zygote = Zygote()
+                _unable = not _zygote.alive()
             done = _zygote.run(list(argv), env, timeout) if _zygote.alive() else None
             if done is not None:
                 return subprocess.CompletedProcess(["pdlife", *argv], *done)
