@@ -7,9 +7,12 @@ import zygote
 from engines import FOREIGN, engine_env, require
 
 
-def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """Run `pdlife simulate` in a process of its own (forked by the zygote); returns the process and
-    summary.json. What it prints is its own: no engine's line reaches it."""
+def simulate(
+    out: Path, backend: str, *args: str, fresh: bool = False
+) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """Run `pdlife simulate` in a process of its own (a child of the zygote, or
+    a fresh interpreter when ``fresh``); returns the process and summary.json.
+    What it prints is its own: no engine's line reaches it."""
     proc = zygote.run(
         "simulate",
         "--backend",
@@ -20,6 +23,7 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
         str(out),
         *args,
         env=engine_env(),
+        fresh=fresh,
     )
     foreign = FOREIGN.findall(proc.stdout + proc.stderr)
     assert not foreign, f"an engine's own lines reached the terminal: {foreign[:3]}"
@@ -30,9 +34,10 @@ def simulate(out: Path, backend: str, *args: str) -> tuple[subprocess.CompletedP
 
 @pytest.fixture
 def run_sim(tmp_path):
-    def run(backend, name, *args):
+    def run(backend, name, *args, fresh=False):
+        """``fresh``: in a fresh interpreter (the zygote's note on it)."""
         out = tmp_path / name
-        proc, summary = simulate(out, backend, *args)
+        proc, summary = simulate(out, backend, *args, fresh=fresh)
         return proc, summary, out
 
     return run

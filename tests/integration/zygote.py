@@ -11,9 +11,12 @@ forked), the environment, directory and argument list asked for, standard
 output and error in files (an engine's own lines included, written by its
 native code straight to the descriptors), and the exit code ``main`` returns.
 
-What differs from a fresh interpreter: the modules are imported already, and
-every child has the zygote's string-hash seed. A test of reproducibility
-across processes therefore runs one side in a fresh interpreter (``fresh=True``).
+What differs from a fresh interpreter: the modules are imported already, so
+a variable read at start-up or on import (``PYTHONHASHSEED``, ``PYTHONPATH``,
+``LD_*``, what torch reads as it loads) is the zygote's, not the one asked
+for, and every child has the zygote's string-hash seed. A command that needs
+such a variable, and a test of reproducibility across processes (one side),
+runs in a fresh interpreter (``fresh=True``).
 Where the zygote cannot start or has died, a fresh interpreter runs the
 command: the verdict never depends on it.
 """
@@ -21,6 +24,7 @@ command: the verdict never depends on it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 #: the zygote's own program: read a request per line on standard input, fork,
@@ -46,8 +51,7 @@ for line in sys.stdin:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
+        try:  # the child's setting up: a failure here is the zygote's, said as 1
             os.setsid()
             fd_in = os.open(os.devnull, os.O_RDONLY)
             fd_out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -59,17 +63,12 @@ for line in sys.stdin:
             os.environ.update(req["env"])
             os.chdir(req["cwd"])
             sys.argv = ["pdlife", *req["argv"]]
-            code = pdlife.cli.main(req["argv"])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
         except BaseException:
             traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+            os._exit(1)
+        # then as `python -m pdlife` ends: through the interpreter's own exit
+        # (atexit handlers, threads joined, buffers flushed), with main's code
+        raise SystemExit(pdlife.cli.main(req["argv"]))
     print(json.dumps({"pid": pid}), flush=True)
     _, status = os.waitpid(pid, 0)
     print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
@@ -92,17 +91,23 @@ class Zygote:
         self.ok = first.startswith('{"ready"')
         #: the last child's pid, which is also its session's id
         self.pid = 0
+        self._expire: Callable[[], None] = lambda: None
 
     def alive(self) -> bool:
         return self.ok and self.proc.poll() is None
 
     def close(self) -> None:
         """Let it go (a child it runs is in a session of its own, left be)."""
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
         self.proc.kill()
         self.proc.wait()
+
+    def expire(self) -> None:
+        """End the command running now as its timeout would (for a test)."""
+        self._expire()
 
     def run(
         self, argv: list[str], env: dict[str, str], timeout: float
@@ -114,30 +119,39 @@ class Zygote:
             out, err = Path(d) / "out", Path(d) / "err"
             req = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(out)}
             req["stderr"] = str(err)
+            fired = threading.Event()
+            pid = 0
             try:
                 self.proc.stdin.write(json.dumps(req) + "\n")
                 self.proc.stdin.flush()
-                pid = self.pid = json.loads(self.proc.stdout.readline())["pid"]
-            except (OSError, ValueError, KeyError):
+                reply = self.proc.stdout.readline()
+                if not reply:  # the zygote died before it forked
+                    self.ok = False
+                    return None
+                pid = self.pid = json.loads(reply)["pid"]
+                # the child's own session: on a timeout it goes with every rank
+                # it forked (expire(): the same, at once)
+                self._expire = functools.partial(_kill_session, pid, fired)
+                timer = threading.Timer(timeout, self._expire)
+                timer.start()
+                try:
+                    line = self.proc.stdout.readline()
+                finally:
+                    timer.cancel()
+                if not line:  # the zygote died: its child and the ranks go too
+                    _kill_session(pid)
+                    self.ok = False
+                    return None
+                rc = json.loads(line)["rc"]
+            except BaseException:
+                # (pytest-timeout's alarm, ^C, a reply that is not one): whatever
+                # the zygote says next would come out of turn, so it goes, and
+                # the child with it; the next command starts a new zygote
+                if pid:
+                    _kill_session(pid)
                 self.ok = False
-                return None
-            # the child's own session: on a timeout it goes with every rank it forked
-            fired = threading.Event()
-            timer = threading.Timer(timeout, _kill_session, (pid, fired))
-            timer.start()
-            try:
-                line = self.proc.stdout.readline()
-            except BaseException:  # (pytest-timeout's alarm, ^C): the child goes
-                _kill_session(pid)
-                self.ok = False  # its answer would come out of turn: a new zygote
+                self.close()
                 raise
-            finally:
-                timer.cancel()
-            if not line:  # the zygote died: its child and the ranks go too
-                _kill_session(pid)
-                self.ok = False
-                return None
-            rc = json.loads(line)["rc"]
             text = out.read_text(errors="replace"), err.read_text(errors="replace")
         if fired.is_set() and rc == -signal.SIGKILL:
             raise subprocess.TimeoutExpired(["pdlife", *argv], timeout, *text)
@@ -149,6 +163,8 @@ def _kill_session(pid: int, fired: threading.Event | None = None) -> None:
         fired.set()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # (before its setsid: no group yet)
+        os.kill(pid, signal.SIGKILL)
 
 
 _zygote: Zygote | None = None

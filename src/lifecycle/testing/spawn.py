@@ -111,7 +111,12 @@ def rank_context() -> Any:
     """The multiprocessing context rank processes start from: a fork server
     that imported torch.distributed and lifecycle once (nothing runs there, and
     it loads no transfer engine), instead of a fresh interpreter importing them
-    anew for each rank (about 2 s of CPU on a small machine)."""
+    anew for each rank (about 2 s of CPU on a small machine).
+
+    A rank started from it inherits the fork server's environment, which is
+    the caller's as it was when the server first started (the first call in
+    the process), not as it is now: set what the ranks read before then, or
+    pass it to them as an argument."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch.distributed", "lifecycle"])
     return ctx
