@@ -329,11 +329,11 @@ class Connector(StatusArrays):
                 busy = [self._advance(r, store) for r in reqs]
                 interval = cfg.poll_interval if any(busy) else cfg.idle_interval
             except Exception as e:  # the loop must survive anything one request does
+                self.last_error = e  # first: whoever sees a request failed sees why
                 with self._lock:
                     reqs = list(self._reqs.values())
                 for r in reqs:
                     self._fail(r, FailureReason.TRANSFER_ERROR, store)
-                self.last_error = e
                 logger.debug("connector loop failed every live request", exc_info=True)
             self._wake.wait(interval)
             self._wake.clear()
