@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.drive import lent
 from lifecycle.errors import LifecycleError, RankFailure
 
 __all__ = [
@@ -185,6 +186,13 @@ class TorchCollective:
         except Exception:  # another torch: the public call does the same
             self._pg = None
         self._last: tuple[NDArray[Any], Any] | None = None
+        lent.hold(self)
+
+    def lent_tensors(self) -> tuple[Any, ...]:
+        """The tensor this collective keeps handing to the backend (see
+        :mod:`lifecycle.drive.lent`)."""
+        last = self._last
+        return () if last is None else (last[1],)
 
     @property
     def rank(self) -> int:
@@ -225,6 +233,8 @@ class TorchCollective:
             import torch
 
             tensor = torch.from_numpy(buf)
+            if last is not None:  # the backend may still hold the one it replaces
+                lent.lend(last[1])
             self._last = (buf, tensor)
         pg = self._pg
         if pg is None or pg in self._coalescing:
@@ -256,10 +266,13 @@ class TorchCollective:
         import torch
 
         out = torch.empty((self._world, buf.size), dtype=torch.int32)
+        rows, mine = list(out.unbind(0)), torch.from_numpy(buf)
         try:
-            self._dist.all_gather(list(out.unbind(0)), torch.from_numpy(buf), group=self.group)
+            self._dist.all_gather(rows, mine, group=self.group)
         except RuntimeError as exc:
             raise self._failure(exc) from exc
+        finally:
+            lent.lend(out, mine, *rows)
         result: NDArray[np.int32] = out.numpy()
         return result
 
@@ -270,20 +283,29 @@ class _TorchWork:
         self._after: Any = None
 
     def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the backend's thread once the reduce has landed."""
+        """Run ``fn`` on the backend's thread once the reduce has landed (at
+        once when it was waited for already)."""
+        if self._work is None:
+            fn()
+            return
         try:
             self._after = self._work.get_future().then(lambda _: fn())
         except Exception:  # a backend without futures: finish does it all
             self._after = None
 
     def wait(self) -> None:
+        work = self._work
+        if work is None:  # waited for already
+            return
         try:
-            self._work.wait()
+            work.wait()
         except RuntimeError as exc:
             raise self._coll._failure(exc) from exc
         after = self._after
         if after is not None and not after.done():  # done: no wait to pay for
             after.wait()
+        # landed: the backend's handle holds the reduced tensor; let go of it
+        self._work = self._after = None
 
 
 class Hierarchical:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from lifecycle.drive import lent
 from lifecycle.drive.collective import Collective
 from lifecycle.errors import InvalidArgument
 
@@ -92,6 +93,7 @@ class PipelineForward:
         """Wait for the last hand-over to the next stage."""
         for work, _ in self._sending:
             work.wait()
+        lent.lend(*(copy for _, copy in self._sending))
         self._sending.clear()
 
     def _through(self, data: NDArray[Any], merge: bool) -> None:
@@ -103,7 +105,10 @@ class PipelineForward:
         tensor = torch.from_numpy(data)
         if self._prev >= 0:
             mine = data.copy() if merge else None
-            self._dist.recv(tensor, src=self._prev, group=self.group)
+            try:
+                self._dist.recv(tensor, src=self._prev, group=self.group)
+            finally:
+                lent.lend(tensor)
             if mine is not None:
                 np.minimum(data, mine, out=data)
         if self._next >= 0:
