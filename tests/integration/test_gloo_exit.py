@@ -97,8 +97,11 @@ _PROGRAM = textwrap.dedent(
     )
     stepper = Stepper(table, rank, poller=Poller(n))
     coll = TorchCollective()
-    for _ in range(110):
+    for _ in range(90):
         stepper.step(coll)
+    for _ in range(20):  # the reduce overlapping a forward pass (a callback chained on it)
+        stepper.start(coll)
+        stepper.finish()
     # the program ends right after its last reduce, as a serving process may
     """
 )

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from field.step.consensus import run_consensus
+from lifecycle.drive import lent
 from lifecycle.status import KVPoll
 
 __all__ = [
@@ -52,7 +53,10 @@ def all_reduce_flags(flags: list[int], group: Any, op: Any) -> list[int]:
     if not flags or dist.get_world_size(group) == 1:
         return flags if isinstance(flags, list) else list(flags)
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    dist.all_reduce(t, op=op, group=group)
+    try:
+        dist.all_reduce(t, op=op, group=group)
+    finally:
+        lent.lend(t)  # gloo's thread may still hold it (see lifecycle.drive.lent)
     out: list[int] = t.tolist()
     return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -186,6 +187,9 @@ class TorchCollective:
         except Exception:  # another torch: the public call does the same
             self._pg = None
         self._last: tuple[NDArray[Any], Any] | None = None
+        # the cached tensor, lent when this collective dies before the backend lets go
+        self._box: list[Any] = [None]
+        weakref.finalize(self, lent.lend_later, self._box).atexit = False
         lent.hold(self)
 
     def lent_tensors(self) -> tuple[Any, ...]:
@@ -236,6 +240,7 @@ class TorchCollective:
             if last is not None:  # the backend may still hold the one it replaces
                 lent.lend(last[1])
             self._last = (buf, tensor)
+            self._box[0] = tensor
         pg = self._pg
         if pg is None or pg in self._coalescing:
             return self._dist.all_reduce(tensor, op=self._min, group=self.group, async_op=True)
@@ -289,7 +294,7 @@ class _TorchWork:
             fn()
             return
         try:
-            self._after = self._work.get_future().then(lambda _: fn())
+            self._after = self._work.get_future().then(lent.Callback(fn))
         except Exception:  # a backend without futures: finish does it all
             self._after = None
 

@@ -80,6 +80,11 @@ class PipelineForward:
         self._prev = dist.get_global_rank(group, stage - 1) if stage > 0 else -1
         self._next = dist.get_global_rank(group, stage + 1) if stage + 1 < stages else -1
         self._sending: list[Any] = []  # hand-overs in flight (works and their tensors)
+        lent.hold(self)
+
+    def lent_tensors(self) -> list[Any]:
+        """The hand-overs' tensors still in flight (see :mod:`lifecycle.drive.lent`)."""
+        return [copy for _, copy in self._sending]
 
     @property
     def rank(self) -> int:
