@@ -74,6 +74,7 @@ def torchrun(
         "0",
     ]
     sim = [sys.executable, "-m", "pdlife", "simulate", "--backend", backend, "--quiet"]
+    sim += ["--no-timeline"]  # (no test here reads the picture)
     sim += ["--role", role, "--out", str(out), *args]
     if delay:  # this node's ranks start late, as on a slow or loaded host
         argv += ["--no-python", "sh", "-c", f"sleep {delay}; exec {shlex.join(sim)}"]
@@ -140,6 +141,11 @@ def test_prefill_and_decode_on_two_hosts(tmp_path, backend):
     out = tmp_path / "run"
     plan = fault_plan(tmp_path / "plan.json", 200)
     args = ("--requests", "200", "--abort-prob", "0.05", "--plan", str(plan), "--seed", "5")
+    # the plan's two dropped metadata rows end at decode's waiting timeout: 4 s
+    # instead of the default 10. A healthy request waits well under 2 s for its
+    # KV here even with the machine loaded by two busy processes (under 1 s but
+    # for a NIXL run's first requests, while its agents connect)
+    args += ("--waiting-timeout", "4")
     # the sides follow the roles, not the node order: on NIXL the rendezvous
     # host (node 0, global ranks 0 and 1) serves decode
     roles = ("decode", "prefill") if backend == "nixl" else ("prefill", "decode")

@@ -54,7 +54,15 @@ def run(tmp_path_factory):
             # seed differs from the zygote's, whose children run the others
             fresh = (backend, n) == ("fake", 1)
             proc = pdlife(
-                "simulate", "--backend", backend, "--quiet", "--out", str(out), *ARGS, fresh=fresh
+                "simulate",
+                "--backend",
+                backend,
+                "--quiet",
+                "--no-timeline",
+                "--out",
+                str(out),
+                *ARGS,
+                fresh=fresh,
             )
             assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
             done[backend, n] = (out, json.loads((out / "summary.json").read_text()))
@@ -116,7 +124,14 @@ def test_step_mode_differs_and_compare_names_the_first_request(run, tmp_path):
     fake_out, fake = run("fake", 1)
     out = tmp_path / "step"
     proc = pdlife(
-        "simulate", "--backend", "fake", "--quiet", "--out", str(out), "--fault-mode", "step", *ARGS
+        "simulate",
+        "--backend",
+        "fake",
+        "--quiet",
+        "--no-timeline",
+        "--out",
+        str(out),
+        *("--fault-mode", "step", *ARGS),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     step = json.loads((out / "summary.json").read_text())

@@ -212,6 +212,7 @@ def test_same_command_runs_under_torchrun(tmp_path, run_sim):
             "--backend",
             "fake",
             "--quiet",
+            "--no-timeline",
             "--requests",
             "64",
             "--out",
@@ -234,7 +235,7 @@ def test_prefill_dp_groups_run_under_torchrun(tmp_path):
     out = tmp_path / "dp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
     cmd += ["--standalone", "-m", "pdlife", "simulate", "--backend", "fake"]
-    cmd += ["--quiet", "--requests", "40", "--prefill", "1", "--prefill-dp", "2"]
+    cmd += ["--quiet", "--no-timeline", "--requests", "40", "--prefill", "1", "--prefill-dp", "2"]
     cmd += ["--decode", "1", "--abort-prob", "0", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     # a rank's own last words come before torchrun's summary: keep both

@@ -37,6 +37,7 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
             "--backend",
             "fake",
             "--quiet",
+            "--no-timeline",
             "--soak",
             "3",
             "--fail-prob",

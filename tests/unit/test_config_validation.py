@@ -439,6 +439,7 @@ SIMULATE_BAD = {
     "soak": [["--soak", "0"], ["--soak", "inf"], ["--soak", "1e12"]],
     "timeout": [["--timeout", "-1"], ["--timeout", "nan"], ["--timeout", "1e300"]],
     "pg_timeout": [["--pg-timeout", "0"], ["--pg-timeout", "100000"], ["--pause-rank", "1", "--pause-seconds", "20", "--pg-timeout", "10"]],
+    "waiting_timeout": [["--waiting-timeout", "0"], ["--waiting-timeout", "nan"], ["--waiting-timeout", "3", "--backend", "fake"]],
     "out": [["--out", "{d}/afile/sub"]],
     "metrics_port": [["--metrics-port", "-1"], ["--metrics-port", "65535"], ["--metrics-port", "x"]],
     "compare": [["--compare", "{d}/nowhere", "{d}"], ["--compare", "{d}"]],

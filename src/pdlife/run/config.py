@@ -220,6 +220,7 @@ FLAGS = {
     "max_steps": "--max-steps",
     "backend": "--backend",
     "pg_timeout": "--pg-timeout",
+    "waiting_timeout_s": "--waiting-timeout",
     "timeline": "--timeline",
     "metrics_port": "--metrics-port",
     "plan": "--plan",
@@ -306,6 +307,17 @@ def _steps_of(plan: FaultPlan, max_steps: int) -> None:
             )
 
 
+def _real_only(args: argparse.Namespace, backend: str) -> None:
+    """A flag that sets a real transport's wall-clock deadline means nothing to
+    the fake backend, which counts steps."""
+    if backend == "fake" and args.waiting_timeout is not None:
+        raise UsageError(
+            f"--waiting-timeout {args.waiting_timeout:g}",
+            "is a real transport's deadline in seconds; the fake backend counts steps "
+            "(200): drop it or choose --backend mooncake or nixl",
+        )
+
+
 def _build(args: argparse.Namespace, plan: FaultPlan, backend: str) -> SimConfig:
     """The SimConfig of the flags; a field it refuses is named by its flag."""
     try:
@@ -318,6 +330,7 @@ def _build(args: argparse.Namespace, plan: FaultPlan, backend: str) -> SimConfig
             max_steps=args.max_steps,
             backend=backend,
             pg_timeout=args.pg_timeout,
+            **({} if args.waiting_timeout is None else {"waiting_timeout_s": args.waiting_timeout}),
             metrics_port=args.metrics_port,
             timeline=args.timeline,
             plan=plan,
@@ -341,6 +354,7 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     loads."""
     world = _flags_alone(args)
     requested = backend_name(args.backend)
+    _real_only(args, requested)
     plan = _plan(args, world, args.requests)
     _steps_of(plan, args.max_steps)
     _check_pauses(args, plan)
@@ -352,6 +366,7 @@ def sim_config(args: argparse.Namespace) -> tuple[SimConfig, str]:
     # last: loading an engine's library may open its own sockets; in a child,
     # so that its threads never run in a launcher that forks ranks
     backend, why = apart(pick_backend, args.backend, what=f"--backend {args.backend}")
+    _real_only(args, backend)
     return attrs.evolve(cfg, backend=backend), why
 
 

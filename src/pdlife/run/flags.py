@@ -177,6 +177,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=seconds, default=110.0, help="wall-clock limit (after --soak)")
     p.add_argument("--pg-timeout", type=seconds, default=15.0, help="collective timeout per rank")
+    p.add_argument(
+        "--waiting-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="a real transport's decode fails a request (waiting timeout) whose KV has not "
+        "all arrived this long after its metadata row was sent; default 10 (the fake "
+        "backend counts 200 steps instead)",
+    )
     p.add_argument("--out", default="pdlife-out")
     p.add_argument(
         "--metrics-port",
