@@ -196,54 +196,26 @@ def test_replay_finds_a_hand_edit(tmp_path, run_sim):
     assert f"{path} is missing: the run had 4 ranks" in line
 
 
-def test_same_command_runs_under_torchrun(tmp_path, run_sim):
-    out = tmp_path / "tr"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "4",
-            "--standalone",  # the rendezvous binds a port the OS picks
-            "-m",
-            "pdlife",
-            "simulate",
-            "--backend",
-            "fake",
-            "--quiet",
-            "--no-timeline",
-            "--requests",
-            "64",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["ok"]
-    assert s["succeeded"] + s["aborted"] == 64
-    assert proc.stdout.count("pdlife simulate:") == 1
-
-
-def test_prefill_dp_groups_run_under_torchrun(tmp_path):
-    """Two prefill DP groups of one rank and a decode rank as one torchrun job:
-    every rank builds every group, each prefill rank serves its group's share."""
+def test_same_command_runs_under_torchrun_prefill_dp_groups_included(tmp_path):
+    """The command a user runs on one host, as a torchrun job of 4 ranks (one
+    job, so two prefill DP groups of one rank and 2 decode ranks): every rank
+    builds every group, each prefill rank serves its group's share, and only
+    global rank 0 prints the summary."""
     out = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    # --standalone: the rendezvous binds a port the OS picks
     cmd += ["--standalone", "-m", "pdlife", "simulate", "--backend", "fake"]
     cmd += ["--quiet", "--no-timeline", "--requests", "40", "--prefill", "1", "--prefill-dp", "2"]
-    cmd += ["--decode", "1", "--abort-prob", "0", "--out", str(out)]
+    cmd += ["--decode", "2", "--abort-prob", "0", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     # a rank's own last words come before torchrun's summary: keep both
     said = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("  ", "[", "=", "-"))]
     assert proc.returncode == 0, proc.stdout + "\n".join(said[-60:]) + proc.stderr[-1500:]
+    assert proc.stdout.count("pdlife simulate:") == 1
     s = json.loads((out / "summary.json").read_text())
     assert s["ok"] and s["succeeded"] == 40
     assert s["topology"]["prefill_dp"] == 2
-    ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(3)]
-    assert [len(r["outcome"]) for r in ranks] == [20, 20, 40]  # each group half, decode all
+    ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [len(r["outcome"]) for r in ranks] == [20, 20, 40, 40]  # each group half, decode all
     assert set(ranks[0]["outcome"]).isdisjoint(ranks[1]["outcome"])
+    assert ranks[2]["outcome"] == ranks[3]["outcome"]
