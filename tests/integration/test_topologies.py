@@ -257,15 +257,16 @@ def test_sglang_24527_a_prefill_paused_past_the_drain_timeout_never_writes_into_
     # still silent, fences their pages and rows instead of releasing them (the
     # connector's unit test shows the late write landing, with its negative
     # control). When prefill speaks again the fenced requests are asked again
-    # to stop and released on its word. A 14 s soak, paced by prefill: requests
-    # keep arriving after the resume, over 64 metadata rows, so the rows and
-    # pages the fence held are reused, and every committed page and row is
+    # to stop and released on its word. A 10 s soak, paced by prefill: requests
+    # keep arriving after the resume (about 500 of them here, in the 2 s left;
+    # more than the 64 metadata rows even at a fifth of that pace), so the rows
+    # and pages the fence held are reused, and every committed page and row is
     # checked byte for byte. Every request admitted after the resume succeeds
     seed, abort = 11, 0.02
     proc, s, out = run_sim(
         backend,
         "long-pause",
-        *("--soak", "14", "--seed", str(seed), "--abort-prob", str(abort), "--fail-prob", "0"),
+        *("--soak", "10", "--seed", str(seed), "--abort-prob", str(abort), "--fail-prob", "0"),
         *("--pg-timeout", "20", "--prefill-tp", "1", "--decode-tp", "1"),
         *("--pause-rank", "0", "--pause-step", "5", "--pause-seconds", str(LONG_PAUSE_S)),
     )
