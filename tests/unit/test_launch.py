@@ -75,17 +75,19 @@ def test_the_backend_probe_loads_no_engine_in_the_launcher(backend, tmp_path):
         from pdlife.cli import build_parser
         from pdlife.run.config import sim_config
         args = build_parser(["simulate"]).parse_args(
-            ["simulate", "--backend", {backend!r}, "--out", {str(tmp_path)!r}])
+            ["simulate", "--backend", {backend!r}, "--out", {str(tmp_path)!r},
+             "--waiting-timeout", "4"])
         cfg, why = sim_config(args)
         engines = [m for m in ("mooncake.engine", "nixl_cu12") if m in sys.modules]
         from pdlife.run import launch
         print(json.dumps({{"backend": cfg.backend, "engines": engines,
-                           "forkable": launch.forkable()}}))
+                           "forkable": launch.forkable(), "waiting": cfg.waiting_timeout_s}}))
         """
     )
     assert got["backend"] == backend
     assert got["engines"] == []  # it loaded in the probe's child only
     assert got["forkable"] is True  # so the ranks may fork from here
+    assert got["waiting"] == 4.0  # --waiting-timeout reaches the run's config
 
 
 def test_ranks_fork_from_a_launcher_without_threads_and_each_hears_the_port(tmp_path):
