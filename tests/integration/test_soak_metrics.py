@@ -113,9 +113,7 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
 def test_a_soak_with_prefill_dp_groups_stops_every_group_at_one_request(run_sim):
     """Prefill DP group 0 sets the soak's pace; group 1 and decode follow it, so
     all stop at the same request and each group finishes exactly its share."""
-    # half a second admits about a thousand requests here (more than 100 even
-    # with steps ten times slower on a loaded machine)
-    args = ["--soak", "0.5", "--prefill", "1", "--prefill-dp", "2", "--decode", "1"]
+    args = ["--soak", "1", "--prefill", "1", "--prefill-dp", "2", "--decode", "1"]
     proc, s, out = run_sim("fake", "soakdp", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["ok"] and (s["leaked_slots"], s["stuck"], s["disagreements"]) == (0, 0, 0)
