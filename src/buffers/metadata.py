@@ -50,7 +50,7 @@ class FieldSpec:
 
     @property
     def row_bytes(self) -> int:
-        return self.width * torch.empty((), dtype=self.dtype).element_size()
+        return self.width * self.dtype.itemsize
 
 
 def _uint64_supported() -> bool:

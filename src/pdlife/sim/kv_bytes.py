@@ -116,17 +116,27 @@ def state_pattern(room: int, tensor: int, share: tuple[int, int] = (0, 1)) -> ND
 def row_pattern(meta: MetadataBuffers, room: int) -> list[tuple[str, NDArray[np.uint8]]]:
     """Every field of ``room``'s metadata row but the room, as bytes; the first
     output id is ``room % 50000`` (the first token the scheduler reads)."""
+    specs = [(i, s) for i, s in enumerate(meta.layout.fields) if s.name != "bootstrap_room"]
+    if not specs:
+        return []
+    # one pass for every field (a field's bytes are a prefix of its key's stream)
+    fields = np.array([i + 1 for i, _ in specs], dtype=np.uint64)
+    width = max(-(-s.row_bytes // 8) * 8 for _, s in specs)
+    with np.errstate(over="ignore"):
+        keys = _mix(np.array([room], np.uint64) * _K_ROOM + fields * _K_LAYER)
+    block = _bytes(keys, width)
     out = []
-    for i, spec in enumerate(meta.layout.fields):
-        if spec.name == "bootstrap_room":
-            continue
-        with np.errstate(over="ignore"):
-            key = _mix(np.array([room], np.uint64) * _K_ROOM + _U(i + 1) * _K_LAYER)
-        b = _bytes(key, -(-spec.row_bytes // 8) * 8)[0][: spec.row_bytes].copy()
+    for j, (_, spec) in enumerate(specs):
+        b = block[j, : spec.row_bytes]
         if spec.name == "output_ids":
             b[:4] = np.array([room % 50000], dtype="<i4").view(np.uint8)
         out.append((spec.name, b))
     return out
+
+
+def row_size(meta: MetadataBuffers) -> int:
+    """The bytes :func:`row_pattern` gives for a row (every field but the room)."""
+    return sum(s.row_bytes for s in meta.layout.fields if s.name != "bootstrap_room")
 
 
 def _row_bytes(meta: MetadataBuffers, name: str, slot: int) -> NDArray[np.uint8]:
@@ -256,4 +266,4 @@ class RankBytes:
         problem = row_difference(self.meta, slot, room)
         if problem is not None:
             return problem, 0
-        return None, checked + sum(b.nbytes for _, b in row_pattern(self.meta, room))
+        return None, checked + row_size(self.meta)
