@@ -121,7 +121,8 @@ def test_a_soak_with_prefill_dp_groups_stops_every_group_at_one_request(run_sim)
     assert s["ok"] and (s["leaked_slots"], s["stuck"], s["disagreements"]) == (0, 0, 0)
     n = s["requests"]
     # how many arrive in the soak depends on the machine's load (48 to ~1000
-    # seen in 0.5 s); the split below needs only a few requests per group
+    # seen in a 0.5 s soak; this one runs 1 s); the split below needs only a
+    # few requests per group
     assert n >= 4 and s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == n
     ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(3)]
     assert [len(r["outcome"]) for r in ranks] == [len(range(0, n, 2)), len(range(1, n, 2)), n]

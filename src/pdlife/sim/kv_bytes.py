@@ -34,6 +34,7 @@ __all__ = [
     "kv_difference",
     "state_pattern",
     "row_pattern",
+    "row_size",
     "row_difference",
     "RankBytes",
 ]
