@@ -435,10 +435,18 @@ def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
     p, d = sides["prefill"], sides["decode"]
     try:
         p.sender(21)
-        r = d.receiver(21)
-        t0 = time.monotonic()
-        r.init()
-        with paused(p):  # it published, then went silent (a dead process)
+        # it published and beat, then went silent (a dead process) before decode's
+        # first connect. Decode names it dead after heartbeat_misses intervals of
+        # silence and gives a live peer up after 3 * heartbeat_misses + 1 connects
+        # one interval apart; both count from decode's first look, on decode's own
+        # passes. (Paused after the first connect instead, a test thread that was
+        # late to pause it let the give-up win: a CI run saw TRANSFER_ERROR.)
+        up = [f"{p.mail._me}/endpoint", f"{p.mail._me}/hb"]
+        wait_for(lambda: p.mail.store.check(up), "prefill published and beat")
+        with paused(p):
+            r = d.receiver(21)
+            t0 = time.monotonic()
+            r.init()
             wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
         took = time.monotonic() - t0
         assert r.failure_reason() == FailureReason.PEER_DEAD
