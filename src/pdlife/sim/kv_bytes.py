@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from buffers import MetadataBuffers
+from buffers import FieldSpec, MetadataBuffers
 from lifecycle.core.fingerprint import mix64
 from pdlife.cluster.config import (
     KV_LAYERS,
@@ -117,7 +117,7 @@ def state_pattern(room: int, tensor: int, share: tuple[int, int] = (0, 1)) -> ND
 def row_pattern(meta: MetadataBuffers, room: int) -> list[tuple[str, NDArray[np.uint8]]]:
     """Every field of ``room``'s metadata row but the room, as bytes; the first
     output id is ``room % 50000`` (the first token the scheduler reads)."""
-    specs = [(i, s) for i, s in enumerate(meta.layout.fields) if s.name != "bootstrap_room"]
+    specs = _row_fields(meta)
     if not specs:
         return []
     # one pass for every field (a field's bytes are a prefix of its key's stream)
@@ -136,8 +136,14 @@ def row_pattern(meta: MetadataBuffers, room: int) -> list[tuple[str, NDArray[np.
 
 
 def row_size(meta: MetadataBuffers) -> int:
-    """The bytes :func:`row_pattern` gives for a row (every field but the room)."""
-    return sum(s.row_bytes for s in meta.layout.fields if s.name != "bootstrap_room")
+    """The bytes :func:`row_pattern` gives for a row."""
+    return sum(s.row_bytes for _, s in _row_fields(meta))
+
+
+def _row_fields(meta: MetadataBuffers) -> list[tuple[int, FieldSpec]]:
+    """The fields a row's pattern covers, with their place in the layout:
+    every field but the room."""
+    return [(i, s) for i, s in enumerate(meta.layout.fields) if s.name != "bootstrap_room"]
 
 
 def _row_bytes(meta: MetadataBuffers, name: str, slot: int) -> NDArray[np.uint8]:
