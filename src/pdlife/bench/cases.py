@@ -89,17 +89,26 @@ def gated_queue(
     return stepper, backend, meta, rooms
 
 
-def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
-    """Two copies of three gated queues of n/3 requests: one fused, one separate."""
+def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, Any]:
+    """Two copies of three gated queues of n/3 requests: one fused, one
+    separate; and the fused queues' hooks alone (``hooks3(reduce)``: every
+    hook the fused step asks, over the same rows, then ``reduce``)."""
     from lifecycle import StepGroup
 
     def build() -> list[Any]:
         k = max(1, n // 3)
         names = ("handshake", "prealloc", "transfer")
-        return [gated_queue(rank, k, layout, name, 1 + q * k)[0] for q, name in enumerate(names)]
+        return [gated_queue(rank, k, layout, name, 1 + q * k) for q, name in enumerate(names)]
 
-    group = StepGroup(build())
-    alone = build()
+    fused = build()
+    group = StepGroup([q[0] for q in fused])
+    alone = [q[0] for q in build()]
+    asked = []
+    for _, backend, meta, rooms in fused:
+        rows = np.arange(rooms.size, dtype=np.int64)
+        slots = rows.copy()
+        slots.setflags(write=False)
+        asked.append((backend, meta, rooms, rows, slots))
 
     def fused3() -> None:
         group.step(coll)
@@ -108,7 +117,15 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any]:
         for s in alone:
             s.step(coll)
 
-    return fused3, separate3
+    def hooks3(reduce: Any) -> None:
+        for backend, meta, rooms, rows, slots in asked:
+            backend.advance(rooms, rows)
+            backend.poll_many(rooms, rows)
+            backend.pending(rooms, rows)
+            meta.landed(slots, rooms)
+        reduce()
+
+    return fused3, separate3, hooks3
 
 
 def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:

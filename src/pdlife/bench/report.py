@@ -39,6 +39,8 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
         field = {
             "field/ours": med["field"] / med["ours"],
             "field/ours_field": med["field"] / med["ours_field"],
+            # the most field/ours can be: a step that adds nothing to its hooks
+            "field/hooks_floor": med["field"] / med["hooks_floor"],
             "compat/field": med["compat"] / med["field"],
             "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
         }
@@ -49,6 +51,8 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
         "hooks_floor/floor": med["hooks_floor"] / med["floor"],
         "ours/hooks_floor": med["ours"] / med["hooks_floor"],
         "fused3/floor": med["fused3"] / med["floor"],
+        "hooks3_floor/floor": med["hooks3_floor"] / med["floor"],
+        "fused3-hooks3_floor/floor": (med["fused3"] - med["hooks3_floor"]) / med["floor"],
         "separate3/fused3": med["separate3"] / med["fused3"],
         "churn/floor": med["churn"] / med["floor"],
         "churn_one/floor": med["churn_one"] / med["floor"],
@@ -65,6 +69,7 @@ _COLUMNS = (
     "ours",
     "ours_field",
     "fused3",
+    "hooks3_floor",
     "separate3",
     "churn",
     "churn_one",
@@ -78,6 +83,8 @@ _RATIOS = (
     "hooks_floor/floor",
     "ours/hooks_floor",
     "fused3/floor",
+    "hooks3_floor/floor",
+    "fused3-hooks3_floor/floor",
     "separate3/fused3",
     "churn/floor",
     "churn_one/floor",
@@ -86,6 +93,10 @@ _RATIOS = (
     "pattern/ours",
     "transitions/ours",
 )
+
+
+def _width(name: str) -> int:
+    return max(16, len(name))
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -100,23 +111,26 @@ def format_table(res: dict[str, Any]) -> str:
         cells = [f"{row[c]['median_us']:12.0f}" for c in (*_COLUMNS, "transitions")]
         lines.append(f"{n:>6} " + " ".join(cells))
     lines.append("ratios of medians, same run")
-    lines.append(f"{'N':>6} " + " ".join(f"{r:>16}" for r in _RATIOS))
+    lines.append(f"{'N':>6} " + " ".join(f"{r:>{_width(r)}}" for r in _RATIOS))
     for n, row in res["sizes"].items():
-        lines.append(f"{n:>6} " + " ".join(f"{row['ratios'][r]:16.2f}" for r in _RATIOS))
+        lines.append(f"{n:>6} " + " ".join(f"{row['ratios'][r]:{_width(r)}.2f}" for r in _RATIOS))
         r = row["ratios"]
         compat = f"compat {row['compat']['median_us']:.0f} us, gated {row['compat_gated']['median_us']:.0f} us"
         if "field/ours" in r:
             lines.append(
                 f"{'':>6} field {row['field']['median_us']:.0f} us, gated "
                 f"{row['field_gated']['median_us']:.0f} us; {compat}; field/ours "
-                f"{r['field/ours']:.2f}, field/ours_field {r['field/ours_field']:.2f}, compat/field {r['compat/field']:.2f}, "
+                f"{r['field/ours']:.2f} (at most field/hooks_floor {r['field/hooks_floor']:.2f}), "
+                f"field/ours_field {r['field/ours_field']:.2f}, compat/field {r['compat/field']:.2f}, "
                 f"compat_gated/field_gated {r['compat_gated/field_gated']:.2f}"
             )
         else:
             lines.append(f"{'':>6} {compat}")
     lines.append("ratios of lower quartiles, same run (the collectives' fast mode)")
     for n, row in res["sizes"].items():
-        lines.append(f"{n:>6} " + " ".join(f"{row['ratios_p25'][r]:16.2f}" for r in _RATIOS))
+        lines.append(
+            f"{n:>6} " + " ".join(f"{row['ratios_p25'][r]:{_width(r)}.2f}" for r in _RATIOS)
+        )
     t = res.get("table")
     if t:
         lines.append(

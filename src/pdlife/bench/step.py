@@ -18,6 +18,8 @@ times, back to back and in the same order on both ranks:
 - ``fused3``: three tables of N/3 requests (a decode scheduler's handshake,
   prealloc and transfer queues) stepped as one :class:`StepGroup`, one
   reduce; ``separate3``: the same three tables stepped one by one;
+  ``hooks3_floor``: the hooks ``fused3`` asks (its three queues' four each,
+  over the same rows), then the bare all-reduce: a bound under ``fused3``;
 - ``churn``: N requests of which 1% (at least 4) change status every step (half reach
   Success, half fail: some on rank 0, the others on rank 1, which takes the
   origin fetch); between steps, untimed, the finished ones leave and as many
@@ -140,7 +142,12 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         t.tolist()
 
-    fused3, separate3 = three_queues(rank, n, layout, coll)
+    fused3, separate3, hooks3 = three_queues(rank, n, layout, coll)
+
+    def hooks3_floor() -> None:
+        # the three fused queues' hooks, then the bare reduce: fused3's own bound
+        hooks3(floor)
+
     churn = churn_case(rank, n, coll)
     churn_one = churn_case(rank, n, coll, split=False)
 
@@ -186,6 +193,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "pattern": pattern,
         "fused3": fused3,
         "separate3": separate3,
+        "hooks3_floor": hooks3_floor,
         "churn": churn,
         "churn_one": churn_one,
         "overlap_visible": overlapped(True),
