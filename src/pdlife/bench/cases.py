@@ -14,6 +14,7 @@ __all__ = [
     "ChurnBackend",
     "ObjPoller",
     "gated_queue",
+    "hooks_of",
     "three_queues",
     "churn_case",
     "field_queue",
@@ -89,6 +90,22 @@ def gated_queue(
     return stepper, backend, meta, rooms
 
 
+def hooks_of(backend: ArrayBackend, meta: Any, rooms: NDArray[np.uint64]) -> Any:
+    """Every hook a gated queue's step asks (staging advance, batch poll,
+    staging pending, metadata landed), over all its rows, as one call."""
+    rows = np.arange(rooms.size, dtype=np.int64)
+    slots = rows.copy()
+    slots.setflags(write=False)
+
+    def ask() -> None:
+        backend.advance(rooms, rows)
+        backend.poll_many(rooms, rows)
+        backend.pending(rooms, rows)
+        meta.landed(slots, rooms)
+
+    return ask
+
+
 def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, Any]:
     """Two copies of three gated queues of n/3 requests: one fused, one
     separate; and the fused queues' hooks alone (``hooks3(reduce)``: every
@@ -103,12 +120,7 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, A
     fused = build()
     group = StepGroup([q[0] for q in fused])
     alone = [q[0] for q in build()]
-    asked = []
-    for _, backend, meta, rooms in fused:
-        rows = np.arange(rooms.size, dtype=np.int64)
-        slots = rows.copy()
-        slots.setflags(write=False)
-        asked.append((backend, meta, rooms, rows, slots))
+    asks = [hooks_of(backend, meta, rooms) for _, backend, meta, rooms in fused]
 
     def fused3() -> None:
         group.step(coll)
@@ -118,11 +130,8 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, A
             s.step(coll)
 
     def hooks3(reduce: Any) -> None:
-        for backend, meta, rooms, rows, slots in asked:
-            backend.advance(rooms, rows)
-            backend.poll_many(rooms, rows)
-            backend.pending(rooms, rows)
-            meta.landed(slots, rooms)
+        for ask in asks:
+            ask()
         reduce()
 
     return fused3, separate3, hooks3

@@ -72,6 +72,7 @@ from pdlife.bench.cases import (
     field_queue,
     field_stepper,
     gated_queue,
+    hooks_of,
     three_queues,
 )
 from pdlife.bench.report import format_table, summarise
@@ -118,17 +119,12 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     def ours() -> None:
         stepper.step(coll)
 
-    all_rows = np.arange(n, dtype=np.int64)
-    meta_slots = all_rows.copy()
-    meta_slots.setflags(write=False)
+    hooks = hooks_of(backend, meta, rooms)
 
     def hooks_floor() -> None:
         # the hooks ``ours`` calls, over the same rows, then the bare reduce:
         # what any step that asks them costs before doing anything of its own
-        backend.advance(rooms, all_rows)
-        backend.poll_many(rooms, all_rows)
-        backend.pending(rooms, all_rows)
-        meta.landed(meta_slots, rooms)
+        hooks()
         floor()
 
     def pattern() -> None:
