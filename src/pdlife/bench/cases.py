@@ -108,8 +108,8 @@ def hooks_of(backend: ArrayBackend, meta: Any, rooms: NDArray[np.uint64]) -> Any
 
 def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, Any]:
     """Two copies of three gated queues of n/3 requests: one fused, one
-    separate; and the fused queues' hooks alone (``hooks3(reduce)``: every
-    hook the fused step asks, over the same rows, then ``reduce``)."""
+    separate; and the fused queues' hooks alone (every hook the fused step
+    asks, over the same rows, as one call)."""
     from lifecycle import StepGroup
 
     def build() -> list[Any]:
@@ -129,10 +129,9 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, A
         for s in alone:
             s.step(coll)
 
-    def hooks3(reduce: Any) -> None:
+    def hooks3() -> None:
         for ask in asks:
             ask()
-        reduce()
 
     return fused3, separate3, hooks3
 

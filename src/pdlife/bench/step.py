@@ -142,7 +142,8 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
     def hooks3_floor() -> None:
         # the three fused queues' hooks, then the bare reduce: fused3's own bound
-        hooks3(floor)
+        hooks3()
+        floor()
 
     churn = churn_case(rank, n, coll)
     churn_one = churn_case(rank, n, coll, split=False)
