@@ -14,23 +14,17 @@ both are live, each hears only its own words.
 from __future__ import annotations
 
 import enum
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["Attempts", "Route", "epoch_of"]
+__all__ = ["Attempts", "Route"]
 
 Q = TypeVar("Q")
+M = TypeVar("M")
 
 #: words held for rooms whose request has not started here (a restart's never come)
 _MOST_EARLY = 100_000
 #: rooms released here that a late word may still ask about
 _MOST_CLEARED = 100_000
-
-
-def epoch_of(msg: dict[str, Any]) -> int:
-    """The attempt a message is about (0 from a peer that names none; -1, never
-    live, for one that names nonsense)."""
-    e = msg.get("epoch", 0)
-    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else -1
 
 
 class Route(enum.Enum):
@@ -40,14 +34,15 @@ class Route(enum.Enum):
     STALE = "stale"  # an older attempt's, gone: refused
 
 
-class Attempts(Generic[Q]):
-    """The live requests by (room, epoch); the caller holds the connector's lock."""
+class Attempts(Generic[Q, M]):
+    """The live requests (``Q``) by (room, epoch), and the words (``M``) held for
+    attempts not started here yet; the caller holds the connector's lock."""
 
     def __init__(self) -> None:
         self.reqs: dict[tuple[int, int], Q] = {}
         self.latest: dict[int, int] = {}  # room -> the epoch of its newest live attempt
         self.older: dict[int, set[int]] = {}  # room -> its older attempts still live
-        self.early: dict[int, list[dict[str, Any]]] = {}
+        self.early: dict[int, list[tuple[int, M]]] = {}  # room -> (epoch, word)
         #: rooms released here -> (the attempt, its failure reason)
         self.cleared: dict[int, tuple[int, int]] = {}
         self.stale = 0  # words of older attempts refused
@@ -63,7 +58,7 @@ class Attempts(Generic[Q]):
         cleared = self.cleared.get(room)
         return max(self.latest[room], -1 if cleared is None else cleared[0]) >= epoch
 
-    def add(self, room: int, epoch: int, req: Q) -> list[dict[str, Any]]:
+    def add(self, room: int, epoch: int, req: Q) -> list[M]:
         """Start attempt ``epoch`` of ``room``; the words that came before it."""
         self.reqs[room, epoch] = req
         if room in self.latest:  # the older one still drains
@@ -71,10 +66,10 @@ class Attempts(Generic[Q]):
         self.latest[room] = epoch
         self.cleared.pop(room, None)
         held = self.early.pop(room, [])
-        later = [m for m in held if epoch_of(m) > epoch]
+        later = [(e, m) for e, m in held if e > epoch]
         if later:
             self.early[room] = later
-        due = [m for m in held if epoch_of(m) == epoch]
+        due = [m for e, m in held if e == epoch]
         self.stale += len(held) - len(later) - len(due)
         return due
 
@@ -105,9 +100,9 @@ class Attempts(Generic[Q]):
         if len(self.cleared) > _MOST_CLEARED:
             self.cleared.clear()
 
-    def route(self, msg: dict[str, Any]) -> tuple[Route, Q | None, int]:
-        """Where ``msg`` goes: (route, its live attempt, the released one's reason)."""
-        room, epoch = msg["room"], epoch_of(msg)
+    def route(self, room: int, epoch: int, msg: M) -> tuple[Route, Q | None, int]:
+        """Where ``msg``, a word about attempt ``epoch`` of ``room``, goes: (route,
+        its live attempt, the released one's reason). An early word is held."""
         req = self.reqs.get((room, epoch))
         if req is not None:
             return Route.DELIVER, req, 0
@@ -118,6 +113,6 @@ class Attempts(Generic[Q]):
         if cleared is None or epoch > cleared[0]:
             if len(self.early) > _MOST_EARLY:
                 self.early.clear()
-            self.early.setdefault(room, []).append(msg)
+            self.early.setdefault(room, []).append((epoch, msg))
             return Route.EARLY, None, 0
         return Route.LATE, None, cleared[1]

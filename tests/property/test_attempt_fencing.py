@@ -34,7 +34,7 @@ def replay(history, epochs_on=True):
     live, next_epoch, got = [], 0, []
 
     def deliver(msg):
-        route, req, _ = att.route(msg)
+        route, req, _ = att.route(msg["room"], msg["epoch"], msg)
         if route is Route.DELIVER:
             got.append((msg["named"], req))
 

@@ -70,8 +70,8 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(pair):
     send = d._send
 
     def spy(peer, msg, store):
-        if msg.get("kind") == "register":
-            seen.append(Phase(d._phase(d._live(msg["room"]))))
+        if msg.KIND == "register":
+            seen.append(Phase(d._phase(d._live(msg.room))))
         send(peer, msg, store)
 
     d._send = spy
@@ -266,3 +266,19 @@ def test_attempts_of_a_room_are_ordered_and_checked(pair):
     import numpy as np
 
     assert d.receiver(92, epoch=np.uint16(3)).epoch == 3  # an epoch read from a table
+
+
+def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(pair):
+    """Garbage on a rank's queue (not JSON, an unknown word, a field of the wrong
+    type) is counted and dropped: the loop lives on and the request moves."""
+    p, pkv, pmeta = pair["prefill"]
+    d, dkv, dmeta = pair["decode"]
+    s, r = p.sender(79), d.receiver(79)
+    bad = [b"{not json", b"[1, 2]", b'{"kind": "explode", "room": 79, "from": 0}']
+    bad.append(b'{"kind": "failed", "room": 79, "from": 0, "reason": "oops"}')
+    bad.append(b'{"kind": "done", "room": 79, "from": 0, "epoch": -1}')
+    for body in bad:
+        d.store.queue_push(d.mail._key, body)
+    wait_for(lambda: d.stats["malformed"] == len(bad), "every malformed message counted")
+    assert r.poll() == KVPoll.Bootstrapping and d.last_error is None
+    _move(s, r, pkv, dkv, [2], [6], 1, pmeta)  # the loop still serves the request

@@ -123,8 +123,8 @@ def test_a_prefill_waits_for_the_verdict_before_success(build, monkeypatch):
     send = dec[0].m._send
 
     def hold(peer, msg, st):
-        (held if msg.get("kind") == "verified" else []).append((peer, msg, st))
-        if msg.get("kind") != "verified":
+        (held if msg.KIND == "verified" else []).append((peer, msg, st))
+        if msg.KIND != "verified":
             send(peer, msg, st)
 
     monkeypatch.setattr(dec[0].m, "_send", hold)

@@ -497,12 +497,12 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     real = PrefillSide.on_message
 
     def slow(side, req, msg, store):
-        log.append(("in", msg["kind"]))
-        if msg["kind"] == "register":
+        log.append(("in", msg.msg.KIND))
+        if msg.msg.KIND == "register":
             inside.set()
             go.wait(5)
         real(side, req, msg, store)
-        log.append(("out", msg["kind"]))
+        log.append(("out", msg.msg.KIND))
 
     monkeypatch.setattr(PrefillSide, "on_message", slow)
     m._on_message(register, m.store)  # no request yet: kept for the scheduler

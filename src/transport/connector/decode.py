@@ -38,9 +38,21 @@ from numpy.typing import NDArray
 from lifecycle.reasons import FailureReason
 from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
-from transport.connector.messages import Msg
+from transport.connector.messages import (
+    Abort,
+    Done,
+    Failed,
+    GaveUp,
+    Incoming,
+    Landed,
+    Msg,
+    Pages,
+    Register,
+    Stopped,
+    Verified,
+)
 from transport.connector.port import Port
-from transport.digest import LegDigest, decode_parts, decode_progress, flip
+from transport.digest import decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, page_layout, state_misfit
 from transport.staging import Scatter, Staging
@@ -79,10 +91,7 @@ class DecodeSide:
 
     def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
         """Ask every leg that has not stopped yet to stop writing ``req``."""
-        msg: dict[str, Any] = {"kind": Msg.abort, "room": req.room, "reason": int(reason)}
-        msg["epoch"] = req.epoch
-        if req.why is not None:
-            msg["why"] = req.why
+        msg = Abort(req.room, req.epoch, reason, req.why)
         for leg in req.legs.values():
             if not leg.stopped:
                 self.port._send(leg.peer, msg, store)
@@ -132,42 +141,41 @@ class DecodeSide:
             with self.port._lock:
                 self.owed = later + self.owed
 
-    def on_message(self, req: DecodeRequest, msg: dict[str, Any], store: Any) -> None:
-        p = self.port
-        kind, leg = msg["kind"], req.legs.get(int(msg.get("from", -1)))
+    def on_message(self, req: DecodeRequest, came: Incoming, store: Any) -> None:
+        p, msg, leg = self.port, came.msg, req.legs.get(came.peer)
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
-        if kind == Msg.landed:  # (this side's parse of the engine's note: pages in)
+        if isinstance(msg, Landed):  # (this side's parse of the engine's note: pages in)
             p.stats["landed"] += 1
-            first, end = msg["span"]
+            first, end = msg.span
             hashing = p.config.digest and req.scatter is None and leg.pending is None
             if hashing and 0 <= first < end <= req.pages.size:
                 leg.progress = leg.progress or decode_progress(p, req, leg)
                 leg.progress.landed(first, end)  # hashed while the rest moves
-        elif kind == Msg.done:  # every write of this sender landed
+        elif isinstance(msg, Done):  # every write of this sender landed
             if p.config.digest and req.scatter is None and leg.pending is None:
                 leg.pending = (leg.progress or decode_progress(p, req, leg)).finish()
-            if msg.get("notified") and p.config.digest:
+            if came.notified and p.config.digest:
                 return  # the engine's own word carries no digest: prefill's will
             leg.done = leg.stopped = True
-            leg.digest = LegDigest.from_msg(msg)
+            leg.digest = msg.leg_digest()
             if all(x.done for x in req.senders()):
                 self._landed(req, store)
             self._drain_if_stopped(req)
-        elif kind in (Msg.failed, Msg.gave_up):
+        elif isinstance(msg, Failed | GaveUp):
             # the sender failed it: "failed" once its writes drained; "gave_up" when a
             # write of it may still land (the pages wait for this rank's drain timeout)
-            leg.stopped = leg.stopped or kind == Msg.failed
-            reason = FailureReason(int(msg.get("reason", FailureReason.UNKNOWN)))
+            leg.stopped = leg.stopped or isinstance(msg, Failed)
+            reason = msg.reason
             if leg.stopped and all(x.stopped for x in req.senders()):
                 _ = p._fire(req, "peer_failed", reason) or p._fire(req, "drain")
             elif p._fire(req, "abort", reason):
                 self.ask_stop(req, reason, store)
-        elif kind == Msg.stopped:  # a sender acknowledged our abort: nothing more from it
+        elif isinstance(msg, Stopped):  # a sender acknowledged our abort: nothing more from it
             leg.stopped = True
             self._drain_if_stopped(req)
 
-    def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
+    def late(self, came: Incoming, reason: int, store: Any) -> None:
         """Nothing: a prefill rank's word about a room released here needs no answer."""
 
     def _plan(self, req: DecodeRequest, store: Any, failing: bool = False) -> bool:
@@ -231,14 +239,24 @@ class DecodeSide:
                 # rank registered then sees decode ready for pages too
                 if not p._fire(req, "handshake"):
                     return False  # failed or aborted meanwhile: nothing to register
+                heads_major, head_group = page_layout(p.kv_args)
                 for leg in req.legs.values():
                     info = p._peer_info(leg.peer, store) or {}
                     leg.inc = info.get("inc")  # whom it registers with
-                    msg = {"kind": Msg.register, "room": req.room, "epoch": req.epoch}
-                    msg["decode_tp"] = c.tp_size
-                    msg.update(dp=c.dp_rank, kv_heads=p.kv_heads, mla=c.mla, slice=leg.slice)
-                    msg.update(zip(("heads_major", "head_group"), page_layout(p.kv_args)))
-                    msg.update(state=p.state_geom, state_leg=leg.state, digest=c.digest)
+                    msg = Register(
+                        req.room,
+                        req.epoch,
+                        decode_tp=c.tp_size,
+                        dp=c.dp_rank,
+                        kv_heads=p.kv_heads,
+                        mla=c.mla,
+                        slice=leg.slice,
+                        heads_major=heads_major,
+                        head_group=head_group,
+                        state=p.state_geom,
+                        state_leg=leg.state,
+                        digest=c.digest,
+                    )
                     p._send(leg.peer, msg, store)
             return False
         return p.NOTIFIES and ph == Phase.Metadata
@@ -258,20 +276,21 @@ class DecodeSide:
         p = self.port
         messages = []
         blocks = []
+        none = np.empty(0, dtype=np.int64)
         for leg in req.legs.values():
-            msg: dict[str, Any] = {"kind": Msg.pages, "room": req.room, "skip": skip}
-            msg["epoch"] = req.epoch
+            ptrs = None
             if not leg.sends:
-                msg.update(pages=[], slot=-1, dst_heads=0)
+                dst, heads = none, 0
             elif req.staged and self.staging is not None:
-                msg.update(pages=list(range(pages.size)), dst_heads=leg.count)
-                msg.update(dst_ptrs=self.staging.block(slot, leg.dst_head))
+                dst, heads = np.arange(pages.size, dtype=np.int64), leg.count
+                ptrs = np.asarray(self.staging.block(slot, leg.dst_head), dtype=np.int64)
                 blocks.append((leg.dst_head, leg.count))
             else:
-                msg.update(pages=pages.tolist(), dst_heads=p.kv_args.kv_head_num)
-            msg.setdefault("slot", slot if leg.sends and leg.primary else -1)
-            if leg.state:  # whole rows (primary) or this leg's share of split ones
-                msg.update(state=None if state is None else [r.tolist() for r in state])
+                dst, heads = pages, p.kv_args.kv_head_num
+            row = slot if leg.sends and leg.primary else -1
+            # whole rows (primary) or this leg's share of split ones
+            rows = state if leg.state else None
+            msg = Pages(req.room, req.epoch, dst, row, skip, heads, ptrs, rows)
             messages.append((leg.peer, msg))
         with p._lock:  # growth replaces the columns: write them under the lock
             if not p._fire(req, "metadata"):
@@ -357,9 +376,7 @@ class DecodeSide:
         if not why:
             if p._fire(req, "matched"):
                 for peer in req.legs:
-                    p._send(
-                        peer, {"kind": Msg.verified, "room": req.room, "epoch": req.epoch}, store
-                    )
+                    p._send(peer, Verified(req.room, req.epoch), store)
             return
         p.stats["digest_mismatches"] += len(why)
         err = ChecksumMismatch(req.room, p.rank, "; ".join(why))
@@ -367,6 +384,6 @@ class DecodeSide:
         logger.info("%s", err)  # (a typed failure and a count: the table may retry it)
         req.why = str(err)
         self.fail(req, FailureReason.CHECKSUM_MISMATCH, store)
+        word = Abort(req.room, req.epoch, FailureReason.CHECKSUM_MISMATCH, req.why)
         for peer in req.legs:  # every one said "done" (stopped): told all the same
-            msg = {"kind": Msg.abort, "room": req.room, "why": req.why, "epoch": req.epoch}
-            p._send(peer, {**msg, "reason": int(FailureReason.CHECKSUM_MISMATCH)}, store)
+            p._send(peer, word, store)

@@ -39,9 +39,17 @@ from transport.connector.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Ph
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.legs import Request, describe
 from transport.connector.mailbox import Mailbox
-from transport.connector.messages import Msg, check_words
+from transport.connector.messages import (
+    Done,
+    Incoming,
+    Landed,
+    Message,
+    check_words,
+    parse,
+)
 from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
+from transport.connector.wire import MalformedMessage
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
@@ -63,9 +71,9 @@ SIDES: dict[str, type[PrefillSide] | type[DecodeSide]] = {
 check_words({role: (side.SAYS, side.HEARS) for role, side in SIDES.items()})
 #: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
 #: writer (unfenced: once it spoke); stale: see liveness.received; stale_epoch: an
-#: older attempt's words, refused; the KV digest's (transport.digest): legs checked,
+#: older attempt's words, refused; malformed: messages that did not parse, dropped; the KV digest's (transport.digest): legs checked,
 #: found differing, bytes hashed, requests corrupted (Connector.corrupt), notes of pages in
-STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch")
+STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch", "malformed")
 DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted", "landed")
 
 
@@ -116,7 +124,7 @@ class Connector(StatusArrays):
         self.split_state = splits_state(a.state)
         info.update(state_geom=self.state_geom)
         #: the live requests by (room, epoch), early words and released rooms
-        self.attempts: Attempts[Request[Any]] = Attempts()
+        self.attempts: Attempts[Request[Any], Incoming] = Attempts()
         self._reqs = self.attempts.reqs
         self._peer_dead: set[int] = set()
         self.side.start()
@@ -176,7 +184,7 @@ class Connector(StatusArrays):
                 due = self.attempts.add(room, epoch, req)
                 self.stats["stale_epoch"] = self.attempts.stale
             for msg in due:
-                self._on_message(msg, self.store)
+                self._deliver(msg, self.store)
         return req
 
     def _live(self, room: int) -> Request[Any] | None:
@@ -219,12 +227,12 @@ class Connector(StatusArrays):
         """Fail locally and make the peers stop writing."""
         self.side.fail(req, reason, store)
 
-    def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None:
+    def _send(self, peer: int, msg: Message, store: Any) -> None:
         """Best effort: a peer that is gone is caught by heartbeats and timeouts."""
         try:
-            self.mail.send(peer, msg, store)
+            self.mail.send(peer, msg.to_wire(), store)
         except Exception:
-            logger.debug("message %s to rank %d not sent", msg.get("kind"), peer, exc_info=True)
+            logger.debug("message %s to rank %d not sent", msg.KIND, peer, exc_info=True)
 
     def _clear(self, req: Request[Any]) -> None:
         with self._lock:
@@ -288,20 +296,31 @@ class Connector(StatusArrays):
         tries = 3 * c.heartbeat_misses + 1
         return self.mail.connected(peer, store, self._connect, c.heartbeat_interval, tries)
 
-    def _on_message(self, msg: dict[str, Any], store: Any) -> None:
+    def _on_message(self, raw: Any, store: Any) -> None:
+        """A message off the mailbox, as JSON left it: parsed, or counted and dropped."""
+        try:
+            msg = parse(raw)
+        except MalformedMessage as e:
+            with self._lock:
+                self.stats["malformed"] += 1
+            logger.warning("rank %d: %s", self.rank, e)
+            return
+        self._deliver(msg, store)
+
+    def _deliver(self, msg: Incoming, store: Any) -> None:
         with self._msg_lock:  # one message at a time, whichever thread (see _take)
             self._handle(msg, store)
 
-    def _handle(self, msg: dict[str, Any], store: Any) -> None:
-        if "from" in msg and not live.received(self, msg, store):
+    def _handle(self, msg: Incoming, store: Any) -> None:
+        if not live.received(self, msg, store):
             return  # from an old incarnation of a restarted peer: refused
         with self._lock:
-            route, req, reason = self.attempts.route(msg)
+            route, req, reason = self.attempts.route(msg.room, msg.epoch, msg)
             self.stats["stale_epoch"] = self.attempts.stale
         if route is Route.STALE:  # an older attempt's word, that attempt gone: never applied
-            logger.debug("room=%s: %s of another attempt refused", msg["room"], msg["kind"])
+            logger.debug("room=%s: %s of another attempt refused", msg.room, msg.msg.KIND)
         elif route is Route.LATE:  # released here: the side answers what needs an answer
-            self.side.late(msg["room"], msg, reason, store)
+            self.side.late(msg, reason, store)
         elif req is not None:
             self.side.on_message(req, msg, store)
 
@@ -318,8 +337,8 @@ class Connector(StatusArrays):
                 for msg in self.mail.received():
                     self._on_message(msg, store)
                 for room, epoch, peer, span in self._notified():
-                    word = {"kind": Msg.landed if span else Msg.done, "room": room, "epoch": epoch}
-                    self._on_message({**word, "from": peer, "notified": True, "span": span}, store)
+                    note = Landed(room, epoch, span) if span else Done(room, epoch)
+                    self._deliver(Incoming(peer, None, note, notified=True), store)
                 self.side.every_pass(store)
                 self._timeouts(now, store)
                 with self._lock:

@@ -29,6 +29,7 @@ from transport.layout import Writes, page_writes, sliced_page_writes
 from transport.topology import Slice
 
 if TYPE_CHECKING:
+    from transport.connector.messages import Incoming
     from transport.staging import Scatter
 
 __all__ = [
@@ -62,8 +63,8 @@ class Leg:
     inc: int | None = None
 
     @property
-    def slice(self) -> list[int] | None:
-        return [self.src_head, self.dst_head, self.count] if self.sends else None
+    def slice(self) -> tuple[int, int, int] | None:
+        return (self.src_head, self.dst_head, self.count) if self.sends else None
 
     @classmethod
     def of(cls: type[L], peer: int, s: Slice | None, state: bool = False) -> L:
@@ -133,7 +134,7 @@ class PrefillRequest(Request[PrefillLeg]):
         self.src_state: list[NDArray[np.int64]] | None = None
         self.sent = False  # send() was called (init(0)'s state rows come with it)
         self.decode_tp = 0  # the registering decode group's TP size
-        self.held: list[dict[str, Any]] = []  # page lists that overtook a register
+        self.held: list[Incoming] = []  # page lists that overtook a register
         #: released at the drain timeout with writes the engine never finished
         self.abandoned = False
 

@@ -25,6 +25,7 @@ from lifecycle.rules.deadlines import DEADLINES, overdue
 from transport.connector.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
 from transport.connector.legs import Request
 from transport.connector.mailbox import NEW, STALE
+from transport.connector.messages import Incoming
 from transport.connector.port import Port
 
 _REASON = {d.name: d.reason for d in DEADLINES}
@@ -100,21 +101,21 @@ def fenced(m: Port) -> tuple[int, int]:
         return len(held), sum(max(r.num_pages, 0) for r in held)
 
 
-def received(m: Port, msg: dict[str, Any], store: Any) -> bool:
+def received(m: Port, msg: Incoming, store: Any) -> bool:
     """A message from a peer arrived: False if it comes from an old incarnation
     of a peer that restarted (refused and counted). From a new incarnation,
     every request whose leg to that peer belongs to the old one fails (its
     writer is gone: peer dead); then the peer is heard."""
-    peer = int(msg["from"])
-    seen = m.mail.incarnation_of(peer, msg.get("inc"), store)
+    peer = msg.peer
+    seen = m.mail.incarnation_of(peer, msg.inc, store)
     if seen == STALE:
         m.stats["stale"] += 1
         logger.warning(
             "rank %d: a %r from an old incarnation of rank %d refused (room=%s)",
             m.rank,
-            msg.get("kind"),
+            str(msg.msg.KIND),
             peer,
-            msg.get("room"),
+            msg.room,
         )
         return False
     if seen == NEW:

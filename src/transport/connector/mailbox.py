@@ -51,7 +51,8 @@ class Mailbox:
         self._me = f"{namespace}/{role}/{rank}"
         self._key = f"{namespace}/q/{role}/{rank}"
         self.store = self.client()
-        self.inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        #: what peers sent, as JSON read it (the connector parses and checks each)
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._peers: dict[int, dict[str, Any]] = {}
         #: peer -> when to try connecting again (its record is up, its engine was not)
         self._retry_at: dict[int, float] = {}
@@ -92,16 +93,20 @@ class Mailbox:
         store = self.client(timedelta(days=1))
         while not self._stop.is_set():
             try:
-                msg = json.loads(store.queue_pop(self._key, block=True))
+                body = store.queue_pop(self._key, block=True)
             except Exception:
                 return  # the store is gone: so is the group
-            if msg.get("kind") == "_stop":
+            try:
+                msg = json.loads(body)
+            except ValueError:  # not JSON: the connector counts it as malformed
+                msg = body
+            if isinstance(msg, dict) and msg.get("kind") == "_stop":
                 return
             self.inbox.put(msg)
             self._wake.set()
 
-    def received(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def received(self) -> list[Any]:
+        out: list[Any] = []
         while not self.inbox.empty():
             out.append(self.inbox.get_nowait())
         return out

@@ -24,7 +24,7 @@ from lifecycle.reasons import FailureReason
 from transport.connector.config import ConnectorConfig
 from transport.connector.legs import Request
 from transport.connector.mailbox import Mailbox
-from transport.connector.messages import Msg
+from transport.connector.messages import Incoming, Message, Msg
 from transport.digest import Views
 from transport.layout import Writes
 from transport.staging import Staging
@@ -59,10 +59,10 @@ class Side(Protocol[Req_contra]):
     def start(self) -> None:
         """Once the mailbox is up: publish what peers read before pairing."""
 
-    def on_message(self, req: Req_contra, msg: dict[str, Any], store: Any) -> None:
+    def on_message(self, req: Req_contra, msg: Incoming, store: Any) -> None:
         """A peer's message about a live request."""
 
-    def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
+    def late(self, msg: Incoming, reason: int, store: Any) -> None:
         """A peer's message about a room released here (``reason``: why it ended)."""
 
     def steps(self, req: Req_contra, store: Any) -> bool:
@@ -145,7 +145,7 @@ class Port(Statuses, Protocol):
 
     def _clear(self, req: Request[Any]) -> None: ...
 
-    def _send(self, peer: int, msg: dict[str, Any], store: Any) -> None: ...
+    def _send(self, peer: int, msg: Message, store: Any) -> None: ...
 
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None: ...
 

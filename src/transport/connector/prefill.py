@@ -38,7 +38,18 @@ from transport.connector.legs import (
     refs_misfit,
     rows_misfit,
 )
-from transport.connector.messages import Msg
+from transport.connector.messages import (
+    Abort,
+    Done,
+    Failed,
+    GaveUp,
+    Incoming,
+    Msg,
+    Pages,
+    Register,
+    Stopped,
+    Verified,
+)
 from transport.connector.port import Port
 from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
@@ -46,15 +57,9 @@ from transport.layout import StateShare, layout_misfit, row_writes, state_misfit
 from transport.staging import Staging
 from transport.topology import Topology, TopologyError
 
-__all__ = ["PrefillSide", "gave_up"]
+__all__ = ["PrefillSide"]
 
 logger = logging.getLogger(__name__)
-
-
-def gave_up(room: int, reason: int, epoch: int) -> dict[str, Any]:
-    """The word for a leg when this rank released a request whose writes the
-    engine never finished: it failed, yet a write of it may still land."""
-    return {"kind": Msg.gave_up, "room": room, "reason": int(reason), "epoch": epoch}
 
 
 class PrefillSide:
@@ -95,24 +100,24 @@ class PrefillSide:
         logger.error("%s", err)
         self.fail(req, FailureReason.TRANSFER_ERROR)
 
-    def _plan(self, req: PrefillRequest, msg: dict[str, Any]) -> bool:
+    def _plan(self, req: PrefillRequest, msg: Register) -> bool:
         """The legs of ``req`` from the first register message: every decode rank of
         the registering DP group that the topology pairs with this rank."""
         p, c = self.port, self.port.config
-        dtp = int(msg["decode_tp"])
-        if (int(msg["kv_heads"]), bool(msg["mla"])) != (p.kv_heads, c.mla):
+        dtp = msg.decode_tp
+        if (msg.kv_heads, msg.mla) != (p.kv_heads, c.mla):
             why: str | None = (
-                f"decode has {msg['kv_heads']} KV heads (mla={msg['mla']}), "
+                f"decode has {msg.kv_heads} KV heads (mla={msg.mla}), "
                 f"prefill {p.kv_heads} (mla={c.mla})"
             )
         else:
-            why = layout_misfit(p.kv_args, msg)
-            why = why or state_misfit(p.state_geom, c.tp_size, msg.get("state", []), dtp)
+            why = layout_misfit(p.kv_args, msg.layout())
+            why = why or state_misfit(p.state_geom, c.tp_size, msg.state, dtp)
         if why is not None:
             self._refuse(req, f"{why}; both sides must serve the same model")
             return False
         topo = Topology(c.tp_size, dtp, p.kv_heads, c.mla, p.split_state)
-        base = int(msg["dp"]) * topo.decode_tp
+        base = msg.dp * topo.decode_tp
         by_decode = {s.decode: s for s in topo.targets(c.tp_rank)}
         sources = {d: c.tp_rank in topo.state_sources(d) for d in topo.peers(c.tp_rank)}
         # (state rows go on the primary leg alone unless state is split)
@@ -121,82 +126,86 @@ class PrefillSide:
         self.expected = frozenset(req.legs)
         return True
 
-    def on_message(self, req: PrefillRequest, msg: dict[str, Any], store: Any) -> None:
-        p = self.port
-        kind, peer = msg["kind"], int(msg["from"])
-        if kind == Msg.abort:  # a decode rank gave up: stop writing, say so once drained
-            reason = FailureReason(int(msg.get("reason", FailureReason.ABORTED)))
-            if msg.get("why") and p._phase(req) in LIVE:  # a live request: this is why
-                mismatch = reason == FailureReason.CHECKSUM_MISMATCH  # (the table may retry it)
-                kind = TransportError if mismatch else TopologyError
-                p.last_error = kind(f"room={req.room} on prefill rank {p.rank}: {msg['why']}")
-                logger.log(logging.INFO if mismatch else logging.ERROR, "%s", p.last_error)
-            leg = req.legs.get(peer)
-            if leg is None and not req.legs:  # before any register: it is told once drained
-                leg = req.legs[peer] = PrefillLeg(peer, sends=False)
-            if leg is not None:
-                leg.asked_stop = True
-            if p._fire(req, "abort", reason):
-                req.reason = reason
-            elif req.abandoned:  # released with writes the engine never finished
-                p._send(peer, gave_up(req.room, req.reason, req.epoch), store)
-            elif IS_TERMINAL[p._phase(req)] or leg is None:
-                p._send(peer, {"kind": Msg.stopped, "room": req.room, "epoch": req.epoch}, store)
+    def on_message(self, req: PrefillRequest, came: Incoming, store: Any) -> None:
+        p, msg, peer = self.port, came.msg, came.peer
+        if isinstance(msg, Abort):  # a decode rank gave up: stop writing, say so once drained
+            self._aborted(req, msg, peer, store)
             return
         if p._phase(req) in (Phase.Aborted, Phase.Drained):  # failed here: the leg hears why
-            if kind == Msg.register:
-                word = {"kind": Msg.failed, "room": req.room, "reason": int(req.reason)}
-                p._send(peer, {**word, "epoch": req.epoch}, store)
+            if isinstance(msg, Register):
+                p._send(peer, Failed(req.room, req.epoch, req.reason), store)
             return
-        if kind == Msg.register:
-            if not req.legs and not self._plan(req, msg):
-                return
-            leg = req.legs.get(peer)
-            if leg is None or (leg.slice, leg.state) != (msg.get("slice"), msg.get("state_leg")):
-                self._refuse(
-                    req,
-                    f"decode rank {peer} registered slice {msg.get('slice')} (state "
-                    f"{msg.get('state_leg')}), expected "
-                    f"{None if leg is None else (leg.slice, leg.state)}",
-                )
-                return
-            leg.registered, leg.inc = True, msg.get("inc")
-            leg.verify = bool(msg.get("digest", False))
-            if all(x.registered for x in req.legs.values()):
-                p._fire(req, "handshake")
-            for held in [h for h in req.held if int(h["from"]) == peer]:
-                req.held.remove(held)
-                self.on_message(req, held, store)
-        elif kind == Msg.pages:
+        if isinstance(msg, Register):
+            self._registered(req, came, msg, store)
+        elif isinstance(msg, Pages):
             leg = req.legs.get(peer)
             if leg is None or not leg.registered:
                 # decode's scheduler sends this on another connection than its loop's
                 # register, so it may overtake it: held until that register is in
-                req.held.append(msg)
+                req.held.append(came)
                 return
-            leg.dst_pages = np.asarray(msg["pages"], dtype=np.int64)
-            leg.dst_slot, leg.skip = int(msg["slot"]), int(msg["skip"])
-            leg.dst_ptrs, leg.dst_heads = msg.get("dst_ptrs"), int(msg["dst_heads"])
-            st = msg.get("state")
-            leg.dst_state = None if st is None else [np.asarray(r, dtype=np.int64) for r in st]
+            leg.dst_pages, leg.dst_slot, leg.skip = msg.pages, msg.slot, msg.skip
+            leg.dst_heads = msg.dst_heads
+            leg.dst_ptrs = None if msg.dst_ptrs is None else msg.dst_ptrs.tolist()
+            leg.dst_state = msg.state
             leg.told = True
             if all(x.told for x in req.legs.values()):
                 p._fire(req, "metadata")
-        elif kind == Msg.verified and peer in req.legs:  # that leg's bytes matched
+        elif isinstance(msg, Verified) and peer in req.legs:  # that leg's bytes matched
             req.legs[peer].verified = True
             if all(x.verified or not x.verify for x in req.legs.values()):
                 p._fire(req, "matched")
 
-    def late(self, room: int, msg: dict[str, Any], reason: int, store: Any) -> None:
+    def _aborted(self, req: PrefillRequest, msg: Abort, peer: int, store: Any) -> None:
+        p, reason = self.port, msg.reason
+        if msg.why and p._phase(req) in LIVE:  # a live request: this is why
+            mismatch = reason == FailureReason.CHECKSUM_MISMATCH  # (the table may retry it)
+            kind = TransportError if mismatch else TopologyError
+            p.last_error = kind(f"room={req.room} on prefill rank {p.rank}: {msg.why}")
+            logger.log(logging.INFO if mismatch else logging.ERROR, "%s", p.last_error)
+        leg = req.legs.get(peer)
+        if leg is None and not req.legs:  # before any register: it is told once drained
+            leg = req.legs[peer] = PrefillLeg(peer, sends=False)
+        if leg is not None:
+            leg.asked_stop = True
+        if p._fire(req, "abort", reason):
+            req.reason = reason
+        elif req.abandoned:  # released with writes the engine never finished
+            p._send(peer, GaveUp(req.room, req.epoch, req.reason), store)
+        elif IS_TERMINAL[p._phase(req)] or leg is None:
+            p._send(peer, Stopped(req.room, req.epoch), store)
+
+    def _registered(self, req: PrefillRequest, came: Incoming, msg: Register, store: Any) -> None:
+        p, peer = self.port, came.peer
+        if not req.legs and not self._plan(req, msg):
+            return
+        leg = req.legs.get(peer)
+        if leg is None or (leg.slice, leg.state) != (msg.slice, msg.state_leg):
+            self._refuse(
+                req,
+                f"decode rank {peer} registered slice {msg.slice} (state "
+                f"{msg.state_leg}), expected "
+                f"{None if leg is None else (leg.slice, leg.state)}",
+            )
+            return
+        leg.registered, leg.inc = True, came.inc
+        leg.verify = msg.digest
+        if all(x.registered for x in req.legs.values()):
+            p._fire(req, "handshake")
+        for held in [h for h in req.held if h.peer == peer]:
+            req.held.remove(held)
+            self.on_message(req, held, store)
+
+    def late(self, came: Incoming, reason: int, store: Any) -> None:
         """A decode rank's word about a room released here: nothing more is written."""
-        kind, send, epoch = msg["kind"], self.port._send, msg.get("epoch", 0)
-        if kind == Msg.abort and room in self.abandoned:
-            send(int(msg["from"]), gave_up(room, reason, epoch), store)
-        elif kind == Msg.abort:  # finished and drained here
-            send(int(msg["from"]), {"kind": Msg.stopped, "room": room, "epoch": epoch}, store)
-        elif kind == Msg.register:  # it failed and was cleared before this rank knew
-            word = {"kind": Msg.failed, "room": room, "reason": reason, "epoch": epoch}
-            send(int(msg["from"]), word, store)
+        msg, send, peer = came.msg, self.port._send, came.peer
+        room, epoch = msg.room, msg.epoch
+        if isinstance(msg, Abort) and room in self.abandoned:
+            send(peer, GaveUp(room, epoch, FailureReason(reason)), store)
+        elif isinstance(msg, Abort):  # finished and drained here
+            send(peer, Stopped(room, epoch), store)
+        elif isinstance(msg, Register):  # it failed and was cleared before this rank knew
+            send(peer, Failed(room, epoch, FailureReason(reason)), store)
 
     def steps(self, req: PrefillRequest, store: Any) -> bool:
         p = self.port
@@ -218,12 +227,12 @@ class PrefillSide:
         when this rank digests; wait for the verdict of the legs that asked."""
         p, words = self.port, {}
         for peer, leg in req.legs.items():
-            words[peer] = {"kind": Msg.done, "room": req.room, "epoch": req.epoch}
+            words[peer] = Done(req.room, req.epoch)
             if p.config.digest:
                 info = p._peer_info(peer, store) or {"state_geom": []}
                 d = (leg.pending or prefill_digest(p, req, leg, info)).result()
                 p.stats["digest_bytes"] += d.nbytes
-                words[peer].update(d.to_msg())
+                words[peer] = Done.of(req.room, req.epoch, d)
         asked = any(leg.verify for leg in req.legs.values())
         if p._fire(req, "verify" if asked else "complete"):  # (close() may have failed it)
             for peer, msg in words.items():
@@ -233,9 +242,8 @@ class PrefillSide:
         """Tell every leg why the request failed ("stopped" to one that asked), a
         silent one too: it may only be paused."""
         for leg in req.legs.values():
-            told = {"kind": Msg.stopped} if leg.asked_stop else {"kind": Msg.failed}
-            word = {**told, "room": req.room, "reason": int(req.reason), "epoch": req.epoch}
-            self.port._send(leg.peer, word, store)
+            told = Stopped if leg.asked_stop else Failed
+            self.port._send(leg.peer, told(req.room, req.epoch, req.reason), store)
 
     def give_up(self, req: PrefillRequest, store: Any) -> None:
         """Released at the drain timeout with writes the engine never finished:
@@ -246,7 +254,7 @@ class PrefillSide:
             self.abandoned.clear()
         self.abandoned.add(req.room)
         for leg in req.legs.values():
-            self.port._send(leg.peer, gave_up(req.room, req.reason, req.epoch), store)
+            self.port._send(leg.peer, GaveUp(req.room, req.epoch, req.reason), store)
 
     def every_pass(self, store: Any) -> None:
         """Nothing: prefill owes no word beyond its requests' own."""
