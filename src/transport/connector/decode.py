@@ -23,19 +23,20 @@ another signature, or none at all fails the request (reason checksum
 mismatch) and every leg is told so: the check fails closed.
 
 :class:`DecodeSide` plays this part on a decode rank; it reaches its connector
-through the :class:`~transport.connector.port.Port` alone.
+through its public calls (:class:`~transport.connector.core.ConnectorCore`),
+and does no I/O: what it says, the core hands its driver.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
+from transport.connector.core import ConnectorCore
 from transport.connector.graph import Phase
 from transport.connector.legs import DecodeLeg, DecodeRequest
 from transport.connector.messages import (
@@ -51,7 +52,6 @@ from transport.connector.messages import (
     Stopped,
     Verified,
 )
-from transport.connector.port import Port
 from transport.digest import decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, page_layout, state_misfit
@@ -72,12 +72,12 @@ class DecodeSide:
         {Msg.done, Msg.landed, Msg.failed, Msg.gave_up, Msg.stopped}
     )
 
-    def __init__(self, port: Port) -> None:
-        self.port = port
-        c = port.config
+    def __init__(self, core: ConnectorCore) -> None:
+        self.core = core
+        c = core.config
         self.staging: Staging | None = None
         if c.staging:
-            a = port.kv_args
+            a = core.kv_args
             slots = a.aux_data_lens[0] // a.aux_item_lens[0] if a.aux_data_lens else 0
             self.staging = Staging(a, slots, c.staging_pages)
         self.expected: frozenset[int] = frozenset()  # a request waits for no one unplanned
@@ -86,63 +86,57 @@ class DecodeSide:
         #: room -> byte offset: flip that byte of its committed data before the check
         self.corrupt: dict[tuple[int, int], int] = {}  # (room, epoch) -> byte offset
 
-    def start(self) -> None:
+    def group_record(self) -> dict[str, Any] | None:
         """Nothing: decode reads prefill's group record, it publishes none."""
+        return None
 
-    def ask_stop(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
+    def ask_stop(self, req: DecodeRequest, reason: FailureReason) -> None:
         """Ask every leg that has not stopped yet to stop writing ``req``."""
         msg = Abort(req.room, req.epoch, reason, req.why)
         for leg in req.legs.values():
             if not leg.stopped:
-                self.port._send(leg.peer, msg, store)
+                self.core.send(leg.peer, msg)
 
     def _drain_if_stopped(self, req: DecodeRequest) -> None:
-        p = self.port
-        if p._phase(req) in (Phase.Aborted, Phase.Fenced) and all(
+        p = self.core
+        if p.phase_of(req) in (Phase.Aborted, Phase.Fenced) and all(
             leg.stopped for leg in req.senders()
         ):
-            p._fire(req, "drain")
+            p.fire(req, "drain")
 
-    def fail(self, req: DecodeRequest, reason: FailureReason, store: Any) -> None:
+    def fail(self, req: DecodeRequest, reason: FailureReason) -> None:
         """Fail here and make every leg stop writing; Drained once every sender stopped."""
-        p = self.port
-        with p._lock:  # the phase it leaves, read with the move (tell_pages races it)
-            before = p._phase(req)
-            if not p._fire(req, "abort", reason):
-                return
-            req.reason = reason
+        p = self.core
+        before = p.phase_of(req)
+        if not p.fire(req, "abort", reason):
+            return
+        req.reason = reason
         # not registered yet: plan the legs anyway, so that prefill hears of it
         # instead of waiting for a register that never comes; if the group's record
         # is not up yet (its ranks still starting), the loop tells them once it is
-        if req.want_register and not self._plan(req, store, failing=True):
-            with p._lock:
-                self.owed.append(req)
-        self.ask_stop(req, reason, store)
+        if req.want_register and not self._plan(req, failing=True):
+            self.owed.append(req)
+        self.ask_stop(req, reason)
         if before < Phase.Metadata:  # no page list was sent: nothing can land
             for leg in req.legs.values():
                 leg.stopped = True
         self._drain_if_stopped(req)
 
-    def every_pass(self, store: Any) -> None:
+    def every_pass(self) -> None:
         """Tell the prefill ranks of every request failed before its group's record
         was up, once it is (the request itself is long released: nothing of it
         could land, as no page list was sent)."""
         if not self.owed:
             return
-        with self.port._lock:
-            owed, self.owed = self.owed, []
-        later = []
+        owed, self.owed = self.owed, []
         for req in owed:
-            if self._plan(req, store, failing=True):
-                self.ask_stop(req, req.reason, store)
+            if self._plan(req, failing=True):
+                self.ask_stop(req, req.reason)
             else:
-                later.append(req)
-        if later:
-            with self.port._lock:
-                self.owed = later + self.owed
+                self.owed.append(req)
 
-    def on_message(self, req: DecodeRequest, came: Incoming, store: Any) -> None:
-        p, msg, leg = self.port, came.msg, req.legs.get(came.peer)
+    def on_message(self, req: DecodeRequest, came: Incoming) -> None:
+        p, msg, leg = self.core, came.msg, req.legs.get(came.peer)
         if leg is None:
             return  # not a rank this request is paired with (or not planned yet)
         if isinstance(msg, Landed):  # (this side's parse of the engine's note: pages in)
@@ -160,7 +154,7 @@ class DecodeSide:
             leg.done = leg.stopped = True
             leg.digest = msg.leg_digest()
             if all(x.done for x in req.senders()):
-                self._landed(req, store)
+                self._landed(req)
             self._drain_if_stopped(req)
         elif isinstance(msg, Failed | GaveUp):
             # the sender failed it: "failed" once its writes drained; "gave_up" when a
@@ -168,25 +162,29 @@ class DecodeSide:
             leg.stopped = leg.stopped or isinstance(msg, Failed)
             reason = msg.reason
             if leg.stopped and all(x.stopped for x in req.senders()):
-                _ = p._fire(req, "peer_failed", reason) or p._fire(req, "drain")
-            elif p._fire(req, "abort", reason):
-                self.ask_stop(req, reason, store)
+                _ = p.fire(req, "peer_failed", reason) or p.fire(req, "drain")
+            elif p.fire(req, "abort", reason):
+                self.ask_stop(req, reason)
         elif isinstance(msg, Stopped):  # a sender acknowledged our abort: nothing more from it
             leg.stopped = True
             self._drain_if_stopped(req)
 
-    def late(self, came: Incoming, reason: int, store: Any) -> None:
+    def late(self, came: Incoming, reason: int) -> None:
         """Nothing: a prefill rank's word about a room released here needs no answer."""
 
-    def _plan(self, req: DecodeRequest, store: Any, failing: bool = False) -> bool:
+    def corrupt_at(self, room: int, epoch: int, offset: int) -> None:
+        """A test's fault: see :meth:`_corrupt`."""
+        self.corrupt[room, epoch] = offset
+
+    def released(self, req: DecodeRequest) -> None:
+        self.corrupt.pop((req.room, req.epoch), None)
+
+    def _plan(self, req: DecodeRequest, failing: bool = False) -> bool:
         """The legs of ``req`` once its prefill DP group is known; False until then."""
         if req.legs:
             return True
-        p = self.port
-        try:
-            group = p.mail.group(req.dp, store)
-        except Exception:  # the store is gone (shutting down): nobody is left to tell
-            return False
+        p = self.core
+        group = p.group(req.dp)
         if group is None:
             return False
         c = p.config
@@ -213,7 +211,7 @@ class DecodeSide:
             )
             p.last_error = err
             logger.error("%s", err)
-            self.fail(req, FailureReason.TRANSFER_ERROR, store)
+            self.fail(req, FailureReason.TRANSFER_ERROR)
             return False
         topo = Topology(ptp, c.tp_size, p.kv_heads, c.mla, p.split_state)
         base = req.dp * topo.prefill_tp
@@ -227,21 +225,21 @@ class DecodeSide:
         req.staged = self.staging is not None and not c.mla and topo.prefill_tp != topo.decode_tp
         return True
 
-    def steps(self, req: DecodeRequest, store: Any) -> bool:
+    def steps(self, req: DecodeRequest) -> bool:
         """Register once the legs and their endpoints are known; True while data is due
         from an engine that notifies completion."""
-        p = self.port
-        ph = p._phase(req)
-        if ph == Phase.Bootstrap and req.want_register and self._plan(req, store):
-            if all(p._peer_info(q, store) is not None for q in req.legs):
+        p = self.core
+        ph = p.phase_of(req)
+        if ph == Phase.Bootstrap and req.want_register and self._plan(req):
+            if all(p.peer(q) is not None for q in req.legs):
                 c = p.config
                 # Handshaken before any register leaves: whoever sees a prefill
                 # rank registered then sees decode ready for pages too
-                if not p._fire(req, "handshake"):
+                if not p.fire(req, "handshake"):
                     return False  # failed or aborted meanwhile: nothing to register
                 heads_major, head_group = page_layout(p.kv_args)
                 for leg in req.legs.values():
-                    info = p._peer_info(leg.peer, store) or {}
+                    info = p.peer(leg.peer) or {}
                     leg.inc = info.get("inc")  # whom it registers with
                     msg = Register(
                         req.room,
@@ -257,11 +255,11 @@ class DecodeSide:
                         state_leg=leg.state,
                         digest=c.digest,
                     )
-                    p._send(leg.peer, msg, store)
+                    p.send(leg.peer, msg)
             return False
-        return p.NOTIFIES and ph == Phase.Metadata
+        return p.notifies and ph == Phase.Metadata
 
-    def give_up(self, req: DecodeRequest, store: Any) -> None:
+    def give_up(self, req: DecodeRequest) -> None:
         """Nothing: decode issues no writes, and its peers' fate is theirs to tell."""
 
     def tell_pages(
@@ -273,7 +271,7 @@ class DecodeSide:
         skip: int,
     ) -> None:
         """Tell every leg where to write (the arguments are checked by the caller)."""
-        p = self.port
+        p = self.core
         messages = []
         blocks = []
         none = np.empty(0, dtype=np.int64)
@@ -292,54 +290,51 @@ class DecodeSide:
             rows = state if leg.state else None
             msg = Pages(req.room, req.epoch, dst, row, skip, heads, ptrs, rows)
             messages.append((leg.peer, msg))
-        with p._lock:  # growth replaces the columns: write them under the lock
-            if not p._fire(req, "metadata"):
-                # failed meanwhile (the loop, a dead peer): its legs may be stopped and
-                # its pages released already, so no page list may go out
-                return
-            p.waited[req.index] = time.monotonic()
-            req.num_pages = int(pages.size)  # what a fence on its writer holds
-            req.pages, req.slot, req.rows = pages.copy(), slot, state
-            if blocks:
-                req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
-                p.scatter_left[req.index] = pages.size
+        if not p.fire(req, "metadata"):
+            # failed meanwhile (a timeout, a dead peer): its legs may be stopped and
+            # its pages released already, so no page list may go out
+            return
+        p.waited[req.index] = p.now
+        req.num_pages = int(pages.size)  # what a fence on its writer holds
+        req.pages, req.slot, req.rows = pages.copy(), slot, state
+        if blocks:
+            req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
+            p.scatter_left[req.index] = pages.size
         for peer, msg in messages:
-            p._send(peer, msg, p.store)
+            p.send(peer, msg)
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Scatter the next pages of every staged request whose senders are all done."""
-        p = self.port
+        p = self.core
         if self.staging is None or indices.size == 0:
             return
-        with p._lock:
-            ph = p.phase[indices]
-            due = (p.scatter_left[indices] > 0) & ((ph == Phase.Done) | (ph == Phase.Verifying))
-            reqs = [p._live(int(r)) for r in rooms[due].tolist()]
+        ph = p.phase[indices]
+        due = (p.scatter_left[indices] > 0) & ((ph == Phase.Done) | (ph == Phase.Verifying))
+        reqs = [p.live(int(r)) for r in rooms[due].tolist()]
         for req in reqs:
             if not isinstance(req, DecodeRequest):
                 continue  # released meanwhile: the room is gone
-            if req.scatter is None or p._phase(req) not in (Phase.Done, Phase.Verifying):
+            if req.scatter is None or p.phase_of(req) not in (Phase.Done, Phase.Verifying):
                 continue
             self.staging.scatter(req.scatter, p.config.scatter_pages)
             if req.scatter.left == 0:  # the bytes are final
                 self._corrupt(req)
-                self._check(req, p.store)
-            with p._lock:
-                if not req.released:
-                    p.scatter_left[req.index] = req.scatter.left
+                self._check(req)
+            if not req.released:
+                p.scatter_left[req.index] = req.scatter.left
 
-    def _landed(self, req: DecodeRequest, store: Any) -> None:
+    def _landed(self, req: DecodeRequest) -> None:
         """Every sender said "done": Success, or with a digest, the check (once the
         scatter placed the bytes, when staged)."""
-        p = self.port
+        p = self.core
         if req.scatter is None:  # the bytes are final
             self._corrupt(req)
-        if p._fire(req, "verify" if p.config.digest else "complete") and req.scatter is None:
-            self._check(req, store)
+        if p.fire(req, "verify" if p.config.digest else "complete") and req.scatter is None:
+            self._check(req)
 
     def _corrupt(self, req: DecodeRequest) -> None:
         """A test asked (``Connector.corrupt``): flip one byte of the committed data."""
-        p, at = self.port, self.corrupt.pop((req.room, req.epoch), None)
+        p, at = self.core, self.corrupt.pop((req.room, req.epoch), None)
         if at is None:
             return
         for leg in sorted(req.senders(), key=lambda x: x.peer):
@@ -348,11 +343,11 @@ class DecodeSide:
                 leg.pending = leg.progress = None  # hashed before the flip: hashed again
                 return
 
-    def _check(self, req: DecodeRequest, store: Any) -> None:
+    def _check(self, req: DecodeRequest) -> None:
         """The bytes are final: compare each sender's digest (if Verifying) and
         say whether they matched."""
-        p = self.port
-        if p._phase(req) != Phase.Verifying:
+        p = self.core
+        if p.phase_of(req) != Phase.Verifying:
             return
         why = []
         for leg in req.senders():  # every leg's hash under way before any is waited for
@@ -374,16 +369,16 @@ class DecodeSide:
                     f"{theirs.value:#x} sent, {mine.value:#x} committed)"
                 )
         if not why:
-            if p._fire(req, "matched"):
+            if p.fire(req, "matched"):
                 for peer in req.legs:
-                    p._send(peer, Verified(req.room, req.epoch), store)
+                    p.send(peer, Verified(req.room, req.epoch))
             return
         p.stats["digest_mismatches"] += len(why)
         err = ChecksumMismatch(req.room, p.rank, "; ".join(why))
         p.last_error = err
         logger.info("%s", err)  # (a typed failure and a count: the table may retry it)
         req.why = str(err)
-        self.fail(req, FailureReason.CHECKSUM_MISMATCH, store)
+        self.fail(req, FailureReason.CHECKSUM_MISMATCH)
         word = Abort(req.room, req.epoch, FailureReason.CHECKSUM_MISMATCH, req.why)
         for peer in req.legs:  # every one said "done" (stopped): told all the same
-            p._send(peer, word, store)
+            p.send(peer, word)

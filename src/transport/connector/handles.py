@@ -1,29 +1,68 @@
 """A request's handles on a connector: the prefill sender and decode receiver
 the scheduler holds (the field's ``KVSender``/``KVReceiver`` calls). A handle
-reaches its connector through the :class:`~transport.connector.port.Port`."""
+reaches its connector through the calls of :class:`Requests` alone."""
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
+from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.connector.graph import IS_TERMINAL, Phase, ProtocolError
 from transport.connector.legs import DecodeRequest, PrefillRequest, Request, rows_of
-from transport.connector.port import Port
-from transport.status_arrays import StatusHandle
+from transport.connector.config import ConnectorConfig
+from transport.staging import Staging
+from transport.status_arrays import Statuses, StatusHandle
 
-__all__ = ["ConnectorSender", "ConnectorReceiver"]
+__all__ = ["ConnectorSender", "ConnectorReceiver", "Requests"]
 
 T = int(KVPoll.Transferring)
 Q = TypeVar("Q", bound="Request[Any]")
+R = TypeVar("R", bound="Request[Any]")
+
+
+class Requests(Statuses, Protocol):
+    """What a handle asks of its connector (:class:`~transport.connector.hub.Connector`)."""
+
+    config: ConnectorConfig
+    kv_args: KVArgs
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    @property
+    def staging(self) -> Staging | None: ...
+
+    def take(self, room: int, make: Callable[[int, int], R], epoch: int = 0) -> R: ...
+
+    def fail(self, req: Request[Any], reason: FailureReason) -> None: ...
+
+    def clear(self, req: Request[Any]) -> None: ...
+
+    def phase_of(self, req: Request[Any]) -> int: ...
+
+    def set_status(self, index: int, status: int) -> None: ...
+
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 class _Handle(StatusHandle, Generic[Q]):
-    def __init__(self, manager: Port, req: Q) -> None:
+    def __init__(self, manager: Requests, req: Q) -> None:
         self.manager = manager
         self._req = req
         super().__init__(manager, req.room, req.index)
@@ -40,15 +79,14 @@ class _Handle(StatusHandle, Generic[Q]):
         """The scheduler gave up on this request (agreed Failed, or a client abort):
         stop, and make the peers stop writing; see :attr:`drained`."""
         if not self.detached:
-            self.manager._fail(self._req, reason, self.manager.store)
-            self.manager._wake.set()
+            self.manager.fail(self._req, reason)
 
     @property
     def drained(self) -> bool:
         """No write for this request can land any more: its pages and metadata
         row may be reused. Until then, keep them quarantined."""
         req = self._req
-        return req.released or bool(IS_TERMINAL[self.manager._phase(req)])
+        return req.released or bool(IS_TERMINAL[self.manager.phase_of(req)])
 
     @property
     def fenced(self) -> bool:
@@ -56,16 +94,16 @@ class _Handle(StatusHandle, Generic[Q]):
         its pages stay out of reuse while that writer is silent (they are
         released once it speaks again and stops, see :mod:`transport.connector.liveness`)."""
         req = self._req
-        return not req.released and self.manager._phase(req) == Phase.Fenced
+        return not req.released and self.manager.phase_of(req) == Phase.Fenced
 
     def clear(self) -> None:
         if self._detach():
-            self.manager._clear(self._req)
+            self.manager.clear(self._req)
 
 
 class ConnectorSender(_Handle[PrefillRequest]):
-    def __init__(self, manager: Port, room: int, epoch: int = 0) -> None:
-        super().__init__(manager, manager._take(room, PrefillRequest, epoch))
+    def __init__(self, manager: Requests, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, manager.take(room, PrefillRequest, epoch))
 
     def init(self, num_pages: int, metadata_slot: int | None = None, first_page: int = 0) -> None:
         """``num_pages`` pages will be handed to :meth:`send`, the metadata row is
@@ -94,8 +132,9 @@ class ConnectorSender(_Handle[PrefillRequest]):
         req.first_page = first_page
         req.num_pages = first_page + num_pages
         if num_pages > 0:
-            self.manager.set(self.index, T)
-        self.manager._wake.set()
+            self.manager.set_status(self.index, T)
+        else:
+            self.manager.wake()
 
     @property
     def decode_prefix_pages(self) -> int | None:
@@ -103,8 +142,8 @@ class ConnectorSender(_Handle[PrefillRequest]):
         prefix it will not be sent): the fewest any decode rank named. None
         until every decode rank said where to write."""
         m, req = self.manager, self._req
-        with m._lock:
-            if self.detached or m._phase(req) in (Phase.Bootstrap, Phase.Handshaken):
+        with m.lock:
+            if self.detached or m.phase_of(req) in (Phase.Bootstrap, Phase.Handshaken):
                 return None
             return min((leg.skip for leg in req.legs.values() if leg.told), default=0)
 
@@ -122,12 +161,12 @@ class ConnectorSender(_Handle[PrefillRequest]):
             req.src = np.concatenate((req.src, pages))  # one swap: the loop reads either
         if pages.size or rows is not None or not req.sent:
             req.sent = True
-            m._wake.set()
+            m.wake()
 
 
 class ConnectorReceiver(_Handle[DecodeRequest]):
-    def __init__(self, manager: Port, room: int, epoch: int = 0) -> None:
-        super().__init__(manager, manager._take(room, DecodeRequest, epoch))
+    def __init__(self, manager: Requests, room: int, epoch: int = 0) -> None:
+        super().__init__(manager, manager.take(room, DecodeRequest, epoch))
 
     def init(self, prefill_dp_rank: int | None = None) -> None:
         """Pair with prefill DP group ``prefill_dp_rank`` (0 if None); registers once
@@ -139,7 +178,7 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
             )
         self._req.dp = int(dp)
         self._req.want_register = True
-        self.manager._wake.set()
+        self.manager.wake()
 
     @property
     def require_staging(self) -> bool:
@@ -157,7 +196,7 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
         request's pages after the first ``decode_prefix_len`` tokens, which decode
         holds already (a cached prefix, whole pages) and which are not sent."""
         m, req = self.manager, self._req
-        ph = m._phase(req)
+        ph = m.phase_of(req)
         if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
             return  # it already failed: nothing to tell
         if ph != Phase.Handshaken:
@@ -170,7 +209,7 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
                 f"number of {ps}-token pages; only whole cached pages can be skipped"
             )
         rows = rows_of(req.room, state_indices, len(m.kv_args.state), "state_indices")
-        st = m.side.staging
+        st = m.staging
         if (req.staged and st is not None) and (
             not 0 <= metadata_slot < st.slots or pages.size > st.pages
         ):
@@ -179,5 +218,4 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
                 f"slots; got {pages.size} pages for slot {metadata_slot} "
                 "(raise ConnectorConfig.staging_pages)"
             )
-        m.side.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)
-        m._wake.set()  # data is due: an engine that notes its landing is polled closely
+        m.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)

@@ -1,5 +1,7 @@
-"""The connector's clocks: peers whose heartbeat stopped, the bootstrap,
-waiting and drain timeouts, and what a closing connector still owes.
+"""The connector's clocks: peers whose heartbeat stopped, peers that restarted,
+the bootstrap, waiting and drain timeouts, and what a closing connector still
+owes. Functions of the core's state and the time they are given: the driver
+looks at the heartbeats and the store, and tells the core what it saw.
 
 A silent peer may only be paused (a long GC, a starved host) and write again
 once it resumes, so its requests fail on the usual path: every leg is told,
@@ -15,22 +17,33 @@ for new requests.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
+from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.deadlines import DEADLINES, overdue
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
 from transport.connector.legs import Request
-from transport.connector.mailbox import NEW, STALE
 from transport.connector.messages import Incoming
-from transport.connector.port import Port
 
 _REASON = {d.name: d.reason for d in DEADLINES}
 
-__all__ = ["check_peers", "fenced", "heard", "received", "timeouts", "owing"]
+__all__ = [
+    "Clocked",
+    "silence",
+    "restarted",
+    "stale",
+    "heard",
+    "timeouts",
+    "fenced",
+    "owing",
+    "FENCE_REASONS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,51 +53,87 @@ logger = logging.getLogger(__name__)
 FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
 
 
-def _live(m: Port) -> tuple[list[Request[Any]], NDArray[np.int8], NDArray[np.int64]]:
+class _Side(Protocol):
+    RECEIVES: bool
+    expected: frozenset[int]
+
+    def give_up(self, req: Any) -> None: ...
+
+    def ask_stop(self, req: Any, reason: FailureReason) -> None: ...
+
+
+class Clocked(Protocol):
+    """What the clocks read and move of the core."""
+
+    config: ConnectorConfig
+    kv_args: KVArgs
+    rank: int
+    reqs: dict[tuple[int, int], Request[Any]]
+    peer_dead: set[int]
+    peers: dict[int, dict[str, Any]]
+    stats: dict[str, int]
+    phase: NDArray[np.int8]
+    reason: NDArray[np.int8]
+    born: NDArray[np.float64]
+    waited: NDArray[np.float64]
+    failed_at: NDArray[np.float64]
+
+    @property
+    def side(self) -> _Side: ...
+
+    def fail(self, req: Request[Any], reason: FailureReason) -> None: ...
+
+    def forget(self, req: Request[Any]) -> None: ...
+
+    def phase_of(self, req: Request[Any]) -> int: ...
+
+    def fire_many(
+        self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = ...
+    ) -> NDArray[np.bool_]: ...
+
+
+def _live(m: Clocked) -> tuple[list[Request[Any]], NDArray[np.int8], NDArray[np.int64]]:
     """The live requests, with their phases and slots."""
-    with m._lock:
-        reqs = list(m._reqs.values())
-        idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))
-        return reqs, m.phase[idx], idx
+    reqs = list(m.reqs.values())
+    idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))
+    return reqs, m.phase[idx], idx
 
 
-def check_peers(m: Port, store: Any) -> None:
-    """Fail the live requests paired with a peer whose heartbeat stopped."""
+def silence(m: Clocked, silent: frozenset[int]) -> None:
+    """The peers whose heartbeat stopped, as of the driver's last look (the
+    others beat): fail the live requests paired with one; those that beat
+    again serve new requests, and what was fenced on them is asked again."""
     limit = m.config.heartbeat_interval * m.config.heartbeat_misses
     reqs, _, _ = _live(m)
     expected = m.side.expected
-    peers = {p for r in reqs for p in r.legs or expected} | m._peer_dead
-    silent = m.mail.silent(peers, limit, store)
-    restarted(m, store)  # (a heartbeat names its incarnation)
-    for p in sorted(silent - m._peer_dead):
+    for p in sorted(silent - m.peer_dead):
         logger.warning("rank %d: peer rank %d has not beaten for %.1f s", m.rank, p, limit)
-    for p in sorted(m._peer_dead - silent):
+    for p in sorted(m.peer_dead - silent):
         logger.warning("rank %d: peer rank %d beats again", m.rank, p)
-    back = m._peer_dead - silent
-    m._peer_dead = silent
+    back = m.peer_dead - silent
+    m.peer_dead = set(silent)
     for r in reqs:
         if silent.intersection(r.legs or expected):
-            m._fail(r, FailureReason.PEER_DEAD, store)
+            m.fail(r, FailureReason.PEER_DEAD)
     if back:
-        unfence(m, back, store)
+        _unfence(m, back)
 
 
-def unfence(m: Port, peers: set[int], store: Any) -> None:
+def _unfence(m: Clocked, peers: set[int]) -> None:
     """Writers in ``peers`` speak again: every request fenced on one of them is
     asked again to stop, and its drain timeout starts afresh."""
-    with m._lock:
-        fenced_reqs = [
-            r
-            for r in m._reqs.values()
-            if not r.released and m.phase[r.index] == Phase.Fenced and peers.intersection(r.legs)
-        ]
+    fenced_reqs = [
+        r
+        for r in m.reqs.values()
+        if not r.released and m.phase[r.index] == Phase.Fenced and peers.intersection(r.legs)
+    ]
     if not fenced_reqs:
         return
-    moved = m._fire_many(fenced_reqs, "peer_back")  # (a Failed again: its clock restarts)
+    moved = m.fire_many(fenced_reqs, "peer_back")  # (a Failed again: its clock restarts)
     m.stats["unfenced"] += int(moved.sum())
     for r, ok in zip(fenced_reqs, moved.tolist()):
         if ok:
-            m.side.ask_stop(r, r.reason, store)
+            m.side.ask_stop(r, r.reason)
     logger.warning(
         "rank %d: %d request(s) fenced on rank(s) %s asked again to stop",
         m.rank,
@@ -93,76 +142,64 @@ def unfence(m: Port, peers: set[int], store: Any) -> None:
     )
 
 
-def fenced(m: Port) -> tuple[int, int]:
+def fenced(m: Clocked) -> tuple[int, int]:
     """(requests, pages) this rank holds fenced on writers that stopped beating:
     memory kept out of reuse while they are silent."""
-    with m._lock:
-        held = [r for r in m._reqs.values() if not r.released and m.phase[r.index] == Phase.Fenced]
-        return len(held), sum(max(r.num_pages, 0) for r in held)
+    held = [r for r in m.reqs.values() if not r.released and m.phase[r.index] == Phase.Fenced]
+    return len(held), sum(max(r.num_pages, 0) for r in held)
 
 
-def received(m: Port, msg: Incoming, store: Any) -> bool:
-    """A message from a peer arrived: False if it comes from an old incarnation
-    of a peer that restarted (refused and counted). From a new incarnation,
-    every request whose leg to that peer belongs to the old one fails (its
-    writer is gone: peer dead); then the peer is heard."""
-    peer = msg.peer
-    seen = m.mail.incarnation_of(peer, msg.inc, store)
-    if seen == STALE:
-        m.stats["stale"] += 1
-        logger.warning(
-            "rank %d: a %r from an old incarnation of rank %d refused (room=%s)",
-            m.rank,
-            str(msg.msg.KIND),
-            peer,
-            msg.room,
-        )
-        return False
-    if seen == NEW:
-        restarted(m, store)
-    heard(m, peer, store)
-    return True
+def stale(m: Clocked, msg: Incoming) -> None:
+    """A message from an old incarnation of a peer that restarted: refused and counted."""
+    m.stats["stale"] += 1
+    logger.warning(
+        "rank %d: a %r from an old incarnation of rank %d refused (room=%s)",
+        m.rank,
+        str(msg.msg.KIND),
+        msg.peer,
+        msg.room,
+    )
 
 
-def restarted(m: Port, store: Any) -> None:
-    """Peers that restarted (a new incarnation in the store): every request
-    whose leg to one was registered with its old self fails (peer dead)."""
-    peers = m.mail.take_restarted()
-    if not peers:
+def restarted(m: Clocked, incarnations: dict[int, Any]) -> None:
+    """Peers that restarted (peer -> its new incarnation): every request whose
+    leg to one was registered with its old self fails (peer dead), and the
+    peer's record is asked for again."""
+    if not incarnations:
         return
-    with m._lock:
-        old = [
-            r
-            for r in m._reqs.values()
-            if not r.released
-            and any(
-                leg.inc is not None and leg.inc != m.mail.incarnation_known(p)
-                for p, leg in r.legs.items()
-                if p in peers
-            )
-        ]
+    for p in incarnations:
+        m.peers.pop(p, None)  # (connected to anew when next needed)
+    old = [
+        r
+        for r in m.reqs.values()
+        if not r.released
+        and any(
+            leg.inc is not None and leg.inc != incarnations[p]
+            for p, leg in r.legs.items()
+            if p in incarnations
+        )
+    ]
     logger.warning(
         "rank %d: rank(s) %s restarted; %d request(s) paired with the old one(s) fail",
         m.rank,
-        sorted(peers),
+        sorted(incarnations),
         len(old),
     )
     for r in old:
-        m._fail(r, FailureReason.PEER_DEAD, store)
+        m.fail(r, FailureReason.PEER_DEAD)
 
 
-def heard(m: Port, peer: int, store: Any) -> None:
+def heard(m: Clocked, peer: int) -> None:
     """A message from ``peer`` arrived: it is alive, even before its next
     heartbeat is seen, and serves new requests again."""
-    m.mail.heard(peer)
-    if peer in m._peer_dead:
-        m._peer_dead = m._peer_dead - {peer}
+    if peer in m.peer_dead:
+        m.peer_dead = m.peer_dead - {peer}
         logger.warning("rank %d: peer rank %d speaks again", m.rank, peer)
         if m.side.RECEIVES:  # (only a side written into holds fenced requests)
-            unfence(m, {peer}, store)
+            _unfence(m, {peer})
 
 
-def timeouts(m: Port, now: float, store: Any) -> None:
+def timeouts(m: Clocked, now: float) -> None:
     cfg, side = m.config, m.side
     reqs, ph, idx = _live(m)
     late = np.zeros(idx.size, dtype=bool)
@@ -170,41 +207,36 @@ def timeouts(m: Port, now: float, store: Any) -> None:
         booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
         late = booting & overdue(now, m.born[idx], cfg.bootstrap_timeout)
     for i in np.flatnonzero(late):
-        m._fail(reqs[i], _REASON["bootstrap"], store)
+        m.fail(reqs[i], _REASON["bootstrap"])
     if cfg.waiting_timeout is not None and side.RECEIVES:
         late = (ph == Phase.Metadata) & overdue(now, m.waited[idx], cfg.waiting_timeout)
         for i in np.flatnonzero(late):
-            m._fail(reqs[i], _REASON["waiting"], store)
+            m.fail(reqs[i], _REASON["waiting"])
     # last resort, so that a lost peer cannot pin memory forever: writes the
     # engine never finished are given up and a prefill rank's legs hear so (they
     # may still land: a decode rank keeps its pages until its own drain timeout),
     # and a request failed for a dead peer is released on that peer's silence
-    stale = (ph == Phase.Aborted) & (now - m.failed_at[idx] > cfg.drain_timeout)
-    for i in np.flatnonzero(stale):
+    stale_ = (ph == Phase.Aborted) & (now - m.failed_at[idx] > cfg.drain_timeout)
+    for i in np.flatnonzero(stale_):
         req = reqs[i]
-        for tok in req.tokens:
-            m._forget(tok)
-        req.tokens.clear()
-        side.give_up(req, store)
+        m.forget(req)
+        side.give_up(req)
     # on a side written into, a writer still silent may resume and write: fenced, not released
     fence = np.zeros(idx.size, dtype=bool)
     if side.RECEIVES:
-        dead = m._peer_dead
-        fence = stale & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
+        dead = m.peer_dead
+        fence = stale_ & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
         for i in np.flatnonzero(fence):
             fence[i] = bool(dead.intersection(reqs[i].legs))
-    m.stats["fenced"] += int(
-        m._fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum()
-    )
-    m._fire_many([reqs[i] for i in np.flatnonzero(stale & ~fence)], "drain")
+    m.stats["fenced"] += int(m.fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum())
+    m.fire_many([reqs[i] for i in np.flatnonzero(stale_ & ~fence)], "drain")
 
 
-def owing(m: Port) -> bool:
+def owing(m: Clocked) -> bool:
     """Whether a request still owes a live peer a word (or has writes in flight)."""
-    with m._lock:
-        reqs = [r for r in m._reqs.values() if not r.released]
-    dead = m._peer_dead
+    reqs = [r for r in m.reqs.values() if not r.released]
+    dead = m.peer_dead
     return any(
-        (r.tokens or not IS_TERMINAL[m._phase(r)]) and not (r.legs and dead.issuperset(r.legs))
+        (r.tokens or not IS_TERMINAL[m.phase_of(r)]) and not (r.legs and dead.issuperset(r.legs))
         for r in reqs
     )

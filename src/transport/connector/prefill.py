@@ -17,7 +17,8 @@ such leg said "verified". A failed request tells every leg why, once none of
 its writes is in flight (a leg that aborted it is told "stopped").
 
 :class:`PrefillSide` plays this part on a prefill rank; it reaches its connector
-through the :class:`~transport.connector.port.Port` alone.
+through its public calls (:class:`~transport.connector.core.ConnectorCore`),
+and does no I/O: what it says and writes, the core hands its driver.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
+from transport.connector.core import ConnectorCore
 from transport.connector.graph import IS_TERMINAL, LIVE, Phase
 from transport.connector.legs import (
     PrefillLeg,
@@ -50,7 +52,6 @@ from transport.connector.messages import (
     Stopped,
     Verified,
 )
-from transport.connector.port import Port
 from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
@@ -71,8 +72,8 @@ class PrefillSide:
     )
     HEARS: ClassVar[frozenset[Msg]] = frozenset({Msg.register, Msg.pages, Msg.abort, Msg.verified})
 
-    def __init__(self, port: Port) -> None:
-        self.port = port
+    def __init__(self, core: ConnectorCore) -> None:
+        self.core = core
         self.staging: Staging | None = None
         #: the decode ranks the last registered request paired with; a request
         #: not registered yet is expected from them (a dead one fails it: peer dead)
@@ -80,21 +81,21 @@ class PrefillSide:
         #: rooms given up at the drain timeout with writes the engine never finished
         self.abandoned: set[int] = set()
 
-    def start(self) -> None:
-        """Publish this DP group's record: decode plans its legs from it."""
-        p, c = self.port, self.port.config
+    def group_record(self) -> dict[str, Any] | None:
+        """This DP group's record (published before pairing): decode plans its legs from it."""
+        p, c = self.core, self.core.config
         group = {"tp_size": c.tp_size, "kv_heads": p.kv_heads, "mla": c.mla}
         group.update(heads_major=p.kv_args.heads_major, head_group=p.kv_args.head_group)
-        p.mail.publish_group(c.dp_rank, {**group, "state": p.state_geom})
+        return {**group, "state": p.state_geom}
 
-    def fail(self, req: PrefillRequest, reason: FailureReason, store: Any = None) -> None:
+    def fail(self, req: PrefillRequest, reason: FailureReason) -> None:
         """Fail here; every leg is told once no write is in flight (see :meth:`steps`)."""
-        if self.port._fire(req, "abort", reason):
+        if self.core.fire(req, "abort", reason):
             req.reason = reason
 
     def _refuse(self, req: PrefillRequest, why: str) -> None:
         """A peer's message does not fit this rank's topology: fail the request, loudly."""
-        p = self.port
+        p = self.core
         err = TopologyError(f"room={req.room} on prefill rank {p.rank}: {why}")
         p.last_error = err
         logger.error("%s", err)
@@ -103,7 +104,7 @@ class PrefillSide:
     def _plan(self, req: PrefillRequest, msg: Register) -> bool:
         """The legs of ``req`` from the first register message: every decode rank of
         the registering DP group that the topology pairs with this rank."""
-        p, c = self.port, self.port.config
+        p, c = self.core, self.core.config
         dtp = msg.decode_tp
         if (msg.kv_heads, msg.mla) != (p.kv_heads, c.mla):
             why: str | None = (
@@ -126,17 +127,17 @@ class PrefillSide:
         self.expected = frozenset(req.legs)
         return True
 
-    def on_message(self, req: PrefillRequest, came: Incoming, store: Any) -> None:
-        p, msg, peer = self.port, came.msg, came.peer
+    def on_message(self, req: PrefillRequest, came: Incoming) -> None:
+        p, msg, peer = self.core, came.msg, came.peer
         if isinstance(msg, Abort):  # a decode rank gave up: stop writing, say so once drained
-            self._aborted(req, msg, peer, store)
+            self._aborted(req, msg, peer)
             return
-        if p._phase(req) in (Phase.Aborted, Phase.Drained):  # failed here: the leg hears why
+        if p.phase_of(req) in (Phase.Aborted, Phase.Drained):  # failed here: the leg hears why
             if isinstance(msg, Register):
-                p._send(peer, Failed(req.room, req.epoch, req.reason), store)
+                p.send(peer, Failed(req.room, req.epoch, req.reason))
             return
         if isinstance(msg, Register):
-            self._registered(req, came, msg, store)
+            self._registered(req, came, msg)
         elif isinstance(msg, Pages):
             leg = req.legs.get(peer)
             if leg is None or not leg.registered:
@@ -150,15 +151,15 @@ class PrefillSide:
             leg.dst_state = msg.state
             leg.told = True
             if all(x.told for x in req.legs.values()):
-                p._fire(req, "metadata")
+                p.fire(req, "metadata")
         elif isinstance(msg, Verified) and peer in req.legs:  # that leg's bytes matched
             req.legs[peer].verified = True
             if all(x.verified or not x.verify for x in req.legs.values()):
-                p._fire(req, "matched")
+                p.fire(req, "matched")
 
-    def _aborted(self, req: PrefillRequest, msg: Abort, peer: int, store: Any) -> None:
-        p, reason = self.port, msg.reason
-        if msg.why and p._phase(req) in LIVE:  # a live request: this is why
+    def _aborted(self, req: PrefillRequest, msg: Abort, peer: int) -> None:
+        p, reason = self.core, msg.reason
+        if msg.why and p.phase_of(req) in LIVE:  # a live request: this is why
             mismatch = reason == FailureReason.CHECKSUM_MISMATCH  # (the table may retry it)
             kind = TransportError if mismatch else TopologyError
             p.last_error = kind(f"room={req.room} on prefill rank {p.rank}: {msg.why}")
@@ -168,15 +169,15 @@ class PrefillSide:
             leg = req.legs[peer] = PrefillLeg(peer, sends=False)
         if leg is not None:
             leg.asked_stop = True
-        if p._fire(req, "abort", reason):
+        if p.fire(req, "abort", reason):
             req.reason = reason
         elif req.abandoned:  # released with writes the engine never finished
-            p._send(peer, GaveUp(req.room, req.epoch, req.reason), store)
-        elif IS_TERMINAL[p._phase(req)] or leg is None:
-            p._send(peer, Stopped(req.room, req.epoch), store)
+            p.send(peer, GaveUp(req.room, req.epoch, req.reason))
+        elif IS_TERMINAL[p.phase_of(req)] or leg is None:
+            p.send(peer, Stopped(req.room, req.epoch))
 
-    def _registered(self, req: PrefillRequest, came: Incoming, msg: Register, store: Any) -> None:
-        p, peer = self.port, came.peer
+    def _registered(self, req: PrefillRequest, came: Incoming, msg: Register) -> None:
+        p, peer = self.core, came.peer
         if not req.legs and not self._plan(req, msg):
             return
         leg = req.legs.get(peer)
@@ -191,61 +192,60 @@ class PrefillSide:
         leg.registered, leg.inc = True, came.inc
         leg.verify = msg.digest
         if all(x.registered for x in req.legs.values()):
-            p._fire(req, "handshake")
+            p.fire(req, "handshake")
         for held in [h for h in req.held if h.peer == peer]:
             req.held.remove(held)
-            self.on_message(req, held, store)
+            self.on_message(req, held)
 
-    def late(self, came: Incoming, reason: int, store: Any) -> None:
+    def late(self, came: Incoming, reason: int) -> None:
         """A decode rank's word about a room released here: nothing more is written."""
-        msg, send, peer = came.msg, self.port._send, came.peer
+        msg, send, peer = came.msg, self.core.send, came.peer
         room, epoch = msg.room, msg.epoch
         if isinstance(msg, Abort) and room in self.abandoned:
-            send(peer, GaveUp(room, epoch, FailureReason(reason)), store)
+            send(peer, GaveUp(room, epoch, FailureReason(reason)))
         elif isinstance(msg, Abort):  # finished and drained here
-            send(peer, Stopped(room, epoch), store)
+            send(peer, Stopped(room, epoch))
         elif isinstance(msg, Register):  # it failed and was cleared before this rank knew
-            send(peer, Failed(room, epoch, FailureReason(reason)), store)
+            send(peer, Failed(room, epoch, FailureReason(reason)))
 
-    def steps(self, req: PrefillRequest, store: Any) -> bool:
-        p = self.port
+    def steps(self, req: PrefillRequest) -> bool:
+        p = self.core
         before = -1  # a write that landed at once lets the next step go in the same pass
-        while p._phase(req) != before:
-            p._reap(req, store)
-            before = ph = p._phase(req)
+        while p.phase_of(req) != before:
+            before = ph = p.phase_of(req)
             if ph in (Phase.Metadata, Phase.Writing) and req.num_pages >= 0:
-                self._issue(req, store)
+                self._issue(req)
             elif ph == Phase.RoomWritten and not req.tokens:
-                self._done(req, store)
+                self._done(req)
             elif ph == Phase.Aborted and not req.tokens:
-                self.tell_legs(req, store)
-                p._fire(req, "drain")
+                self.tell_legs(req)
+                p.fire(req, "drain")
         return False  # no engine notifies prefill: its writes are polled
 
-    def _done(self, req: PrefillRequest, store: Any) -> None:
+    def _done(self, req: PrefillRequest) -> None:
         """Every write landed: tell every leg "done", with the digest of its bytes
         when this rank digests; wait for the verdict of the legs that asked."""
-        p, words = self.port, {}
+        p, words = self.core, {}
         for peer, leg in req.legs.items():
             words[peer] = Done(req.room, req.epoch)
             if p.config.digest:
-                info = p._peer_info(peer, store) or {"state_geom": []}
+                info = p.peer(peer) or {"state_geom": []}
                 d = (leg.pending or prefill_digest(p, req, leg, info)).result()
                 p.stats["digest_bytes"] += d.nbytes
                 words[peer] = Done.of(req.room, req.epoch, d)
         asked = any(leg.verify for leg in req.legs.values())
-        if p._fire(req, "verify" if asked else "complete"):  # (close() may have failed it)
+        if p.fire(req, "verify" if asked else "complete"):  # (close() may have failed it)
             for peer, msg in words.items():
-                p._send(peer, msg, store)
+                p.send(peer, msg)
 
-    def tell_legs(self, req: PrefillRequest, store: Any) -> None:
+    def tell_legs(self, req: PrefillRequest) -> None:
         """Tell every leg why the request failed ("stopped" to one that asked), a
         silent one too: it may only be paused."""
         for leg in req.legs.values():
             told = Stopped if leg.asked_stop else Failed
-            self.port._send(leg.peer, told(req.room, req.epoch, req.reason), store)
+            self.core.send(leg.peer, told(req.room, req.epoch, req.reason))
 
-    def give_up(self, req: PrefillRequest, store: Any) -> None:
+    def give_up(self, req: PrefillRequest) -> None:
         """Released at the drain timeout with writes the engine never finished:
         every leg hears so (they may still land: a decode rank keeps its pages
         until its own drain timeout)."""
@@ -254,16 +254,22 @@ class PrefillSide:
             self.abandoned.clear()
         self.abandoned.add(req.room)
         for leg in req.legs.values():
-            self.port._send(leg.peer, GaveUp(req.room, req.epoch, req.reason), store)
+            self.core.send(leg.peer, GaveUp(req.room, req.epoch, req.reason))
 
-    def every_pass(self, store: Any) -> None:
+    def every_pass(self) -> None:
         """Nothing: prefill owes no word beyond its requests' own."""
 
-    def ask_stop(self, req: PrefillRequest, reason: FailureReason, store: Any) -> None:
+    def ask_stop(self, req: PrefillRequest, reason: FailureReason) -> None:
         """Nothing: no peer writes into prefill's memory."""
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Nothing: prefill stages nothing."""
+
+    def corrupt_at(self, room: int, epoch: int, offset: int) -> None:
+        """Nothing: prefill holds no committed bytes (the core refuses the call)."""
+
+    def released(self, req: PrefillRequest) -> None:
+        """Nothing: prefill keeps nothing of a released request beyond it."""
 
     def tell_pages(
         self,
@@ -274,14 +280,14 @@ class PrefillSide:
         skip: int,
     ) -> None:
         raise TransportError(
-            f"room={req.room}: prefill rank {self.port.rank} is told where to write; "
+            f"room={req.room}: prefill rank {self.core.rank} is told where to write; "
             "a page list is a decode receiver's to send"
         )
 
-    def _issue_leg(self, req: PrefillRequest, leg: PrefillLeg, store: Any) -> bool:
+    def _issue_leg(self, req: PrefillRequest, leg: PrefillLeg) -> bool:
         """Write what ``leg`` has not had yet; False if the request failed."""
-        p = self.port
-        info = p._peer_info(leg.peer, store)
+        p = self.core
+        info = p.peer(leg.peer)
         if info is None or leg.dst_pages is None:
             return True
         why = rows_misfit(req, leg)
@@ -316,7 +322,7 @@ class PrefillSide:
             leg.pending = prefill_digest(p, req, leg, info)  # every byte known: hashed as it moves
         if not leg.sends:  # no KV: a share of split state only, once the pages are all in
             if n >= req.num_pages and not leg.fields_out:
-                if not self._state_out(req, leg, info, store):
+                if not self._state_out(req, leg, info):
                     return False
                 leg.fields_out = True
             return True
@@ -336,10 +342,8 @@ class PrefillSide:
                 w = kv_writes(p.kv_args, info, leg, src[at[:take]], leg.dst_pages[dst_at[:take]])
                 at, dst_at = at[take:], dst_at[take:]
                 if note or at.size:  # (an unnoted last write waits: the row's fields join it)
-                    p._submit(req, info, w, note, store)
+                    p.submit(req, leg.peer, info, w, note)
                     w = None
-                    if note:
-                        p._reap(req, store)
             leg.issued = n
         if n >= req.num_pages and not leg.fields_out:
             if max(req.num_pages - leg.skip, 0) != leg.dst_pages.size:
@@ -353,15 +357,15 @@ class PrefillSide:
                 # the fields join the last unnoted write (one transfer); the room waits
                 row = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, False)
                 w = row if w is None else tuple(np.concatenate(c) for c in zip(w, row))
-            if not self._state_out(req, leg, info, store):
+            if not self._state_out(req, leg, info):
                 return False
             leg.fields_out = True
         if w is not None:
-            p._submit(req, info, w, b"", store)
+            p.submit(req, leg.peer, info, w, b"")
         return True
 
     def _state_out(
-        self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any], store: Any
+        self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any]
     ) -> bool:
         """The state rows this leg owes, once every page is handed over: whole rows
         on the primary leg, and with split state this rank's share of the decode
@@ -379,30 +383,30 @@ class PrefillSide:
                 "pass state_indices to send_metadata()",
             )
             return False
-        p, share = self.port, None
+        p, share = self.core, None
         if p.split_state:
             c, dtp = p.config, req.decode_tp
             d = leg.peer % dtp
             share = StateShare(c.tp_rank, c.tp_size, d, dtp, leg.primary, info["state_geom"])
         w = state_writes(p.kv_args, info["state_ptrs"], req.src_state, leg.dst_state, share)
         if w[0].size:
-            p._submit(req, info, w, b"", store)
+            p.submit(req, leg.peer, info, w, b"")
         return True
 
-    def _issue(self, req: PrefillRequest, store: Any) -> None:
-        p = self.port
+    def _issue(self, req: PrefillRequest) -> None:
+        p = self.core
         for leg in req.legs.values():
             if not leg.sends and not leg.state:
                 leg.fields_out = True
-            elif not self._issue_leg(req, leg, store):
+            elif not self._issue_leg(req, leg):
                 return
         out = all(leg.fields_out for leg in req.legs.values())
-        if p._phase(req) == Phase.Metadata and (req.tokens or out):
-            p._fire(req, "write")
-        if p._phase(req) == Phase.Writing and out and not req.tokens:
+        if p.phase_of(req) == Phase.Metadata and (req.tokens or out):
+            p.fire(req, "write")
+        if p.phase_of(req) == Phase.Writing and out and not req.tokens:
             for leg in req.legs.values():
-                info = p._peer_info(leg.peer, store)
+                info = p.peer(leg.peer)
                 if leg.primary and info is not None and req.local_slot >= 0 and leg.dst_slot >= 0:
                     w = row_writes(p.kv_args, info, req.local_slot, leg.dst_slot, True)
-                    p._submit(req, info, w, f"{req.room}:{req.epoch}".encode(), store)
-            p._fire(req, "write_room")
+                    p.submit(req, leg.peer, info, w, f"{req.room}:{req.epoch}".encode())
+            p.fire(req, "write_room")

@@ -107,7 +107,7 @@ def decode_parts(views: Views, port: Any, req: Any, leg: Any) -> list[Part]:
     pages = req.pages if leg.sends else req.pages[:0]
     slot = req.slot if leg.sends and leg.primary else -1
     rows = req.rows if leg.state else None
-    group = port.mail.group(req.dp, port.store) or {}
+    group = port.group(req.dp) or {}
     ptp = int(group.get("tp_size", 1))
     split = (leg.peer % ptp, port.config.tp_rank, leg.primary) if port.split_state else None
     return leg_parts(
@@ -140,7 +140,7 @@ def landing_note(port: Any, req: Any, leg: Any, first: int, count: int) -> tuple
     ``room:epoch:first:end``, so that decode hashes it as it lands while the
     next moves (prefill polls each slice once issued, so the engine sends
     its note before the next goes)."""
-    if not (port.config.digest and port.NOTIFIES):
+    if not (port.config.digest and port.notifies):
         return count, b""
     kv = port.kv_args
     page = max(sum(kv.kv_item_lens) * leg.count // max(kv.kv_head_num, 1), 1)

@@ -1,0 +1,461 @@
+"""The connector's core: every request of one rank and its protocol, without I/O.
+
+Theory of operation
+-------------------
+The core holds a rank's live requests (a :class:`~transport.connector.legs.Request`
+each, with a :class:`~transport.connector.legs.Leg` per peer rank), their
+phases along :mod:`transport.connector.graph` (a column, fired through its
+tables, in batches for timeouts and dead peers) and their statuses (the
+columns of :class:`~transport.status_arrays.StatusArrays` the scheduler
+polls). It never reads a clock, a socket, the store or the engine, and
+starts no thread: its driver (:class:`~transport.connector.hub.Connector`)
+hands it what happened as :mod:`~transport.connector.events` with the time
+(:meth:`ConnectorCore.handle`, :meth:`ConnectorCore.tick`, and the calls
+the scheduler's handles make), and performs what it asks for
+(:meth:`ConnectorCore.take_effects`): messages to send, writes to issue
+and to let go of. What it needs to know of the world, a peer's endpoint
+record or a prefill DP group's, it asks for (:meth:`ConnectorCore.wanted`)
+and is told as an event; until then the request waits.
+
+Each side's part of the protocol (:mod:`transport.connector.prefill`,
+:mod:`transport.connector.decode`) is a :class:`Side` the core hands every
+message, every pass and every failure of a request; the clocks (heartbeats,
+timeouts, fencing) are :mod:`transport.connector.liveness`. A failed
+request stays quarantined (Aborted) until no write for it can land
+(Drained). The driver calls the core under one lock: the core keeps none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from buffers.kv_args import KVArgs
+from lifecycle.reasons import FailureReason
+from lifecycle.status import KVPoll
+from transport.attempts import Attempts, Route
+from transport.connector import liveness as live
+from transport.connector.config import ConnectorConfig
+from transport.connector.events import (
+    FAILED,
+    UNREACHABLE,
+    Arrived,
+    Effect,
+    Event,
+    Forget,
+    GroupKnown,
+    PeerReady,
+    PeerUnreachable,
+    Restarted,
+    Send,
+    Silence,
+    Stale,
+    Tick,
+    Write,
+    Written,
+)
+from transport.connector.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
+from transport.connector.legs import Request, describe
+from transport.connector.messages import Incoming, Message, Msg
+from transport.digest import Views
+from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
+from transport.layout import Writes, splits_state, state_geometry
+from transport.staging import Staging
+from transport.status_arrays import StatusArrays
+
+__all__ = ["ConnectorCore", "Side", "STATS", "DIGEST_STATS"]
+
+S, F = int(KVPoll.Success), int(KVPoll.Failed)
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound="Request[Any]")
+Req_contra = TypeVar("Req_contra", bound="Request[Any]", contravariant=True)
+
+#: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
+#: writer (unfenced: once it spoke); stale: a word from an old incarnation of a
+#: restarted peer, refused; stale_epoch: an older attempt's words, refused;
+#: malformed: messages that did not parse, dropped; the KV digest's
+#: (transport.digest): legs checked, found differing, bytes hashed, requests
+#: corrupted (ConnectorCore.corrupt), notes of pages in
+STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch", "malformed")
+DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted", "landed")
+
+
+class Side(Protocol[Req_contra]):
+    """One side's part of the protocol, as the core drives it.
+
+    The core hands every message, every pass and every failure of a request
+    to its side; the side moves the request along
+    :mod:`transport.connector.graph` through the core."""
+
+    #: peers write into this side's memory (decode): the waiting timeout runs
+    #: from its page list to the writers' word, and a request failed for a
+    #: writer gone silent is fenced at the drain timeout, not released
+    RECEIVES: ClassVar[bool]
+    #: the words of :mod:`transport.connector.messages` this side says, and hears
+    SAYS: ClassVar[frozenset[Msg]]
+    HEARS: ClassVar[frozenset[Msg]]
+    #: where head slices land before they are scattered (decode, when staged)
+    staging: Staging | None
+    #: the peers a request not registered yet is expected from: one of them
+    #: dead fails it (prefill: the decode ranks the last request paired with)
+    expected: frozenset[int]
+
+    def group_record(self) -> dict[str, Any] | None:
+        """What this rank publishes for its DP group before pairing (None: nothing)."""
+
+    def on_message(self, req: Req_contra, msg: Incoming) -> None:
+        """A peer's message about a live request."""
+
+    def late(self, msg: Incoming, reason: int) -> None:
+        """A peer's message about a room released here (``reason``: why it ended)."""
+
+    def steps(self, req: Req_contra) -> bool:
+        """Move a live request on; True while data is due from an engine that notifies."""
+        ...
+
+    def every_pass(self) -> None:
+        """What the core retries on every pass, whatever the requests do."""
+
+    def fail(self, req: Req_contra, reason: FailureReason) -> None:
+        """Fail a request here and make its peers stop writing."""
+
+    def give_up(self, req: Req_contra) -> None:
+        """The drain timeout passed and the engine's writes were forgotten."""
+
+    def ask_stop(self, req: Req_contra, reason: FailureReason) -> None:
+        """Ask every leg that has not stopped yet to stop writing the request."""
+
+    def tell_pages(
+        self,
+        req: Req_contra,
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
+        """The scheduler said where the request's data goes (a receiver's call)."""
+
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        """Place the next staged pages of these requests (the staging gate)."""
+
+    def corrupt_at(self, room: int, epoch: int, offset: int) -> None:
+        """A test's fault: flip one committed byte of that attempt before its check."""
+
+    def released(self, req: Req_contra) -> None:
+        """``req`` was released: forget what the side kept of it."""
+
+
+class ConnectorCore(StatusArrays):
+    """One rank's requests and protocol; see the module. ``side`` builds this
+    role's :class:`Side` over the core; ``notifies``: whether the engine
+    itself reports a peer's writes landing (decode then polls closely while
+    data is due)."""
+
+    COLUMNS: ClassVar[dict[str, tuple[Any, Any]]] = {
+        "phase": (np.int8, int(Phase.Drained)),
+        "born": (np.float64, np.nan),
+        "waited": (np.float64, np.nan),
+        "failed_at": (np.float64, np.nan),
+        "scatter_left": (np.int32, 0),  # decode: staged pages not yet placed
+    }
+
+    def __init__(
+        self,
+        kv_args: KVArgs,
+        config: ConnectorConfig,
+        kv_heads: int,
+        side: Callable[[ConnectorCore], Side[Any]],
+        notifies: bool = False,
+        views: Views | None = None,
+    ) -> None:
+        super().__init__()
+        self.phase: NDArray[np.int8]
+        self.born: NDArray[np.float64]
+        self.waited: NDArray[np.float64]
+        self.failed_at: NDArray[np.float64]
+        self.scatter_left: NDArray[np.int32]
+        self.config, self.kv_args, self.kv_heads = config, kv_args, kv_heads
+        self.rank = config.dp_rank * config.tp_size + config.tp_rank  # as peers know it
+        self.notifies = notifies
+        #: this rank's state rows, for the peers' fit check and split-state writes
+        self.state_geom = state_geometry(kv_args.state)
+        self.split_state = splits_state(kv_args.state)
+        self.views = views if views is not None else Views(kv_args)  # as the digest reads them
+        self.stats = dict.fromkeys(STATS + DIGEST_STATS, 0)
+        self.last_error: Exception | None = None
+        #: the time of the call being handled (seconds, the driver's monotonic clock)
+        self.now = 0.0
+        #: the live requests by (room, epoch), early words and released rooms
+        self.attempts: Attempts[Request[Any], Incoming] = Attempts()
+        self.reqs = self.attempts.reqs
+        self.peer_dead: set[int] = set()
+        #: what the driver told of the world, and what the core still asks for
+        self.peers: dict[int, dict[str, Any]] = {}
+        self.groups: dict[int, dict[str, Any]] = {}
+        self._want_peers: set[int] = set()
+        self._want_groups: set[int] = set()
+        self._out: list[Effect] = []
+        self._writes: dict[int, Request[Any]] = {}  # write id -> its request
+        self._next_write = 0
+        self.side: Side[Any] = side(self)
+
+    # -- what the driver asks --------------------------------------------------------------
+    def take_effects(self) -> list[Effect]:
+        """What to do, in order, since the last call: each effect once."""
+        out, self._out = self._out, []
+        return out
+
+    def wanted(self) -> tuple[set[int], set[int]]:
+        """(peers, prefill DP groups) whose records a request waits for."""
+        return self._want_peers - self.peers.keys(), self._want_groups - self.groups.keys()
+
+    def watched(self) -> set[int]:
+        """The peers whose heartbeat matters: the live requests' and the dead ones."""
+        expected = self.side.expected
+        return {p for r in self.reqs.values() for p in r.legs or expected} | self.peer_dead
+
+    def handle(self, event: Event, now: float) -> None:
+        """One event (see :mod:`transport.connector.events`), taken at ``now``."""
+        self.now = now
+        if isinstance(event, Arrived):
+            self._arrived(event.msg)
+        elif isinstance(event, Written):
+            self._written(event.write, event.outcome)
+        elif isinstance(event, PeerReady):
+            self.peers[event.peer] = event.info
+            self._want_peers.discard(event.peer)
+        elif isinstance(event, GroupKnown):
+            self.groups[event.dp] = event.record
+            self._want_groups.discard(event.dp)
+        elif isinstance(event, Silence):
+            live.silence(self, event.peers)
+        elif isinstance(event, Restarted):
+            live.restarted(self, event.incarnations)
+        elif isinstance(event, Stale):
+            live.stale(self, event.msg)
+        elif isinstance(event, PeerUnreachable):
+            self._unreachable(event.peer, event.why)
+        elif not isinstance(event, Tick):
+            raise TypeError(f"rank {self.rank}: {event!r} is not a connector event")
+
+    def tick(self, now: float) -> bool:
+        """A pass over every live request: what each side retries, the timeouts,
+        each request moved on. True while a request wants close polling (writes
+        in flight, or data due from an engine that notifies)."""
+        self.now = now
+        self.side.every_pass()
+        live.timeouts(self, now)
+        busy = False
+        for req in list(self.reqs.values()):
+            if req.released:
+                continue
+            watch = self.side.steps(req)
+            if req.cleared:
+                self.clear(req)
+            busy = busy or watch or bool(req.tokens)
+        return busy
+
+    def fail_all(self, reason: FailureReason, now: float, error: Exception | None = None) -> None:
+        """Fail every live request (the driver's loop hit ``error``: it is kept first,
+        so whoever sees a request failed sees why)."""
+        self.now = now
+        if error is not None:
+            self.last_error = error
+        for r in list(self.reqs.values()):
+            if not r.released and not IS_TERMINAL[self.phase_of(r)]:
+                self.fail(r, reason)
+
+    # -- requests ---------------------------------------------------------------------------
+    def take(self, room: int, make: Callable[[int, int], R], epoch: int, now: float) -> R:
+        """A new request for ``room`` at attempt ``epoch`` (``make``: its kind, from
+        room and slot). A newer attempt of a room may start while an older one
+        still drains its writes; the same or an older one is a duplicate. The
+        words that came for it before it was taken are handled first."""
+        epoch = epoch_of_arg(room, epoch, self.config.role, self.rank)
+        self.now = now
+        if self.attempts.taken(room, epoch):
+            raise DuplicateRoom(room, self.config.role, self.rank)
+        req = make(room, super().take(int(KVPoll.Bootstrapping)))
+        req.epoch = epoch
+        self.phase[req.index] = Phase.Bootstrap
+        self.born[req.index] = now
+        due = self.attempts.add(room, epoch, req)
+        self.stats["stale_epoch"] = self.attempts.stale
+        for msg in due:
+            self._arrived(msg)
+        return req
+
+    def live(self, room: int) -> Request[Any] | None:
+        """The newest live attempt of ``room`` (None: none)."""
+        return self.attempts.live(room)
+
+    def fire_many(
+        self, reqs: Sequence[Request[Any]], trigger: str, reason: FailureReason = FailureReason.NONE
+    ) -> NDArray[np.bool_]:
+        """Move ``reqs`` along ``trigger`` where it is declared; the mask of those moved.
+        A released request's slot may be another's already: it never moves."""
+        keep = np.fromiter((not r.released for r in reqs), dtype=bool, count=len(reqs))
+        idx = np.fromiter((r.index for r in reqs), dtype=np.int64, count=len(reqs))[keep]
+        new, illegal = fire(self.phase[idx], trigger, self.config.role)
+        moved = idx[~illegal]
+        self.phase[moved] = new[~illegal]
+        effect = int(POLL[ROLE_ID[self.config.role], TRIGGER_ID[trigger]])
+        st = self.status[moved]
+        going = moved[(st != S) & (st != F)]
+        if effect == F:
+            self.status[going], self.reason[going] = F, reason
+            self.failed_at[moved] = self.now
+        elif effect >= 0:  # progress raises the status, never lowers it
+            self.status[going] = np.maximum(self.status[going], effect)
+        out = np.zeros(len(reqs), dtype=bool)
+        out[np.flatnonzero(keep)[~illegal]] = True
+        return out
+
+    def fire(self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
+        return bool(self.fire_many([req], trigger, reason)[0])
+
+    def phase_of(self, req: Request[Any]) -> int:
+        return int(Phase.Drained) if req.released else int(self.phase[req.index])
+
+    def fail(self, req: Request[Any], reason: FailureReason) -> None:
+        """Fail locally and make the peers stop writing."""
+        self.side.fail(req, reason)
+
+    def clear(self, req: Request[Any]) -> None:
+        """The scheduler let go of ``req``: released once nothing of it can land."""
+        req.cleared = True
+        if IS_TERMINAL[self.phase_of(req)] and not req.tokens and not req.released:
+            req.released = True
+            self.scatter_left[req.index] = 0
+            self.release(req.index)
+            failed = int(self.status[req.index]) == F  # (a Success is never asked about)
+            reason = self.reason[req.index] if failed else FailureReason.ABORTED
+            self.attempts.release(req.room, req.epoch, int(reason))
+            self.side.released(req)
+
+    # -- what a side asks of the world ---------------------------------------------------------
+    def send(self, peer: int, msg: Message) -> None:
+        """Say ``msg`` to ``peer`` (best effort: a peer that is gone is caught by
+        heartbeats and timeouts)."""
+        self._out.append(Send(peer, msg))
+
+    def peer(self, peer: int) -> dict[str, Any] | None:
+        """``peer``'s endpoint record, connected to; None (asked for) until then."""
+        info = self.peers.get(peer)
+        if info is None:
+            self._want_peers.add(peer)
+        return info
+
+    def group(self, dp: int) -> dict[str, Any] | None:
+        """Prefill DP group ``dp``'s record; None (asked for) until it is known."""
+        got = self.groups.get(dp)
+        if got is None:
+            self._want_groups.add(dp)
+        return got
+
+    def submit(self, req: Request[Any], peer: int, info: dict[str, Any], w: Writes, note: bytes) -> None:
+        """Write ``w`` into ``peer`` for ``req`` (while it may still write)."""
+        if w[0].size == 0 or self.phase_of(req) not in (Phase.Metadata, Phase.Writing):
+            return
+        self._next_write += 1
+        wid = self._next_write
+        self._writes[wid] = req
+        req.tokens.append(wid)
+        self.stats["bytes_written"] += int(w[2].sum())
+        self.stats["writes"] += int(w[2].size)
+        self._out.append(Write(wid, peer, info, w, note))
+
+    def forget(self, req: Request[Any]) -> None:
+        """Let go of ``req``'s writes still in flight (the drain timeout passed)."""
+        for wid in req.tokens:
+            self._writes.pop(wid, None)
+            self._out.append(Forget(wid))
+        req.tokens.clear()
+
+    # -- the scheduler's calls (through its handles and the gate) -----------------------------
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+        now: float,
+    ) -> None:
+        self.now = now
+        self.side.tell_pages(req, pages, slot, state, skip)
+
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64], now: float) -> None:
+        """Place the next pages of every staged request whose data all landed."""
+        self.now = now
+        self.side.advance(rooms, indices)
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        """True where a request's scatter is not done yet."""
+        out: NDArray[np.bool_] = self.scatter_left[indices] > 0
+        return out
+
+    def corrupt(self, room: int, offset: int = 0, epoch: int = 0) -> None:
+        """A test's fault (decode): see :meth:`transport.connector.hub.Connector.corrupt`."""
+        if not self.side.RECEIVES:
+            raise TransportError(
+                f"room={room}: prefill rank {self.rank} holds no committed bytes to corrupt; "
+                "call corrupt() on a decode connector"
+            )
+        self.side.corrupt_at(room, int(epoch), int(offset))
+
+    def describe(self, room: int) -> str:
+        """Where a live request stands on the wire, with each peer (one line)."""
+        req = self.live(room)
+        if req is None:
+            return f"room={room}: not live here"
+        return describe(req, Phase(self.phase_of(req)).name, KVPoll(self.status[req.index]).name)
+
+    def fenced(self) -> tuple[int, int]:
+        """(requests, KV pages) held fenced on writers that stopped beating."""
+        return live.fenced(self)
+
+    def owing(self) -> bool:
+        """Whether a request still owes a live peer a word (or has writes in flight)."""
+        return live.owing(self)
+
+    # -- events ----------------------------------------------------------------------------------
+    def _arrived(self, msg: Incoming) -> None:
+        live.heard(self, msg.peer)
+        route, req, reason = self.attempts.route(msg.room, msg.epoch, msg)
+        self.stats["stale_epoch"] = self.attempts.stale
+        if route is Route.STALE:  # an older attempt's word, that attempt gone: never applied
+            logger.debug("room=%s: %s of another attempt refused", msg.room, msg.msg.KIND)
+        elif route is Route.LATE:  # released here: the side answers what needs an answer
+            self.side.late(msg, reason)
+        elif req is not None:
+            self.side.on_message(req, msg)
+
+    def _written(self, wid: int, outcome: str) -> None:
+        req = self._writes.pop(wid, None)
+        if req is None:
+            return  # given up already (the drain timeout): nothing waits for it
+        if wid in req.tokens:
+            req.tokens.remove(wid)
+        if outcome == FAILED:
+            self.fail(req, FailureReason.TRANSFER_ERROR)
+        elif outcome == UNREACHABLE:
+            self.fail(req, FailureReason.PEER_DEAD)
+
+    def _unreachable(self, peer: int, why: str) -> None:
+        """A peer that beats yet cannot be reached: the requests waiting for it fail."""
+        err = ConnectionError(why)
+        self.last_error = err
+        logger.warning("rank %d: %s", self.rank, why)
+        self._want_peers.discard(peer)
+        expected = self.side.expected
+        for r in list(self.reqs.values()):
+            if r.released or IS_TERMINAL[self.phase_of(r)]:
+                continue
+            if peer in (r.legs or expected):
+                self.fail(r, FailureReason.TRANSFER_ERROR)
