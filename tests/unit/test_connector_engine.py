@@ -5,7 +5,11 @@ a request end to end, each call comes from the thread the contract names, and
 an object lacking a method is refused before anything starts."""
 
 import ast
+import ctypes
+import re
+import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -275,3 +279,71 @@ def test_a_connector_refuses_a_non_engine_before_it_starts_anything():
     with pytest.raises(NotAnEngine, match="lacks connect"):
         Connector(kv_args_for(kv, MetadataBuffers(4, layout).buf_infos(), 0), cfg, Partial())
     assert threading.active_count() == before  # no loop, no heartbeat started
+
+
+class _FakeLib:
+    """A stand-in for the binding docs/backends.md's skeleton imports: writes
+    are copied at once."""
+
+    class Engine:
+        def __init__(self, host):
+            self.host, self.closed = host, False
+
+        def register(self, addrs, lens):
+            return len(addrs) == len(lens) > 0
+
+        def address(self):
+            return f"{self.host}:1"
+
+        def open(self, address):
+            return ("session", address)
+
+        def post_write(self, session, src, dst, lens):
+            assert session[0] == "session"
+            for s, d, n in zip(src, dst, lens):
+                ctypes.memmove(d, s, n)
+            return object()  # compared by identity
+
+        def status(self, token):
+            return "done"
+
+        def release(self, token):
+            pass
+
+        def close(self):
+            self.closed = True
+
+
+def test_the_documented_skeleton_drives_a_request(monkeypatch):
+    text = (ROOT / "docs" / "backends.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class MyEngine" in b)
+    monkeypatch.setitem(sys.modules, "mylib", types.SimpleNamespace(Engine=_FakeLib.Engine))
+    ns = {"__name__": "docs_backends_skeleton"}
+    exec(compile(code, "docs/backends.md", "exec"), ns)
+    manager = ns["MyManager"]
+    assert overrides(manager) == []
+    store = store_server()
+    layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
+    sides = {}
+    for role in ("prefill", "decode"):
+        kv = [torch.zeros((8, 64), dtype=torch.uint8)]
+        meta = MetadataBuffers(4, layout)
+        cfg = ConnectorConfig(role=role, tp_rank=0, store_port=store.port, idle_interval=0.005)
+        sides[role] = (manager(kv_args_for(kv, meta.buf_infos(), 0), cfg), kv, meta)
+    (p, pkv, pmeta), (d, dkv, dmeta) = sides["prefill"], sides["decode"]
+    try:
+        pkv[0].fill_(7)
+        pmeta.write(0, 43, {"output_ids": [1]})
+        s, r = p.sender(43), d.receiver(43)
+        r.init()
+        wait_for(lambda: handshaken(s), "prefill handshake")
+        r.send_metadata([3], 1)
+        wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
+        s.init(1, 0)
+        s.send([0])
+        wait_for(lambda: r.poll() == KVPoll.Success == s.poll(), "the request succeeds")
+        assert bool((dkv[0][3] == 7).all()) and dmeta.room_of(1) == 43
+    finally:
+        for m, _, _ in sides.values():
+            m.close(wait=0)
+    assert p.engine.lib.closed and d.engine.lib.closed
