@@ -9,7 +9,8 @@ one this rank plays is picked once, as it is built); the clocks in
 :mod:`transport.connector.handles`. Each of these parts reaches the connector
 through the :class:`~transport.connector.port.Port` it implements. Its
 :class:`~transport.engine.Engine` (Mooncake, NIXL, or any object with that
-protocol's methods) registers memory, issues writes and reads their completion. Each request moves along the protocol of
+protocol's methods) registers memory, issues writes and reads their
+completion. Each request moves along the protocol of
 :mod:`transport.connector.graph` (the ``phase`` column, fired through its
 tables; in batches for timeouts and dead peers), with a :class:`~transport.connector.legs.Leg`
 per peer rank. A failed request stays quarantined (Aborted) until no write for
@@ -141,7 +142,8 @@ class Connector(StatusArrays):
         return out + (staging.regions() if staging is not None else [])
 
     def _forget(self, token: Any) -> None:
-        """Let the engine go of a write's token (the drain timeout's, see liveness)."""
+        """Hand a write's token back to the engine (liveness gives up writes
+        still in flight at the drain timeout through this)."""
         self.engine.forget(token)
 
     # -- requests and the protocol ---------------------------------------------------------
