@@ -309,27 +309,44 @@ def check_deadlocked(reports: list[dict[str, Any]]) -> None:
 # -- one process: the stub engine --------------------------------------------------------
 
 
-class CopyConnector(Connector):
+class CopyEngine:
     """Writes land inside the call (the stub engine of tests/unit/stub_engine.py)."""
 
-    def _start_engine(self) -> dict[str, Any]:
+    NOTIFIES = False
+
+    def start(self, regions: list[tuple[int, int]], host: str) -> dict[str, Any]:
         return {}
 
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
-        src, dst, lens, _ = w_notif
+    def connect(self, peer: int, info: dict[str, Any]) -> None:
+        pass
+
+    def write(self, info: dict[str, Any], src: Any, dst: Any, lens: Any, note: bytes) -> Any:
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             ctypes.memmove(d, s, n)
         return 1
 
-    def _check(self, token: Any) -> int:
+    def check(self, token: Any) -> int:
         return int(token)
+
+    def forget(self, token: Any) -> None:
+        pass
+
+    def notified(self) -> list[Any]:
+        return []
+
+    def stop(self) -> None:
+        pass
+
+
+def copy_connector(kv_args: Any, config: Any) -> Connector:
+    return Connector(kv_args, config, CopyEngine())
 
 
 def run_in_process(ns: str) -> list[dict[str, Any]]:
     server = store_server()
     board = Board()
-    pre = side("prefill", CopyConnector, ns, server.port, board)
-    dec = side("decode", CopyConnector, ns, server.port, board)
+    pre = side("prefill", copy_connector, ns, server.port, board)
+    dec = side("decode", copy_connector, ns, server.port, board)
     try:
         deadline = time.monotonic() + BUDGET
         register_in_order(dec, deadline)

@@ -1,5 +1,6 @@
-"""A connector whose engine copies memory inside the write call, for driving
-the shared connector end to end in one process."""
+"""An engine that copies memory inside the write call, for driving the shared
+connector end to end in one process. It implements the Engine protocol of
+transport.engine structurally: it subclasses nothing."""
 
 import ctypes
 import time
@@ -8,25 +9,57 @@ from transport.connector.graph import Phase
 from transport.connector.hub import Connector
 
 
-class CopyConnector(Connector):
-    """Writes land inside the call, in order; ``fail_next`` set on a connector
-    makes its next write fail (on that connector: no other test inherits it)."""
+class CopyEngine:
+    """Writes land inside the call, in order; ``fail_next`` set on an engine
+    makes its next write fail (on that engine: no other test inherits it)."""
 
-    fail_next = False
+    NOTIFIES = False
 
-    def _start_engine(self):
-        self.writes = []
+    def __init__(self):
+        self.writes = []  # each write's lengths, in order
+        self.fail_next = False
+
+    def start(self, regions, host):
         return {}
 
-    def _write(self, info, src, dst, lens, notif):
+    def connect(self, peer, info):
+        pass
+
+    def write(self, info, src, dst, lens, note):
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             ctypes.memmove(d, s, n)
         self.writes.append(lens.tolist())
-        failed, self.fail_next = self.fail_next, False  # this connector only
+        failed, self.fail_next = self.fail_next, False  # this engine only
         return -1 if failed else 1
 
-    def _check(self, token):
+    def check(self, token):
         return token
+
+    def forget(self, token):
+        pass
+
+    def notified(self):
+        return []
+
+    def stop(self):
+        pass
+
+
+class CopyConnector(Connector):
+    """A connector driving ``engine`` (default: a new CopyEngine), built as a
+    backend's manager is: ``CopyConnector(kv_args, config)``."""
+
+    def __init__(self, kv_args, config, engine=None):
+        super().__init__(kv_args, config, CopyEngine() if engine is None else engine)
+
+
+def copy_connector(engine_cls):
+    """A manager class building a CopyConnector on a new ``engine_cls()``."""
+
+    def build(kv_args, config):
+        return CopyConnector(kv_args, config, engine_cls())
+
+    return build
 
 
 def wait_for(cond, what, timeout=30.0):

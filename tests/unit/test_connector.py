@@ -55,7 +55,7 @@ def test_one_request_moves_pages_then_the_row_room_last(pair):
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][5:8], pkv[0][2:5])
     assert dmeta.room_of(2) == 77
-    assert p.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
+    assert p.engine.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
     assert s.drained and r.drained
     assert p.phase[s.index] == Phase.Done and d.phase[r.index] == Phase.Done
 
@@ -88,7 +88,7 @@ def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
     s, r = p.sender(9), d.receiver(9)
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
-    p.fail_next = True
+    p.engine.fail_next = True
     s.init(1, None)
     s.send([0])
     r.send_metadata([1], 0)

@@ -239,7 +239,7 @@ def test_a_request_between_pools_cut_in_head_groups_lands_every_byte(store):
         # two runs of KV per prefill rank: one per buffer, pages 0-3 and 4-5 apart
         # (the primary's metadata fields in the same write)
         row = len(pre[0].meta.buf_infos()[0]) - 1
-        assert [len(p.m.writes[0]) for p in pre] == [4 + row, 4]
+        assert [len(p.m.engine.writes[0]) for p in pre] == [4 + row, 4]
         assert (dec.m.stats["digests_checked"], dec.m.stats["digest_mismatches"]) == (2, 0)
     finally:
         for x in (*pre, dec):

@@ -14,7 +14,7 @@ except (ImportError, OSError) as e:
 
 from lifecycle import FailureReason, KVPoll
 from transport.attempts import Attempts
-from transport.backends.mooncake import MooncakeConfig, MooncakeManager
+from transport.backends.mooncake import MooncakeConfig, MooncakeEngine, MooncakeManager
 from transport.connector.graph import Phase
 from transport.connector.hub import SIDES
 from transport.connector.legs import Request
@@ -39,7 +39,9 @@ class StubEngine:
 def bare_manager(engine, role="prefill"):
     m = object.__new__(MooncakeManager)  # no engine, no store: just the bookkeeping
     StatusArrays.__init__(m)
-    m.engine = engine
+    m.engine = MooncakeEngine()
+    m.engine.engine = engine  # the stub stands in for the TransferEngine
+    m.NOTIFIES = MooncakeEngine.NOTIFIES
     m.config = MooncakeConfig(role=role, tp_rank=0, store_port=1)  # never reached
     m.attempts, m._peer_dead = Attempts(), set()
     m._reqs = m.attempts.reqs
@@ -63,10 +65,10 @@ def test_a_finished_batch_is_read_once_and_remembered():
 
     token = _Batches("e", [])
     token.pending = [5]
-    assert m._check(token) == 0
-    assert m._check(token) == 1
-    assert m._check(token) == 1  # not read again: a second read would look "in progress"
-    m._forget(token)
+    assert m.engine.check(token) == 0
+    assert m.engine.check(token) == 1
+    assert m.engine.check(token) == 1  # not read again: a second read would look "in progress"
+    m.engine.forget(token)
     assert token.pending == []
 
 

@@ -7,7 +7,7 @@ pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
 from transport.attempts import Attempts
-from transport.backends.nixl import NixlConfig, NixlManager
+from transport.backends.nixl import NixlConfig, NixlEngine, NixlManager
 from transport.connector.graph import Phase
 from transport.connector.hub import SIDES
 from transport.connector.legs import DecodeRequest, PrefillRequest
@@ -46,8 +46,11 @@ class StubAgent:
 def bare_manager(agent, role="prefill", **cfg):
     m = object.__new__(NixlManager)  # no agent, no store: just the bookkeeping
     StatusArrays.__init__(m)
-    m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
     m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
+    m.engine = NixlEngine(m.config)
+    m.engine.agent = agent
+    m.engine._remotes, m.engine._peer_of = {1: "peer-agent"}, {"peer-agent": 1}
+    m.NOTIFIES = NixlEngine.NOTIFIES
     m.attempts, m._peer_dead = Attempts(), set()
     m._reqs = m.attempts.reqs
     m.side = SIDES[role](m)
@@ -93,8 +96,8 @@ def test_the_room_notification_completes_decode():
     }
     m = bare_manager(StubAgent(notifs=notifs), role="decode")
     # (room, its attempt, the peer rank whose write landed, its pages: None for the last)
-    assert m._notified() == [(9, 2, 1, None), (9, 2, 1, (0, 8))]
-    assert m._notified() == []  # consumed once
+    assert m.engine.notified() == [(9, 2, 1, None), (9, 2, 1, (0, 8))]
+    assert m.engine.notified() == []  # consumed once
 
 
 def test_a_notification_that_never_comes_is_the_waiting_timeout():

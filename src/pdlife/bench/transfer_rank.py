@@ -200,12 +200,12 @@ def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, f
     """Every write of ``raw`` (by decode rank), through the engine's own calls and
     polled to completion: (start, end)."""
     t0 = time.monotonic()
-    tokens = [mgr._write(infos[d], *w, b"") for d, w in raw.items()]  # the engine's own write
-    while any(mgr._check(tok) == 0 for tok in tokens):
+    tokens = [mgr.engine.write(infos[d], *w, b"") for d, w in raw.items()]  # the engine's own write
+    while any(mgr.engine.check(tok) == 0 for tok in tokens):
         time.sleep(POLL)
     t1 = time.monotonic()
     for tok in tokens:
-        mgr._forget(tok)
+        mgr.engine.forget(tok)
     return t0, t1
 
 

@@ -7,8 +7,9 @@ who sends which heads to whom in :mod:`transport.topology`; where writes go in
 one this rank plays is picked once, as it is built); the clocks in
 :mod:`transport.connector.liveness`; a request's handles in
 :mod:`transport.connector.handles`. Each of these parts reaches the connector
-through the :class:`~transport.connector.port.Port` it implements. An engine
-subclass (Mooncake, NIXL) registers memory, issues writes and reads their
+through the :class:`~transport.connector.port.Port` it implements. Its
+:class:`~transport.engine.Engine` (Mooncake, NIXL, or any object with that
+protocol's methods) registers memory, issues writes and reads their
 completion. Each request moves along the protocol of
 :mod:`transport.connector.graph` (the ``phase`` column, fired through its
 tables; in batches for timeouts and dead peers), with a :class:`~transport.connector.legs.Leg`
@@ -51,6 +52,7 @@ from transport.connector.port import Side
 from transport.connector.prefill import PrefillSide
 from transport.connector.wire import MalformedMessage
 from transport.digest import Views
+from transport.engine import Engine, check_engine
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
@@ -78,9 +80,8 @@ DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupt
 
 
 class Connector(StatusArrays):
-    """One per rank. Subclasses provide the engine hooks (``_start_engine`` ... ``_stop_engine``)."""
-
-    NOTIFIES: ClassVar[bool] = False  # whether ``_notified`` reports completions
+    """One per rank, driving ``engine`` (see :mod:`transport.engine`). A backend's
+    manager class is a subclass that only builds its engine in ``__init__``."""
 
     COLUMNS: ClassVar[dict[str, tuple[Any, Any]]] = {
         "phase": (np.int8, int(Phase.Drained)),
@@ -90,13 +91,17 @@ class Connector(StatusArrays):
         "scatter_left": (np.int32, 0),  # decode: staged pages not yet placed
     }
 
-    def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
+    def __init__(self, kv_args: KVArgs, config: ConnectorConfig, engine: Engine) -> None:
         #: every global head this model has (checked against this rank's KVArgs
         #: with the rest of the pair before anything starts)
         self.kv_heads = check_fit(kv_args, config)
         c = self.config = config
         self.kv_args = kv_args
-        self.rank = c.dp_rank * c.tp_size + c.tp_rank  # the global id peers know this rank by
+        self.rank = c.rank  # the global id peers know this rank by
+        check_engine(engine)
+        self.engine = engine
+        #: whether the engine itself reports a peer's last write landing (Engine.NOTIFIES)
+        self.NOTIFIES = bool(engine.NOTIFIES)
         #: the address this rank's engine advertises (checked to be on this host)
         self.host = engine_host(config, type(self).__name__.replace("Manager", "Config"))
         super().__init__()
@@ -109,7 +114,7 @@ class Connector(StatusArrays):
         self.side: Side[Any] = SIDES[c.role](self)  # (its staging is registered with the rest)
         self.stats = dict.fromkeys(STATS + DIGEST_STATS, 0)  # (see STATS)
         self.views = Views(kv_args)  # this rank's buffers, as the digest reads them
-        info = self._start_engine()
+        info = engine.start(self.regions(), self.host)
         self._stop, self._wake = threading.Event(), threading.Event()
         self._msg_lock = threading.RLock()  # messages are handled one at a time, in order
         self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, self.rank, self._wake)
@@ -144,28 +149,10 @@ class Connector(StatusArrays):
         staging = self.side.staging
         return out + (staging.regions() if staging is not None else [])
 
-    # -- engine hooks ---------------------------------------------------------------------
-    def _start_engine(self) -> dict[str, Any]:
-        """Start the engine and register :meth:`regions`; return what peers need to write here."""
-        raise NotImplementedError
-
-    def _connect(self, peer: int, info: dict[str, Any]) -> None: ...  # once, before writes
-
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
-        """Issue writes (src, dst, lens, notification); a token, None if unreachable."""
-        raise NotImplementedError
-
-    def _check(self, token: Any) -> int:  # 0 in flight, 1 landed, -1 failed; then _forget
-        raise NotImplementedError
-
-    def _forget(self, token: Any) -> None: ...
-
-    def _notified(self) -> list[tuple[int, int, int, tuple[int, int] | None]]:
-        """(room, epoch, peer, span) of each note the engine gave this (decode) rank:
-        span None for an attempt's last write, else the pages that landed."""
-        return []
-
-    def _stop_engine(self) -> None: ...
+    def _forget(self, token: Any) -> None:
+        """Hand a write's token back to the engine (liveness gives up writes
+        still in flight at the drain timeout through this)."""
+        self.engine.forget(token)
 
     # -- requests and the protocol ---------------------------------------------------------
     def _take(self, room: int, make: Callable[[int, int], R], epoch: int = 0) -> R:
@@ -294,7 +281,7 @@ class Connector(StatusArrays):
     def _peer_info(self, peer: int, store: Any) -> dict[str, Any] | None:
         c = self.config  # (a dead peer is named after heartbeat_misses: only a live one errs)
         tries = 3 * c.heartbeat_misses + 1
-        return self.mail.connected(peer, store, self._connect, c.heartbeat_interval, tries)
+        return self.mail.connected(peer, store, self.engine.connect, c.heartbeat_interval, tries)
 
     def _on_message(self, raw: Any, store: Any) -> None:
         """A message off the mailbox, as JSON left it: parsed, or counted and dropped."""
@@ -336,7 +323,7 @@ class Connector(StatusArrays):
                     last_look = now
                 for msg in self.mail.received():
                     self._on_message(msg, store)
-                for room, epoch, peer, span in self._notified():
+                for room, epoch, peer, span in self.engine.notified():
                     note = Landed(room, epoch, span) if span else Done(room, epoch)
                     self._deliver(Incoming(peer, None, note, notified=True), store)
                 self.side.every_pass(store)
@@ -365,10 +352,10 @@ class Connector(StatusArrays):
 
     def _reap(self, req: Request[Any], store: Any) -> None:
         for tok in list(req.tokens):
-            s = self._check(tok)
+            s = self.engine.check(tok)
             if s != 0:
                 req.tokens.remove(tok)
-                self._forget(tok)
+                self.engine.forget(tok)
             if s < 0:
                 self._fail(req, FailureReason.TRANSFER_ERROR, store)
 
@@ -386,7 +373,7 @@ class Connector(StatusArrays):
     ) -> None:
         if w[0].size == 0 or self._phase(req) not in (Phase.Metadata, Phase.Writing):
             return
-        token = self._write(info, *w, notif)
+        token = self.engine.write(info, *w, notif)
         if token is None:
             self._fail(req, FailureReason.PEER_DEAD, st)
         else:
@@ -415,4 +402,4 @@ class Connector(StatusArrays):
         self.mail.close()
         self._thread.join(timeout=2)
         self.views.close()  # (its digest threads read the buffers the engine lets go)
-        self._stop_engine()
+        self.engine.stop()

@@ -100,7 +100,7 @@ class Port(Statuses, Protocol):
     per-request columns (written under the lock: growth replaces them), its
     requests, the mailbox and the engine's writes."""
 
-    NOTIFIES: ClassVar[bool]  # the engine itself reports a peer's last write landing
+    NOTIFIES: bool  # the engine itself reports a peer's last write landing
     config: ConnectorConfig
     rank: int
     kv_args: KVArgs
