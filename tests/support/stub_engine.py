@@ -2,8 +2,8 @@
 the shared connector end to end in one process."""
 
 import ctypes
-import time
 
+from support.wait import wait_for
 from transport.connector.graph import Phase
 from transport.connector.hub import Connector
 
@@ -27,14 +27,6 @@ class CopyConnector(Connector):
 
     def _check(self, token):
         return token
-
-
-def wait_for(cond, what, timeout=30.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def handshaken(*senders):
