@@ -5,11 +5,12 @@ ordering, and the API's illegal moves."""
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken
+from support.wait import wait_for
 from transport.connector.graph import Phase, ProtocolError
 from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for

@@ -9,10 +9,11 @@ import queue
 import numpy as np
 import pytest
 import test_connector_topologies as topologies
-from stub_engine import CopyConnector, CopyEngine, wait_for
 from test_connector_topologies import PS, Rank, finish, run_request, store  # noqa: F401
 
 from lifecycle import FailureReason, KVPoll
+from support.stub_engine import CopyConnector, CopyEngine
+from support.wait import wait_for
 from transport.connector.graph import Phase
 from transport.errors import ChecksumMismatch
 from transport.topology import Topology

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from stub_engine import CopyEngine, handshaken, wait_for
 
 import transport.backends.mooncake
 import transport.backends.nixl
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyEngine, handshaken
+from support.wait import wait_for
 from transport.connector.hub import Connector, ConnectorConfig
 from transport.engine import Engine, check_engine
 from transport.errors import NotAnEngine

@@ -9,12 +9,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken, refused_for_layout
+from support.wait import wait_for
 from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError

@@ -10,11 +10,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, CopyEngine, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, CopyEngine, handshaken
+from support.wait import wait_for
 from transport.connector import prefill as pre
 from transport.connector.graph import Phase
 from transport.connector.hub import ConnectorConfig

@@ -10,12 +10,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.errors import BadSetting
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken, refused_for_layout
+from support.wait import wait_for
 from transport.connector.hub import ConnectorConfig
 from transport.connector.legs import kv_writes, leg_of
 from transport.digest import Views, digest, flip, signature

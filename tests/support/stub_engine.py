@@ -3,8 +3,8 @@ connector end to end in one process. It implements the Engine protocol of
 transport.engine structurally: it subclasses nothing."""
 
 import ctypes
-import time
 
+from support.wait import wait_for
 from transport.connector.graph import Phase
 from transport.connector.hub import Connector
 
@@ -60,14 +60,6 @@ def copy_connector(engine_cls):
         return CopyConnector(kv_args, config, engine_cls())
 
     return build
-
-
-def wait_for(cond, what, timeout=30.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def handshaken(*senders):
