@@ -2,6 +2,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# one definition for every test directory; a conftest offers a fixture by its name
+from support.process_groups import world_of_one as world_of_one
+
 # Each TCPStore client connect reverse-resolves its loopback address, which it
 # holds as ::ffff:127.0.0.1: /etc/hosts lists only 127.0.0.1, so the query goes
 # to DNS, and a resolver that drops one stalls the connect for glibc's default

@@ -15,6 +15,7 @@ __all__ = [
     "TransferFailed",
     "DuplicateRoom",
     "ChecksumMismatch",
+    "NotAnEngine",
     "require_module",
 ]
 
@@ -64,6 +65,19 @@ class BackendUnavailable(TransportError):
     def __init__(self, name: str, why: str, fix: str) -> None:
         self.name, self.why, self.fix = name, why, fix
         super().__init__(f"transfer backend {name!r} is not available: {why}. {fix}")
+
+
+class NotAnEngine(TransportError, TypeError):
+    """A connector was handed an engine lacking members of the
+    :class:`~transport.engine.Engine` protocol; nothing was started."""
+
+    def __init__(self, engine: object, missing: Iterable[str]) -> None:
+        self.engine, self.missing = engine, tuple(missing)
+        super().__init__(
+            f"{type(engine).__name__} is not a transfer engine: it lacks "
+            f"{', '.join(self.missing)}; implement the Engine protocol of transport.engine "
+            "(see docs/backends.md)"
+        )
 
 
 def require_module(backend: str, module: str, name: str, fix: str) -> None:

@@ -55,21 +55,3 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     # before the test body: each test FAILS (not errors, not skips) with that line
     if SGLANG_MISSING is not None:
         pytest.fail(SGLANG_MISSING, pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A one-rank gloo group in this process (the consensus functions take process groups)."""
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from lifecycle.testing.spawn import store_server
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", store=store_server(), rank=0, world_size=1, timeout=timedelta(seconds=20)
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()

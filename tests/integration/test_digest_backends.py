@@ -7,15 +7,9 @@ with it off (the negative control) the same corruption goes unseen."""
 import pytest
 from test_transfer_backends import _manager, _pair
 
+from support.wait import wait_for
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(180)]
-
-
-def _wait(cond, limit=30.0):
-    import time
-
-    t0 = time.time()
-    while not cond() and time.time() - t0 < limit:
-        time.sleep(0.005)
 
 
 def _corrupt_pair(backend, role, port, q, digest):
@@ -30,19 +24,19 @@ def _corrupt_pair(backend, role, port, q, digest):
         kv[0].copy_(torch.arange(kv[0].numel()).view_as(kv[0]) % 251)
         meta.write(2, 91, {"output_ids": [7]})
         s = m.sender(91)
-        _wait(lambda: s.poll() == KVPoll.WaitingForInput)
+        wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill WaitingForInput", 30.0, 0.005)
         s.init(3, 2)
         s.send([3, 4, 5])
-        _wait(lambda: s.poll() in end)
+        wait_for(lambda: s.poll() in end, "prefill Success or Failed", 30.0, 0.005)
         q.put(("prefill", int(s.poll()), int(s.failure_reason()), dict(m.stats)))
     else:
         m.corrupt(91, offset=7)
         r = m.receiver(91)
         r.init()
-        _wait(lambda: r.poll() == KVPoll.WaitingForInput)
+        wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "decode WaitingForInput", 30.0, 0.005)
         r.send_metadata([9, 8, 10], 1)
-        _wait(lambda: r.poll() in end)
-        _wait(lambda: r.drained, 5.0)
+        wait_for(lambda: r.poll() in end, "decode Success or Failed", 30.0, 0.005)
+        wait_for(lambda: r.drained, "decode's request drained", 5.0, 0.005)
         want = (np.arange(kv[0].numel()).reshape(kv[0].shape) % 251)[[3, 4, 5]]
         differ = int((kv[0].numpy()[[9, 8, 10]] != want).sum())
         q.put(("decode", int(r.poll()), int(r.failure_reason()), dict(m.stats), differ))

@@ -8,29 +8,15 @@ rank each, meeting at a store the parent starts on a port the OS picks."""
 
 import pytest
 
+from support.pages import pattern
+from support.wait import wait_for
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(180)]
 
 PAGES, PAGE_BYTES, LAYERS, PS = 32, 256, 2, 4
 #: room -> (pages in the request, cached pages on decode, whether prefill pops the prefix)
 REQUESTS = {51: (6, 2, True), 52: (5, 3, False), 53: (4, 0, True)}
 CACHED = 0xAB  # what decode's own prefix pages hold
-
-
-def pattern(room, position, layer):
-    import torch
-
-    base = (room * 131 + position * 17 + layer * 7) % 251
-    return ((torch.arange(PAGE_BYTES) + base) % 256).to(torch.uint8)
-
-
-def _wait(cond, what, limit=60.0):
-    import time
-
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > limit:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def _side(backend, side, port, q):
@@ -89,16 +75,26 @@ def _prefill(backend, mgr, kv, meta):
         src = np.arange(slot * 8, slot * 8 + n)
         for pos, page in enumerate(src):
             for layer in range(LAYERS):
-                kv[layer][page] = pattern(room, pos, layer)
+                kv[layer][page] = pattern(room, pos, layer, PAGE_BYTES)
         meta.bootstrap_room[slot, 0] = room
         meta.output_ids[slot, 0] = room % 100
-        _wait(lambda s=s: s.poll() != KVPoll.Bootstrapping, f"room {room} bootstrapped")
+        wait_for(
+            lambda s=s: s.poll() != KVPoll.Bootstrapping,
+            f"room {room} bootstrapped",
+            timeout=60.0,
+            interval=0.005,
+        )
         popped = s.pop_decode_prefix_len() if pops else None
         first = (popped or 0) // PS
         s.init(n - first, slot)
         for k in range(first, n, 2):
             s.send(src[k : k + 2])
-        _wait(lambda s=s: s.poll() in (KVPoll.Success, KVPoll.Failed), f"room {room} done")
+        wait_for(
+            lambda s=s: s.poll() in (KVPoll.Success, KVPoll.Failed),
+            f"room {room} done",
+            timeout=60.0,
+            interval=0.005,
+        )
         metric = s.get_transfer_metric()
         out[room] = (int(s.poll()), popped, metric.transfer_total_bytes)
     out["bytes_written"] = mgr.core.stats["bytes_written"]
@@ -122,14 +118,24 @@ def _decode(backend, mgr, kv, meta):
         dst = np.arange(31 - slot * 8 - cached, 31 - slot * 8 - n, -1)  # the pages after them
         for layer in range(LAYERS):
             kv[layer][prefix] = CACHED
-        _wait(lambda r=r: r.poll() == KVPoll.WaitingForInput, f"room {room} handshake")
+        wait_for(
+            lambda r=r: r.poll() == KVPoll.WaitingForInput,
+            f"room {room} handshake",
+            timeout=60.0,
+            interval=0.005,
+        )
         r.send_metadata(dst, slot, None, decode_prefix_len=cached * PS)
-        _wait(lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed), f"room {room} done")
+        wait_for(
+            lambda r=r: r.poll() in (KVPoll.Success, KVPoll.Failed),
+            f"room {room} done",
+            timeout=60.0,
+            interval=0.005,
+        )
         bad = [
             (pos, layer)
             for pos, page in zip(range(cached, n), dst)
             for layer in range(LAYERS)
-            if not torch.equal(kv[layer][page], pattern(room, pos, layer))
+            if not torch.equal(kv[layer][page], pattern(room, pos, layer, PAGE_BYTES))
         ]
         untouched = all(bool((kv[layer][prefix] == CACHED).all()) for layer in range(LAYERS))
         row = (int(meta.bootstrap_room[slot, 0]), int(meta.output_ids[slot, 0]))

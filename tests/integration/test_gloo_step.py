@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 
 from lifecycle.testing.spawn import RankError, run_ranks
+from support.status import F, S, T, W
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-
-B, W, T, S, F = 1, 2, 3, 4, 0
 
 
 def _random_run(rank, world, seed, steps):

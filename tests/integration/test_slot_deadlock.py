@@ -18,14 +18,14 @@ The connectors' timeouts are 300 s and the scenario's budget 60 s: a
 deadlock fails a test, it does not hang one, and no verdict rests on a
 clock (the crossed holding is itself the proof of the deadlock).
 
-On the stub engine of the unit tests (both sides in one process, stepped in
-turn; the fake backend's two sides never wait for each other, so it cannot
-deadlock) and on Mooncake and NIXL (a process a side, on 127.0.0.1).
+On the stub engine of tests/support/stub_engine.py (both sides in one
+process, stepped in turn; the fake backend's two sides never wait for each
+other, so it cannot deadlock) and on Mooncake and NIXL (a process a side, on
+127.0.0.1).
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import Any
 
@@ -37,7 +37,10 @@ from engines import require
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import rank_context, store_server
-from transport.connector.hub import Connector, ConnectorConfig
+from support.pages import pattern
+from support.status import F, S, W
+from support.stub_engine import CopyConnector
+from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,13 +51,6 @@ LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logp
 BUDGET = 60.0  # seconds for the scenario: far above its run (about a second), far below
 TIMEOUTS = 300.0  # the connectors' bootstrap and waiting timeouts
 GRACE = 5.0  # a crossed holding is watched this long more: nothing moves
-W, S, F = KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Failed
-
-
-def pattern(room: int, pos: int, layer: int) -> torch.Tensor:
-    """What page ``pos`` of ``room``'s KV holds on ``layer``."""
-    base = (room * 131 + pos * 17 + layer * 7) % 251
-    return (torch.arange(PAGE_BYTES, dtype=torch.int64) + base).remainder(256).to(torch.uint8)
 
 
 def row_values(room: int) -> dict[str, Any]:
@@ -153,7 +149,7 @@ class Side:
                 pages = self.pages[room] = list(range(PAGES))
                 for pos, page in enumerate(pages):  # the forward pass
                     for layer in range(LAYERS):
-                        self.kv[layer][page] = pattern(room, pos, layer)
+                        self.kv[layer][page] = pattern(room, pos, layer, PAGE_BYTES)
                 self.meta.write(0, room, row_values(room))
                 s = self.handles[room]
                 s.init(PAGES, 0)
@@ -193,7 +189,7 @@ class Side:
     def _verify(self, room: int) -> None:
         for pos, page in enumerate(self.pages[room]):
             for layer in range(LAYERS):
-                if not torch.equal(self.kv[layer][page], pattern(room, pos, layer)):
+                if not torch.equal(self.kv[layer][page], pattern(room, pos, layer, PAGE_BYTES)):
                     self.problems.append(f"room {room}: page {pos} layer {layer} differs")
                 self.kv_bytes += PAGE_BYTES
         want = MetadataBuffers(1, LAYOUT)
@@ -307,22 +303,6 @@ def check_deadlocked(reports: list[dict[str, Any]]) -> None:
 
 
 # -- one process: the stub engine --------------------------------------------------------
-
-
-class CopyConnector(Connector):
-    """Writes land inside the call (the stub engine of tests/unit/stub_engine.py)."""
-
-    def _start_engine(self) -> dict[str, Any]:
-        return {}
-
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
-        src, dst, lens, _ = w_notif
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
-        return 1
-
-    def _check(self, token: Any) -> int:
-        return int(token)
 
 
 def run_in_process(ns: str) -> list[dict[str, Any]]:

@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+from support.wait import wait_for
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.network, pytest.mark.timeout(300)]
 
 
@@ -139,6 +141,27 @@ def _abort_pair(backend, role, port, q):
     m.close()
 
 
+RAISED = "raised"  # what a side that raised puts on the queue after its role
+
+
+class _Reported:
+    """A side's target whose exception reaches the parent as ``(role, RAISED, traceback)``:
+    a side that raised (a wait that timed out, say) fails the test at once, with
+    what it said, instead of leaving the parent waiting on the queue."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, backend, role, port, q):
+        try:
+            self.fn(backend, role, port, q)
+        except BaseException:
+            import traceback
+
+            q.put((role, RAISED, traceback.format_exc()[-3000:]))
+            raise
+
+
 def _pair(target, backend, timeout=60):
 
     from lifecycle.testing.spawn import rank_context, store_server
@@ -147,7 +170,8 @@ def _pair(target, backend, timeout=60):
     port = store.port
     ctx = rank_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(backend, r, port, q)) for r in ("prefill", "decode")]
+    side = _Reported(target)
+    procs = [ctx.Process(target=side, args=(backend, r, port, q)) for r in ("prefill", "decode")]
     for p in procs:
         p.start()
     got = {}
@@ -157,6 +181,8 @@ def _pair(target, backend, timeout=60):
     for p in procs:
         p.join(10)
     _ = store
+    raised = {role: item[1] for role, item in got.items() if item[:1] == (RAISED,)}
+    assert not raised, "\n".join(f"{role} raised:\n{tb}" for role, tb in raised.items())
     return got, [p.exitcode for p in procs]
 
 
@@ -180,9 +206,9 @@ def _dead_peer_pair(backend, role, port, q):
         from transport.connector.graph import Phase
 
         s = m.sender(5)
-        while m._phase(s._req) == Phase.Bootstrap and time.time() - t0 < 20:
+        while m.phase_of(s._req) == Phase.Bootstrap and time.time() - t0 < 20:
             time.sleep(0.01)
-        q.put(("prefill", s.poll(), m._phase(s._req)))
+        q.put(("prefill", s.poll(), m.phase_of(s._req)))
         q.close()
         q.join_thread()  # the message is out before the process vanishes
         os._exit(0)  # gone without a word: no abort, no close, heartbeats stop
@@ -193,7 +219,7 @@ def _dead_peer_pair(backend, role, port, q):
     # Failed shows first; the request drains right after, on the connector's own
     # thread, once its stop words are out (no page list was sent: nothing can land).
     # Reading it in the same instant raced that (seen on NIXL under load).
-    _wait(lambda: r.drained, limit=5.0)
+    wait_for(lambda: r.drained, "decode's request drained", timeout=5.0, interval=0.01)
     q.put(("decode", r.poll(), int(r.failure_reason()), r.drained, time.time() - t0))
     m.close()
 
@@ -210,15 +236,6 @@ def test_a_dead_peer_becomes_peer_dead(backend):
     assert took < 10  # heartbeats found it, not a timeout
 
 
-def _wait(cond, limit=20.0):
-    import time
-
-    t0 = time.time()
-    while not cond() and time.time() - t0 < limit:
-        time.sleep(0.01)
-    return cond()
-
-
 def _duplicate_room_side(backend, role, port, q):
     """One side of SGLang #40125: register room 40125, then a second request
     with the same room; the first must still complete, and so must the next."""
@@ -232,7 +249,7 @@ def _duplicate_room_side(backend, role, port, q):
     make = m.sender if role == "prefill" else m.receiver
     out = {}
     first = make(40125)
-    live = dict(m._reqs)
+    live = dict(m.core.reqs)
     try:
         make(40125)
         out["second"] = "accepted"
@@ -244,20 +261,22 @@ def _duplicate_room_side(backend, role, port, q):
             isinstance(e, ValueError),
             str(e),
         )
-    out["unchanged"] = m._reqs == live and all(m._reqs[k] is live[k] for k in live)
+    out["unchanged"] = m.core.reqs == live and all(m.core.reqs[k] is live[k] for k in live)
 
     def transfer(h, src, dst, slot):
         if role == "prefill":
             meta.write(slot, h.bootstrap_room, {"output_ids": [slot]})  # the first token's row
-            ok = _wait(lambda: h.poll() == 2)  # decode registered
+            wait_for(
+                lambda: h.poll() == 2, f"room {h.bootstrap_room}: decode registered", 20.0, 0.01
+            )
             h.init(len(src), slot)
             h.send(src)
         else:
             h.init()
-            ok = _wait(lambda: h.poll() == 2)
+            wait_for(lambda: h.poll() == 2, f"room {h.bootstrap_room}: WaitingForInput", 20.0, 0.01)
             h.send_metadata(dst, slot)
-        ok = ok and _wait(lambda: h.poll() == 4)  # Success
-        return ok, h.poll(), int(h.failure_reason())
+        wait_for(lambda: h.poll() == 4, f"room {h.bootstrap_room}: Success", 20.0, 0.01)
+        return h.poll(), int(h.failure_reason())
 
     # the first request with the room, then a later one
     out["first"] = transfer(first, [2, 3], [5, 6], 1)
@@ -293,6 +312,6 @@ def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(backend):
         assert "room=40125" in msg and f"{role} rank 0" in msg and "Nothing was changed" in msg
         assert out["unchanged"], role
         for what in ("first", "later"):
-            assert out[what] == (True, 4, 15), (role, what, got)  # Success, no reason
+            assert out[what] == (4, 15), (role, what, got)  # Success, no reason
     assert got["decode"][0]["bytes"] is True
     assert got["decode"][0]["rows"] == [40125, 40126]

@@ -9,10 +9,8 @@ equal the answer of a session built for that call alone: the per-call table
 every call built before.
 """
 
-import os
 import random
 import types
-from datetime import timedelta
 
 import pytest
 import torch
@@ -27,18 +25,10 @@ ROWS = 8
 
 
 @pytest.fixture(scope="module")
-def coll():
-    import torch.distributed as dist
-
+def coll(world_of_one):
     from lifecycle import TorchCollective
-    from lifecycle.testing.spawn import store_server
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", store=store_server(), rank=0, world_size=1, timeout=timedelta(seconds=20)
-    )
-    yield TorchCollective(dist.group.WORLD)
-    dist.destroy_process_group()
+    return TorchCollective(world_of_one)
 
 
 class Req:

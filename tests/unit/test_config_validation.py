@@ -27,7 +27,6 @@ from multiprocessing import forkserver
 import attrs
 import pytest
 import torch
-from stub_engine import CopyConnector
 
 from buffers import BuffersError, MetadataBuffers, MetadataLayout
 from buffers.errors import BadSetting
@@ -36,6 +35,7 @@ from pdlife.args import SimConfigError, UsageError
 from pdlife.cli import build_parser, main
 from pdlife.cluster.config import SimConfig
 from pdlife.cluster.plan import FaultPlan, TargetedFault
+from support.stub_engine import CopyConnector
 from transport.backends.fake import FakeConfig
 from transport.connector.config import MAX_SECONDS, ConnectorConfig
 from transport.errors import ConfigError, TransportError

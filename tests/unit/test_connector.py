@@ -5,11 +5,12 @@ ordering, and the API's illegal moves."""
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken, timeouts
+from support.wait import wait_for
 from transport.connector.graph import Phase, ProtocolError
 from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
@@ -55,7 +56,7 @@ def test_one_request_moves_pages_then_the_row_room_last(pair):
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][5:8], pkv[0][2:5])
     assert dmeta.room_of(2) == 77
-    assert p.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
+    assert p.engine.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
     assert s.drained and r.drained
     assert p.phase[s.index] == Phase.Done and d.phase[r.index] == Phase.Done
 
@@ -67,14 +68,14 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(pair):
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]
     seen = []
-    send = d._send
+    send = d.mail.send
 
     def spy(peer, msg, store):
-        if msg.KIND == "register":
-            seen.append(Phase(d._phase(d._live(msg.room))))
+        if msg["kind"] == "register":
+            seen.append(Phase(d.phase_of(d.core.live(msg["room"]))))
         send(peer, msg, store)
 
-    d._send = spy
+    d.mail.send = spy
     s, r = p.sender(5), d.receiver(5)
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
@@ -88,7 +89,7 @@ def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
     s, r = p.sender(9), d.receiver(9)
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
-    p.fail_next = True
+    p.engine.fail_next = True
     s.init(1, None)
     s.send([0])
     r.send_metadata([1], 0)
@@ -97,7 +98,7 @@ def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
     wait_for(lambda: r.drained, "decode drained")
     s.clear()
     r.clear()
-    wait_for(lambda: 9 not in p._reqs and 9 not in d._reqs, "both released")
+    wait_for(lambda: 9 not in p.core.reqs and 9 not in d.core.reqs, "both released")
     again = d.receiver(9)  # a cleared room may come back as a new request
     assert again.poll() == KVPoll.Bootstrapping
 
@@ -116,7 +117,7 @@ def test_fire_many_moves_a_batch_and_skips_released(pair):
     hs = [d.receiver(100 + i) for i in range(3)]
     reqs = [h._req for h in hs]
     reqs[2].released = True
-    moved = d._fire_many(reqs, "abort", FailureReason.PEER_DEAD)
+    moved = d.core.fire_many(reqs, "abort", FailureReason.PEER_DEAD)
     assert moved.tolist() == [True, True, False]
     assert np.all(d.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
     assert d.phase[hs[2].index] == Phase.Bootstrap
@@ -125,19 +126,17 @@ def test_fire_many_moves_a_batch_and_skips_released(pair):
 def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(pair):
     # prefill is Bootstrapping until decode said where to write: its bootstrap
     # deadline runs until then; decode's ended when it registered
-    from transport.connector import liveness
-
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]
     s, r = p.sender(13), d.receiver(13)
     r.init()
     wait_for(lambda: handshaken(s), "prefill handshake")
     late = p.config.bootstrap_timeout + 1
-    liveness.timeouts(d, d.born[r.index] + late, d.store)
+    timeouts(d, d.core.born[r.index] + late)
     assert r.poll() == KVPoll.WaitingForInput  # registered: decode's deadline is over
-    liveness.timeouts(p, p.born[s.index] + late - 2, p.store)
+    timeouts(p, p.core.born[s.index] + late - 2)
     assert s.poll() == KVPoll.Bootstrapping  # not yet
-    liveness.timeouts(p, p.born[s.index] + late, p.store)
+    timeouts(p, p.core.born[s.index] + late)
     assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.BOOTSTRAP_TIMEOUT)
     wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears why")
     assert r.failure_reason() == FailureReason.BOOTSTRAP_TIMEOUT
@@ -162,14 +161,14 @@ def _second_request(manager, make, room):
     """What a scheduler does with a second request carrying a live room."""
     from transport import DuplicateRoom, TransportError
 
-    live, free = dict(manager._reqs), list(manager._free)
+    live, free = dict(manager.core.reqs), list(manager.core._free)
     with pytest.raises(DuplicateRoom) as e:
         make(room)
     assert isinstance(e.value, TransportError) and isinstance(e.value, ValueError)
     assert (e.value.room, e.value.role, e.value.rank) == (room, manager.config.role, 0)
     assert f"room={room}: {manager.config.role} rank 0 already has a live request" in str(e.value)
-    assert manager._reqs == live and all(manager._reqs[k] is v for k, v in live.items())
-    assert manager._free == free  # no slot taken
+    assert manager.core.reqs == live and all(manager.core.reqs[k] is v for k, v in live.items())
+    assert manager.core._free == free  # no slot taken
 
 
 def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(pair):
@@ -200,7 +199,7 @@ def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lo
     p, _, _ = pair["prefill"]
     d, _, _ = pair["decode"]
 
-    monkeypatch.setattr(p.attempts, "taken", lambda room, epoch: False)
+    monkeypatch.setattr(p.core.attempts, "taken", lambda room, epoch: False)
     first = p.sender(40125)
     second = p.sender(40125)  # accepted: no typed error, the room now names the second
     d.receiver(40125).init()
@@ -228,9 +227,9 @@ def test_a_retried_room_hears_only_its_own_attempt(pair):
     r1 = d.receiver(77, epoch=1)  # the old handle is not cleared yet: both attempts live
     s0.clear(), r0.clear()
     done0 = {"kind": "done", "room": 77, "epoch": 0, "from": 0}
-    with d._msg_lock:  # (prefill's own late reply to attempt 0 is refused too, any time)
+    with d.lock:  # (prefill's own late reply to attempt 0 is refused too, any time)
         before = d.stats["stale_epoch"]
-        d._on_message(done0, d.store)
+        d.deliver(done0)
         assert d.stats["stale_epoch"] == before + 1
     assert r1.poll() == KVPoll.Bootstrapping
     pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 249)
@@ -245,7 +244,7 @@ def test_control_a_completion_naming_the_live_attempt_is_applied(pair):
     r.init()
     wait_for(lambda: handshaken(s), "handshake")
     r.send_metadata([5], 2)
-    d._on_message({"kind": "done", "room": 78, "epoch": 2, "from": 0}, d.store)
+    d.deliver({"kind": "done", "room": 78, "epoch": 2, "from": 0})
     assert r.poll() == KVPoll.Success  # why a word of another attempt must never be
     assert d.stats["stale_epoch"] == 0
 
@@ -262,7 +261,7 @@ def test_attempts_of_a_room_are_ordered_and_checked(pair):
     for bad in (-1, 1 << 16, 1.5, True, "2"):
         with pytest.raises(InvalidEpoch, match="attempt"):
             d.receiver(91, epoch=bad)
-    assert d._live(90) is r._req and d._live(91) is None
+    assert d.core.live(90) is r._req and d.core.live(91) is None
     import numpy as np
 
     assert d.receiver(92, epoch=np.uint16(3)).epoch == 3  # an epoch read from a table

@@ -9,10 +9,11 @@ import queue
 import numpy as np
 import pytest
 import test_connector_topologies as topologies
-from stub_engine import CopyConnector, wait_for
 from test_connector_topologies import PS, Rank, finish, run_request, store  # noqa: F401
 
 from lifecycle import FailureReason, KVPoll
+from support.stub_engine import CopyConnector, CopyEngine
+from support.wait import wait_for
 from transport.connector.graph import Phase
 from transport.errors import ChecksumMismatch
 from transport.topology import Topology
@@ -120,17 +121,17 @@ def test_a_prefill_waits_for_the_verdict_before_success(build, monkeypatch):
     """Prefill is Verifying, not Done, until decode said its bytes matched."""
     pre, dec = build(1, 1)
     held = []
-    send = dec[0].m._send
+    send = dec[0].m.mail.send
 
     def hold(peer, msg, st):
-        (held if msg.KIND == "verified" else []).append((peer, msg, st))
-        if msg.KIND != "verified":
+        (held if msg["kind"] == "verified" else []).append((peer, msg, st))
+        if msg["kind"] != "verified":
             send(peer, msg, st)
 
-    monkeypatch.setattr(dec[0].m, "_send", hold)
+    monkeypatch.setattr(dec[0].m.mail, "send", hold)
     senders, receivers, _ = run_request(pre, dec, room=59, n=2)
     wait_for(lambda: receivers[0].poll() == KVPoll.Success, "decode matched")
-    wait_for(lambda: pre[0].m._phase(senders[0]._req) == Phase.Verifying, "prefill verifying")
+    wait_for(lambda: pre[0].m.phase_of(senders[0]._req) == Phase.Verifying, "prefill verifying")
     assert senders[0].poll() == KVPoll.Transferring
     for peer, msg, st in held:
         send(peer, msg, st)
@@ -155,25 +156,33 @@ def test_split_state_shares_are_digested_alike_on_both_sides(build, pt, dt):
     assert all(d.m.stats["digests_checked"] >= 1 for d in dec)
 
 
-class NotingConnector(CopyConnector):
+class NotingEngine(CopyEngine):
     """An engine that notes each noted write's landing to decode, as NIXL does
     (one decode rank: every note goes to it)."""
 
     NOTIFIES = True
     inbox: "queue.SimpleQueue[tuple]"
 
-    def _write(self, info, src, dst, lens, notif):
-        token = super()._write(info, src, dst, lens, notif)
-        if notif:
-            n = [int(w) for w in notif.decode().split(":")]
+    def __init__(self, rank, role):
+        super().__init__()
+        self.rank, self.role = rank, role
+
+    def write(self, info, src, dst, lens, note):
+        token = super().write(info, src, dst, lens, note)
+        if note:
+            n = [int(w) for w in note.decode().split(":")]
             self.inbox.put((n[0], n[1], self.rank, None if len(n) == 2 else (n[2], n[3])))
         return token
 
-    def _notified(self):
+    def notified(self):
         out = []
-        while self.config.role == "decode" and not self.inbox.empty():
+        while self.role == "decode" and not self.inbox.empty():
             out.append(self.inbox.get())
         return out
+
+
+def noting_connector(kv_args, config):
+    return CopyConnector(kv_args, config, NotingEngine(config.rank, config.role))
 
 
 @pytest.fixture
@@ -182,8 +191,8 @@ def noting(monkeypatch):
     each page is a noted write of its own and a piece of the digest."""
     from transport.digest import hashing, parts
 
-    monkeypatch.setattr(NotingConnector, "inbox", queue.SimpleQueue(), raising=False)
-    monkeypatch.setattr(topologies, "CopyConnector", NotingConnector)
+    monkeypatch.setattr(NotingEngine, "inbox", queue.SimpleQueue(), raising=False)
+    monkeypatch.setattr(topologies, "CopyConnector", noting_connector)
     monkeypatch.setattr(hashing, "PIECE", 64)
     monkeypatch.setattr(parts, "PIECE", 64)
 

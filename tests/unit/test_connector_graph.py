@@ -202,8 +202,8 @@ def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
 def test_each_word_is_said_by_one_side_and_heard_by_the_other():
     import json
 
-    from transport.connector.hub import SIDES
     from transport.connector.messages import MESSAGES, Msg, check_words
+    from transport.connector.sides import SIDES
 
     assert set(MESSAGES) == set(Msg)
     for role, side in SIDES.items():

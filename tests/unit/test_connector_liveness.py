@@ -11,11 +11,12 @@ import time
 
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, CopyEngine, handshaken
+from support.wait import wait_for
 from transport.connector import liveness
 from transport.connector.graph import Phase
 from transport.connector.hub import ConnectorConfig
@@ -87,25 +88,25 @@ def test_looks_further_apart_than_half_the_window_still_find_a_dead_peer(monkeyp
     assert found[:3] == [set()] * 3 and found[3] == {0}
 
 
-class HangConnector(CopyConnector):
+class HangEngine(CopyEngine):
     """Its writes never finish (an engine that lost them)."""
 
-    def _write(self, info, src, dst, lens, notif):
+    def write(self, info, src, dst, lens, note):
         self.writes.append(lens.tolist())
         return 0
 
-    def _check(self, token):
+    def check(self, token):
         return 0
 
 
-def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0), decode_cls=CopyConnector):
+def _make_pair(prefill_engine=CopyEngine, drain=(30.0, 30.0), decode_engine=CopyEngine):
     store = store_server()
     port = store.port
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     sides = {"store": store}
-    for role, cls, drain_s in (
-        ("prefill", prefill_cls, drain[0]),
-        ("decode", decode_cls, drain[1]),
+    for role, engine, drain_s in (
+        ("prefill", prefill_engine, drain[0]),
+        ("decode", decode_engine, drain[1]),
     ):
         kv = [torch.zeros((8, 64), dtype=torch.uint8)]
         meta = MetadataBuffers(4, layout)
@@ -118,7 +119,7 @@ def _make_pair(prefill_cls=CopyConnector, drain=(30.0, 30.0), decode_cls=CopyCon
             heartbeat_misses=4,
             drain_timeout=drain_s,
         )
-        sides[role] = cls(kv_args_for(kv, meta.buf_infos(), 0), cfg)
+        sides[role] = CopyConnector(kv_args_for(kv, meta.buf_infos(), 0), cfg, engine())
         sides[f"{role} buffers"] = (kv, meta)  # the engine writes into them: keep them alive
     return sides
 
@@ -134,7 +135,7 @@ def pair(request):
 @contextlib.contextmanager
 def paused(m):
     """The connector stops as a paused process would: no beat, no step."""
-    with m._lock:
+    with m.lock:
         m.mail.beat = lambda store: None
         try:
             yield
@@ -175,21 +176,21 @@ def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
     _succeeds(p, d, 8)  # it beats again: live for new requests
 
 
-class HeldConnector(CopyConnector):
+class HeldEngine(CopyEngine):
     """Its writes stay in the engine (a paused process's queue) until ``let_go``,
     then land: the bytes are copied at that moment."""
 
-    def _start_engine(self):
+    def __init__(self):
+        super().__init__()
         self.held = []
-        return super()._start_engine()
 
-    def _write(self, info, src, dst, lens, notif):
+    def write(self, info, src, dst, lens, note):
         self.writes.append(lens.tolist())
         token = [src.copy(), dst.copy(), lens.copy(), 0]
         self.held.append(token)
         return token
 
-    def _check(self, token):
+    def check(self, token):
         return token[3]
 
     def let_go(self):
@@ -213,14 +214,14 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
     # request
     if not fence:
         monkeypatch.setattr(liveness, "FENCE_REASONS", frozenset())
-    sides = _make_pair(HeldConnector, drain=(30.0, 1.0))
+    sides = _make_pair(HeldEngine, drain=(30.0, 1.0))
     p, d = sides["prefill"], sides["decode"]
     kv_p, kv_d = sides["prefill buffers"][0][0], sides["decode buffers"][0][0]
     try:
         s, r = _paired(p, d, 7)
         kv_p[0] = 0xAB
         s.send([0])
-        wait_for(lambda: p.held, "prefill's write sits in its engine")
+        wait_for(lambda: p.engine.held, "prefill's write sits in its engine")
         with paused(p):
             wait_for(lambda: r.poll() == KVPoll.Failed, "decode finds prefill silent")
             assert r.failure_reason() == FailureReason.PEER_DEAD
@@ -233,7 +234,7 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
                 assert d.fenced() == (1, 1)  # the gauge: one request, one page
             else:
                 wait_for(lambda: r.drained, "released on prefill's silence")
-            p.let_go()  # the paused process's queued write goes out as it resumes
+            p.engine.let_go()  # the paused process's queued write goes out as it resumes
         assert bytes(kv_d[1].tolist()) == b"\xab" * 64  # it landed in decode's page 1
         if fence:
             # the page held the late write: only now, told prefill stopped, is it free
@@ -246,8 +247,8 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
         kv_p[0] = 0x11
         s2, r2 = _paired(p, d, 8)  # admitted after the resume: it succeeds
         s2.send([0])
-        wait_for(lambda: p.held, "the new write is issued")
-        p.let_go()
+        wait_for(lambda: p.engine.held, "the new write is issued")
+        p.engine.let_go()
         wait_for(lambda: r2.poll() == KVPoll.Success == s2.poll(), "room 8 succeeds")
         assert bytes(kv_d[1].tolist()) == b"\x11" * 64
     finally:
@@ -290,15 +291,15 @@ def test_writes_given_up_keep_decode_quarantined_until_its_own_drain_timeout():
     # prefill fails the request (decode went silent) while its write is in flight;
     # the engine never finishes it, so at prefill's drain timeout it is given up.
     # It may still land: decode, told so, keeps its pages until its own timeout
-    sides = _make_pair(HangConnector, drain=(0.5, 2.0))
+    sides = _make_pair(HangEngine, drain=(0.5, 2.0))
     p, d = sides["prefill"], sides["decode"]
     try:
         s, r = _paired(p, d, 7)
         s.send([0])
-        wait_for(lambda: p.writes, "prefill's write issued")
+        wait_for(lambda: p.engine.writes, "prefill's write issued")
         with paused(d):
             wait_for(lambda: s.poll() == KVPoll.Failed, "prefill finds decode silent")
-            wait_for(lambda: p._phase(s._req) == Phase.Drained, "prefill gives the write up")
+            wait_for(lambda: p.phase_of(s._req) == Phase.Drained, "prefill gives the write up")
             assert s._req.abandoned
         wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of it")
         assert r.failure_reason() == FailureReason.PEER_DEAD
@@ -345,7 +346,7 @@ def test_vllm_49250_a_restarted_prefill_is_a_new_incarnation(pair, monkeypatch, 
     s2, r2 = _paired(p, d, 8)  # admitted after the restart: registered with the new one
     assert r2._req.legs[0].inc == p.mail.incarnation
     # the old self, resumed, says room 8 is done: no byte of it was written
-    d._on_message({"kind": "done", "room": 8, "from": 0, "inc": old}, d.store)
+    d.deliver({"kind": "done", "room": 8, "from": 0, "inc": old})
     if check:
         assert d.stats["stale"] == 1 and r2.poll() != KVPoll.Success
         s2.send([0])
@@ -354,18 +355,18 @@ def test_vllm_49250_a_restarted_prefill_is_a_new_incarnation(pair, monkeypatch, 
         assert r2.poll() == KVPoll.Success and s2.poll() != KVPoll.Success
 
 
-class UnreachableAtFirst(CopyConnector):
+class UnreachableAtFirst(CopyEngine):
     """Its engine cannot reach a peer for its first ``refusals`` tries (NIXL's
     add_remote_agent raising on a peer whose process just died, or not yet
     listening): the record is published, the peer is not there."""
 
     refusals = 2
 
-    def _start_engine(self):
+    def __init__(self):
+        super().__init__()
         self.tries = 0
-        return super()._start_engine()
 
-    def _connect(self, peer, info):
+    def connect(self, peer, info):
         self.tries += 1
         if self.tries <= self.refusals:
             raise RuntimeError("NIXL_ERR_BACKEND: loadRemoteMD failed")
@@ -378,14 +379,14 @@ class NeverReached(UnreachableAtFirst):
 def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
     # the connect that raised used to fail every live request of the rank as
     # a transfer error, from a peer none of them had reached yet
-    sides = _make_pair(decode_cls=UnreachableAtFirst)
+    sides = _make_pair(decode_engine=UnreachableAtFirst)
     p, d = sides["prefill"], sides["decode"]
     try:
         _succeeds(p, d, 11)
-        assert d.tries == UnreachableAtFirst.refusals + 1  # once per try, then once more
+        assert d.engine.tries == UnreachableAtFirst.refusals + 1  # once per try, then once more
         assert d.last_error is None
         _succeeds(p, d, 12)  # connected: not tried again
-        assert d.tries == UnreachableAtFirst.refusals + 1
+        assert d.engine.tries == UnreachableAtFirst.refusals + 1
     finally:
         for role in ("prefill", "decode"):
             sides[role].close(wait=0)
@@ -394,7 +395,7 @@ def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
 def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
     # it beats, so it is never named dead: without the give-up its requests
     # would wait out the bootstrap timeout with the cause unsaid
-    sides = _make_pair(decode_cls=NeverReached)
+    sides = _make_pair(decode_engine=NeverReached)
     p, d = sides["prefill"], sides["decode"]
     try:
         p.sender(31)
@@ -403,7 +404,7 @@ def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
         wait_for(lambda: r.poll() == KVPoll.Failed, "decode gives up on prefill")
         assert r.failure_reason() == FailureReason.TRANSFER_ERROR
         give_up = 3 * d.config.heartbeat_misses + 1
-        assert d.tries == give_up  # one try a heartbeat interval, no more
+        assert d.engine.tries == give_up  # one try a heartbeat interval, no more
         assert isinstance(d.last_error, ConnectionError)
         assert "peer 0" in str(d.last_error) and "NIXL_ERR_BACKEND" in str(d.last_error)
     finally:
@@ -431,7 +432,7 @@ def test_the_give_up_counts_failures_in_a_row_only():
 
 
 def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
-    sides = _make_pair(decode_cls=NeverReached)
+    sides = _make_pair(decode_engine=NeverReached)
     p, d = sides["prefill"], sides["decode"]
     try:
         p.sender(21)
@@ -451,7 +452,7 @@ def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
         took = time.monotonic() - t0
         assert r.failure_reason() == FailureReason.PEER_DEAD
         # tried again a heartbeat interval apart, not on every pass of the loop
-        assert 1 <= d.tries <= 2 + took / d.config.heartbeat_interval
+        assert 1 <= d.engine.tries <= 2 + took / d.config.heartbeat_interval
     finally:
         for role in ("prefill", "decode"):
             sides[role].close(wait=0)

@@ -9,12 +9,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken, refused_for_layout
+from support.wait import wait_for
 from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
@@ -246,7 +247,7 @@ def test_prefill_refuses_a_register_from_pages_laid_out_otherwise(store):
         s = p.m.sender(5)
         register = {"kind": "register", "room": 5, "from": 0, "decode_tp": 1, "dp": 0}
         register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
-        p.m._on_message(register, p.m.store)  # from a decode rank of token-major pages
+        p.m.deliver(register)  # from a decode rank of token-major pages
         assert s.poll() == KVPoll.Failed
         assert "prefill's KV pages are head-major, decode's token-major" in str(p.m.last_error)
         assert p.m.stats["bytes_written"] == 0
@@ -272,7 +273,7 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, p
         r.send_metadata(dst, 2)
 
     def legs(p):
-        return p.m._live(room).legs
+        return p.m.core.live(room).legs
 
     wait_for(
         lambda: all(leg.told for p in pre for q, leg in legs(p).items() if q != last),
@@ -470,11 +471,11 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     pages.update(dst_heads=2, dst_ptrs=None, state=None)
     register = {"kind": "register", "room": 21, "from": 0, "decode_tp": 1, "dp": 0}
     register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
-    m._on_message(pages, m.store)
+    m.deliver(pages)
     assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
-    m._on_message(register, m.store)
+    m.deliver(register)
     assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
-    assert m._live(21).legs[0].dst_pages.tolist() == [4]
+    assert m.core.live(21).legs[0].dst_pages.tolist() == [4]
 
 
 def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatch):
@@ -496,20 +497,20 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     log, inside, go = [], threading.Event(), threading.Event()
     real = PrefillSide.on_message
 
-    def slow(side, req, msg, store):
+    def slow(side, req, msg):
         log.append(("in", msg.msg.KIND))
         if msg.msg.KIND == "register":
             inside.set()
             go.wait(5)
-        real(side, req, msg, store)
+        real(side, req, msg)
         log.append(("out", msg.msg.KIND))
 
     monkeypatch.setattr(PrefillSide, "on_message", slow)
-    m._on_message(register, m.store)  # no request yet: kept for the scheduler
+    m.deliver(register)  # no request yet: kept for the scheduler
     taker = threading.Thread(target=lambda: m.sender(23))
     taker.start()
     assert inside.wait(5)  # the register is being handled, as the room is taken
-    late = threading.Thread(target=m._on_message, args=(pages, m.store))
+    late = threading.Thread(target=m.deliver, args=(pages,))
     late.start()
     late.join(0.3)
     assert late.is_alive()  # the page list waits for the register
@@ -517,7 +518,7 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     taker.join(5)
     late.join(5)
     assert log == [("in", "register"), ("out", "register"), ("in", "pages"), ("out", "pages")]
-    assert m.phase[m._live(23).index] == Phase.Metadata
+    assert m.phase[m.core.live(23).index] == Phase.Metadata
 
 
 @pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
@@ -562,7 +563,7 @@ def test_a_decode_failure_before_prefill_is_up_reaches_it_once_it_is(store, requ
         assert {s.failure_reason() for s in senders} == {FailureReason.INJECTED_FAULT}
         wait_for(lambda: all(s.drained for s in senders), "prefill drained")
         # every decode rank told its word (prefill may have heard one first)
-        wait_for(lambda: not any(d.m.side.owed for d in made[:dt]), "every owed word told")
+        wait_for(lambda: not any(d.m.core.side.owed for d in made[:dt]), "every owed word told")
     finally:
         for r in made:
             r.m.close(wait=0)
@@ -576,7 +577,7 @@ def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
     wait_for(lambda: all(s.drained for s in senders), "prefill drained")
     for s in senders:
         s.clear()
-    wait_for(lambda: all(41 not in p.m._reqs for p in pre), "prefill released")
+    wait_for(lambda: all(41 not in p.m.core.reqs for p in pre), "prefill released")
     r = dec[0].m.receiver(41)
     r.init()
     wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears")
@@ -644,7 +645,7 @@ def test_split_state_that_does_not_fit_is_refused_on_either_side(cluster):
     pre, dec = cluster(2, 1, heads=2, state="split")
     wrong = [[[SPLIT_UNITS * UNIT * 2, WHOLE], [SPLIT_UNITS, 0]]]  # 6-byte units on decode
     bad = dec[0].m
-    bad.state_geom = wrong
+    bad.core.state_geom = wrong
     told = [p.m.sender(61) for p in pre]
     r = bad.receiver(61)
     r.init()
@@ -659,7 +660,7 @@ def test_split_state_that_does_not_fit_is_refused_on_either_side(cluster):
     s = m.sender(62)
     register = {"kind": "register", "room": 62, "from": 0, "decode_tp": 1, "dp": 0}
     register.update(kv_heads=2, mla=False, slice=[0, 0, 1], state=wrong, state_leg=True)
-    m._on_message(register, m.store)
+    m.deliver(register)
     assert s.poll() == KVPoll.Failed
     assert isinstance(m.last_error, TopologyError)
     assert "room=62 on prefill rank 0" in str(m.last_error)
@@ -735,7 +736,7 @@ def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(clu
     pre[0].meta.write(1, room, {"output_ids": [room % 1000]})
     pre[0].state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
     r.send_metadata(np.array([], dtype=np.int64), 2, state_indices=[np.array([5])])
-    wait_for(lambda: pre[0].m._live(room).legs[0].told, "pages told")
+    wait_for(lambda: pre[0].m.core.live(room).legs[0].told, "pages told")
     s.init(0, 1)
     time.sleep(0.2)  # the loop's turn between the scheduler's two calls
     s.send(np.array([], dtype=np.int64), state_indices=[np.array([2])])

@@ -9,6 +9,7 @@ from lifecycle import FailureReason, KVPoll, RequestTable, SingleRank, StepConfi
 from lifecycle.rules.deadlines import DEADLINES, check_deadlines, overdue
 from lifecycle.rules.graph import VERDICTS
 from lifecycle.testing import StatusBoard
+from support.clock import Clock
 from transport.backends.fake import FakeConfig, FakeManager
 
 
@@ -18,15 +19,8 @@ def test_a_deadline_has_passed_from_its_limit_on_and_a_clock_not_started_never()
     assert overdue(6.0, since, 5.0).tolist() == [True, True, False]
 
 
-class Clock:
-    t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
 def _step_fails_at(limit: float, after: float) -> int:
-    clock = Clock()
+    clock = Clock(100.0)
     table, board = RequestTable(), StatusBoard()
     stepper = Stepper(
         table, 0, poller=board, clock=clock, config=StepConfig(bootstrap_timeout=limit)
@@ -40,7 +34,7 @@ def _step_fails_at(limit: float, after: float) -> int:
 
 
 def _fake_fails_at(limit: float, after: float) -> int:
-    clock = Clock()
+    clock = Clock(100.0)
     m = FakeManager(config=FakeConfig(bootstrap_timeout=limit, clock=clock))
     r = m.receiver(1)  # Bootstrapping until init()
     rooms, idx = np.array([1], np.uint64), np.array([r.index])

@@ -6,18 +6,10 @@ import numpy as np
 import pytest
 
 from lifecycle import FailureReason, KVPoll
+from support.clock import Clock
+from support.status import B, W
 from transport.backends.fake import FakeConfig, FakeManager
 from transport.errors import ConfigError, ConfigTypeError
-
-W, B = KVPoll.WaitingForInput, KVPoll.Bootstrapping
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
 
 
 def _poll(m, *handles):
@@ -28,7 +20,7 @@ def _poll(m, *handles):
 
 @pytest.mark.parametrize("deadlines", [True, False], ids=["deadlines", "negative-control"])
 def test_sglang_28652_a_fake_request_past_its_deadline_fails_with_that_reason(deadlines):
-    clock = Clock()
+    clock = Clock(100.0)
     cfg = FakeConfig(bootstrap_timeout=5.0, waiting_timeout=2.0, clock=clock) if deadlines else FakeConfig(clock=clock)  # fmt: skip
     m = FakeManager(config=cfg)
     stuck_sender = m.sender(1)  # WaitingForInput: never given its pages

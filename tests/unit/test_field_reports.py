@@ -10,11 +10,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, CopyEngine, handshaken, timeouts
+from support.wait import wait_for
 from transport.connector import prefill as pre
 from transport.connector.graph import Phase
 from transport.connector.hub import ConnectorConfig
@@ -27,27 +28,31 @@ class EngineError(RuntimeError):
     """The engine's submit refused a write (a sender-side exception)."""
 
 
-class HoldConnector(CopyConnector):
+class HoldEngine(CopyEngine):
     """Copies each write at once but reports it in flight while ``hold`` is set;
     ``raise_next`` makes the next submit raise; a write outside the peer's
     registered regions is not copied and is recorded in ``outside``."""
 
     regions_of: ClassVar[dict[int, list[tuple[int, int]]]] = {}  # first KV address -> regions
 
-    def _start_engine(self):
+    def __init__(self):
+        super().__init__()
         self.hold = False
         self.raise_next = False
         self.outside: list[tuple[int, int]] = []
         self.events: list[str] = []
-        HoldConnector.regions_of[self.kv_args.kv_data_ptrs[0]] = self.regions()
-        return super()._start_engine()
 
-    def _write(self, info, src, dst, lens, notif):
+    def start(self, regions, host):
+        self.regions = regions  # the first is the first KV buffer's
+        HoldEngine.regions_of[regions[0][0]] = regions
+        return super().start(regions, host)
+
+    def write(self, info, src, dst, lens, note):
         if self.raise_next:
             self.raise_next = False
             raise EngineError("submit failed")
-        far = HoldConnector.regions_of[info["kv_ptrs"][0]]
-        near = self.regions()
+        far = HoldEngine.regions_of[info["kv_ptrs"][0]]
+        near = self.regions
         inside = lambda at, n, regs: any(b <= at and at + n <= b + ln for b, ln in regs)  # noqa: E731
         for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
             if not (inside(d, n, far) and inside(s, n, near)):
@@ -57,7 +62,7 @@ class HoldConnector(CopyConnector):
         self.writes.append(lens.tolist())
         return ["write", len(self.writes)]
 
-    def _check(self, token):
+    def check(self, token):
         if self.hold:
             return 0
         if token[0] == "write":
@@ -71,7 +76,7 @@ def _side(role, port, **cfg):
     layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
     meta = MetadataBuffers(4, layout)
     config = ConnectorConfig(role=role, tp_rank=0, store_port=port, idle_interval=0.005, **cfg)
-    return HoldConnector(kv_args_for(kv, meta.buf_infos(), 0), config), kv, meta
+    return CopyConnector(kv_args_for(kv, meta.buf_infos(), 0), config, HoldEngine()), kv, meta
 
 
 @pytest.fixture
@@ -94,7 +99,7 @@ def make_pair():
 
 def _log_decode_moves(d, log):
     """Record every protocol move of decode's requests, in order with prefill's landings."""
-    fire = d._fire_many
+    fire = d.core.fire_many
 
     def logged(reqs, trigger, reason=FailureReason.NONE):
         moved = fire(reqs, trigger, reason)
@@ -102,7 +107,7 @@ def _log_decode_moves(d, log):
             log.append(f"decode {trigger}")
         return moved
 
-    d._fire_many = logged
+    d.core.fire_many = logged
 
 
 def _ready(s, r, pages, slot):
@@ -118,16 +123,19 @@ def _ready(s, r, pages, slot):
 
 def _abort_after_metadata_landed(make_pair, room):
     (p, pkv, pmeta), (d, dkv, dmeta) = make_pair()
-    log = p.events  # prefill's landings and decode's moves, in the order they happen
+    log = p.engine.events  # prefill's landings and decode's moves, in the order they happen
     _log_decode_moves(d, log)
     pmeta.write(1, room, {"output_ids": [42]})
     s, r = p.sender(room), d.receiver(room)
     _ready(s, r, [5, 6], 2)
-    p.hold = True  # the writes are copied, but the engine has not reported them yet
+    p.engine.hold = True  # the writes are copied, but the engine has not reported them yet
     s.init(2, 1)
     s.send([2, 3])
     # (the row's fields go in one write with the last pages)
-    wait_for(lambda: p._phase(s._req) == Phase.Writing and len(p.writes) == 1, "pages and row out")
+    wait_for(
+        lambda: p.phase_of(s._req) == Phase.Writing and len(p.engine.writes) == 1,
+        "pages and row out",
+    )
     assert torch.equal(dkv[0][5:7], pkv[0][2:4])  # the pages landed ...
     assert dmeta.room_of(2) != room  # ... the row's fields too, but not its room column
     s.abort()
@@ -140,14 +148,14 @@ def _check_decode_failed_after_the_drain(p, d, s, r, log):
     assert r.failure_reason() == FailureReason.ABORTED
     assert s.failure_reason() == FailureReason.ABORTED
     assert "decode complete" not in log  # never Success
-    assert not p.outside and not d.outside
+    assert not p.engine.outside and not d.engine.outside
     wait_for(lambda: s.drained, "prefill drained")  # its writes all reported
     landed = max(i for i, e in enumerate(log) if e.startswith("landed"))
     released = min(i for i, e in enumerate(log) if e in ("decode peer_failed", "decode drain"))
     assert landed < released, log  # decode's pages were freed only after prefill's writes
     s.clear()
     r.clear()
-    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+    wait_for(lambda: not p.core.reqs and not d.core.reqs, "both released their slots")
 
 
 def test_sglang_34208_prefill_abort_after_metadata_landed_fails_on_decode(make_pair):
@@ -157,13 +165,13 @@ def test_sglang_34208_prefill_abort_after_metadata_landed_fails_on_decode(make_p
     prefill's writes in flight have drained."""
     p, d, s, r, log = _abort_after_metadata_landed(make_pair, 34208)
     # prefill's loop passes over the aborted request with writes in flight
-    seen = len(p.writes), p._phase(s._req)
+    seen = len(p.engine.writes), p.phase_of(s._req)
     assert seen == (1, Phase.Aborted)
     for _ in range(3):
-        p._wake.set()
+        p.wake()
         wait_for(lambda: not p._wake.is_set(), "a prefill loop pass")
     assert r.poll() not in (KVPoll.Success, KVPoll.Failed) and not r.drained
-    p.hold = False
+    p.engine.hold = False
     _check_decode_failed_after_the_drain(p, d, s, r, log)
 
 
@@ -173,15 +181,15 @@ def test_sglang_34208_negative_control_told_before_the_drain(make_pair, monkeypa
     which the check above catches."""
     real = pre.PrefillSide.steps
 
-    def eager(side, req, store):
-        if side.port._phase(req) == Phase.Aborted:
-            side.tell_legs(req, store)
-        return real(side, req, store)
+    def eager(side, req):
+        if side.core.phase_of(req) == Phase.Aborted:
+            side.tell_legs(req)
+        return real(side, req)
 
     monkeypatch.setattr(pre.PrefillSide, "steps", eager)
     p, d, s, r, log = _abort_after_metadata_landed(make_pair, 34209)
     wait_for(lambda: r.drained, "decode drained while the writes are held")
-    p.hold = False
+    p.engine.hold = False
     with pytest.raises(AssertionError):
         _check_decode_failed_after_the_drain(p, d, s, r, log)
 
@@ -196,7 +204,7 @@ def _sender_raises(make_pair, room):
     pmeta.write(1, room, {"output_ids": [7]})
     s, r = p.sender(room), d.receiver(room)
     _ready(s, r, [4, 5], 3)
-    p.raise_next = True  # the engine's transfer submit raises
+    p.engine.raise_next = True  # the engine's transfer submit raises
     s.init(2, 1)
     s.send([0, 1])  # returns: the submit runs on the connector's loop
     wait_for(lambda: p.last_error is not None, "the submit raised")
@@ -214,28 +222,27 @@ def test_trtllm_12542_sender_exception_fails_the_request(make_pair):
     wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of it", timeout=WAITING / 2)
     assert r.failure_reason() == FailureReason.TRANSFER_ERROR
     wait_for(lambda: s.drained and r.drained, "both drained")
-    assert not p.outside and not d.outside
+    assert not p.engine.outside and not d.engine.outside
     s.clear()
     r.clear()
-    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+    wait_for(lambda: not p.core.reqs and not d.core.reqs, "both released their slots")
 
 
 def test_trtllm_12542_negative_control_an_exception_left_unhandled(make_pair, monkeypatch):
     """Negative control: with prefill's failure path switched off, decode hears
     nothing and is only freed by its waiting deadline (a WAITING_TIMEOUT, not
     the sender's transfer error the test above asks for)."""
-    from transport.connector import liveness
 
     (p, _, _), (d, _, _) = make_pair(waiting_timeout=WAITING)
-    monkeypatch.setattr(p, "_fail", lambda *a, **k: None)
-    p.raise_next = True
+    monkeypatch.setattr(p.core, "fail", lambda *a, **k: None)
+    p.engine.raise_next = True
     s, r = p.sender(12543), d.receiver(12543)
     _ready(s, r, [4], 3)
     s.init(1, 1)
     s.send([0])
     wait_for(lambda: p.last_error is not None, "the submit raised")
     assert s.poll() != KVPoll.Failed and r.poll() != KVPoll.Failed
-    liveness.timeouts(d, d.waited[r.index] + WAITING + 1, d.store)  # the deadline, by hand
+    timeouts(d, d.core.waited[r.index] + WAITING + 1)  # the deadline, by hand
     assert (r.poll(), r.failure_reason()) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
 
 
@@ -284,13 +291,13 @@ def _stale_connector_state(m, h, old):
     i, req = h.index, h._req
     stale = [
         name
-        for name, (dtype, fill) in m._cols.items()
+        for name, (dtype, fill) in m.core._cols.items()
         if name not in ("status", "phase", "born")
-        and not np.array_equal(getattr(m, name)[i], fill, equal_nan=np.dtype(dtype).kind == "f")
+        and not np.array_equal(getattr(m.core, name)[i], fill, equal_nan=np.dtype(dtype).kind == "f")
     ]
-    if h.poll() != KVPoll.Bootstrapping or m._phase(req) != Phase.Bootstrap:
+    if h.poll() != KVPoll.Bootstrapping or m.phase_of(req) != Phase.Bootstrap:
         stale.append("status/phase")
-    if not m.born[i] > old:
+    if not m.core.born[i] > old:
         stale.append("born")
     kept = vars(req)  # (held, src, local_slot, abandoned and sent: a prefill request's)
     used = {
@@ -304,7 +311,7 @@ def _stale_connector_state(m, h, old):
         "flags": kept.get("abandoned") or req.cleared or req.released or kept.get("sent"),
     }
     stale += [f"request.{name}" for name, v in used.items() if v]
-    if req.room in m.attempts.cleared or m._live(req.room) is not req:
+    if req.room in m.core.attempts.cleared or m.core.live(req.room) is not req:
         stale.append("room")
     return stale
 
@@ -313,15 +320,15 @@ def _readmit_in_connector(make_pair, room):
     (p, pkv, pmeta), (d, dkv, dmeta) = make_pair()
     s, r = p.sender(room), d.receiver(room)
     _ready(s, r, [1, 2], 0)
-    p.raise_next = True  # the first try fails in transfer
+    p.engine.raise_next = True  # the first try fails in transfer
     s.init(2, 0)
     s.send([0, 1])
     wait_for(lambda: s.drained and r.drained, "the first try failed and drained")
     assert r.failure_reason() == FailureReason.TRANSFER_ERROR
-    old = [(s.index, p.born[s.index]), (r.index, d.born[r.index])]
+    old = [(s.index, p.core.born[s.index]), (r.index, d.core.born[r.index])]
     s.clear()
     r.clear()
-    wait_for(lambda: not p._reqs and not d._reqs, "the first try released")
+    wait_for(lambda: not p.core.reqs and not d.core.reqs, "the first try released")
     s2, r2 = p.sender(room), d.receiver(room)
     assert [s2.index, r2.index] == [i for i, _ in old]  # the same slots, re-used
     return (p, pkv, pmeta, s2, old[0][1]), (d, dkv, dmeta, r2, old[1][1])
@@ -342,7 +349,7 @@ def test_vllm_49250_readmitted_room_starts_from_a_clean_row(make_pair):
     s.send([4, 5])
     wait_for(lambda: r.poll() == KVPoll.Success, "the new try succeeds")
     assert torch.equal(dkv[0][6:8], pkv[0][4:6]) and dmeta.room_of(1) == 49250
-    assert not p.outside and not d.outside
+    assert not p.engine.outside and not d.engine.outside
 
 
 def test_vllm_49250_negative_control_rows_not_reset(make_pair, monkeypatch):
@@ -366,15 +373,14 @@ def test_vllm_49250_negative_control_rows_not_reset(make_pair, monkeypatch):
 
     def keeps_the_slot(m):
         def take(initial):
-            with m._lock:
-                idx = m._free.pop()
-                m.status[idx] = initial
-                return idx
+            idx = m._free.pop()
+            m.status[idx] = initial
+            return idx
 
         return take
 
     (p, _, _), (d, _, _) = make_pair()
-    monkeypatch.setattr(d, "take", keeps_the_slot(d))
+    monkeypatch.setattr(d.core, "take", keeps_the_slot(d.core))
     r = d.receiver(49251)
     r.abort()
     r.clear()
@@ -468,11 +474,11 @@ def test_vllm_52234_stale_or_out_of_range_page_refs_fail_never_succeed(make_pair
     p, d, s, r, (kv, _) = _bad_refs(make_pair, 52234, case)
     assert (s.poll(), r.poll()) == (KVPoll.Failed, KVPoll.Failed)
     assert s.failure_reason() == r.failure_reason() == FailureReason.TRANSFER_ERROR
-    assert p.outside == [] and d.outside == []
+    assert p.engine.outside == [] and d.engine.outside == []
     assert "outside" in str(p.last_error) or "has no" in str(p.last_error)
     s.clear()
     r.clear()
-    wait_for(lambda: not p._reqs and not d._reqs, "both released their slots")
+    wait_for(lambda: not p.core.reqs and not d.core.reqs, "both released their slots")
 
 
 def test_vllm_52234_negative_control_unchecked_refs_write_outside(make_pair, monkeypatch):
@@ -486,4 +492,4 @@ def test_vllm_52234_negative_control_unchecked_refs_write_outside(make_pair, mon
     s.init(2, 1)
     s.send([0, 1])
     wait_for(lambda: r.poll() in (KVPoll.Success, KVPoll.Failed), "decode ended")
-    assert r.poll() == KVPoll.Success and p.outside != []
+    assert r.poll() == KVPoll.Success and p.engine.outside != []

@@ -6,14 +6,7 @@ from lifecycle.errors import IllegalTransition, UnknownTrigger
 from lifecycle.rules import batch
 from lifecycle.rules.graph import EDGES, GATES, TRIGGERS, EdgeKind
 from lifecycle.rules.reference import RequestMachine
-
-B, W, T, S, F = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-    KVPoll.Success,
-    KVPoll.Failed,
-)
+from support.status import B, F, S, T, W
 
 DECLARED = [(e.trigger, s, e.dest, e.guard) for e in EDGES for s in e.sources]
 

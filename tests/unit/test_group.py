@@ -18,8 +18,7 @@ from lifecycle import (
 from lifecycle.drive.collective import CountingCollective
 from lifecycle.testing import SimulatedWorld, StatusBoard
 from lifecycle.testing.spawn import on_threads
-
-S, F = KVPoll.Success, KVPoll.Failed
+from support.status import F, S
 
 
 def _group(rank, names, sizes, config=None):

@@ -7,7 +7,6 @@ import pytest
 from lifecycle import (
     CollectiveMismatch,
     FailureReason,
-    KVPoll,
     RequestTable,
     SingleRank,
     StepGroup,
@@ -18,14 +17,7 @@ from lifecycle.drive.collective import CountingCollective
 from lifecycle.errors import HookError, InvalidArgument, InvalidStatus
 from lifecycle.testing import SimulatedWorld, StatusBoard, lockstep
 from lifecycle.testing.spawn import on_threads
-
-B, W, T, S, F = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-    KVPoll.Success,
-    KVPoll.Failed,
-)
+from support.status import B, F, S, T, W
 
 
 def _stepper(rank, rooms=(1, 2, 3), queue="", **kw):

@@ -18,8 +18,8 @@ from lifecycle import (
 from lifecycle.errors import DuplicateRequest, InvalidArgument, UnknownRequest
 from lifecycle.testing import StatusBoard, lockstep
 from lifecycle.testing.lockstep import reduce_min
-
-B, W, T, S, F = 1, 2, 3, 4, 0
+from support.clock import Clock
+from support.status import B, F, S, T
 
 
 def steppers_for(configs=None, queues=None, rooms=(1, 2, 3)):
@@ -113,14 +113,6 @@ def test_step_takes_a_tag_and_refuses_a_bad_one():
 
 
 # -- defects ---------------------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_rows_added_before_the_stepper_start_their_clock_when_it_is_built():

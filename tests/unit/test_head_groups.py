@@ -10,12 +10,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from stub_engine import CopyConnector, handshaken, refused_for_layout, wait_for
 
 from buffers import MetadataBuffers, MetadataLayout
 from buffers.errors import BadSetting
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
+from support.stub_engine import CopyConnector, handshaken, refused_for_layout
+from support.wait import wait_for
 from transport.connector.hub import ConnectorConfig
 from transport.connector.legs import kv_writes, leg_of
 from transport.digest import Views, digest, flip, signature
@@ -239,7 +240,7 @@ def test_a_request_between_pools_cut_in_head_groups_lands_every_byte(store):
         # two runs of KV per prefill rank: one per buffer, pages 0-3 and 4-5 apart
         # (the primary's metadata fields in the same write)
         row = len(pre[0].meta.buf_infos()[0]) - 1
-        assert [len(p.m.writes[0]) for p in pre] == [4 + row, 4]
+        assert [len(p.m.engine.writes[0]) for p in pre] == [4 + row, 4]
         assert (dec.m.stats["digests_checked"], dec.m.stats["digest_mismatches"]) == (2, 0)
     finally:
         for x in (*pre, dec):
@@ -281,8 +282,8 @@ def test_decode_hashes_each_head_groups_pages_as_they_land():
 
     pool = Pool(range(4), 2)  # 2 buffers of 2 regions
     port = SimpleNamespace(
-        views=Views(pool.args), store=None, split_state=False, config=SimpleNamespace(tp_rank=0),
-        mail=SimpleNamespace(group=lambda dp, store: {}),
+        views=Views(pool.args), split_state=False, config=SimpleNamespace(tp_rank=0),
+        group=lambda dp: {},
     )  # fmt: skip
     req = SimpleNamespace(pages=np.arange(PAGES), slot=-1, rows=None, dp=0)
     leg = SimpleNamespace(sends=True, primary=False, state=False, dst_head=0, count=4, peer=0)

@@ -9,8 +9,8 @@ from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll, RequestTable, StepConfig, Stepper
 from lifecycle.errors import HookError
 from lifecycle.testing import ScriptedPoller, SetStaging, StatusBoard, lockstep
+from support.status import B, F, S, T, W
 
-B, W, T, S, F = 1, 2, 3, 4, 0
 HOOK = FailureReason.HOOK_ERROR
 
 

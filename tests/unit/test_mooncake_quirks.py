@@ -13,13 +13,12 @@ except (ImportError, OSError) as e:
     )
 
 from lifecycle import FailureReason, KVPoll
-from transport.attempts import Attempts
-from transport.backends.mooncake import MooncakeConfig, MooncakeManager
+from support.cores import core_of, request_at
+from transport.backends.mooncake import MooncakeEngine
+from transport.connector.events import Write
 from transport.connector.graph import Phase
-from transport.connector.hub import SIDES
-from transport.connector.legs import Request
+from transport.connector.inflight import InFlight
 from transport.layout import runs
-from transport.status_arrays import StatusArrays
 
 
 class StubEngine:
@@ -36,45 +35,38 @@ class StubEngine:
         return self.submit_id
 
 
-def bare_manager(engine, role="prefill"):
-    m = object.__new__(MooncakeManager)  # no engine, no store: just the bookkeeping
-    StatusArrays.__init__(m)
-    m.engine = engine
-    m.config = MooncakeConfig(role=role, tp_rank=0, store_port=1)  # never reached
-    m.attempts, m._peer_dead = Attempts(), set()
-    m._reqs = m.attempts.reqs
-    m.side = SIDES[role](m)
-    m.stats = dict.fromkeys(
-        ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
-    )
-    return m
+def bare_engine(stub):
+    e = MooncakeEngine()
+    e.engine = stub  # the stub stands in for the TransferEngine
+    return e
 
 
-def writing_request(m, room=9):
-    req = Request(room=room, index=m.take(int(KVPoll.Transferring)))
-    m.phase[req.index] = Phase.Writing
-    m.attempts.add(room, 0, req)
-    return req
+def handle(core, events, now=0.0):
+    for ev in events:
+        core.handle(ev, now)
 
 
 def test_a_finished_batch_is_read_once_and_remembered():
-    m = bare_manager(StubEngine(statuses=[0, 1]))  # the engine says "done" once, then 0 again
+    engine = bare_engine(StubEngine(statuses=[0, 1]))  # "done" once, then 0 again
     from transport.backends.mooncake import _Batches
 
     token = _Batches("e", [])
     token.pending = [5]
-    assert m._check(token) == 0
-    assert m._check(token) == 1
-    assert m._check(token) == 1  # not read again: a second read would look "in progress"
-    m._forget(token)
+    assert engine.check(token) == 0
+    assert engine.check(token) == 1
+    assert engine.check(token) == 1  # not read again: a second read would look "in progress"
+    engine.forget(token)
     assert token.pending == []
 
 
 def test_batch_id_zero_means_the_peer_is_unreachable():
-    m = bare_manager(StubEngine(submit_id=0))
-    req = writing_request(m)
+    m, flight = core_of(), InFlight(bare_engine(StubEngine(submit_id=0)))
+    req = request_at(m, Phase.Writing)
     one = np.array([1])
-    m._submit(req, {"endpoint": "127.0.0.1:1"}, (one, one * 2, one * 3), b"", None)
+    m.submit(req, 1, {"endpoint": "127.0.0.1:1"}, (one, one * 2, one * 3), b"")
+    (write,) = m.take_effects()
+    assert isinstance(write, Write) and req.tokens == [write.write]
+    handle(m, [flight.issue(write)])  # the engine's "unreachable", handed back
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.PEER_DEAD
     assert m.phase[req.index] == Phase.Aborted  # quarantined until drained
@@ -83,18 +75,18 @@ def test_batch_id_zero_means_the_peer_is_unreachable():
 
 
 def test_failed_batch_is_a_transfer_error_and_latches():
-    m = bare_manager(StubEngine(statuses=[-1]))
-    req = writing_request(m)
-    from transport.backends.mooncake import _Batches
-
-    token = _Batches("e", [])
-    token.pending = [3]
-    req.tokens = [token]  # a write's token: its batches
-    m._reap(req, store=None)
+    stub = StubEngine(statuses=[-1], submit_id=3)
+    m, flight = core_of(), InFlight(bare_engine(stub))
+    req = request_at(m, Phase.Writing)
+    one = np.array([1])
+    m.submit(req, 1, {"endpoint": "e"}, (one, one * 2, one * 3), b"")
+    (write,) = m.take_effects()
+    assert flight.issue(write) is None and len(stub.submitted) == 1  # in flight
+    handle(m, flight.reap())  # its batch failed
     assert m.status[req.index] == KVPoll.Failed
     assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
-    assert req.tokens == []
-    m._fire(req, "complete")  # not declared from Aborted: nothing moves
+    assert req.tokens == [] and flight.tokens == {}
+    m.fire(req, "complete")  # not declared from Aborted: nothing moves
     assert m.status[req.index] == KVPoll.Failed  # terminal states latch
 
 

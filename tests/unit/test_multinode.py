@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from store_stub import Store
 
 from pdlife.run import multinode
+from support.store_stub import Store
 
 
 class FakeDist:

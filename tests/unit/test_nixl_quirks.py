@@ -6,12 +6,10 @@ import pytest
 pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 
 from lifecycle import FailureReason, KVPoll
-from transport.attempts import Attempts
-from transport.backends.nixl import NixlConfig, NixlManager
+from support.cores import core_of, request_at
+from transport.backends.nixl import NixlConfig, NixlEngine
 from transport.connector.graph import Phase
-from transport.connector.hub import SIDES
-from transport.connector.legs import DecodeRequest, PrefillRequest
-from transport.status_arrays import StatusArrays
+from transport.connector.inflight import InFlight
 
 
 class StubAgent:
@@ -43,45 +41,41 @@ class StubAgent:
         return out
 
 
-def bare_manager(agent, role="prefill", **cfg):
-    m = object.__new__(NixlManager)  # no agent, no store: just the bookkeeping
-    StatusArrays.__init__(m)
-    m.agent, m._remotes, m._peer_of = agent, {1: "peer-agent"}, {"peer-agent": 1}
-    m.config = NixlConfig(role=role, tp_rank=0, store_port=1, **cfg)  # never reached
-    m.attempts, m._peer_dead = Attempts(), set()
-    m._reqs = m.attempts.reqs
-    m.side = SIDES[role](m)
-    m.stats = dict.fromkeys(
-        ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch"), 0
-    )
-    return m
+def bare_engine(agent, role="prefill"):
+    e = NixlEngine(NixlConfig(role=role, tp_rank=0, store_port=1))  # never reached
+    e.agent = agent
+    e._remotes, e._peer_of = {1: "peer-agent"}, {"peer-agent": 1}
+    return e
 
 
-def request(m, phase, room=9):
-    kind = PrefillRequest if m.config.role == "prefill" else DecodeRequest
-    req = kind(room=room, index=m.take(int(KVPoll.Transferring)))
-    m.phase[req.index] = phase
-    m.attempts.add(room, 0, req)
-    return req
+def written(core, agent, req):
+    """Submit one write for ``req`` and issue it on a NIXL engine over ``agent``."""
+    one = np.array([4096])
+    core.submit(req, 1, {"_peer": 1}, (one, one, one), b"")
+    (write,) = core.take_effects()
+    flight = InFlight(bare_engine(agent))
+    now = flight.issue(write)
+    if now is not None:
+        core.handle(now, 0.0)
+    return flight
 
 
 def test_a_remote_that_is_gone_is_peer_dead():
-    m = bare_manager(StubAgent(post_raises=True))
-    req = request(m, Phase.Writing)
-    one = np.array([4096])
-    m._submit(req, {"_peer": 1}, (one, one, one), b"", None)
+    m = core_of()
+    req = request_at(m, Phase.Writing)
+    written(m, StubAgent(post_raises=True), req)
     assert (m.status[req.index], m.reason[req.index]) == (KVPoll.Failed, FailureReason.PEER_DEAD)
     assert m.phase[req.index] == Phase.Aborted
 
 
 def test_a_transfer_in_error_state_is_a_transfer_error():
     agent = StubAgent(state="ERR")
-    m = bare_manager(agent)
-    req = request(m, Phase.Writing)
-    one = np.array([4096])
-    m._submit(req, {"_peer": 1}, (one, one, one), b"", None)
+    m = core_of()
+    req = request_at(m, Phase.Writing)
+    flight = written(m, agent, req)
     assert req.tokens  # posted; the error shows in the state
-    m._reap(req, store=None)
+    for ev in flight.reap():
+        m.handle(ev, 0.0)
     assert m.reason[req.index] == FailureReason.TRANSFER_ERROR
     assert agent.released == [("xfer", b"")]  # the handle is given back
 
@@ -91,21 +85,19 @@ def test_the_room_notification_completes_decode():
         "peer-agent": [b"9:2", b"9", b"not-a-room", b"5:x", b"9:2:0:8", b"9:2:8", b"9:2:-1:3"],
         "stranger": [b"7:0"],
     }
-    m = bare_manager(StubAgent(notifs=notifs), role="decode")
+    engine = bare_engine(StubAgent(notifs=notifs), role="decode")
     # (room, its attempt, the peer rank whose write landed, its pages: None for the last)
-    assert m._notified() == [(9, 2, 1, None), (9, 2, 1, (0, 8))]
-    assert m._notified() == []  # consumed once
+    assert engine.notified() == [(9, 2, 1, None), (9, 2, 1, (0, 8))]
+    assert engine.notified() == []  # consumed once
 
 
 def test_a_notification_that_never_comes_is_the_waiting_timeout():
-    m = bare_manager(StubAgent(), role="decode", waiting_timeout=1.0)
-    req = request(m, Phase.Metadata)
-    m.status[req.index] = KVPoll.WaitingForInput
+    m = core_of("decode", notifies=True, waiting_timeout=1.0)
+    req = request_at(m, Phase.Metadata, status=KVPoll.WaitingForInput, now=100.0)
     m.waited[req.index] = 100.0
-    m._timeouts(100.5, store=None)
+    m.tick(100.5)
     assert m.status[req.index] == KVPoll.WaitingForInput  # not yet
-    m.mail = type("NoMail", (), {"send": lambda *a: None})()
-    m._timeouts(101.5, store=None)
+    m.tick(101.5)
     assert (m.status[req.index], m.reason[req.index]) == (
         KVPoll.Failed,
         FailureReason.WAITING_TIMEOUT,

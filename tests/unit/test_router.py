@@ -3,10 +3,9 @@ fake backend's word between the sides (PeerWord), each attempt by its epoch."""
 
 from types import SimpleNamespace
 
-from store_stub import Store
-
 from lifecycle.reasons import FailureReason
 from pdlife.sim.peer import PeerWord, Router
+from support.store_stub import Store
 
 
 def test_prefill_takes_the_attempts_decode_handed_over_in_order_once_agreed():

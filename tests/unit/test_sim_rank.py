@@ -3,12 +3,12 @@ the run's own bookkeeping -- buffers released, limits and faults reported."""
 
 import numpy as np
 import pytest
-from store_stub import Store
 
 from lifecycle import SingleRank
 from pdlife.cluster.plan import parse_plan
 from pdlife.sim import rank as sim
 from pdlife.sim.rank import RankRun, SimConfig, Workload
+from support.store_stub import Store
 
 
 def decode_rank(tmp_path, plan=None, **kw):

@@ -15,23 +15,10 @@ from lifecycle import (
 )
 from lifecycle.errors import IllegalTransition, InvalidStatus
 from lifecycle.testing import ListFaults, ScriptedPoller, SetGate, SetStaging, StatusBoard, lockstep
+from support.clock import Clock
+from support.status import B, F, S, T, W
 
-B, W, T, S, F = (
-    KVPoll.Bootstrapping,
-    KVPoll.WaitingForInput,
-    KVPoll.Transferring,
-    KVPoll.Success,
-    KVPoll.Failed,
-)
 R = FailureReason
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def world(n_ranks, rooms, **kw):

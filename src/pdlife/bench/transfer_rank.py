@@ -54,9 +54,12 @@ def _barrier(store: Any, key: str, world: int, leader: bool) -> None:
 
 
 def _connected(mgr: Any, peer: int, store: Any) -> dict[str, Any]:
-    """The peer's record once the engine connected to it: tried a heartbeat
-    apart until the connector gives up (it raises, naming the peer)."""
-    while (info := mgr._peer_info(peer, store)) is None:
+    """The peer's record once the connector's thread connected its engine to it,
+    asked for a heartbeat apart (a peer that never answers fails the bench by
+    the connector's error, or its timeout)."""
+    while (info := mgr.peer_record(peer)) is None:
+        if mgr.last_error is not None:
+            raise mgr.last_error
         time.sleep(mgr.config.heartbeat_interval)
     return info  # type: ignore[no-any-return]
 
@@ -100,7 +103,7 @@ def _run(
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from buffers import MetadataBuffers, MetadataLayout
-    from transport.connector.hub import ConnectorConfig
+    from transport.connector.config import ConnectorConfig
     from transport.layout import kv_args_for
     from transport.registry import get_backend
 
@@ -200,12 +203,12 @@ def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, f
     """Every write of ``raw`` (by decode rank), through the engine's own calls and
     polled to completion: (start, end)."""
     t0 = time.monotonic()
-    tokens = [mgr._write(infos[d], *w, b"") for d, w in raw.items()]  # the engine's own write
-    while any(mgr._check(tok) == 0 for tok in tokens):
+    tokens = [mgr.engine.write(infos[d], *w, b"") for d, w in raw.items()]  # the engine's own write
+    while any(mgr.engine.check(tok) == 0 for tok in tokens):
         time.sleep(POLL)
     t1 = time.monotonic()
     for tok in tokens:
-        mgr._forget(tok)
+        mgr.engine.forget(tok)
     return t0, t1
 
 

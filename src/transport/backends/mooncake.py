@@ -1,9 +1,10 @@
 """A real Mooncake backend: KV pages and metadata rows written over TCP.
 
 A Mooncake ``TransferEngine`` per rank (``P2PHANDSHAKE``, TCP) on memory
-registered from the :class:`~buffers.KVArgs` of each side; everything else
-(rendezvous, mailboxes, heartbeats, ordering, quarantine, timeouts) is the
-shared :class:`~transport.connector.hub.Connector`.
+registered from the :class:`~buffers.KVArgs` of each side, behind the
+:class:`~transport.engine.Engine` protocol (:class:`MooncakeEngine`);
+everything else (rendezvous, mailboxes, heartbeats, ordering, quarantine,
+timeouts) is the shared :class:`~transport.connector.hub.Connector`.
 
 Engine quirks absorbed here: a submit to an unreachable peer returns batch id
 0 (the connector fails the request with peer dead); a batch's status can be
@@ -19,14 +20,18 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
+from buffers.kv_args import KVArgs
+from transport.connector.config import ConnectorConfig
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
-from transport.connector.hub import Connector, ConnectorConfig
+from transport.connector.hub import Connector
+from transport.engine import Landed
 from transport.engine_logs import engine_logs
 from transport.errors import BackendUnavailable, require_module
 from transport.layout import kv_args_for
 
 __all__ = [
     "MooncakeConfig",
+    "MooncakeEngine",
     "MooncakeManager",
     "MooncakeSender",
     "MooncakeReceiver",
@@ -54,25 +59,42 @@ def probe() -> None:
 class MooncakeManager(Connector):
     """One per rank. Create senders (prefill) or receivers (decode) from it."""
 
-    def _start_engine(self) -> dict[str, Any]:
+    def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
+        super().__init__(kv_args, config, MooncakeEngine())
+
+
+class MooncakeEngine:
+    """A Mooncake ``TransferEngine`` as an :class:`~transport.engine.Engine`.
+    Mooncake reports no notes: decode learns of completion from "done"."""
+
+    NOTIFIES: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.engine: Any = None  # the TransferEngine, from start()
+        self.endpoint = ""
+
+    def start(self, regions: list[tuple[int, int]], host: str) -> dict[str, Any]:
         probe()
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()
-        rc = self.engine.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise BackendUnavailable(
                 "mooncake",
-                f"engine initialize on {self.host} returned {rc}",
+                f"engine initialize on {host} returned {rc}",
                 "check MooncakeConfig.hostname (or PDLIFE_HOST)",
             )
-        ptrs, lens = (list(x) for x in zip(*self.regions()))
+        ptrs, lens = (list(x) for x in zip(*regions))
         if self.engine.batch_register_memory(ptrs, lens) != 0:
             raise BackendUnavailable(
                 "mooncake", "registering the KV/metadata buffers failed", "check KVArgs"
             )
-        self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
+        self.endpoint = f"{host}:{self.engine.get_rpc_port()}"
         return {"endpoint": self.endpoint}
+
+    def connect(self, peer: int, info: dict[str, Any]) -> None:
+        """Nothing: the engine handshakes with a peer on its first write."""
 
     #: engine batches this rank keeps in flight at most: the engine's TCP lanes
     #: refuse submissions past their queue ("queue-full rejection"), which reads as
@@ -80,8 +102,15 @@ class MooncakeManager(Connector):
     WINDOW: ClassVar[int] = 64
     _inflight = 0
 
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> _Batches | None:
-        src, dst, lens, _ = w_notif  # the room travels in the mailbox's "done" instead
+    def write(
+        self,
+        info: dict[str, Any],
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        lens: NDArray[np.int64],
+        note: bytes,
+    ) -> _Batches | None:
+        # the note is not sent: the room travels in the mailbox's "done" instead
         # One entry per batch: the engine's status call reads a batch's first
         # task only and frees the batch when that one is done; a batch whose
         # other tasks are still in flight then leaks (linear RSS growth on
@@ -103,7 +132,7 @@ class MooncakeManager(Connector):
             self._inflight += 1
         return True
 
-    def _check(self, token: _Batches) -> int:
+    def check(self, token: _Batches) -> int:
         # A batch's status is read once: the engine frees a finished batch and
         # may hand its id to the next one, so a finished id is dropped at once
         # and never asked about (or remembered) again.
@@ -123,10 +152,16 @@ class MooncakeManager(Connector):
             return -1
         return 0 if token.pending or token.todo else 1
 
-    def _forget(self, token: _Batches) -> None:
+    def forget(self, token: _Batches) -> None:
         self._inflight -= len(token.pending)
         token.pending = []
         token.todo = []
+
+    def notified(self) -> list[Landed]:
+        return []
+
+    def stop(self) -> None:
+        """Nothing: no shutdown call is made; the TransferEngine goes with this object."""
 
 
 class _Batches:

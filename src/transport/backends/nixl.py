@@ -2,7 +2,8 @@
 
 One NIXL agent per rank from the ``nixl-cu12`` wheel (import name
 ``nixl_cu12``; it bundles UCX), with the :class:`~buffers.KVArgs` memory
-registered as DRAM. Peers find each other's agent metadata in the endpoint
+registered as DRAM, behind the :class:`~transport.engine.Engine` protocol
+(:class:`NixlEngine`). Peers find each other's agent metadata in the endpoint
 record the connector publishes; everything else (mailboxes, heartbeats,
 ordering, quarantine, timeouts) is the shared
 :class:`~transport.connector.hub.Connector`.
@@ -41,18 +42,29 @@ import base64
 import os
 import threading
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
+from buffers.kv_args import KVArgs
+from transport.connector.config import ConnectorConfig
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
-from transport.connector.hub import Connector, ConnectorConfig
+from transport.connector.hub import Connector
+from transport.engine import Landed
 from transport.engine_logs import engine_logs
 from transport.errors import BackendUnavailable, require_module
 from transport.layout import kv_args_for
 
-__all__ = ["NixlConfig", "NixlManager", "NixlSender", "NixlReceiver", "kv_args_for", "probe"]
+__all__ = [
+    "NixlConfig",
+    "NixlEngine",
+    "NixlManager",
+    "NixlSender",
+    "NixlReceiver",
+    "kv_args_for",
+    "probe",
+]
 
 NixlConfig = ConnectorConfig
 NixlSender = ConnectorSender
@@ -115,58 +127,77 @@ def _room_epoch(note: bytes | str) -> tuple[int, int, tuple[int, int] | None] | 
 class NixlManager(Connector):
     """One per rank. Create senders (prefill) or receivers (decode) from it."""
 
-    NOTIFIES = True
+    def __init__(self, kv_args: KVArgs, config: ConnectorConfig) -> None:
+        super().__init__(kv_args, config, NixlEngine(config))
 
-    def _start_engine(self) -> dict[str, Any]:
-        c = self.config
+
+class NixlEngine:
+    """A NIXL agent as an :class:`~transport.engine.Engine`, built from the
+    connector's ``config`` (its namespace, role and rank name the agent; its
+    ``progress_delay_us`` and ``nixl_threads`` shape it) as it starts."""
+
+    NOTIFIES: ClassVar[bool] = True
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config  # read in start(): the connector checks it first
+        self.agent: Any = None
+        self._remotes: dict[int, str] = {}
+        self._peer_of: dict[str, int] = {}  # remote agent name -> peer rank
+
+    def start(self, regions: list[tuple[int, int]], host: str) -> dict[str, Any]:
+        c = self.config  # (the agent takes no address: peers reach it by its published metadata)
         self.agent = make_agent(
-            f"{c.namespace}-{c.role}{self.rank}-{uuid.uuid4().hex[:8]}",
+            f"{c.namespace}-{c.role}{c.rank}-{uuid.uuid4().hex[:8]}",
             c.progress_delay_us,
             c.nixl_threads,
         )
-        addrs, lens = np.array(self.regions(), dtype=np.int64).reshape(-1, 2).T
+        addrs, lens = np.array(regions, dtype=np.int64).reshape(-1, 2).T
         try:
             self._reg = self.agent.register_memory(_descs(addrs, lens), "DRAM")
         except Exception as e:
             raise BackendUnavailable(
                 "nixl", f"registering the KV/metadata buffers failed ({e})", "check KVArgs"
             ) from None
-        self._remotes: dict[int, str] = {}
-        self._peer_of: dict[str, int] = {}  # remote agent name -> peer rank
         return {"agent": base64.b64encode(self.agent.get_agent_metadata()).decode()}
 
-    def _connect(self, peer: int, info: dict[str, Any]) -> None:
+    def connect(self, peer: int, info: dict[str, Any]) -> None:
         name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
         self._remotes[peer] = name
         self._peer_of[name.decode() if isinstance(name, bytes) else str(name)] = peer
         info["_peer"] = peer
 
-    def _write(self, info: dict[str, Any], *w_notif: Any) -> Any:
-        src, dst, lens, notif = w_notif
+    def write(
+        self,
+        info: dict[str, Any],
+        src: NDArray[np.int64],
+        dst: NDArray[np.int64],
+        lens: NDArray[np.int64],
+        note: bytes,
+    ) -> Any:
         try:
             handle = self.agent.initialize_xfer(
                 "WRITE",
                 self.agent.get_xfer_descs(_descs(src, lens), "DRAM"),
                 self.agent.get_xfer_descs(_descs(dst, lens), "DRAM"),
                 self._remotes[info["_peer"]],
-                notif,
+                note,
             )
-            self.agent.transfer(handle, notif)  # "ERR" here shows in the state as well
+            self.agent.transfer(handle, note)  # "ERR" here shows in the state as well
         except Exception:
             return None  # the remote agent is gone or disconnected
         return handle
 
-    def _check(self, handle: Any) -> int:
+    def check(self, handle: Any) -> int:
         state = self.agent.check_xfer_state(handle)
         return {"DONE": 1, "PROC": 0}.get(state, -1)
 
-    def _forget(self, handle: Any) -> None:
+    def forget(self, handle: Any) -> None:
         try:
             self.agent.release_xfer_handle(handle)
         except Exception:
             return  # NIXL could not cancel a failed transfer: it owns the handle now
 
-    def _notified(self) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+    def notified(self) -> list[Landed]:
         if self.config.role != "decode":
             return []
         try:
@@ -180,7 +211,7 @@ class NixlManager(Connector):
                 out += [(n[0], n[1], peer, n[2]) for m in msgs if (n := _room_epoch(m)) is not None]
         return out
 
-    def _stop_engine(self) -> None:
+    def stop(self) -> None:
         for name in self._remotes.values():
             try:
                 self.agent.remove_remote_agent(name)

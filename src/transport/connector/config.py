@@ -110,6 +110,11 @@ class ConnectorConfig:
     #: (the agent's ``num_threads``; 0: the caller's thread posts them all)
     nixl_threads: int = attrs.field(default=4, validator=_C.integer(0, 64))
 
+    @property
+    def rank(self) -> int:
+        """The global id peers know this rank by (DP group major, TP rank minor)."""
+        return self.dp_rank * self.tp_size + self.tp_rank
+
     def __attrs_post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
             _C.fail(self, "tp_rank", self.tp_rank, f"a rank in 0..{self.tp_size - 1} (tp_size)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -60,20 +60,19 @@ from transport.connector.events import (
 )
 from transport.connector.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.connector.legs import Request, describe
-from transport.connector.messages import Incoming, Message, Msg
+from transport.connector.messages import Incoming, Message
+from transport.connector.side import Side
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
-from transport.staging import Staging
 from transport.status_arrays import StatusArrays
 
-__all__ = ["ConnectorCore", "Side", "STATS", "DIGEST_STATS"]
+__all__ = ["ConnectorCore", "STATS", "DIGEST_STATS"]
 
 S, F = int(KVPoll.Success), int(KVPoll.Failed)
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound="Request[Any]")
-Req_contra = TypeVar("Req_contra", bound="Request[Any]", contravariant=True)
 
 #: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
 #: writer (unfenced: once it spoke); stale: a word from an old incarnation of a
@@ -83,71 +82,6 @@ Req_contra = TypeVar("Req_contra", bound="Request[Any]", contravariant=True)
 #: corrupted (ConnectorCore.corrupt), notes of pages in
 STATS = ("bytes_written", "writes", "fenced", "unfenced", "stale", "stale_epoch", "malformed")
 DIGEST_STATS = ("digests_checked", "digest_mismatches", "digest_bytes", "corrupted", "landed")
-
-
-class Side(Protocol[Req_contra]):
-    """One side's part of the protocol, as the core drives it.
-
-    The core hands every message, every pass and every failure of a request
-    to its side; the side moves the request along
-    :mod:`transport.connector.graph` through the core."""
-
-    #: peers write into this side's memory (decode): the waiting timeout runs
-    #: from its page list to the writers' word, and a request failed for a
-    #: writer gone silent is fenced at the drain timeout, not released
-    RECEIVES: ClassVar[bool]
-    #: the words of :mod:`transport.connector.messages` this side says, and hears
-    SAYS: ClassVar[frozenset[Msg]]
-    HEARS: ClassVar[frozenset[Msg]]
-    #: where head slices land before they are scattered (decode, when staged)
-    staging: Staging | None
-    #: the peers a request not registered yet is expected from: one of them
-    #: dead fails it (prefill: the decode ranks the last request paired with)
-    expected: frozenset[int]
-
-    def group_record(self) -> dict[str, Any] | None:
-        """What this rank publishes for its DP group before pairing (None: nothing)."""
-
-    def on_message(self, req: Req_contra, msg: Incoming) -> None:
-        """A peer's message about a live request."""
-
-    def late(self, msg: Incoming, reason: int) -> None:
-        """A peer's message about a room released here (``reason``: why it ended)."""
-
-    def steps(self, req: Req_contra) -> bool:
-        """Move a live request on; True while data is due from an engine that notifies."""
-        ...
-
-    def every_pass(self) -> None:
-        """What the core retries on every pass, whatever the requests do."""
-
-    def fail(self, req: Req_contra, reason: FailureReason) -> None:
-        """Fail a request here and make its peers stop writing."""
-
-    def give_up(self, req: Req_contra) -> None:
-        """The drain timeout passed and the engine's writes were forgotten."""
-
-    def ask_stop(self, req: Req_contra, reason: FailureReason) -> None:
-        """Ask every leg that has not stopped yet to stop writing the request."""
-
-    def tell_pages(
-        self,
-        req: Req_contra,
-        pages: NDArray[np.int64],
-        slot: int,
-        state: list[NDArray[np.int64]] | None,
-        skip: int,
-    ) -> None:
-        """The scheduler said where the request's data goes (a receiver's call)."""
-
-    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
-        """Place the next staged pages of these requests (the staging gate)."""
-
-    def corrupt_at(self, room: int, epoch: int, offset: int) -> None:
-        """A test's fault: flip one committed byte of that attempt before its check."""
-
-    def released(self, req: Req_contra) -> None:
-        """``req`` was released: forget what the side kept of it."""
 
 
 class ConnectorCore(StatusArrays):
@@ -271,7 +205,7 @@ class ConnectorCore(StatusArrays):
                 self.fail(r, reason)
 
     # -- requests ---------------------------------------------------------------------------
-    def take(self, room: int, make: Callable[[int, int], R], epoch: int, now: float) -> R:
+    def admit(self, room: int, make: Callable[[int, int], R], epoch: int, now: float) -> R:
         """A new request for ``room`` at attempt ``epoch`` (``make``: its kind, from
         room and slot). A newer attempt of a room may start while an older one
         still drains its writes; the same or an older one is a duplicate. The
@@ -280,7 +214,7 @@ class ConnectorCore(StatusArrays):
         self.now = now
         if self.attempts.taken(room, epoch):
             raise DuplicateRoom(room, self.config.role, self.rank)
-        req = make(room, super().take(int(KVPoll.Bootstrapping)))
+        req = make(room, self.take(int(KVPoll.Bootstrapping)))
         req.epoch = epoch
         self.phase[req.index] = Phase.Bootstrap
         self.born[req.index] = now
@@ -316,7 +250,9 @@ class ConnectorCore(StatusArrays):
         out[np.flatnonzero(keep)[~illegal]] = True
         return out
 
-    def fire(self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE) -> bool:
+    def fire(
+        self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE
+    ) -> bool:
         return bool(self.fire_many([req], trigger, reason)[0])
 
     def phase_of(self, req: Request[Any]) -> int:
@@ -358,7 +294,9 @@ class ConnectorCore(StatusArrays):
             self._want_groups.add(dp)
         return got
 
-    def submit(self, req: Request[Any], peer: int, info: dict[str, Any], w: Writes, note: bytes) -> None:
+    def submit(
+        self, req: Request[Any], peer: int, info: dict[str, Any], w: Writes, note: bytes
+    ) -> None:
         """Write ``w`` into ``peer`` for ``req`` (while it may still write)."""
         if w[0].size == 0 or self.phase_of(req) not in (Phase.Metadata, Phase.Writing):
             return

@@ -112,7 +112,17 @@ class Tick:
     """Nothing but time passed."""
 
 
-Event = Arrived | Stale | Written | PeerReady | PeerUnreachable | GroupKnown | Silence | Restarted | Tick
+Event = (
+    Arrived
+    | Stale
+    | Written
+    | PeerReady
+    | PeerUnreachable
+    | GroupKnown
+    | Silence
+    | Restarted
+    | Tick
+)
 
 
 @attrs.frozen

@@ -14,9 +14,9 @@ from numpy.typing import ArrayLike, NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import IS_TERMINAL, Phase, ProtocolError
 from transport.connector.legs import DecodeRequest, PrefillRequest, Request, rows_of
-from transport.connector.config import ConnectorConfig
 from transport.staging import Staging
 from transport.status_arrays import Statuses, StatusHandle
 
@@ -27,7 +27,7 @@ Q = TypeVar("Q", bound="Request[Any]")
 R = TypeVar("R", bound="Request[Any]")
 
 
-class Requests(Statuses, Protocol):
+class Requests(Protocol):
     """What a handle asks of its connector (:class:`~transport.connector.hub.Connector`)."""
 
     config: ConnectorConfig
@@ -35,6 +35,9 @@ class Requests(Statuses, Protocol):
 
     @property
     def lock(self) -> AbstractContextManager[Any]: ...
+
+    @property
+    def arrays(self) -> Statuses: ...
 
     @property
     def staging(self) -> Staging | None: ...
@@ -65,7 +68,7 @@ class _Handle(StatusHandle, Generic[Q]):
     def __init__(self, manager: Requests, req: Q) -> None:
         self.manager = manager
         self._req = req
-        super().__init__(manager, req.room, req.index)
+        super().__init__(manager.arrays, req.room, req.index)
 
     @property
     def epoch(self) -> int:

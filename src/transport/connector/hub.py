@@ -37,12 +37,8 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from transport.addressing import engine_host
 from transport.connector.config import ConnectorConfig, check_fit
-from transport.connector.core import ConnectorCore, Side
-from transport.connector.decode import DecodeSide
+from transport.connector.core import ConnectorCore
 from transport.connector.events import (
-    FAILED,
-    LANDED,
-    UNREACHABLE,
     Arrived,
     Effect,
     Event,
@@ -55,18 +51,19 @@ from transport.connector.events import (
     Silence,
     Stale,
     Write,
-    Written,
 )
 from transport.connector.graph import IS_TERMINAL
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
+from transport.connector.inflight import InFlight
 from transport.connector.legs import Request
 from transport.connector.mailbox import NEW, STALE, Mailbox
-from transport.connector.messages import Done, Incoming, Landed, check_words, parse
-from transport.connector.prefill import PrefillSide
+from transport.connector.messages import Done, Incoming, Landed, parse
+from transport.connector.sides import SIDES
 from transport.connector.wire import MalformedMessage
 from transport.digest import Views
 from transport.engine import Engine, check_engine
 from transport.staging import Staging
+from transport.status_arrays import Statuses
 
 __all__ = ["Connector"]
 
@@ -74,12 +71,6 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound="Request[Any]")
 
-#: each role's part of the protocol
-SIDES: dict[str, Callable[[ConnectorCore], Side[Any]]] = {
-    "prefill": PrefillSide,
-    "decode": DecodeSide,
-}
-check_words({role: (side.SAYS, side.HEARS) for role, side in (("prefill", PrefillSide), ("decode", DecodeSide))})
 #: rounds of effects a pass performs at most (a write that landed at once, a
 #: record just fetched, lets the next step go in the same pass)
 ROUNDS = 8
@@ -123,8 +114,8 @@ class Connector:
         info.update(kv_lens=list(a.kv_data_lens), aux_lens=list(a.aux_data_lens))  # (bounds)
         info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
         info.update(state_geom=self.core.state_geom)
-        #: the engine's token of each write in flight, by the core's write id (thread only)
-        self._tokens: dict[int, Any] = {}
+        #: the engine's writes in flight (the thread's alone)
+        self.inflight = InFlight(engine)
         group = self.core.side.group_record()
         if group is not None:
             self.mail.publish_group(c.dp_rank, group)
@@ -149,6 +140,20 @@ class Connector:
     @property
     def reason(self) -> NDArray[np.int8]:
         return self.core.reason
+
+    def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
+        """Every request's status in one gather (the step's batch poll)."""
+        return self.core.poll_many(rooms, indices)
+
+    def failure_reasons(
+        self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]
+    ) -> NDArray[np.int8]:
+        return self.core.failure_reasons(rooms, indices)
+
+    @property
+    def arrays(self) -> Statuses:
+        """The status and reason columns a request's handle reads."""
+        return self.core
 
     @property
     def phase(self) -> NDArray[np.int8]:
@@ -179,9 +184,9 @@ class Connector:
         return ConnectorReceiver(self, room, epoch)
 
     def take(self, room: int, make: Callable[[int, int], R], epoch: int = 0) -> R:
-        """A new request (see :meth:`ConnectorCore.take`)."""
+        """A new request (see :meth:`ConnectorCore.admit`)."""
         with self.lock:
-            req = self.core.take(room, make, epoch, self.clock())
+            req = self.core.admit(room, make, epoch, self.clock())
         self._wake.set()
         return req
 
@@ -252,6 +257,15 @@ class Connector:
         with self.lock:
             self.core.corrupt(room, offset, epoch)
 
+    def peer_record(self, peer: int) -> dict[str, Any] | None:
+        """``peer``'s endpoint record once this rank's engine connected to it;
+        None (asked for: the thread fetches and connects) until then."""
+        with self.lock:
+            info = self.core.peer(peer)
+        if info is None:
+            self._wake.set()
+        return info
+
     def deliver(self, raw: Any) -> None:
         """Hand the core a message as it came off the mailbox (JSON read): what the
         thread does with every message; a test may call it too. The effects it
@@ -296,11 +310,13 @@ class Connector:
         """The records the core asks for that can be had now."""
         with self.lock:
             peers, groups = self.core.wanted()
-        c, out = self.config, []
+        c, out = self.config, list[Event]()
         tries = 3 * c.heartbeat_misses + 1  # (a dead peer is named first: only a live one errs)
         for p in sorted(peers):
             try:
-                info = self.mail.connected(p, store, self.engine.connect, c.heartbeat_interval, tries)
+                info = self.mail.connected(
+                    p, store, self.engine.connect, c.heartbeat_interval, tries
+                )
             except ConnectionError as e:
                 out.append(PeerUnreachable(p, str(e)))
                 continue
@@ -323,28 +339,14 @@ class Connector:
                 try:
                     self.mail.send(e.peer, e.msg.to_wire(), store)
                 except Exception:  # best effort: a peer gone is caught by heartbeats
-                    logger.debug("message %s to rank %d not sent", e.msg.KIND, e.peer, exc_info=True)
+                    logger.debug(
+                        "message %s to rank %d not sent", e.msg.KIND, e.peer, exc_info=True
+                    )
             elif isinstance(e, Write):
-                token = self.engine.write(e.info, *e.writes, e.note)
-                if token is None:
-                    out.append(Written(e.write, UNREACHABLE))
-                else:
-                    self._tokens[e.write] = token
+                if (now_known := self.inflight.issue(e)) is not None:
+                    out.append(now_known)
             elif isinstance(e, Forget):
-                token = self._tokens.pop(e.write, None)
-                if token is not None:
-                    self.engine.forget(token)
-        return out
-
-    def _reap(self) -> list[Event]:
-        """The writes that finished since the last look."""
-        out: list[Event] = []
-        for wid, token in list(self._tokens.items()):
-            s = self.engine.check(token)
-            if s != 0:
-                del self._tokens[wid]
-                self.engine.forget(token)
-                out.append(Written(wid, LANDED if s > 0 else FAILED))
+                self.inflight.forget(e.write)
         return out
 
     def _pass(self, store: Any, look: bool) -> bool:
@@ -362,7 +364,7 @@ class Connector:
         for room, epoch, peer, span in self.engine.notified():
             note = Landed(room, epoch, span) if span else Done(room, epoch)
             notes.append(Arrived(Incoming(peer, None, note, notified=True)))
-        events = notes + self._reap() + self._records(store)
+        events = notes + list[Event](self.inflight.reap()) + self._records(store)
         busy = False
         for _ in range(ROUNDS):
             with self.lock:
@@ -370,7 +372,7 @@ class Connector:
                     self.core.handle(ev, now)
                 busy = self.core.tick(now)
                 effects = self.core.take_effects()
-            events = self._perform(effects, store) + self._reap()
+            events = self._perform(effects, store) + list[Event](self.inflight.reap())
             if effects:
                 events += self._records(store)
             if not events:
@@ -426,4 +428,3 @@ class Connector:
         self._thread.join(timeout=2)
         self.core.views.close()  # (its digest threads read the buffers the engine lets go)
         self.engine.stop()
-

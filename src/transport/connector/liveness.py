@@ -54,8 +54,11 @@ FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
 
 
 class _Side(Protocol):
-    RECEIVES: bool
-    expected: frozenset[int]
+    @property
+    def RECEIVES(self) -> bool: ...  # noqa: N802 (the side's class constant)
+
+    @property
+    def expected(self) -> frozenset[int]: ...
 
     def give_up(self, req: Any) -> None: ...
 
@@ -228,7 +231,9 @@ def timeouts(m: Clocked, now: float) -> None:
         fence = stale_ & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
         for i in np.flatnonzero(fence):
             fence[i] = bool(dead.intersection(reqs[i].legs))
-    m.stats["fenced"] += int(m.fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum())
+    m.stats["fenced"] += int(
+        m.fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum()
+    )
     m.fire_many([reqs[i] for i in np.flatnonzero(stale_ & ~fence)], "drain")
 
 

@@ -364,9 +364,7 @@ class PrefillSide:
             p.submit(req, leg.peer, info, w, b"")
         return True
 
-    def _state_out(
-        self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any]
-    ) -> bool:
+    def _state_out(self, req: PrefillRequest, leg: PrefillLeg, info: dict[str, Any]) -> bool:
         """The state rows this leg owes, once every page is handed over: whole rows
         on the primary leg, and with split state this rank's share of the decode
         rank's. False if only one side named rows (the request is refused: decode

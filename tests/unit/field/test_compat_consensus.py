@@ -14,10 +14,9 @@ from field.step.consensus import (
     poll_and_all_reduce_attn_cp_tp_group,
     poll_and_all_reduce_with_staging,
 )
-from lifecycle import FailureReason, KVPoll
+from lifecycle import FailureReason
 from lifecycle.testing import ScriptedPoller
-
-S, T, W, F = (int(KVPoll.Success), int(KVPoll.Transferring), 2, int(KVPoll.Failed))
+from support.status import F, S, T, W
 
 
 def test_exports_exactly_the_field_names():

@@ -6,9 +6,7 @@ process with a stub engine that copies memory (real bytes: only the pages
 after the prefix move; tests/integration/test_field_prefix.py does the same
 on Mooncake and NIXL)."""
 
-import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,9 +19,9 @@ from field.conn.mooncake import MooncakeKVManager, MooncakeKVReceiver, MooncakeK
 from field.data.buffers import MetadataBuffers
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
-
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/unit: the stub engine
-from stub_engine import CopyConnector, handshaken, wait_for
+from support.pages import pattern
+from support.stub_engine import CopyConnector, handshaken
+from support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,11 +45,6 @@ def test_fake_receiver_takes_a_prefix_and_the_fake_sender_has_none(v0523):
     s.init(2, 0)
     s.send(np.array([5, 6]))
     assert s.poll() == KVPoll.Success
-
-
-def pattern(room, position, layer):
-    base = (room * 131 + position * 17 + layer * 7) % 251
-    return ((torch.arange(PAGE_BYTES) + base) % 256).to(torch.uint8)
 
 
 class Side:
@@ -107,7 +100,7 @@ def test_only_the_pages_after_the_prefix_move(v0523, pair, pops):
     src = np.arange(3, 3 + n)
     for pos, page in enumerate(src):
         for layer in range(LAYERS):
-            pre.kv[layer][page] = pattern(room, pos, layer)
+            pre.kv[layer][page] = pattern(room, pos, layer, PAGE_BYTES)
     pre.meta.bootstrap_room[1, 0] = room
     pre.meta.output_ids[1, 0] = 77
     cached = np.array([12, 13])  # decode's own copy of the prefix: must stay as it is
@@ -131,7 +124,8 @@ def test_only_the_pages_after_the_prefix_move(v0523, pair, pops):
     wait_for(lambda: s.poll() == KVPoll.Success, "prefill success")
     for layer in range(LAYERS):
         for pos, page in zip(range(prefix, n), dst):
-            assert torch.equal(dec.kv[layer][page], pattern(room, pos, layer)), (layer, pos)
+            want = pattern(room, pos, layer, PAGE_BYTES)
+            assert torch.equal(dec.kv[layer][page], want), (layer, pos)
         assert bool((dec.kv[layer][cached] == 0xAB).all())  # the prefix pages untouched
         others = np.setdiff1d(np.arange(PAGES), np.concatenate([dst, cached]))
         assert int(dec.kv[layer][others].sum()) == 0  # nothing landed anywhere else
