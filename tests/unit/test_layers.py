@@ -215,19 +215,75 @@ def test_a_core_module_importing_a_driver_is_seen(tmp_path):
     assert io_imports(root, "lifecycle.core.c") == {"socket"}
 
 
-def test_no_module_over_400_lines_and_no_folder_over_12_modules():
-    long = {
-        str(p.relative_to(SRC)): n
-        for p in SRC.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+#: the modules allowed past ``MAX_LINES``, each with the one concept that keeps
+#: it whole; a budget to spend on readable code, not a reason to pack lines
+MAX_LINES = 400
+LONG_MODULES = {
+    "lifecycle/core/step.py": "RawStepper, the one sans-I/O step protocol (prepare, resize, "
+    "origins, apply and the calls the drivers use), under the theory of operation of the "
+    "five stages",
+    "lifecycle/table.py": "RequestTable: the request columns and every operation that keeps "
+    "them consistent (add, remove, move, hand edits, the counts a step skips gathers by)",
+    "lifecycle/core/observe.py": "the observe stage: polling the active rows (batch, by "
+    "handle or as already polled) and containing every poll error as a verdict",
+    "field/step/session.py": "Session: one queue's consensus kept across calls (the list's "
+    "changes applied to its table, the poll, the step and the retirement of its rows)",
+}
+
+
+def line_budget_breaches(root: Path, waivers: dict[str, str]) -> list[str]:
+    """What breaks the line budget under ``root``: a module over ``MAX_LINES``
+    not in ``waivers``, and a waiver for a module that is no longer over it
+    (or no longer exists); each names the module, its length and what to do."""
+    lengths = {
+        p.relative_to(root).as_posix(): len(p.read_text().splitlines()) for p in root.rglob("*.py")
     }
-    assert long == {}, "modules over 400 lines"
+    out = [
+        f"{m} has {n} lines (over {MAX_LINES}): split it by concern, or, if it holds one "
+        f"concept, waive it in LONG_MODULES with that concept as the reason"
+        for m, n in sorted(lengths.items())
+        if n > MAX_LINES and m not in waivers
+    ]
+    for m in sorted(waivers):
+        if m not in lengths:
+            out.append(f"{m} is waived in LONG_MODULES but does not exist: drop its waiver")
+        elif lengths[m] <= MAX_LINES:
+            out.append(
+                f"{m} is waived in LONG_MODULES but has {lengths[m]} lines (not over "
+                f"{MAX_LINES}): drop its waiver"
+            )
+    return out
+
+
+def test_no_module_over_400_lines_unless_waived_and_no_folder_over_12_modules():
+    assert all(reason.strip() for reason in LONG_MODULES.values())
+    breaches = line_budget_breaches(SRC, LONG_MODULES)
+    assert breaches == [], "\n".join(breaches)
     big = {
         str(d.relative_to(SRC)): n
         for d in [SRC, *[p for p in SRC.rglob("*") if p.is_dir()]]
         if (n := len(list(d.glob("*.py")))) > 12
     }
     assert big == {}, "folders of more than 12 modules"
+
+
+def test_a_long_module_or_a_stale_waiver_is_seen(tmp_path):
+    """Negative control: an unwaived long module, a waiver of a short module and
+    a waiver of a missing one are each named with what to do; a waived long
+    module passes."""
+    long = "\n" * (MAX_LINES + 1)
+    root = _package(
+        tmp_path,
+        {"pkg/long.py": long, "pkg/waived.py": long, "pkg/short.py": "\n" * MAX_LINES},
+    )
+    waivers = {"pkg/waived.py": "one concept", "pkg/short.py": "was long", "pkg/gone.py": "x"}
+    breaches = line_budget_breaches(root, waivers)
+    assert len(breaches) == 3
+    assert f"pkg/long.py has {MAX_LINES + 1} lines" in breaches[0]
+    assert "waive it in LONG_MODULES" in breaches[0]
+    assert "pkg/gone.py" in breaches[1] and "does not exist" in breaches[1]
+    assert f"pkg/short.py is waived in LONG_MODULES but has {MAX_LINES} lines" in breaches[2]
+    assert line_budget_breaches(root, {"pkg/long.py": "a", "pkg/waived.py": "b"}) == []
 
 
 def test_every_module_opens_with_its_responsibility():
