@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from lifecycle import validate
-from lifecycle.core.packing import room_keys
+from lifecycle.core.fingerprint import room_keys
 from lifecycle.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -32,7 +32,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.request_info import INFO_FIELDS, RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
 
-__all__ = ["RequestTable", "RequestInfo"]
+__all__ = ["RequestTable"]
 
 _INITIAL = 64
 #: the most rows one table may hold (a table this size is ~2 GiB of columns)
@@ -47,7 +47,7 @@ class RequestTable:
 
     _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
         ("room", np.uint64, 0),
-        ("room_key", np.uint64, 0),  # the room mixed (packing.room_keys): the list hash's input
+        ("room_key", np.uint64, 0),  # the room mixed (fingerprint.room_keys): the list hash's input
         ("state", np.int8, KVPoll.Bootstrapping),
         ("role", np.int8, Role.SENDER),
         ("reason", np.int8, FailureReason.NONE),

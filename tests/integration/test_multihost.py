@@ -20,7 +20,7 @@ from pathlib import Path
 import netns
 import pytest
 
-from pdlife.sim.rank import SimConfig, Workload
+from pdlife.cluster.config import SimConfig, Workload
 
 pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
 _why = netns.unavailable()

@@ -37,7 +37,8 @@ from engines import require
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import rank_context, store_server
-from transport.connector.hub import Connector, ConnectorConfig
+from transport.connector.config import ConnectorConfig
+from transport.connector.hub import Connector
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,8 +10,8 @@ from stub_engine import CopyConnector, handshaken, wait_for
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import Phase, ProtocolError
-from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 

@@ -17,8 +17,8 @@ from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from transport.connector import liveness
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import Phase
-from transport.connector.hub import ConnectorConfig
 from transport.connector.mailbox import SAME, Mailbox
 from transport.layout import kv_args_for
 

@@ -15,7 +15,7 @@ from buffers import MetadataBuffers, MetadataLayout
 from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from transport.connector.hub import ConnectorConfig
+from transport.connector.config import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
 

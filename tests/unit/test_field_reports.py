@@ -16,8 +16,8 @@ from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from transport.connector import prefill as pre
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import Phase
-from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -318,3 +318,115 @@ def test_no_two_test_files_share_a_name():
     tests = Path(__file__).parents[1]
     names = Counter(p.name for p in tests.rglob("test_*.py"))
     assert {n: c for n, c in names.items() if c > 1} == {}
+
+
+# -- a name is imported from the module that defines it, not through a shim --
+
+#: the src/field modules that stand for one of the engine's modules: an engine
+#: changes only the import, so each re-exports that module's names from wherever
+#: ours are defined
+ENGINE_MODULES = {
+    "field.utils": "stands for sglang.srt.disaggregation.utils",
+    "field.conn.base": "stands for sglang.srt.disaggregation.base.conn",
+}
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """The names a module binds itself at its top level (``if``, ``try`` and
+    ``with`` blocks included): functions, classes and assignment targets; what
+    it only imports is not among them."""
+    out: set[str] = set()
+
+    def targets(node: ast.AST) -> None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                out.add(n.id)
+
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                targets(t)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets(node.target)
+        if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.AsyncFor, ast.While)):
+            todo += [*node.body, *node.orelse] if not isinstance(node, ast.With) else node.body
+        if isinstance(node, ast.Try):
+            todo += [*node.finalbody, *(s for h in node.handlers for s in h.body)]
+    return out
+
+
+def shim_imports(root: Path, exempt: dict[str, str]) -> list[str]:
+    """Every ``from X import name`` under ``root`` (anywhere in a module, under
+    ``TYPE_CHECKING`` too) where X is one of our modules, not a package's
+    ``__init__`` nor in ``exempt``, and X does not define ``name`` (nor has it
+    as a submodule): X only passes on what it imported."""
+    files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    defined: dict[str, set[str]] = {}
+    out = []
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                up = up[: len(up) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            target = files.get(base)
+            if target is None or target.name == "__init__.py" or base in exempt:
+                continue
+            if base not in defined:
+                defined[base] = defined_names(ast.parse(target.read_text()))
+            for alias in node.names:
+                name = alias.name
+                if name != "*" and name not in defined[base] and f"{base}.{name}" not in files:
+                    out.append(
+                        f"{mod} imports {name} from {base}, which does not define it: "
+                        f"import it from the module that does"
+                    )
+    return sorted(set(out))
+
+
+def test_no_module_imports_a_name_through_a_shim():
+    assert all(m.startswith("field.") and r.strip() for m, r in ENGINE_MODULES.items())
+    assert all((SRC / (m.replace(".", "/") + ".py")).exists() for m in ENGINE_MODULES)
+    shims = shim_imports(SRC, ENGINE_MODULES)
+    assert shims == [], "\n".join(shims)
+
+
+def test_a_shim_is_seen(tmp_path):
+    """Negative control: a name imported through a module that only imports it
+    (at the top, in a function or under ``TYPE_CHECKING``) is named; imports of
+    what a module defines, of a package's ``__init__`` and of an exempt module
+    pass."""
+    files = {
+        "pkg/__init__.py": "from pkg.core import Thing\n",
+        "pkg/core.py": "class Thing: ...\nLIMIT: int = 3\ndef f(): ...\n",
+        "pkg/front.py": "from pkg.core import Thing\n",
+        "pkg/engine.py": "from pkg.core import Thing\n",
+        "pkg/user.py": "from pkg.core import Thing, LIMIT, f\nfrom pkg import Thing as T\n"
+        "from pkg.engine import Thing as E\n",
+    }
+    clean = _package(tmp_path / "clean", files)
+    assert shim_imports(clean, {"pkg.engine": "stands for an engine module"}) == []
+    shimmed = _package(
+        tmp_path / "shim",
+        {
+            **files,
+            "pkg/late.py": "def g():\n    from pkg.front import Thing\n",
+            "pkg/typed.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from .front import Thing\n",
+        },
+    )
+    assert shim_imports(shimmed, {"pkg.engine": "stands for an engine module"}) == [
+        "pkg.late imports Thing from pkg.front, which does not define it: "
+        "import it from the module that does",
+        "pkg.typed imports Thing from pkg.front, which does not define it: "
+        "import it from the module that does",
+    ]
+    assert len(shim_imports(shimmed, {})) == 3

@@ -6,9 +6,10 @@ import pytest
 from store_stub import Store
 
 from lifecycle import SingleRank
-from pdlife.cluster.plan import parse_plan
+from pdlife.cluster.config import SimConfig, Workload
+from pdlife.cluster.plan_doc import parse_plan
 from pdlife.sim import rank as sim
-from pdlife.sim.rank import RankRun, SimConfig, Workload
+from pdlife.sim.rank import RankRun
 
 
 def decode_rank(tmp_path, plan=None, **kw):

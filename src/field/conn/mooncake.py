@@ -73,7 +73,7 @@ class MooncakeKVManager(BaseKVManager):
         is_mla_backend: bool | None = False,
     ) -> None:
         backend = get_backend(self.BACKEND)  # a typed error naming the extra when missing
-        from transport.connector.hub import ConnectorConfig
+        from transport.connector.config import ConnectorConfig
 
         port = getattr(server_args, "disaggregation_bootstrap_port", None)
         if port is None:

@@ -48,7 +48,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.result import Failure
 from lifecycle.table import RequestTable
 
-__all__ = ["Session", "room_of"]
+__all__ = ["Session"]
 
 logger = logging.getLogger(__name__)
 

@@ -57,10 +57,11 @@ from lifecycle.config import (
 )
 from lifecycle.core.buffer import StepBuffer
 from lifecycle.core.capacity import Capacity
+from lifecycle.core.fingerprint import stable_hash
 from lifecycle.core.frame import Frame
 from lifecycle.core.local import LocalStage
 from lifecycle.core.observe import Observation
-from lifecycle.core.packing import Header, buffer_size, stable_hash
+from lifecycle.core.packing import Header, buffer_size
 from lifecycle.core.settle import Settled, Who, settle, unchanged_result
 from lifecycle.errors import InvalidArgument, ReducedBufferMismatch, StepInFlight
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate

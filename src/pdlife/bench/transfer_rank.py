@@ -100,7 +100,7 @@ def _run(
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from buffers import MetadataBuffers, MetadataLayout
-    from transport.connector.hub import ConnectorConfig
+    from transport.connector.config import ConnectorConfig
     from transport.layout import kv_args_for
     from transport.registry import get_backend
 

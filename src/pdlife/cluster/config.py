@@ -15,7 +15,7 @@ from buffers.allocator import MAX_SLOTS
 from buffers.checks import Checks
 from lifecycle.errors import FaultPlanError
 from pdlife.args import SimConfigError, SimConfigTypeError
-from pdlife.cluster.plan import MODES, FaultPlan
+from pdlife.cluster.plan_doc import MODES, FaultPlan
 from pdlife.cluster.topology import HEAD_BYTES, topology_problem
 
 #: --recovery: the presets of lifecycle.rules.recovery.preset

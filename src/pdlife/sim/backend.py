@@ -16,7 +16,7 @@ DRAIN_TIMEOUT_S = 3.0
 
 def connector_config(cfg: SimConfig, where: Place, store_addr: tuple[str, int]) -> Any:
     """The connector's configuration for one simulated rank."""
-    from transport.connector.hub import ConnectorConfig
+    from transport.connector.config import ConnectorConfig
 
     return ConnectorConfig(
         role=where.side,

@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
+from transport.connector.config import ConnectorConfig
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
-from transport.connector.hub import Connector, ConnectorConfig
+from transport.connector.hub import Connector
 from transport.engine_logs import engine_logs
 from transport.errors import BackendUnavailable, require_module
 from transport.layout import kv_args_for

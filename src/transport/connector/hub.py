@@ -47,7 +47,7 @@ from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
 from transport.status_arrays import StatusArrays
 
-__all__ = ["ConnectorConfig", "Connector"]
+__all__ = ["Connector"]
 
 T, S, F = int(KVPoll.Transferring), int(KVPoll.Success), int(KVPoll.Failed)
 NOW = time.monotonic
