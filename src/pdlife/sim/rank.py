@@ -24,7 +24,6 @@ from lifecycle.core.fingerprint import fingerprint
 from lifecycle.drive.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.result import StepResult
-from lifecycle.status import T as T  # the tests' pollers answer with sim.T
 from pdlife.cluster.config import SimConfig, Workload
 from pdlife.cluster.faults import rank_faults
 from pdlife.cluster.topology import place
