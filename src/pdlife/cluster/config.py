@@ -60,7 +60,7 @@ def _backend(inst: Any, attr: Any, value: Any) -> None:
 
 def _plan(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, FaultPlan):
-        _C.fail(inst, attr.name, value, "a FaultPlan (pdlife.cluster.plan)", wrong_type=True)
+        _C.fail(inst, attr.name, value, "a FaultPlan (pdlife.cluster.plan_doc)", wrong_type=True)
 
 
 @attrs.frozen
