@@ -35,9 +35,13 @@ from typing import Any
 import torch
 
 from field.conn.backends import KVClassType, TransferBackend, get_kv_class
-from field.data.buffers import DisaggregationMode, MetadataBuffers, ReqToMetadataIdxAllocator
 from field.release import set_release
-from field.step.consensus import poll_and_all_reduce
+from field.utils import (
+    DisaggregationMode,
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+    poll_and_all_reduce,
+)
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
 

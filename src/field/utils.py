@@ -11,23 +11,18 @@ from __future__ import annotations
 
 from field.checksum import kv_layout_signature
 from field.conn.backends import KVClassType, TransferBackend, get_kv_class
-from field.data.buffers import (
-    MetadataBuffers,
-    ReqToMetadataIdxAllocator,
-    append_state_component,
-    filter_kv_indices_for_cp_rank,
-    is_mla_backend,
-    setup_state_kv_args,
-)
+from field.data.buffers import ReqToMetadataIdxAllocator, filter_kv_indices_for_cp_rank
+from field.data.metadata import MetadataBuffers
 from field.data.placement import filter_kv_indices_for_shard_rank, should_send_replicated_state
+from field.data.state import append_state_component, is_mla_backend, setup_state_kv_args
 from field.engine import DisaggregationMode
 from field.step.abort import is_aborted, is_unadmitted_reject, prepare_abort
 from field.step.consensus import (
-    FAKE_BOOTSTRAP_HOST,
     poll_and_all_reduce,
     poll_and_all_reduce_attn_cp_tp_group,
     poll_and_all_reduce_with_staging,
 )
+from field.step.gates import FAKE_BOOTSTRAP_HOST
 from field.step.pp import (
     all_reduce_flags,
     poll_and_all_reduce_pp,

@@ -11,8 +11,8 @@ from typing import Any, Literal
 import attrs
 
 from lifecycle import validate
+from lifecycle.core.fingerprint import stable_hash
 from lifecycle.core.observe import contained
-from lifecycle.core.packing import stable_hash
 from lifecycle.errors import HookError, InvalidArgument
 from lifecycle.rules.recovery import FAIL_ALL, RecoveryTable
 

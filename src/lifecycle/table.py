@@ -7,7 +7,9 @@ that never moves while the request lives; ``order`` lists the slots in queue
 order (insertion order, which every rank reproduces by making the same
 calls). Removal is O(1): the slot is marked dead, the order compacted on its
 next read; adding or removing nothing changes nothing. The only Python
-objects per request are the optional pollers (``handles``)."""
+objects kept per request are the optional per-request pollers (``handles``),
+for backends without a batch poll.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from lifecycle import validate
-from lifecycle.core.packing import room_keys
+from lifecycle.core.fingerprint import room_keys
 from lifecycle.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -30,7 +32,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.request_info import INFO_FIELDS, RequestInfo
 from lifecycle.status import TERMINAL, KVPoll, Role
 
-__all__ = ["RequestTable", "RequestInfo"]
+__all__ = ["RequestTable"]
 
 _INITIAL = 64
 #: the most rows one table may hold (a table this size is ~2 GiB of columns)
@@ -45,7 +47,7 @@ class RequestTable:
 
     _COLUMNS: tuple[tuple[str, Any, Any], ...] = (
         ("room", np.uint64, 0),
-        ("room_key", np.uint64, 0),  # the room mixed (packing.room_keys): the list hash's input
+        ("room_key", np.uint64, 0),  # the room mixed (fingerprint.room_keys): the list hash's input
         ("state", np.int8, KVPoll.Bootstrapping),
         ("role", np.int8, Role.SENDER),
         ("reason", np.int8, FailureReason.NONE),
@@ -96,11 +98,14 @@ class RequestTable:
         self.columns_version = 0  # bumped when a per-request column is edited by hand
         self.abort_count = 0  # live requests with an abort requested (skips a gather)
         self.terminal_count = 0  # live requests at Success or Failed (the step keeps it)
-        #: live requests whose reason or origin a move carried in (skips two gathers)
+        #: live requests whose reason or origin a move carried in: only they
+        #: (and terminal ones) can differ from NONE and -1 (skips two gathers)
         self.carried = 0
         self.epoched = 0  # live requests at an epoch past 0, retries (skips a gather)
         self.step_no = 0  # advanced by the stepper
-        self.now = float("nan")  # the last step's time (NaN until a stepper owns the table)
+        # time of the last step, for rows added between steps; NaN until a
+        # stepper owns the table (it then stamps the rows added before it)
+        self.now = float("nan")
         self.busy = False  # a started step is in flight (see StepGroup.start)
 
     # -- size and lookup -------------------------------------------------
@@ -218,9 +223,11 @@ class RequestTable:
     ) -> NDArray[np.int64]:
         """Add many requests at the end of the queue, in order; returns their slots.
 
-        Validation happens first: a room that is not an integer in 1..2**64-1
-        (0 only with ``fake``), a duplicate, a state or role not of its enum, a
-        column of the wrong type or length raises, leaving the table as it was."""
+        Validation happens first: a room that is not an integer in
+        1..2**64-1 (0 only with ``fake``), a duplicate, a state or role that is
+        not a member of its enum, a column of the wrong type or length raises
+        a typed error and the table is left as it was.
+        """
         self._check_idle()
         rank = self.rank
         room_list = validate.rooms(rooms, rank)
@@ -275,7 +282,8 @@ class RequestTable:
     def remove(self, room: int) -> RequestInfo:
         """Remove one request (O(1)); returns its last row."""
         self._check_idle()
-        info = self._info(slot := self.slot_of(room))
+        slot = self.slot_of(room)
+        info = self._info(slot)
         del self._index[info.room]
         self._drop([slot])
         return info
@@ -350,13 +358,13 @@ class RequestTable:
     ) -> int:
         """Move ``room`` to the end of ``other``'s queue; returns its slot there.
 
-        Everything the request carries goes with it: role, fake flag, epoch, a pending
-        abort, its failure reason and origin, its metadata slot, handle and handle
-        index, the waiting-timeout clock and how long it has been at its status (a
-        bootstrap or waiting deadline keeps counting from where it was). ``state`` (which restarts the status
-        clock when it differs), ``handle_index`` and ``metadata_slot`` may be
-        given for the new queue. Checked first; a refused move changes neither
-        table.
+        Everything the request carries goes with it: role, fake flag, epoch, a
+        pending abort, its failure reason and origin, its metadata slot, handle
+        and handle index, the waiting-timeout clock and how long it has been at
+        its status (a bootstrap or waiting deadline keeps counting from where it
+        was). ``state`` (which restarts the status clock when it differs),
+        ``handle_index`` and ``metadata_slot`` may be given for the new queue.
+        Checked first; a refused move changes neither table.
         """
         self._check_idle()
         if not isinstance(other, RequestTable) or other is self:

@@ -12,9 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from lifecycle.protocols import BatchPoller
-
-__all__ = ["KVManager", "KVSender", "KVReceiver", "BootstrapService", "BatchPoller"]
+__all__ = ["KVManager", "KVSender", "KVReceiver", "BootstrapService"]
 
 
 @runtime_checkable

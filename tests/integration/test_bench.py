@@ -3,7 +3,8 @@
 
 import pytest
 
-from pdlife.bench.step import format_table, run_bench
+from pdlife.bench.report import format_table
+from pdlife.bench.step import run_bench
 
 # the keys #14 asked for (more may be added beside them, never taken away)
 VARIANTS = ("floor", "ours", "pattern", "transitions", "fused3", "separate3", "churn")

@@ -31,7 +31,7 @@ def _decode_queue(rank, world):
     import torch
     import torch.distributed as dist
 
-    from field.data.buffers import MetadataBuffers
+    from field.data.metadata import MetadataBuffers
     from field.step.consensus import poll_and_all_reduce
     from lifecycle.testing import ScriptedPoller
 

@@ -35,7 +35,8 @@ def _run(backend, side, port):
     import torch
 
     from field.conn.backends import KVClassType, get_kv_class
-    from field.data.buffers import DisaggregationMode, MetadataBuffers
+    from field.data.metadata import MetadataBuffers
+    from field.engine import DisaggregationMode
     from field.release import set_release
 
     set_release("0.5.23")

@@ -20,7 +20,7 @@ from pathlib import Path
 import netns
 import pytest
 
-from pdlife.sim.rank import SimConfig, Workload
+from pdlife.cluster.config import SimConfig, Workload
 
 pytest.importorskip("mooncake.engine", reason="pd-lifecycle[mooncake] not installed")
 _why = netns.unavailable()
@@ -269,9 +269,10 @@ MISCONFIGURED = r"""
 import json, os, sys, time
 import torch
 from buffers import MetadataBuffers
-from pdlife.sim.rank import SIM_LAYOUT
+from pdlife.cluster.config import SIM_LAYOUT
 from transport.addressing import AddressError, advertised_host
-from transport.backends.mooncake import MooncakeConfig, MooncakeManager, kv_args_for
+from transport.backends.mooncake import MooncakeConfig, MooncakeManager
+from transport.layout import kv_args_for
 
 kv = kv_args_for([torch.zeros((4, 256), dtype=torch.uint8)], MetadataBuffers(4, SIM_LAYOUT).buf_infos(), 0)
 me, other = sys.argv[1], sys.argv[2]

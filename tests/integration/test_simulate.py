@@ -104,7 +104,7 @@ def test_targeted_plan(tmp_path, run_sim):
         "waiting timeout": 1,
     }
     assert s["succeeded"] == s["requests"] - 5  # delay and hold only slow a request down
-    from pdlife.sim.rank import SimConfig, Workload
+    from pdlife.cluster.config import SimConfig, Workload
 
     rooms = [str(r) for r in Workload(SimConfig(seed=0)).all_rooms(200)]
     # (status, reason) of each; every one at its first and only attempt (no recovery)

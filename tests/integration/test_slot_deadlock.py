@@ -40,7 +40,7 @@ from lifecycle.testing.spawn import rank_context, store_server
 from support.pages import pattern
 from support.status import F, S, W
 from support.stub_engine import CopyConnector
-from transport.connector.hub import ConnectorConfig
+from transport.connector.config import ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(240)

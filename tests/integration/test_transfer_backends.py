@@ -103,7 +103,7 @@ def _manager(backend, role, port, namespace, **kw):
     import torch
 
     from buffers import MetadataBuffers, MetadataLayout
-    from transport.connector.hub import ConnectorConfig
+    from transport.connector.config import ConnectorConfig
     from transport.layout import kv_args_for
     from transport.registry import get_backend
 

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
-from lifecycle.testing.consensus import ConsensusMachine, InvariantViolation
+from lifecycle.testing.consensus import ConsensusMachine
+from lifecycle.testing.invariants import InvariantViolation
 
 TestConsensus = ConsensusMachine.TestCase
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from field.data.buffers import MetadataBuffers
+from field.data.metadata import MetadataBuffers
 from field.step.session import Session
 from lifecycle.testing import ScriptedPoller
 

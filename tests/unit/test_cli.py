@@ -262,9 +262,9 @@ def _parsed(*argv, out):
 
 
 def test_topology_flags_reach_the_config(tmp_path):
-    from pdlife.run.simulate import _config
+    from pdlife.run.config import sim_config
 
-    cfg, _ = _config(
+    cfg, _ = sim_config(
         _parsed(
             "--prefill-tp", "2", "--decode-tp", "4", "--prefill-dp", "3", "--staging",
             "--staging-pages", "29", "--state", "--page-size", "2", "--prefix-pages", "3",
@@ -274,20 +274,20 @@ def test_topology_flags_reach_the_config(tmp_path):
     assert (cfg.prefill, cfg.decode, cfg.prefill_dp, cfg.world) == (2, 4, 3, 10)
     assert (cfg.staging, cfg.staging_pages, cfg.state) == (True, 29, True)
     assert (cfg.page_size, cfg.prefix_pages, cfg.total_heads) == (2, 3, 8)
-    old, _ = _config(_parsed("--prefill", "3", "--decode", "1", out=tmp_path))
+    old, _ = sim_config(_parsed("--prefill", "3", "--decode", "1", out=tmp_path))
     assert (old.prefill, old.decode, old.world, old.total_heads) == (3, 1, 4, 6)
-    mla, _ = _config(_parsed("--mla", "--prefill-tp", "2", "--decode-tp", "1", out=tmp_path))
+    mla, _ = sim_config(_parsed("--mla", "--prefill-tp", "2", "--decode-tp", "1", out=tmp_path))
     assert mla.total_heads == 1
 
 
 def test_staging_without_head_slicing_is_allowed_and_said_to_do_nothing(tmp_path):
-    from pdlife.run.simulate import _config, staging_note
+    from pdlife.run.config import sim_config, staging_note
 
-    same, _ = _config(_parsed("--staging", out=tmp_path))
+    same, _ = sim_config(_parsed("--staging", out=tmp_path))
     assert "nothing to scatter" in staging_note(same)
-    mla, _ = _config(_parsed("--staging", "--mla", "--decode-tp", "1", out=tmp_path))
+    mla, _ = sim_config(_parsed("--staging", "--mla", "--decode-tp", "1", out=tmp_path))
     assert "MLA" in staging_note(mla)
-    sliced, _ = _config(_parsed("--staging", "--decode-tp", "4", out=tmp_path))
+    sliced, _ = sim_config(_parsed("--staging", "--decode-tp", "4", out=tmp_path))
     assert staging_note(sliced) is None
 
 

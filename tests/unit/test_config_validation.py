@@ -34,7 +34,7 @@ from buffers.kv_args import KVArgs, StateComponent, StateType
 from pdlife.args import SimConfigError, UsageError
 from pdlife.cli import build_parser, main
 from pdlife.cluster.config import SimConfig
-from pdlife.cluster.plan import FaultPlan, TargetedFault
+from pdlife.cluster.plan_doc import FaultPlan, TargetedFault
 from support.stub_engine import CopyConnector
 from transport.backends.fake import FakeConfig
 from transport.connector.config import MAX_SECONDS, ConnectorConfig

@@ -11,8 +11,8 @@ from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, handshaken, timeouts
 from support.wait import wait_for
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import Phase, ProtocolError
-from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 

@@ -16,7 +16,7 @@ from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, handshaken, refused_for_layout
 from support.wait import wait_for
-from transport.connector.hub import ConnectorConfig
+from transport.connector.config import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError
 

@@ -17,8 +17,8 @@ from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, CopyEngine, handshaken, timeouts
 from support.wait import wait_for
 from transport.connector import prefill as pre
+from transport.connector.config import ConnectorConfig
 from transport.connector.graph import Phase
-from transport.connector.hub import ConnectorConfig
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -293,7 +293,9 @@ def _stale_connector_state(m, h, old):
         name
         for name, (dtype, fill) in m.core._cols.items()
         if name not in ("status", "phase", "born")
-        and not np.array_equal(getattr(m.core, name)[i], fill, equal_nan=np.dtype(dtype).kind == "f")
+        and not np.array_equal(
+            getattr(m.core, name)[i], fill, equal_nan=np.dtype(dtype).kind == "f"
+        )
     ]
     if h.poll() != KVPoll.Bootstrapping or m.phase_of(req) != Phase.Bootstrap:
         stale.append("status/phase")

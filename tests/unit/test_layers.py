@@ -215,19 +215,78 @@ def test_a_core_module_importing_a_driver_is_seen(tmp_path):
     assert io_imports(root, "lifecycle.core.c") == {"socket"}
 
 
-def test_no_module_over_400_lines_and_no_folder_over_12_modules():
-    long = {
-        str(p.relative_to(SRC)): n
-        for p in SRC.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+#: the modules allowed past ``MAX_LINES``, each with the one concept that keeps
+#: it whole; a budget to spend on readable code, not a reason to pack lines
+MAX_LINES = 400
+LONG_MODULES = {
+    "lifecycle/core/step.py": "RawStepper, the one sans-I/O step protocol (prepare, resize, "
+    "origins, apply and the calls the drivers use), under the theory of operation of the "
+    "five stages",
+    "lifecycle/table.py": "RequestTable: the request columns and every operation that keeps "
+    "them consistent (add, remove, move, hand edits, the counts a step skips gathers by)",
+    "lifecycle/core/observe.py": "the observe stage: polling the active rows (batch, by "
+    "handle or as already polled) and containing every poll error as a verdict",
+    "field/step/session.py": "Session: one queue's consensus kept across calls (the list's "
+    "changes applied to its table, the poll, the step and the retirement of its rows)",
+    "transport/digest/hashing.py": "the KV digest over one leg's bytes: the rank's buffers as "
+    "views, the stream cut in pieces, and the pieces hashed on threads, at once or as "
+    "the pages land",
+}
+
+
+def line_budget_breaches(root: Path, waivers: dict[str, str]) -> list[str]:
+    """What breaks the line budget under ``root``: a module over ``MAX_LINES``
+    not in ``waivers``, and a waiver for a module that is no longer over it
+    (or no longer exists); each names the module, its length and what to do."""
+    lengths = {
+        p.relative_to(root).as_posix(): len(p.read_text().splitlines()) for p in root.rglob("*.py")
     }
-    assert long == {}, "modules over 400 lines"
+    out = [
+        f"{m} has {n} lines (over {MAX_LINES}): split it by concern, or, if it holds one "
+        f"concept, waive it in LONG_MODULES with that concept as the reason"
+        for m, n in sorted(lengths.items())
+        if n > MAX_LINES and m not in waivers
+    ]
+    for m in sorted(waivers):
+        if m not in lengths:
+            out.append(f"{m} is waived in LONG_MODULES but does not exist: drop its waiver")
+        elif lengths[m] <= MAX_LINES:
+            out.append(
+                f"{m} is waived in LONG_MODULES but has {lengths[m]} lines (not over "
+                f"{MAX_LINES}): drop its waiver"
+            )
+    return out
+
+
+def test_no_module_over_400_lines_unless_waived_and_no_folder_over_12_modules():
+    assert all(reason.strip() for reason in LONG_MODULES.values())
+    breaches = line_budget_breaches(SRC, LONG_MODULES)
+    assert breaches == [], "\n".join(breaches)
     big = {
         str(d.relative_to(SRC)): n
         for d in [SRC, *[p for p in SRC.rglob("*") if p.is_dir()]]
         if (n := len(list(d.glob("*.py")))) > 12
     }
     assert big == {}, "folders of more than 12 modules"
+
+
+def test_a_long_module_or_a_stale_waiver_is_seen(tmp_path):
+    """Negative control: an unwaived long module, a waiver of a short module and
+    a waiver of a missing one are each named with what to do; a waived long
+    module passes."""
+    long = "\n" * (MAX_LINES + 1)
+    root = _package(
+        tmp_path,
+        {"pkg/long.py": long, "pkg/waived.py": long, "pkg/short.py": "\n" * MAX_LINES},
+    )
+    waivers = {"pkg/waived.py": "one concept", "pkg/short.py": "was long", "pkg/gone.py": "x"}
+    breaches = line_budget_breaches(root, waivers)
+    assert len(breaches) == 3
+    assert f"pkg/long.py has {MAX_LINES + 1} lines" in breaches[0]
+    assert "waive it in LONG_MODULES" in breaches[0]
+    assert "pkg/gone.py" in breaches[1] and "does not exist" in breaches[1]
+    assert f"pkg/short.py is waived in LONG_MODULES but has {MAX_LINES} lines" in breaches[2]
+    assert line_budget_breaches(root, {"pkg/long.py": "a", "pkg/waived.py": "b"}) == []
 
 
 def test_every_module_opens_with_its_responsibility():
@@ -262,3 +321,146 @@ def test_no_two_test_files_share_a_name():
     tests = Path(__file__).parents[1]
     names = Counter(p.name for p in tests.rglob("test_*.py"))
     assert {n: c for n, c in names.items() if c > 1} == {}
+
+
+# -- a name is imported from the module that defines it, not through a shim --
+
+#: the src/field modules that stand for one of the engine's modules: an engine
+#: changes only the import, so each re-exports that module's names from wherever
+#: ours are defined
+ENGINE_MODULES = {
+    "field.utils": "stands for sglang.srt.disaggregation.utils",
+    "field.conn.base": "stands for sglang.srt.disaggregation.base.conn",
+}
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """The names a module binds itself at its top level (``if``, ``try`` and
+    ``with`` blocks included): functions, classes and assignment targets; what
+    it only imports is not among them."""
+    out: set[str] = set()
+
+    def targets(node: ast.AST) -> None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                out.add(n.id)
+
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                targets(t)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets(node.target)
+        if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.AsyncFor, ast.While)):
+            todo += [*node.body, *node.orelse] if not isinstance(node, ast.With) else node.body
+        if isinstance(node, ast.Try):
+            todo += [*node.finalbody, *(s for h in node.handlers for s in h.body)]
+    return out
+
+
+def shim_imports(root: Path, exempt: dict[str, str]) -> list[str]:
+    """Every ``from X import name`` under ``root`` (anywhere in a module, under
+    ``TYPE_CHECKING`` too) where X is one of our modules, not a package's
+    ``__init__`` nor in ``exempt``, and X does not define ``name`` (nor has it
+    as a submodule): X only passes on what it imported."""
+    files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    defined: dict[str, set[str]] = {}
+    got: dict[str, dict[str, str]] = {}
+    out = []
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                up = up[: len(up) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            target = files.get(base)
+            if target is None or target.name == "__init__.py" or base in exempt:
+                continue
+            if base not in defined:
+                tree = ast.parse(target.read_text())
+                defined[base] = defined_names(tree)
+                got[base] = {
+                    a.asname or a.name: n.module or "." * n.level
+                    for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom)
+                    for a in n.names
+                }
+            for alias in node.names:
+                name = alias.name
+                if name != "*" and name not in defined[base] and f"{base}.{name}" not in files:
+                    out.append(
+                        f"{mod} imports {name} from {base}, which does not define it "
+                        f"(it has it from {got[base].get(name, 'elsewhere')}): import it "
+                        f"from the module that defines it"
+                    )
+    return sorted(set(out))
+
+
+def test_no_module_imports_a_name_through_a_shim():
+    assert all(m.startswith("field.") and r.strip() for m, r in ENGINE_MODULES.items())
+    shims = shim_imports(SRC, ENGINE_MODULES)
+    assert shims == [], "\n".join(shims)
+    # an exemption is for a module that does pass names on: else it is stale
+    stale = []
+    for m in ENGINE_MODULES:
+        path = SRC / (m.replace(".", "/") + ".py")
+        if not path.exists():
+            stale.append(f"{m} is exempt in ENGINE_MODULES but does not exist: drop it")
+            continue
+        tree = ast.parse(path.read_text())
+        own = defined_names(tree)
+        passed_on = [n for n in _all_of(tree) if n not in own]
+        if not passed_on:
+            stale.append(f"{m} is exempt in ENGINE_MODULES but passes on no name: drop it")
+    assert stale == [], "\n".join(stale)
+
+
+def _all_of(tree: ast.Module) -> list[str]:
+    """The names a module's ``__all__`` lists (none without one)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_a_shim_is_seen(tmp_path):
+    """Negative control: a name imported through a module that only imports it
+    (at the top, in a function or under ``TYPE_CHECKING``) is named; imports of
+    what a module defines, of a package's ``__init__`` and of an exempt module
+    pass."""
+    files = {
+        "pkg/__init__.py": "from pkg.core import Thing\n",
+        "pkg/core.py": "class Thing: ...\nLIMIT: int = 3\ndef f(): ...\n",
+        "pkg/front.py": "from pkg.core import Thing\n",
+        "pkg/engine.py": "from pkg.core import Thing\n",
+        "pkg/user.py": "from pkg.core import Thing, LIMIT, f\nfrom pkg import Thing as T\n"
+        "from pkg.engine import Thing as E\n",
+    }
+    clean = _package(tmp_path / "clean", files)
+    assert shim_imports(clean, {"pkg.engine": "stands for an engine module"}) == []
+    shimmed = _package(
+        tmp_path / "shim",
+        {
+            **files,
+            "pkg/late.py": "def g():\n    from pkg.front import Thing\n",
+            "pkg/typed.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from .front import Thing\n",
+        },
+    )
+    assert shim_imports(shimmed, {"pkg.engine": "stands for an engine module"}) == [
+        "pkg.late imports Thing from pkg.front, which does not define it (it has it "
+        "from pkg.core): import it from the module that defines it",
+        "pkg.typed imports Thing from pkg.front, which does not define it (it has it "
+        "from pkg.core): import it from the module that defines it",
+    ]
+    assert len(shim_imports(shimmed, {})) == 3

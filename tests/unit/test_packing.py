@@ -1,16 +1,8 @@
 import numpy as np
 import pytest
 
-from lifecycle.core.packing import (
-    HEADER,
-    PAD,
-    Field,
-    Header,
-    fingerprint,
-    pack,
-    unpack,
-    write_field,
-)
+from lifecycle.core.fingerprint import fingerprint
+from lifecycle.core.packing import HEADER, PAD, Field, Header, pack, unpack, write_field
 
 
 def test_pack_unpack_roundtrip():
@@ -134,7 +126,7 @@ def test_failure_slots_name_each_writer_and_refuse_what_they_cannot_say():
 @pytest.mark.parametrize("states", [[3] * 40, [0] * 7, [1, 2, 3, 4, 0] * 9, [4], []])
 def test_list_sum_is_the_weighted_sum_of_keys_and_statuses(states):
     """One status for every row takes a shortcut; the sum is the same."""
-    from lifecycle.core.packing import list_sum, position_weights, room_keys
+    from lifecycle.core.fingerprint import list_sum, position_weights, room_keys
 
     n = len(states)
     keys = room_keys(np.arange(100, 100 + n, dtype=np.uint64))

@@ -6,7 +6,8 @@ import pytest
 from lifecycle.errors import FaultPlanError
 from lifecycle.faults import ProbabilisticFaults, from_env
 from lifecycle.protocols import StepContext
-from pdlife.cluster.plan import RankFaults, load_plan, parse_plan
+from pdlife.cluster.plan import RankFaults
+from pdlife.cluster.plan_doc import load_plan, parse_plan
 
 
 def ctx(rooms, step=1):
@@ -203,7 +204,8 @@ def test_phase_draws_depend_on_the_request_alone():
 
 
 def test_one_winner_per_request_earliest_phase_then_abort_then_lowest_rank():
-    from pdlife.cluster.plan import PHASES, FaultPlan, phase_decisions
+    from pdlife.cluster.phase_draws import PHASES, phase_decisions
+    from pdlife.cluster.plan_doc import FaultPlan
 
     rooms = np.arange(1, 20001, dtype=np.uint64)
     ds = phase_decisions(FaultPlan(seed=1, prob=0.2), 0.2, 9, 4, rooms)
@@ -252,7 +254,8 @@ def test_a_phase_fault_fires_when_the_request_reaches_its_phase_even_by_a_jump()
 
 
 def test_phase_winners_are_carried_out_by_their_rank_and_aborts_on_decode():
-    from pdlife.cluster.plan import FaultPlan, phase_decisions
+    from pdlife.cluster.phase_draws import phase_decisions
+    from pdlife.cluster.plan_doc import FaultPlan
 
     plan = FaultPlan(seed=5, prob=0.3)
     rooms = list(range(1, 401))

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from lifecycle import SingleRank
-from pdlife.cluster.plan import parse_plan
-from pdlife.sim import rank as sim
-from pdlife.sim.rank import RankRun, SimConfig, Workload
+from lifecycle.status import T
+from pdlife.cluster.config import SimConfig, Workload
+from pdlife.cluster.plan_doc import parse_plan
+from pdlife.sim.hooks import DrainPoller
+from pdlife.sim.rank import RankRun
 from support.store_stub import Store
 
 
@@ -62,7 +64,7 @@ def test_a_drain_entry_agreed_failed_gives_its_buffers_back(tmp_path, monkeypatc
     def broken(self, rooms, indices):
         raise RuntimeError("drain poll broke")
 
-    monkeypatch.setattr(sim.DrainPoller, "poll_many", broken)
+    monkeypatch.setattr(DrainPoller, "poll_many", broken)
     res = decode_rank(tmp_path, FAIL_IN_FLIGHT, max_steps=60).run()
     assert res["drain_failed"] == 1
     assert (res["leaked_slots"], res["leaked_kv_pages"]) == (0, 0)
@@ -73,9 +75,9 @@ def test_a_drain_entry_agreed_failed_gives_its_buffers_back(tmp_path, monkeypatc
 
 def test_pinned_buffers_and_max_steps_fail_the_run_and_say_why(tmp_path, monkeypatch):
     def never(self, rooms, indices):
-        return np.full(rooms.size, sim.T, dtype=np.int8)  # the peer never stops writing
+        return np.full(rooms.size, T, dtype=np.int8)  # the peer never stops writing
 
-    monkeypatch.setattr(sim.DrainPoller, "poll_many", never)
+    monkeypatch.setattr(DrainPoller, "poll_many", never)
     res = decode_rank(tmp_path, FAIL_IN_FLIGHT, max_steps=40, stuck_after=10_000).run()
     text = " ".join(res["problems"])
     assert "--max-steps 40" in text

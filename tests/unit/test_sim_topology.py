@@ -8,7 +8,7 @@ import torch
 
 from pdlife.cluster.config import SimConfig, Workload
 from pdlife.cluster.faults import dp_faults, primary_of
-from pdlife.cluster.plan import FaultPlan, TargetedFault
+from pdlife.cluster.plan_doc import FaultPlan, TargetedFault
 from pdlife.cluster.topology import HEAD_BYTES, heads_of, place, topology_problem
 from pdlife.sim.kv_bytes import (
     RankBytes,
@@ -173,7 +173,8 @@ def test_decode_checks_its_heads_state_and_row_and_reports_a_flipped_byte():
 
 
 def test_a_prefill_rank_draws_no_fault_for_another_dp_groups_request():
-    from pdlife.cluster.plan import FaultPlan, phase_decisions
+    from pdlife.cluster.phase_draws import phase_decisions
+    from pdlife.cluster.plan_doc import FaultPlan
 
     rooms = np.arange(1, 401, dtype=np.uint64)
     group = np.arange(400) % 2

@@ -42,12 +42,12 @@ from numpy.typing import ArrayLike
 from buffers.errors import BadArgument
 from field._checks import integer, optional_integer, page_indices
 from field.conn.base import BaseKVReceiver, BaseKVSender, KVTransferDestination, KVTransferMetric
-from field.conn.shapes import SENDER_SIGNATURE, receiver_init, sender_options
+from field.conn.shapes import receiver_init
 from field.release import UNSET
 from lifecycle.status import KVPoll
 from transport.connector.legs import rows_of
 
-__all__ = ["FieldSender", "FieldReceiver", "SENDER_SIGNATURE", "sender_options", "receiver_init"]
+__all__ = ["FieldSender", "FieldReceiver"]
 
 
 class _Handle:

@@ -29,25 +29,12 @@ from buffers.errors import (
 )
 from buffers.pages import C128, cp_filter_chunk, cp_split, ring_state_page
 from field._checks import integer
-from field.data.metadata import MetadataBuffers
-from field.data.state import append_state_component, is_mla_backend, setup_state_kv_args
-from field.data.state_types import StateType
-from field.engine import DisaggregationMode
-from field.step.abort import is_aborted, prepare_abort
 
 __all__ = [
-    "DisaggregationMode",
-    "MetadataBuffers",
     "ReqToMetadataIdxAllocator",
-    "StateType",
-    "append_state_component",
     "filter_kv_indices_for_cp_rank",
     "get_dsv4_c128_state_indices",
-    "is_aborted",
-    "is_mla_backend",
     "page_indices_to_cp_rank_page_indices",
-    "prepare_abort",
-    "setup_state_kv_args",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The field's state-component helpers (``field.data.buffers`` re-exports them).
+"""The field's state-component helpers (:mod:`field.utils` gives them by the engine's names).
 
 Pools are recognised by what they declare, never by importing an engine: a
 pool may list its kinds in ``pd_pool_kinds`` (e.g. ``{"swa"}``); otherwise the

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from field.release import release
-from field.step.gates import FAKE_BOOTSTRAP_HOST
 from field.step.session import Session
 from lifecycle import faults as _faults
 from lifecycle.drive.collective import Collective, Hierarchical, TorchCollective
@@ -47,7 +46,6 @@ from lifecycle.drive.pipeline import PipelineForward
 from lifecycle.result import Failure
 
 __all__ = [
-    "FAKE_BOOTSTRAP_HOST",
     "poll_and_all_reduce",
     "poll_and_all_reduce_attn_cp_tp_group",
     "poll_and_all_reduce_with_staging",

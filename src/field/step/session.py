@@ -22,7 +22,8 @@ them and applies only what changed in the list since the last call:
 A request's position in the list is its handle index (and, for the metadata
 gate, its metadata slot), so the gates read the caller's objects by position,
 and the session polls the list itself, in one loop, when no staging gate
-advances first."""
+advances first.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from lifecycle.reasons import FailureReason
 from lifecycle.result import Failure
 from lifecycle.table import RequestTable
 
-__all__ = ["Session", "room_of"]
+__all__ = ["Session"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ class Session:
     def _poll(self, stepper: Stepper, pollers: list[Any]) -> Polled | None:
         """Each poller's answer, when the step's rows are the list's in order
         (checked once per frame); else None (the step polls its rows)."""
-        f, n = stepper.frame(), len(pollers)
+        f = stepper.frame()
+        n = len(pollers)
         if f is not self._direct:
             if not (f.n == n and f.all_active and np.array_equal(f.hidx, np.arange(n))):
                 return None
@@ -348,7 +350,8 @@ class Session:
         self._slots = table.extend(
             ids, handles=pollers, fake=self._fake(decode_reqs, server_args, 0)
         )
-        self.table, self._want = table, ((), [])
+        self.table = table
+        self._want = ((), [])
 
     def _stepper(self, faults: FaultHook | None) -> Stepper:
         assert self.table is not None

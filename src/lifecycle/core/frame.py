@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.packing import list_fingerprint, list_sum, status_sum, status_words
+from lifecycle.core.fingerprint import list_fingerprint, list_sum, status_sum
+from lifecycle.core.packing import status_words
 from lifecycle.reasons import FailureReason
 from lifecycle.status import TERMINAL
 from lifecycle.table import RequestTable

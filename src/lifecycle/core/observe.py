@@ -11,7 +11,8 @@ collective:
 - a value outside KVPoll, a float, a bool: ``poll_value`` (INVALID_STATUS);
 - a row a by-index batch poller cannot answer for (no handle index), or a
   ``failure_reasons`` hook that raises or answers nonsense: ``hook_error``
-  (HOOK_ERROR)."""
+  (HOOK_ERROR).
+"""
 
 from __future__ import annotations
 

@@ -45,16 +45,6 @@ import struct
 import numpy as np
 from numpy.typing import NDArray
 
-from lifecycle.core.fingerprint import (
-    fingerprint,
-    list_fingerprint,
-    list_sum,
-    position_weights,
-    room_keys,
-    stable_hash,
-    status_sum,
-    with_statuses,
-)
 from lifecycle.reasons import REASON_BITS
 
 __all__ = [
@@ -66,14 +56,6 @@ __all__ = [
     "pack",
     "status_words",
     "unpack",
-    "fingerprint",
-    "position_weights",
-    "status_sum",
-    "with_statuses",
-    "room_keys",
-    "list_sum",
-    "list_fingerprint",
-    "stable_hash",
     "write_field",
     "encode_header",
     "field_slice",

@@ -24,12 +24,17 @@ stages; every docstring numbers them so:
 
 Steps 1-3 are :meth:`RawStepper.prepare`; :meth:`RawStepper.origins` and
 :meth:`RawStepper.apply` follow the reduces. This is the sans-I/O stepper:
-nothing here does I/O or imports what does. The drivers compose it with a
-:class:`~lifecycle.drive.collective.Collective`: :class:`~lifecycle.drive.stepper.Stepper`
-and :class:`~lifecycle.drive.group.StepGroup` (several queues in one reduce).
+nothing here does I/O, and nothing here imports what does. The drivers
+compose it with a :class:`~lifecycle.drive.collective.Collective`:
+:class:`~lifecycle.drive.stepper.Stepper` (``step``, ``start``/``finish`` to
+overlap the reduce with the forward pass, ``diagnose``) and
+:class:`~lifecycle.drive.group.StepGroup` (several queues in one reduce).
 
-The buffer's *capacity* is agreed (:mod:`lifecycle.core.capacity`): the first step
-reduces at :data:`FIRST_CAPACITY`, every later size comes from reduced headers."""
+The buffer has an agreed *capacity* (:mod:`lifecycle.core.capacity`): the first
+step of a stepper reduces at a fixed size (:data:`FIRST_CAPACITY`) whatever
+its configuration, and every later size is computed from reduced headers
+only, so the sizes of the collectives always match across ranks.
+"""
 
 from __future__ import annotations
 
@@ -52,10 +57,11 @@ from lifecycle.config import (
 )
 from lifecycle.core.buffer import StepBuffer
 from lifecycle.core.capacity import Capacity
+from lifecycle.core.fingerprint import stable_hash
 from lifecycle.core.frame import Frame
 from lifecycle.core.local import LocalStage
 from lifecycle.core.observe import Observation
-from lifecycle.core.packing import Header, buffer_size, stable_hash
+from lifecycle.core.packing import Header, buffer_size
 from lifecycle.core.settle import Settled, Who, settle, unchanged_result
 from lifecycle.errors import InvalidArgument, ReducedBufferMismatch, StepInFlight
 from lifecycle.protocols import BatchPoller, FaultHook, Gate, MetadataSource, StagingGate
@@ -106,8 +112,11 @@ class RawStepper:
             agreed_capacity = validate.integer(
                 agreed_capacity, "Stepper agreed_capacity", 1, MAX_CAPACITY, rank
             )
-        self.table, self.rank, self.queue = table, rank, queue
-        self.config, self.clock = config or StepConfig(), clock
+        self.table = table
+        self.rank = rank
+        self.queue = queue
+        self.config = config or StepConfig()
+        self.clock = clock
         self.local = LocalStage(
             rank, poller=poller, staging=staging, metadata=metadata, gates=gates, faults=faults
         )
@@ -128,7 +137,8 @@ class RawStepper:
         self._want = Capacity.first(self.config.initial_capacity).rows
         self._frame: Frame | None = None
         self._buffer = StepBuffer(rank, self.config.fingerprint, stable_hash(queue))
-        self._tag, self._prepared = 0, False
+        self._tag = 0
+        self._prepared = False
         self._settled: Settled | None = None
         #: (a reduced buffer, its header) of the step in hand
         self._seen: tuple[NDArray[np.uint8], Header] | None = None
@@ -167,7 +177,8 @@ class RawStepper:
 
     def frame(self) -> Frame:
         """The rows the next step works on (rebuilt when the table changed)."""
-        t, f = self.table, self._frame
+        t = self.table
+        f = self._frame
         if t._limbo or f is None or f.key != (t.version, t.columns_version, t.terminal_count):
             meta = self.local.metadata is not None
             f = self._frame = Frame.of(t, f, self._pool, self._by_index, meta)
@@ -182,10 +193,14 @@ class RawStepper:
     ) -> NDArray[np.uint8]:
         # ``read``, ``frame``: the clock's reading and the rows ``observed`` polled
         word = 0 if tag is None else tag_word(tag, self.rank)
-        t, f = self.table, self.frame() if frame is None else frame
+        t = self.table
+        f = self.frame() if frame is None else frame
         now, late = read or read_clock(self.clock, self.rank, t.now)
         self.local.run(t, f, self.config, now, t.step_no + 1, late, observed)
-        self._tag, self._prepared, self._settled, self._seen = word, True, None, None
+        self._tag = word
+        self._prepared = True
+        self._settled = None
+        self._seen = None
         return self._pack()
 
     def _pack(self) -> NDArray[np.uint8]:
@@ -276,7 +291,8 @@ class RawStepper:
         cap = self._cap
         if cap.floor < self._want or cap.rows < cap.floor or f.n * 4 < cap.rows:
             self._cap = cap.with_floor(self._want).settled(f.n)  # else: nothing changes
-        self._prepared, self._settled = False, None
+        self._prepared = False
+        self._settled = None
         self.table.step_no, self.table.now = self.table.step_no + 1, self.local.now
 
     def repack(self) -> NDArray[np.uint8]:
@@ -304,9 +320,11 @@ class RawStepper:
         if not self._prepared or self._frame is None:
             raise RuntimeError("origins() before prepare(): a step is prepare, reduce, apply")
         if self._settled is None:
-            who, hdr = Who(self.rank, self.queue, self.config), self._header(reduced)
-            f, cap = self._frame, self.capacity
-            self._settled = settle(who, f, hdr, reduced, cap, self._tag, self.local)
+            who = Who(self.rank, self.queue, self.config)
+            hdr = self._header(reduced)
+            self._settled = settle(
+                who, self._frame, hdr, reduced, self.capacity, self._tag, self.local
+            )
         return self._settled.fetch
 
     def apply(
@@ -356,7 +374,8 @@ class RawStepper:
     def _commit(self, settled: Settled) -> StepResult:
         if settled is not self._settled:
             raise RuntimeError("commit(): pass the outcome settle() returned for this step")
-        self._prepared, self._settled = False, None
+        self._prepared = False
+        self._settled = None
         self._cap = self._cap.settled(settled.hdr.need)
         return settled.commit(self.table, self.local, self.queue, self.config.recovery)
 

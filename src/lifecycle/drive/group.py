@@ -46,7 +46,7 @@ from lifecycle.drive.worker import Job, Turn, Worker, take_turn, wait_launches
 from lifecycle.errors import InvalidArgument, StepInFlight, TableBusy
 from lifecycle.result import StepResult
 
-__all__ = ["StepGroup", "wait_launches"]
+__all__ = ["StepGroup"]
 
 logger = logging.getLogger(__name__)
 

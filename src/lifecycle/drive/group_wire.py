@@ -11,7 +11,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.config import FIRST_CAPACITY
-from lifecycle.core.packing import Field, Header, buffer_size, stable_hash, write_field
+from lifecycle.core.fingerprint import stable_hash
+from lifecycle.core.packing import Field, Header, buffer_size, write_field
 from lifecycle.core.step import RawStepper
 from lifecycle.drive.collective import Collective
 from lifecycle.drive.worker import wait_launches

@@ -62,7 +62,7 @@ from lifecycle.testing.invariants import (
 )
 from lifecycle.testing.lockstep import lockstep, reduce_min
 
-__all__ = ["ConsensusMachine", "InvariantViolation"]
+__all__ = ["ConsensusMachine"]
 
 SLOTS = 12
 _LAYOUT = MetadataLayout(

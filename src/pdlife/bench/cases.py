@@ -201,7 +201,7 @@ def field_queue(n: int) -> tuple[list[Any], list[Any], list[Any], Any]:
     No request finishes, so the list stays the same from call to call."""
     import types
 
-    from field.data.buffers import MetadataBuffers
+    from field.data.metadata import MetadataBuffers
 
     ungated = [RoomPoller(9001 + i, 2 + i % 2) for i in range(n)]
     gated = [RoomPoller(9001 + i, 3 if i % 3 == 0 else 4) for i in range(n)]

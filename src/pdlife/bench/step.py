@@ -77,7 +77,7 @@ from pdlife.bench.cases import (
 )
 from pdlife.bench.report import format_table, summarise
 
-__all__ = ["add_parser", "run_bench", "format_table"]
+__all__ = ["add_parser", "run_bench"]
 
 SIZES = (64, 1024, 4096, 16384)
 

@@ -15,7 +15,7 @@ from buffers.allocator import MAX_SLOTS
 from buffers.checks import Checks
 from lifecycle.errors import FaultPlanError
 from pdlife.args import SimConfigError, SimConfigTypeError
-from pdlife.cluster.plan import MODES, FaultPlan
+from pdlife.cluster.plan_doc import MODES, FaultPlan
 from pdlife.cluster.topology import HEAD_BYTES, topology_problem
 
 #: --recovery: the presets of lifecycle.rules.recovery.preset
@@ -60,7 +60,7 @@ def _backend(inst: Any, attr: Any, value: Any) -> None:
 
 def _plan(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, FaultPlan):
-        _C.fail(inst, attr.name, value, "a FaultPlan (pdlife.cluster.plan)", wrong_type=True)
+        _C.fail(inst, attr.name, value, "a FaultPlan (pdlife.cluster.plan_doc)", wrong_type=True)
 
 
 @attrs.frozen

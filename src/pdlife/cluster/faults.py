@@ -7,7 +7,8 @@ from __future__ import annotations
 import attrs
 
 from pdlife.cluster.config import SimConfig, Workload
-from pdlife.cluster.plan import FaultPlan, RankFaults
+from pdlife.cluster.plan import RankFaults
+from pdlife.cluster.plan_doc import FaultPlan
 from pdlife.cluster.topology import Place
 
 __all__ = ["dp_faults", "dp_group_of", "primary_of", "rank_faults"]

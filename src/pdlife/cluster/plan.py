@@ -72,31 +72,14 @@ from numpy.typing import NDArray
 from lifecycle.faults import ProbabilisticFaults
 from lifecycle.protocols import StepContext
 from lifecycle.status import KVPoll
-from pdlife.cluster.phase_draws import PHASE_VALUE, PHASES, Decision, phase_decisions
+from pdlife.cluster.phase_draws import PHASE_VALUE, Decision, phase_decisions
 from pdlife.cluster.plan_doc import (
-    KINDS,
     MAX_PAUSE_S,
-    MODES,
-    FaultKind,
     FaultPlan,
     TargetedFault,
-    load_plan,
-    parse_plan,
 )
 
-__all__ = [
-    "FaultKind",
-    "TargetedFault",
-    "FaultPlan",
-    "load_plan",
-    "parse_plan",
-    "RankFaults",
-    "KINDS",
-    "MODES",
-    "PHASES",
-    "Decision",
-    "phase_decisions",
-]
+__all__ = ["RankFaults"]
 
 
 class RankFaults:

@@ -14,8 +14,7 @@ import attrs
 from lifecycle.errors import FaultPlanError
 from pdlife.args import SimConfigError, UsageError, writable_dir
 from pdlife.cluster.config import MAX_WORLD, STATE_SPLIT_GRAIN, SimConfig, longest_ask
-from pdlife.cluster.plan import FaultPlan, TargetedFault, load_plan
-from pdlife.cluster.plan_doc import MAX_PAUSE_S
+from pdlife.cluster.plan_doc import MAX_PAUSE_S, FaultPlan, TargetedFault, load_plan
 from pdlife.cluster.topology import topology_problem
 from pdlife.run.launch import apart
 

@@ -6,8 +6,7 @@ import argparse
 from typing import Any
 
 from pdlife.args import nonneg_int, port, positive_int, probability, seconds
-from pdlife.cluster.plan import MODES
-from pdlife.cluster.plan_doc import MAX_PAUSE_S
+from pdlife.cluster.plan_doc import MAX_PAUSE_S, MODES
 
 __all__ = ["MAX_STEPS", "RequestsAction", "add_arguments", "outage"]
 

@@ -18,25 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from pdlife.args import UsageError
+from pdlife.cluster.config import SimConfig
 from pdlife.engine_output import choose, divert
 from pdlife.run.compare import compare
-from pdlife.run.config import pick_backend, staging_note
 from pdlife.run.config import shape as _shape
 from pdlife.run.config import sim_config as _config
+from pdlife.run.config import staging_note
 from pdlife.run.config import torchrun as _torchrun
 from pdlife.run.flags import MAX_STEPS, add_arguments
 from pdlife.run.launch import start_ranks
 from pdlife.run.summary import print_table, summarize
-from pdlife.sim.rank import SimConfig, run_rank
+from pdlife.sim.rank import run_rank
 
-__all__ = [
-    "add_parser",
-    "simulate",
-    "summarize",
-    "pick_backend",
-    "compare",
-    "staging_note",
-]
+__all__ = ["add_parser", "simulate"]
 
 
 def _worker(rank: int, port: int, cfg: SimConfig, out: str, quiet: bool = True) -> None:

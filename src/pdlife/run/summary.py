@@ -11,7 +11,7 @@ import numpy as np
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import Role
-from pdlife.sim.rank import SimConfig, Workload
+from pdlife.cluster.config import SimConfig, Workload
 
 __all__ = ["summarize", "print_table"]
 

@@ -23,7 +23,8 @@ from lifecycle.rules.recovery import preset
 from lifecycle.status import S, T
 from lifecycle.table import RequestTable
 from pdlife.cluster.config import SimConfig
-from pdlife.cluster.plan import FaultPlan, RankFaults
+from pdlife.cluster.plan import RankFaults
+from pdlife.cluster.plan_doc import FaultPlan
 from pdlife.sim.stats import RankStats
 from pdlife.trace import TraceWriter
 

@@ -20,12 +20,11 @@ from typing import Any
 import numpy as np
 
 from buffers import SlotAllocator
-from lifecycle.core.packing import fingerprint
+from lifecycle.core.fingerprint import fingerprint
 from lifecycle.drive.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.result import StepResult
-from lifecycle.status import T as T  # the tests' pollers answer with sim.T
-from pdlife.cluster.config import SIM_LAYOUT, SimConfig, Workload
+from pdlife.cluster.config import SimConfig, Workload
 from pdlife.cluster.faults import rank_faults
 from pdlife.cluster.topology import place
 from pdlife.pause import pause_process
@@ -50,7 +49,7 @@ from pdlife.sim.soak import Soak
 from pdlife.sim.stats import RankStats
 from pdlife.trace import TraceWriter
 
-__all__ = ["SimConfig", "Workload", "RankRun", "SIM_LAYOUT", "run_rank", "connector_config"]
+__all__ = ["RankRun", "run_rank"]
 
 #: a step's pause when, on a real transport, no request moved on this rank (a
 #: scheduler with nothing to run waits too): --max-steps is then worth at least

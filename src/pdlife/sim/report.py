@@ -14,7 +14,8 @@ import numpy as np
 from lifecycle.errors import RankFailure
 from lifecycle.status import KVPoll
 from pdlife.cluster.config import SimConfig
-from pdlife.cluster.plan import KINDS, RankFaults
+from pdlife.cluster.plan import RankFaults
+from pdlife.cluster.plan_doc import KINDS
 from pdlife.cluster.topology import Place
 from pdlife.sim.hooks import Queues
 

@@ -118,8 +118,9 @@ def _view(ptr: int, nbytes: int) -> NDArray[np.uint8]:
 
 class Views:
     """One rank's buffers as numpy rows: KV pages as (pages, tokens, heads, bytes)
-    (head-major: (pages, heads, tokens, bytes); per head group region if cut in
-    groups), metadata and state as (rows, bytes); and the threads that hash them."""
+    (head-major: (pages, heads, tokens, bytes); cut in head groups, one such view
+    per group region, of the group's heads), metadata and state as (rows, bytes);
+    and the threads that hash them (:meth:`start`)."""
 
     def __init__(self, kv: KVArgs, threads: int | None = None) -> None:
         ps, heads = kv.page_size, kv.kv_head_num
@@ -128,7 +129,8 @@ class Views:
         self.kv: list[list[NDArray[np.uint8]]] = []  # per buffer, its regions
         for p, n, it, hb in zip(kv.kv_data_ptrs, kv.kv_data_lens, kv.kv_item_lens, kv.head_bytes):
             shape = (heads, ps, hb) if kv.heads_major else (ps, self.group, hb)
-            self.kv.append(list(_view(p, n - n % it).reshape(kv.head_groups, -1, *shape)))
+            whole = _view(p, n - n % it).reshape(kv.head_groups, -1, *shape)
+            self.kv.append(list(whole))
         self.aux = [
             _view(p, n - n % it).reshape(-1, it)
             for p, n, it in zip(kv.aux_data_ptrs, kv.aux_data_lens, kv.aux_item_lens)
@@ -249,7 +251,8 @@ def _pieces(parts: Sequence[Part], paged: int = 0) -> tuple[list[list[_Seg]], in
     needs: list[float] = [0]
     room, total = PIECE, 0
     for i, first, sub, rows, start, nbytes in _stretches(parts):
-        at, row = 0, int(sub[0].size)
+        at = 0
+        row = int(sub[0].size)
         while at < nbytes:
             n = min(room, nbytes - at)
             pieces[-1].append((sub, rows, start, at, at + n))
@@ -333,7 +336,8 @@ class Progress:
     (:meth:`landed`); the rest, and any not started, at :meth:`finish`."""
 
     def __init__(self, views: Views, parts: Sequence[Part], paged: int) -> None:
-        self.views, self.sig = views, signature(parts)
+        self.views = views
+        self.sig = signature(parts)
         self.pieces, self.nbytes, self.needs = _pieces(parts, paged)
         self.futures: list[Future[list[int]] | None] = [None] * len(self.pieces)
         self.prefix = 0  # pages [0, prefix) are in

@@ -11,39 +11,46 @@ import field.step.abort
 from buffers import DoubleFree, GeometryMismatch, SlotOutOfRange
 from buffers import MetadataBuffers as CoreMetadataBuffers
 from field.data.buffers import (
-    DisaggregationMode,
-    MetadataBuffers,
     ReqToMetadataIdxAllocator,
-    StateType,
-    append_state_component,
     filter_kv_indices_for_cp_rank,
     get_dsv4_c128_state_indices,
-    is_aborted,
-    is_mla_backend,
     page_indices_to_cp_rank_page_indices,
-    prepare_abort,
-    setup_state_kv_args,
 )
-from field.engine import FinishAbort
+from field.data.metadata import MetadataBuffers
+from field.data.state import append_state_component, is_mla_backend, setup_state_kv_args
+from field.data.state_types import StateType
+from field.engine import DisaggregationMode, FinishAbort
+from field.step.abort import is_aborted, prepare_abort
 
 
 def test_exports_exactly_the_field_names():
-    assert sorted(compat.__all__) == sorted(
-        [
-            "DisaggregationMode",
-            "MetadataBuffers",
-            "ReqToMetadataIdxAllocator",
-            "StateType",
-            "append_state_component",
-            "filter_kv_indices_for_cp_rank",
-            "get_dsv4_c128_state_indices",
-            "is_aborted",
-            "is_mla_backend",
-            "page_indices_to_cp_rank_page_indices",
-            "prepare_abort",
-            "setup_state_kv_args",
-        ]
-    )
+    """The module exports the field names it defines; the field's metadata, state
+    and abort names come from their own modules, and the modules that stand for
+    the engine's (field.utils, field.conn.base) offer each of those."""
+    import field.conn.base
+    import field.utils
+
+    own = [
+        "ReqToMetadataIdxAllocator",
+        "filter_kv_indices_for_cp_rank",
+        "get_dsv4_c128_state_indices",
+        "page_indices_to_cp_rank_page_indices",
+    ]
+    assert sorted(compat.__all__) == sorted(own)
+    elsewhere = {
+        "DisaggregationMode": DisaggregationMode,
+        "MetadataBuffers": MetadataBuffers,
+        "StateType": StateType,
+        "append_state_component": append_state_component,
+        "is_aborted": is_aborted,
+        "is_mla_backend": is_mla_backend,
+        "prepare_abort": prepare_abort,
+        "setup_state_kv_args": setup_state_kv_args,
+    }
+    # StateType is offered by field.conn.base, as the engine's base.conn has it
+    face = {n: field.conn.base if n == "StateType" else field.utils for n in elsewhere}
+    assert all(n in m.__all__ for n, m in face.items())
+    assert all(getattr(face[n], n) is v for n, v in elsewhere.items())
 
 
 # -- allocator ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""field.data.buffers.MetadataBuffers under each field release: the constructors
+"""field.data.metadata.MetadataBuffers under each field release: the constructors
 (the seed's and 0.5.23's), get_buf and get_buf_infos, the 0.5.23 rows
 (sampling mask, DSA top-k indices, KV checksum) and the checksum methods."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from field.data.buffers import MetadataBuffers
+from field.data.metadata import MetadataBuffers
 
 UINT64 = getattr(torch, "uint64", torch.int64)
 

@@ -16,7 +16,7 @@ from buffers.errors import BadArgument, BadArgumentType
 from field.conn.backends import get_kv_class
 from field.conn.kv_args import KVArgs
 from field.conn.mooncake import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
-from field.data.buffers import MetadataBuffers
+from field.data.metadata import MetadataBuffers
 from lifecycle import KVPoll
 from lifecycle.testing.spawn import store_server
 from support.pages import pattern
