@@ -29,7 +29,7 @@ def _diagram(args: argparse.Namespace) -> int:
     from lifecycle.rules.diagram import render
 
     if args.protocol:
-        from transport.connector.graph import diagram
+        from transport.connector.core.graph import diagram
 
         sys.stdout.write(diagram(args.format))
         return 0

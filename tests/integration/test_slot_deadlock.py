@@ -267,7 +267,7 @@ def drive(sides: list[Side], deadline: float) -> bool:
 
 def old_table() -> Any:
     """The table as it was: prefill reports WaitingForInput at the handshake."""
-    from transport.connector.graph import EDGES, ByRole, compile_polls
+    from transport.connector.core.graph import EDGES, ByRole, compile_polls
 
     ready = ByRole(prefill=W, decode=W)
     return compile_polls(

@@ -203,7 +203,7 @@ def _dead_peer_pair(backend, role, port, q):
     m, _, _ = _manager(backend, role, port, "dead", heartbeat_interval=0.25, heartbeat_misses=8)
     t0 = time.time()
     if role == "prefill":
-        from transport.connector.graph import Phase
+        from transport.connector.core.graph import Phase
 
         s = m.sender(5)
         while m.phase_of(s._req) == Phase.Bootstrap and time.time() - t0 < 20:
@@ -226,7 +226,7 @@ def _dead_peer_pair(backend, role, port, q):
 
 def test_a_dead_peer_becomes_peer_dead(backend):
     from lifecycle import FailureReason, KVPoll
-    from transport.connector.graph import Phase
+    from transport.connector.core.graph import Phase
 
     got, _ = _pair(_dead_peer_pair, backend)
     # the handshake was done; prefill waits for decode's page list (Bootstrapping)

@@ -3,7 +3,7 @@ right decode rank whatever the two TP sizes, the head count and the group
 size (replicated heads included), and each leg's digest on decode matches
 prefill's over the same bytes.
 
-The writes are the connector's (:func:`transport.connector.legs.kv_writes`
+The writes are the connector's (:func:`transport.connector.core.legs.kv_writes`
 over real tensors, performed with ``memmove``); decode's pages are compared
 head by head with the model's, read back through the grouped layout.
 """
@@ -16,7 +16,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from transport.connector.legs import kv_writes, leg_of
+from transport.connector.core.legs import kv_writes, leg_of
 from transport.digest import Views, digest
 from transport.layout import kv_args_for
 from transport.topology import Topology, TopologyError

@@ -5,7 +5,7 @@ fell from 0.99 to 0.44).
 
 The bytes are moved exactly as the connector moves them: the plan comes from
 :class:`transport.topology.Topology` and each leg's writes from
-:func:`transport.connector.legs.kv_writes` over real tensors; the test performs each
+:func:`transport.connector.core.legs.kv_writes` over real tensors; the test performs each
 (source address, destination address, length) write with ``memmove`` and
 checks every decode rank's pages head by head, token by token.
 """
@@ -19,7 +19,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from buffers.kv_args import KVArgs
-from transport.connector.legs import kv_writes, leg_of
+from transport.connector.core.legs import kv_writes, leg_of
 from transport.topology import Topology, TopologyError
 
 POOL = 8  # pages per rank's pool

@@ -3,7 +3,7 @@
 With staging, each sender's slice lands in a block of decode's staging region
 that holds that slice alone, and the scatter places the block into heads
 ``[dst_head, dst_head + count)`` of decode's pages. The writes are the
-connector's own (:func:`transport.connector.legs.kv_writes`, told a block as
+connector's own (:func:`transport.connector.core.legs.kv_writes`, told a block as
 decode's page list tells it), performed with ``memmove``; the scatter is
 :class:`transport.staging.Staging`'s. A decode rank that hears from several
 prefill ranks (prefill TP larger than decode's) once had every slice but the
@@ -19,7 +19,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from buffers.kv_args import KVArgs
-from transport.connector.legs import kv_writes, leg_of
+from transport.connector.core.legs import kv_writes, leg_of
 from transport.staging import Scatter, Staging
 from transport.topology import Topology, TopologyError
 

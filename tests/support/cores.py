@@ -6,9 +6,9 @@ import torch
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import KVPoll
 from transport.connector.config import ConnectorConfig, check_fit
-from transport.connector.core import ConnectorCore
-from transport.connector.legs import DecodeRequest, PrefillRequest
-from transport.connector.sides import SIDES
+from transport.connector.core.legs import DecodeRequest, PrefillRequest
+from transport.connector.core.machine import ConnectorCore
+from transport.connector.core.sides import SIDES
 from transport.layout import kv_args_for
 
 

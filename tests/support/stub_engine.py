@@ -5,8 +5,8 @@ transport.engine structurally: it subclasses nothing."""
 import ctypes
 
 from support.wait import wait_for
-from transport.connector import liveness
-from transport.connector.graph import Phase
+from transport.connector.core import liveness
+from transport.connector.core.graph import Phase
 from transport.connector.hub import Connector
 
 

@@ -12,7 +12,7 @@ from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, handshaken, timeouts
 from support.wait import wait_for
 from transport.connector.config import ConnectorConfig
-from transport.connector.graph import Phase, ProtocolError
+from transport.connector.core.graph import Phase, ProtocolError
 from transport.layout import kv_args_for
 
 

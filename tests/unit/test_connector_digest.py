@@ -14,7 +14,7 @@ from test_connector_topologies import PS, Rank, finish, run_request, store  # no
 from lifecycle import FailureReason, KVPoll
 from support.stub_engine import CopyConnector, CopyEngine
 from support.wait import wait_for
-from transport.connector.graph import Phase
+from transport.connector.core.graph import Phase
 from transport.errors import ChecksumMismatch
 from transport.topology import Topology
 

@@ -5,7 +5,7 @@ import pytest
 from transitions import MachineError
 
 from pdlife.cli import main
-from transport.connector.graph import (
+from transport.connector.core.graph import (
     BOOTSTRAPPING,
     DEST,
     EDGES,
@@ -131,7 +131,7 @@ def test_the_import_check_refuses_prefill_ready_at_the_handshake(monkeypatch):
     import attrs
 
     from lifecycle import KVPoll
-    from transport.connector.graph import ByRole
+    from transport.connector.core.graph import ByRole
 
     both = ByRole(prefill=KVPoll.WaitingForInput, decode=KVPoll.WaitingForInput)
     old = tuple(
@@ -202,8 +202,8 @@ def test_protocol_diagram_shows_every_state_and_edge(fmt, capsys):
 def test_each_word_is_said_by_one_side_and_heard_by_the_other():
     import json
 
-    from transport.connector.messages import MESSAGES, Msg, check_words
-    from transport.connector.sides import SIDES
+    from transport.connector.core.messages import MESSAGES, Msg, check_words
+    from transport.connector.core.sides import SIDES
 
     assert set(MESSAGES) == set(Msg)
     for role, side in SIDES.items():

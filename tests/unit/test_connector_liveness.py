@@ -17,9 +17,9 @@ from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, CopyEngine, handshaken
 from support.wait import wait_for
-from transport.connector import liveness
 from transport.connector.config import ConnectorConfig
-from transport.connector.graph import Phase
+from transport.connector.core import liveness
+from transport.connector.core.graph import Phase
 from transport.connector.mailbox import SAME, Mailbox
 from transport.layout import kv_args_for
 

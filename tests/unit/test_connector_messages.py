@@ -1,4 +1,4 @@
-"""transport.connector.messages: every word a typed value, read back whole or refused."""
+"""transport.connector.core.messages: every word a typed value, read back whole or refused."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lifecycle.reasons import FailureReason
-from transport.connector.messages import (
+from transport.connector.core.messages import (
     MESSAGES,
     Abort,
     Done,
@@ -17,7 +17,7 @@ from transport.connector.messages import (
     Stopped,
     parse,
 )
-from transport.connector.wire import CHECKS, MalformedMessage
+from transport.connector.core.wire import CHECKS, MalformedMessage
 from transport.digest import LegDigest
 
 EXAMPLES = [

@@ -462,7 +462,7 @@ def test_bad_arguments_are_refused_before_anything_moves(cluster):
 def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     # decode's scheduler and its loop send on two store connections: "pages"
     # can reach prefill before "register"
-    from transport.connector.graph import Phase
+    from transport.connector.core.graph import Phase
 
     pre, _ = cluster(1, 1, heads=2)
     m = pre[0].m
@@ -485,8 +485,8 @@ def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatc
     register had looked for held ones: lost, the request waiting for ever."""
     import threading
 
-    from transport.connector.graph import Phase
-    from transport.connector.prefill import PrefillSide
+    from transport.connector.core.graph import Phase
+    from transport.connector.core.prefill import PrefillSide
 
     pre, _ = cluster(1, 1, heads=2)
     m = pre[0].m

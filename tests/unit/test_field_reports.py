@@ -18,7 +18,7 @@ from support.stub_engine import CopyConnector, CopyEngine, handshaken, timeouts
 from support.wait import wait_for
 from transport.connector import prefill as pre
 from transport.connector.config import ConnectorConfig
-from transport.connector.graph import Phase
+from transport.connector.core.graph import Phase
 from transport.layout import kv_args_for
 
 pytestmark = pytest.mark.timeout(60)

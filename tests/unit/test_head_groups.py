@@ -18,7 +18,7 @@ from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, handshaken, refused_for_layout
 from support.wait import wait_for
 from transport.connector.config import ConnectorConfig
-from transport.connector.legs import kv_writes, leg_of
+from transport.connector.core.legs import kv_writes, leg_of
 from transport.digest import Views, digest, flip, signature
 from transport.layout import coalesce, kv_args_for, layout_misfit, sliced_page_writes
 from transport.topology import Topology, head_range

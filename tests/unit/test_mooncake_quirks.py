@@ -15,8 +15,8 @@ except (ImportError, OSError) as e:
 from lifecycle import FailureReason, KVPoll
 from support.cores import core_of, request_at
 from transport.backends.mooncake import MooncakeEngine
-from transport.connector.events import Write
-from transport.connector.graph import Phase
+from transport.connector.core.events import Write
+from transport.connector.core.graph import Phase
 from transport.connector.inflight import InFlight
 from transport.layout import runs
 

@@ -8,7 +8,7 @@ pytest.importorskip("nixl_cu12", reason="pd-lifecycle[nixl] not installed")
 from lifecycle import FailureReason, KVPoll
 from support.cores import core_of, request_at
 from transport.backends.nixl import NixlConfig, NixlEngine
-from transport.connector.graph import Phase
+from transport.connector.core.graph import Phase
 from transport.connector.inflight import InFlight
 
 

@@ -45,7 +45,7 @@ from field.conn.base import BaseKVReceiver, BaseKVSender, KVTransferDestination,
 from field.conn.shapes import receiver_init
 from field.release import UNSET
 from lifecycle.status import KVPoll
-from transport.connector.legs import rows_of
+from transport.connector.core.legs import rows_of
 
 __all__ = ["FieldSender", "FieldReceiver"]
 

@@ -188,7 +188,7 @@ def _run(
 def _sliced(args: Any, shape: Shape, infos: dict[int, Any]) -> dict[int, Any]:
     """The KV writes the connector issues for this prefill rank's slices of the
     request, by decode rank (the same legs and pages as the lifecycle-driven one)."""
-    from transport.connector.legs import kv_writes, leg_of
+    from transport.connector.core.legs import kv_writes, leg_of
 
     out = {}
     src = np.arange(shape.pages, dtype=np.int64)

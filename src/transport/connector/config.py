@@ -49,7 +49,7 @@ class ConnectorConfig:
       decode leg registered it *and* sent its page list: the deadline covers
       the wait for decode's scheduler to give the request its pages and
       metadata row, since prefill reports WaitingForInput only then (see
-      :mod:`transport.connector.graph`).
+      :mod:`transport.connector.core.graph`).
     - ``waiting_timeout``: decode, from ``send_metadata`` until every sender
       said "done".
     - ``drain_timeout``: how long a failed request with writes that may still

@@ -15,8 +15,8 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.connector.config import ConnectorConfig
-from transport.connector.graph import IS_TERMINAL, Phase, ProtocolError
-from transport.connector.legs import DecodeRequest, PrefillRequest, Request, rows_of
+from transport.connector.core.graph import IS_TERMINAL, Phase, ProtocolError
+from transport.connector.core.legs import DecodeRequest, PrefillRequest, Request, rows_of
 from transport.staging import Staging
 from transport.status_arrays import Statuses, StatusHandle
 
@@ -95,7 +95,7 @@ class _Handle(StatusHandle, Generic[Q]):
     def fenced(self) -> bool:
         """Failed for a writer that stopped beating and never said it stopped:
         its pages stay out of reuse while that writer is silent (they are
-        released once it speaks again and stops, see :mod:`transport.connector.liveness`)."""
+        released once it speaks again and stops, see :mod:`transport.connector.core.liveness`)."""
         req = self._req
         return not req.released and self.manager.phase_of(req) == Phase.Fenced
 

@@ -1,6 +1,6 @@
 """One connector for every transfer engine: the driver of the connector's core.
 
-The protocol lives in :class:`~transport.connector.core.ConnectorCore`,
+The protocol lives in :class:`~transport.connector.core.machine.ConnectorCore`,
 which does no I/O. :class:`Connector` owns what does: the mailbox and the
 store (:mod:`transport.connector.mailbox`: rendezvous, queues, heartbeats),
 the :class:`~transport.engine.Engine` (Mooncake, NIXL, or any object with
@@ -13,7 +13,7 @@ sender's incarnation checked against the store, then handed to the core),
 the engine's notes and the writes that finished; look at the heartbeats
 every heartbeat interval; fetch the records the core asks for (a peer's
 endpoint, connected to; a prefill DP group's); let the core move every
-request on (:meth:`~transport.connector.core.ConnectorCore.tick`); then
+request on (:meth:`~transport.connector.core.machine.ConnectorCore.tick`); then
 perform what it asked: messages to send, writes to issue, writes to let go
 of. Effects are performed on the thread alone, in the order the core asked
 for them, so the engine is only ever called from it (see
@@ -37,8 +37,7 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from transport.addressing import engine_host
 from transport.connector.config import ConnectorConfig, check_fit
-from transport.connector.core import ConnectorCore
-from transport.connector.events import (
+from transport.connector.core.events import (
     Arrived,
     Effect,
     Event,
@@ -52,14 +51,15 @@ from transport.connector.events import (
     Stale,
     Write,
 )
-from transport.connector.graph import IS_TERMINAL
+from transport.connector.core.graph import IS_TERMINAL
+from transport.connector.core.legs import Request
+from transport.connector.core.machine import ConnectorCore
+from transport.connector.core.messages import Done, Incoming, Landed, parse
+from transport.connector.core.sides import SIDES
+from transport.connector.core.wire import MalformedMessage
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.inflight import InFlight
-from transport.connector.legs import Request
 from transport.connector.mailbox import NEW, STALE, Mailbox
-from transport.connector.messages import Done, Incoming, Landed, parse
-from transport.connector.sides import SIDES
-from transport.connector.wire import MalformedMessage
 from transport.digest import Views
 from transport.engine import Engine, check_engine
 from transport.staging import Staging

@@ -1,7 +1,7 @@
 """The engine's writes in flight, by the core's write id: where the driver
-turns the core's :class:`~transport.connector.events.Write` and
-:class:`~transport.connector.events.Forget` into engine calls, and the
-engine's answers back into :class:`~transport.connector.events.Written`.
+turns the core's :class:`~transport.connector.core.events.Write` and
+:class:`~transport.connector.core.events.Forget` into engine calls, and the
+engine's answers back into :class:`~transport.connector.core.events.Written`.
 
 Every call is made from one thread (the driver's), as the
 :class:`~transport.engine.Engine` contract asks."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transport.connector.events import FAILED, LANDED, UNREACHABLE, Write, Written
+from transport.connector.core.events import FAILED, LANDED, UNREACHABLE, Write, Written
 from transport.engine import Engine
 
 __all__ = ["InFlight"]

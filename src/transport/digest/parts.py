@@ -90,7 +90,7 @@ def leg_parts(
 
 def prefill_parts(views: Views, port: Any, req: Any, leg: Any, info: dict[str, Any]) -> list[Part]:
     """What prefill rank ``port`` sends on ``leg`` of ``req`` (see
-    :mod:`transport.connector.prefill`): its source bytes."""
+    :mod:`transport.connector.core.prefill`): its source bytes."""
     pages = req.src[leg.skip :] if leg.sends else req.src[:0]
     slot = req.local_slot if leg.primary and req.local_slot >= 0 and leg.dst_slot >= 0 else -1
     rows = req.src_state if leg.state and leg.dst_state is not None else None
@@ -103,7 +103,7 @@ def prefill_parts(views: Views, port: Any, req: Any, leg: Any, info: dict[str, A
 
 def decode_parts(views: Views, port: Any, req: Any, leg: Any) -> list[Part]:
     """What decode rank ``port`` holds of ``leg`` of ``req`` once committed (see
-    :mod:`transport.connector.decode`): the same bytes, in its own buffers."""
+    :mod:`transport.connector.core.decode`): the same bytes, in its own buffers."""
     pages = req.pages if leg.sends else req.pages[:0]
     slot = req.slot if leg.sends and leg.primary else -1
     rows = req.rows if leg.state else None

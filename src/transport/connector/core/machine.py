@@ -2,14 +2,14 @@
 
 Theory of operation
 -------------------
-The core holds a rank's live requests (a :class:`~transport.connector.legs.Request`
-each, with a :class:`~transport.connector.legs.Leg` per peer rank), their
-phases along :mod:`transport.connector.graph` (a column, fired through its
+The core holds a rank's live requests (a :class:`~transport.connector.core.legs.Request`
+each, with a :class:`~transport.connector.core.legs.Leg` per peer rank), their
+phases along :mod:`transport.connector.core.graph` (a column, fired through its
 tables, in batches for timeouts and dead peers) and their statuses (the
 columns of :class:`~transport.status_arrays.StatusArrays` the scheduler
 polls). It never reads a clock, a socket, the store or the engine, and
 starts no thread: its driver (:class:`~transport.connector.hub.Connector`)
-hands it what happened as :mod:`~transport.connector.events` with the time
+hands it what happened as :mod:`~transport.connector.core.events` with the time
 (:meth:`ConnectorCore.handle`, :meth:`ConnectorCore.tick`, and the calls
 the scheduler's handles make), and performs what it asks for
 (:meth:`ConnectorCore.take_effects`): messages to send, writes to issue
@@ -17,10 +17,10 @@ and to let go of. What it needs to know of the world, a peer's endpoint
 record or a prefill DP group's, it asks for (:meth:`ConnectorCore.wanted`)
 and is told as an event; until then the request waits.
 
-Each side's part of the protocol (:mod:`transport.connector.prefill`,
-:mod:`transport.connector.decode`) is a :class:`Side` the core hands every
+Each side's part of the protocol (:mod:`transport.connector.core.prefill`,
+:mod:`transport.connector.core.decode`) is a :class:`Side` the core hands every
 message, every pass and every failure of a request; the clocks (heartbeats,
-timeouts, fencing) are :mod:`transport.connector.liveness`. A failed
+timeouts, fencing) are :mod:`transport.connector.core.liveness`. A failed
 request stays quarantined (Aborted) until no write for it can land
 (Drained). The driver calls the core under one lock: the core keeps none.
 """
@@ -38,9 +38,9 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.attempts import Attempts, Route
-from transport.connector import liveness as live
 from transport.connector.config import ConnectorConfig
-from transport.connector.events import (
+from transport.connector.core import liveness as live
+from transport.connector.core.events import (
     FAILED,
     UNREACHABLE,
     Arrived,
@@ -58,10 +58,10 @@ from transport.connector.events import (
     Write,
     Written,
 )
-from transport.connector.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
-from transport.connector.legs import Request, describe
-from transport.connector.messages import Incoming, Message
-from transport.connector.side import Side
+from transport.connector.core.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
+from transport.connector.core.legs import Request, describe
+from transport.connector.core.messages import Incoming, Message
+from transport.connector.core.side import Side
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
@@ -154,7 +154,7 @@ class ConnectorCore(StatusArrays):
         return {p for r in self.reqs.values() for p in r.legs or expected} | self.peer_dead
 
     def handle(self, event: Event, now: float) -> None:
-        """One event (see :mod:`transport.connector.events`), taken at ``now``."""
+        """One event (see :mod:`transport.connector.core.events`), taken at ``now``."""
         self.now = now
         if isinstance(event, Arrived):
             self._arrived(event.msg)

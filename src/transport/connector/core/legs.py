@@ -29,7 +29,7 @@ from transport.layout import Writes, page_writes, sliced_page_writes
 from transport.topology import Slice
 
 if TYPE_CHECKING:
-    from transport.connector.messages import Incoming
+    from transport.connector.core.messages import Incoming
     from transport.staging import Scatter
 
 __all__ = [

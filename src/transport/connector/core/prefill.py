@@ -5,7 +5,7 @@ register it (Handshaken) and to say where to write (Metadata). It reports
 Bootstrapping until every leg's page list is in, and WaitingForInput from
 then on: only then may the scheduler take a metadata row for it (taken at
 the handshake, the two sides' rows can each go to requests the other holds
-none for, and both wait for ever; see :mod:`transport.connector.graph`).
+none for, and both wait for ever; see :mod:`transport.connector.core.graph`).
 The bootstrap timeout covers the whole wait. It then writes each leg's
 slice of every page handed to ``send()`` (pages of a cached prefix skipped),
 the metadata row's fields and the state rows on each primary leg; once all
@@ -17,7 +17,7 @@ such leg said "verified". A failed request tells every leg why, once none of
 its writes is in flight (a leg that aborted it is told "stopped").
 
 :class:`PrefillSide` plays this part on a prefill rank; it reaches its connector
-through its public calls (:class:`~transport.connector.core.ConnectorCore`),
+through its public calls (:class:`~transport.connector.core.machine.ConnectorCore`),
 and does no I/O: what it says and writes, the core hands its driver.
 """
 
@@ -30,9 +30,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from transport.connector.core import ConnectorCore
-from transport.connector.graph import IS_TERMINAL, LIVE, Phase
-from transport.connector.legs import (
+from transport.connector.core.graph import IS_TERMINAL, LIVE, Phase
+from transport.connector.core.legs import (
     PrefillLeg,
     PrefillRequest,
     kv_writes,
@@ -40,7 +39,8 @@ from transport.connector.legs import (
     refs_misfit,
     rows_misfit,
 )
-from transport.connector.messages import (
+from transport.connector.core.machine import ConnectorCore
+from transport.connector.core.messages import (
     Abort,
     Done,
     Failed,

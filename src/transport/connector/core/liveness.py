@@ -27,9 +27,9 @@ from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.deadlines import DEADLINES, overdue
 from transport.connector.config import ConnectorConfig
-from transport.connector.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
-from transport.connector.legs import Request
-from transport.connector.messages import Incoming
+from transport.connector.core.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
+from transport.connector.core.legs import Request
+from transport.connector.core.messages import Incoming
 
 _REASON = {d.name: d.reason for d in DEADLINES}
 

@@ -1,6 +1,6 @@
 """How a connector message travels: its fields as JSON holds them, and read back.
 
-Each message of :mod:`transport.connector.messages` is a frozen attrs class
+Each message of :mod:`transport.connector.core.messages` is a frozen attrs class
 derived from :class:`Wire`, its fields annotated with the names of
 :data:`CHECKS`. That table is the one declaration of what a field may hold
 on the wire: :meth:`Wire.from_wire` checks every field of a JSON object

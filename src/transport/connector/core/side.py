@@ -1,5 +1,5 @@
 """What the connector's core asks of its side: prefill's and decode's parts of
-the protocol (:mod:`transport.connector.prefill`, :mod:`transport.connector.decode`)
+the protocol (:mod:`transport.connector.core.prefill`, :mod:`transport.connector.core.decode`)
 answer the same calls, and the core is built with one of them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from transport.connector.legs import Request
-from transport.connector.messages import Incoming, Msg
+from transport.connector.core.legs import Request
+from transport.connector.core.messages import Incoming, Msg
 from transport.staging import Staging
 
 __all__ = ["Side"]
@@ -24,13 +24,13 @@ class Side(Protocol[Req_contra]):
 
     The core hands every message, every pass and every failure of a request
     to its side; the side moves the request along
-    :mod:`transport.connector.graph` through the core."""
+    :mod:`transport.connector.core.graph` through the core."""
 
     #: peers write into this side's memory (decode): the waiting timeout runs
     #: from its page list to the writers' word, and a request failed for a
     #: writer gone silent is fenced at the drain timeout, not released
     RECEIVES: ClassVar[bool]
-    #: the words of :mod:`transport.connector.messages` this side says, and hears
+    #: the words of :mod:`transport.connector.core.messages` this side says, and hears
     SAYS: ClassVar[frozenset[Msg]]
     HEARS: ClassVar[frozenset[Msg]]
     #: where head slices land before they are scattered (decode, when staged)

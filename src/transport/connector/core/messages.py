@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 import attrs
 
 from lifecycle.reasons import FailureReason
-from transport.connector.graph import ROLES
-from transport.connector.wire import (
+from transport.connector.core.graph import ROLES
+from transport.connector.core.wire import (
     Geometry,
     HeadSlice,
     Ints,

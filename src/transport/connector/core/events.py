@@ -1,6 +1,6 @@
 """What goes into the connector's core and what comes out of it, as values.
 
-The core (:class:`~transport.connector.core.ConnectorCore`) does no I/O: its
+The core (:class:`~transport.connector.core.machine.ConnectorCore`) does no I/O: its
 driver (:class:`~transport.connector.hub.Connector`) reads the mailbox, the
 store and the engine, and hands the core what it found as the events below,
 each with the time it was taken; the core answers with effects, which the
@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from transport.connector.messages import Incoming, Message
+from transport.connector.core.messages import Incoming, Message
 from transport.layout import Writes
 
 __all__ = [

@@ -12,7 +12,7 @@ scattered a bounded amount per scheduler step (the staging gate holds its
 Success meanwhile). A failed request tells every leg to stop and stays
 Aborted until every sender stopped (Drained), or the drain timeout passed
 (Drained; Fenced while the writer it failed for stopped beating, see
-:mod:`transport.connector.liveness`).
+:mod:`transport.connector.core.liveness`).
 
 With ``ConnectorConfig.digest`` the register asks each prefill rank for a
 digest of its leg's bytes (:mod:`transport.digest`). Once every sender said
@@ -23,7 +23,7 @@ another signature, or none at all fails the request (reason checksum
 mismatch) and every leg is told so: the check fails closed.
 
 :class:`DecodeSide` plays this part on a decode rank; it reaches its connector
-through its public calls (:class:`~transport.connector.core.ConnectorCore`),
+through its public calls (:class:`~transport.connector.core.machine.ConnectorCore`),
 and does no I/O: what it says, the core hands its driver.
 """
 
@@ -36,10 +36,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from transport.connector.core import ConnectorCore
-from transport.connector.graph import Phase
-from transport.connector.legs import DecodeLeg, DecodeRequest
-from transport.connector.messages import (
+from transport.connector.core.graph import Phase
+from transport.connector.core.legs import DecodeLeg, DecodeRequest
+from transport.connector.core.machine import ConnectorCore
+from transport.connector.core.messages import (
     Abort,
     Done,
     Failed,
