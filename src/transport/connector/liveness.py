@@ -21,13 +21,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.deadlines import DEADLINES, overdue
-from transport.connector.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
+from lifecycle.rules.deadlines import DEADLINES, Clock, late, limit_of
+from lifecycle.rules.reasons import FENCES
+from transport.connector.graph import IS_TERMINAL, Phase
 from transport.connector.legs import Request
 from transport.connector.mailbox import NEW, STALE
 from transport.connector.port import Port
-
-_REASON = {d.name: d.reason for d in DEADLINES}
 
 __all__ = ["check_peers", "fenced", "heard", "received", "timeouts", "owing"]
 
@@ -35,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: the failure reasons whose writer may come back: a decode request failed for
 #: one of them, whose writer is still silent at the drain timeout, is Fenced
-#: instead of released (a paused process resumes and finishes its writes)
-FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
+#: instead of released (a paused process resumes and finishes its writes); the
+#: reason table (lifecycle.rules.reasons) says which
+FENCE_REASONS: frozenset[FailureReason] = FENCES
 
 
 def _live(m: Port) -> tuple[list[Request[Any]], NDArray[np.int8], NDArray[np.int64]]:
@@ -164,16 +164,13 @@ def heard(m: Port, peer: int, store: Any) -> None:
 def timeouts(m: Port, now: float, store: Any) -> None:
     cfg, side = m.config, m.side
     reqs, ph, idx = _live(m)
-    late = np.zeros(idx.size, dtype=bool)
-    if cfg.bootstrap_timeout is not None:  # every phase this side reports Bootstrapping in
-        booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
-        late = booting & overdue(now, m.born[idx], cfg.bootstrap_timeout)
-    for i in np.flatnonzero(late):
-        m._fail(reqs[i], _REASON["bootstrap"], store)
-    if cfg.waiting_timeout is not None and side.RECEIVES:
-        late = (ph == Phase.Metadata) & overdue(now, m.waited[idx], cfg.waiting_timeout)
-        for i in np.flatnonzero(late):
-            m._fail(reqs[i], _REASON["waiting"], store)
+    # the status this side reports is what a deadline runs in; only decode's
+    # waiting clock ever starts (when it tells prefill where to write)
+    status, clocks = m.status[idx], {Clock.BORN: m.born, Clock.WAITED: m.waited}
+    for d in DEADLINES:
+        if (limit := limit_of(d, cfg)) is not None:
+            for i in np.flatnonzero(late(d, now, limit, status, clocks, idx)):
+                m._fail(reqs[i], d.reason, store)
     # last resort, so that a lost peer cannot pin memory forever: writes the
     # engine never finished are given up and a prefill rank's legs hear so (they
     # may still land: a decode rank keeps its pages until its own drain timeout),
