@@ -15,11 +15,12 @@ from lifecycle.rules.reasons import (
     REASONS,
     RULES,
     Clock,
-    Recovery,
     ReasonTableError,
+    Recovery,
     agree,
     check_reasons,
 )
+from lifecycle.status import B, T, W
 from transport.connector import liveness
 
 R = FailureReason
@@ -63,7 +64,7 @@ def test_the_default_recovery_is_the_rows_recovery():
         else:
             where = "another" if row.recovery is Recovery.RETRY_ANOTHER else "same"
             assert p == recovery.retry(3, where), row.reason
-    assert recovery.RETRYABLE == {r.reason for r in REASONS if r.recovery is not Recovery.FAIL}
+    assert {r.reason for r in REASONS if r.recovery is not Recovery.FAIL} == recovery.RETRYABLE
     assert default[R.PEER_DEAD] == recovery.retry(3, "another")
 
 
@@ -71,7 +72,7 @@ def test_counted_and_fenced_are_the_rows_flags():
     assert [(c.reason, c.counts, c.why) for c in peers.COUNTED] == [
         (r.reason, r.counts, r.counts_why) for r in REASONS
     ]
-    assert peers.COUNTS == {r.reason for r in REASONS if r.counts}
+    assert {r.reason for r in REASONS if r.counts} == peers.COUNTS
     assert liveness.FENCE_REASONS == {r.reason for r in REASONS if r.fences} == {R.PEER_DEAD}
 
 
@@ -84,7 +85,7 @@ def _deadline(reason, **changes):
 
 
 @pytest.mark.parametrize(
-    "broken, where, says",
+    ("broken", "where", "says"),
     [
         (_deadline(R.WAITING_TIMEOUT, clock="waited"), "WAITING_TIMEOUT.deadline.clock", "known"),
         (
@@ -132,7 +133,6 @@ def test_a_derived_table_that_disagrees_is_refused_naming_the_reason_and_the_fie
 def test_a_deadline_is_late_only_in_its_statuses_and_on_its_clock():
     (boot,) = [d for d in DEADLINES if d.name == "bootstrap"]
     (wait,) = [d for d in DEADLINES if d.name == "waiting"]
-    B, W, T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
     status = np.array([B, W, T, B, W], dtype=np.int8)
     clocks = {
         Clock.BORN: np.array([0.0, 0.0, 0.0, 9.0, 0.0]),
