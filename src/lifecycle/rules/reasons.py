@@ -258,6 +258,10 @@ def _check_deadline(row: ReasonRule, names: set[str]) -> None:
         )
 
 
+#: reasons that say nothing about the transfer or the peer
+_SAYS_NOTHING = (R.ABORTED, R.HOOK_ERROR)
+
+
 def check_reasons(rows: tuple[ReasonRule, ...]) -> None:
     """Raise :class:`ReasonTableError`, naming the reason and the field, unless
     every failure reason but NONE has exactly one well-formed row, in code order."""
@@ -283,6 +287,11 @@ def check_reasons(rows: tuple[ReasonRule, ...]) -> None:
                 raise ReasonTableError(r, field, f"{getattr(row, field)!r} is not a bool")
         if not isinstance(row.counts_why, str) or not row.counts_why:
             raise ReasonTableError(r, "counts_why", "say why it does or does not count")
+        if r in _SAYS_NOTHING and (row.recovery is not Recovery.FAIL or row.counts):
+            # a client's abort or a misbehaving hook says nothing a new attempt or
+            # another peer could change, nor anything about the peer
+            field = "recovery" if row.recovery is not Recovery.FAIL else "counts"
+            raise ReasonTableError(r, field, "must fail and not count against the peer")
         if row.fences and not row.counts:
             # a fence waits for a writer to come back: only a reason that blames it may
             raise ReasonTableError(r, "fences", "a reason that fences must count against the peer")
