@@ -104,3 +104,16 @@ def test_the_step_runs_the_waiting_clock_only_in_the_statuses_its_row_names(stat
         assert (status_after, reason) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
     else:
         assert (status_after, reason) == (status, FailureReason.NONE)
+
+
+def test_a_fake_sender_given_its_pages_waits_no_more():
+    # Transferring is a status the waiting deadline runs in, but a fake sender's
+    # waiting clock stops once it has its pages (it waited for them, not for data)
+    clock = Clock()
+    m = FakeManager(config=FakeConfig(waiting_timeout=5.0, clock=clock))
+    given, idle = m.sender(1), m.sender(2)
+    given.init(4)
+    rooms, idx = np.array([1, 2], np.uint64), np.array([given.index, idle.index])
+    clock.t += 60.0
+    assert m.poll_many(rooms, idx).tolist() == [KVPoll.Transferring, KVPoll.Failed]
+    assert m.failure_reasons(rooms, idx)[1] == FailureReason.WAITING_TIMEOUT

@@ -20,7 +20,7 @@ from lifecycle.rules.reasons import (
     agree,
     check_reasons,
 )
-from lifecycle.status import B, T, W
+from lifecycle.status import B, S, T, W
 from transport.connector import liveness
 
 R = FailureReason
@@ -48,7 +48,7 @@ def test_deadlines_are_the_rows_deadlines_with_their_clock_and_statuses():
     assert {d.reason: (d.name, d.clock, d.statuses) for d in DEADLINES} == declared
     assert declared == {
         R.BOOTSTRAP_TIMEOUT: ("bootstrap", Clock.BORN, (KVPoll.Bootstrapping,)),
-        R.WAITING_TIMEOUT: ("waiting", Clock.WAITED, (KVPoll.WaitingForInput,)),
+        R.WAITING_TIMEOUT: ("waiting", Clock.WAITED, (W, T)),
     }
     for d in DEADLINES:  # the step reads every deadline, under its setting
         assert d.source in SOURCES and SOURCES[d.source].needs == d.setting
@@ -135,15 +135,15 @@ def test_a_derived_table_that_disagrees_is_refused_naming_the_reason_and_the_fie
 def test_a_deadline_is_late_only_in_its_statuses_and_on_its_clock():
     (boot,) = [d for d in DEADLINES if d.name == "bootstrap"]
     (wait,) = [d for d in DEADLINES if d.name == "waiting"]
-    status = np.array([B, W, T, B, W], dtype=np.int8)
+    status = np.array([B, W, T, B, W, S], dtype=np.int8)
     clocks = {
-        Clock.BORN: np.array([0.0, 0.0, 0.0, 9.0, 0.0]),
-        Clock.WAITED: np.array([0.0, 0.0, 0.0, 0.0, np.nan]),
+        Clock.BORN: np.array([0.0, 0.0, 0.0, 9.0, 0.0, 0.0]),
+        Clock.WAITED: np.array([0.0, 0.0, 0.0, 0.0, np.nan, 0.0]),
     }
-    rows = np.arange(5)
-    # born 10 s ago, only the rows still Bootstrapping; waited: only WaitingForInput,
-    # and a clock not started never runs out
-    assert late(boot, 10.0, 5.0, status, clocks, rows).tolist() == [1, 0, 0, 0, 0]
-    assert late(wait, 10.0, 5.0, status, clocks, rows).tolist() == [0, 1, 0, 0, 0]
+    rows = np.arange(6)
+    # born 10 s ago: only the rows still Bootstrapping; waited: WaitingForInput or
+    # Transferring; a clock not started never runs out, a finished row never
+    assert late(boot, 10.0, 5.0, status, clocks, rows).tolist() == [1, 0, 0, 0, 0, 0]
+    assert late(wait, 10.0, 5.0, status, clocks, rows).tolist() == [0, 1, 1, 0, 0, 0]
     # rows index the clock columns; the statuses are per asked row
     assert late(boot, 10.0, 5.0, status[[3, 0]], clocks, np.array([3, 0])).tolist() == [0, 1]

@@ -32,7 +32,7 @@ from types import MappingProxyType
 import attrs
 
 from lifecycle.reasons import FailureReason
-from lifecycle.status import B, KVPoll, W
+from lifecycle.status import B, KVPoll, T, W
 
 __all__ = [
     "Clock",
@@ -54,7 +54,9 @@ class Clock(enum.Enum):
     (NaN where it has not started, which no deadline ever passes)."""
 
     BORN = "born"  # the attempt began (every attempt begins Bootstrapping)
-    WAITED = "waited"  # decode told prefill where to write: it waits for the data
+    # decode told prefill where to write: it waits for the data (a fake sender:
+    # it waits for its pages)
+    WAITED = "waited"
 
 
 class Recovery(enum.Enum):
@@ -146,9 +148,9 @@ REASONS: tuple[ReasonRule, ...] = (
         deadline=DeadlineRule(
             "waiting",
             Clock.WAITED,
-            (W,),
-            "from decode telling prefill where to write until every byte has landed, while "
-            "the request reports WaitingForInput (a decode request does, all that time)",
+            (W, T),
+            "from decode telling prefill where to write until every byte has landed (a "
+            "Success a gate holds back, its metadata row not landed, is Transferring)",
         ),
     ),
     ReasonRule(

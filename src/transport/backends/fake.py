@@ -143,6 +143,8 @@ class _FakeRequest(StatusHandle):
             status, reason = KVPoll.Failed, FailureReason.PEER_DEAD
         if status == KVPoll.WaitingForInput and not m.terminal(self.index):
             m.waited[self.index] = m.config.clock()
+        elif status == KVPoll.Transferring:  # a sender given its pages waits no more
+            m.waited[self.index] = np.nan
         m.set(self.index, status, reason)
 
     def abort(self) -> None:

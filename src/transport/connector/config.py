@@ -51,8 +51,8 @@ class ConnectorConfig:
       metadata row, since prefill reports WaitingForInput only then (see
       :mod:`transport.connector.graph`).
     - ``waiting_timeout``: decode, from ``send_metadata`` for as long as it
-      reports WaitingForInput: until every sender said "done" (and, with a
-      digest, its bytes were checked).
+      reports WaitingForInput (or Transferring): until every sender said
+      "done" (and, with a digest, its bytes were checked).
     - ``drain_timeout``: how long a failed request with writes that may still
       land stays quarantined (Aborted) before it is released.
     """
