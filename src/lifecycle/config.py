@@ -53,7 +53,8 @@ class StepConfig:
     #: seconds a request may stay Bootstrapping before it fails (None: never);
     #: this and the next are lifecycle.rules.deadlines.DEADLINES, as in every layer
     bootstrap_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
-    #: seconds from ``mark_metadata_sent`` until an unfinished request fails
+    #: seconds from ``mark_metadata_sent`` until a request still WaitingForInput
+    #: or Transferring fails (the deadline's row in lifecycle.rules.reasons)
     waiting_timeout: float | None = attrs.field(default=None, validator=_seconds_or_none)
     #: a poll value outside KVPoll: "raise" InvalidStatus on every rank after the
     #: reduce (nothing applied), or "fail" the request with reason INVALID_STATUS

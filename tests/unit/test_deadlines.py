@@ -55,3 +55,59 @@ def test_the_table_check_names_a_deadline_whose_verdict_carries_another_reason()
     wrong = (attrs.evolve(DEADLINES[0], reason=FailureReason.WAITING_TIMEOUT), DEADLINES[1])
     with pytest.raises(AssertionError, match="deadline bootstrap"):
         check_deadlines(wrong, VERDICTS)
+
+
+def _step_waiting(status: KVPoll, after: float) -> tuple[int, int]:
+    clock = Clock()
+    table, board = RequestTable(), StatusBoard()
+    stepper = Stepper(table, 0, poller=board, clock=clock, config=StepConfig(waiting_timeout=5.0))
+    table.add(1)
+    board.set([1], status)
+    stepper.step(SingleRank())
+    table.mark_metadata_sent(1, now=clock.t)
+    clock.t += after
+    res = stepper.step(SingleRank())
+    return int(res.statuses[0]), int(res.reasons[0])
+
+
+def _fake_waiting(after: float) -> tuple[int, int]:
+    clock = Clock()
+    m = FakeManager(config=FakeConfig(waiting_timeout=5.0, clock=clock))
+    r = m.receiver(1)
+    r.init()  # WaitingForInput: its waiting clock starts
+    rooms, idx = np.array([1], np.uint64), np.array([r.index])
+    clock.t += after
+    return int(m.poll_many(rooms, idx)[0]), int(m.failure_reasons(rooms, idx)[0])
+
+
+@pytest.mark.parametrize(
+    "layer", [lambda after: _step_waiting(KVPoll.WaitingForInput, after), _fake_waiting]
+)
+def test_every_layer_fails_a_waiting_request_at_the_same_moment(layer):
+    assert layer(4.0)[0] == KVPoll.WaitingForInput  # not yet
+    assert layer(5.0) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "status", [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring]
+)
+def test_the_step_runs_the_waiting_clock_only_in_the_statuses_its_row_names(status):
+    (waiting,) = [d for d in DEADLINES if d.reason is FailureReason.WAITING_TIMEOUT]
+    status_after, reason = _step_waiting(status, 60.0)
+    if status in waiting.statuses:
+        assert (status_after, reason) == (KVPoll.Failed, FailureReason.WAITING_TIMEOUT)
+    else:
+        assert (status_after, reason) == (status, FailureReason.NONE)
+
+
+def test_a_fake_sender_given_its_pages_waits_no_more():
+    # Transferring is a status the waiting deadline runs in, but a fake sender's
+    # waiting clock stops once it has its pages (it waited for them, not for data)
+    clock = Clock()
+    m = FakeManager(config=FakeConfig(waiting_timeout=5.0, clock=clock))
+    given, idle = m.sender(1), m.sender(2)
+    given.init(4)
+    rooms, idx = np.array([1, 2], np.uint64), np.array([given.index, idle.index])
+    clock.t += 60.0
+    assert m.poll_many(rooms, idx).tolist() == [KVPoll.Transferring, KVPoll.Failed]
+    assert m.failure_reasons(rooms, idx)[1] == FailureReason.WAITING_TIMEOUT

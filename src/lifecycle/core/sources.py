@@ -28,7 +28,7 @@ from lifecycle.core.observe import Observation, contained
 from lifecycle.core.verdicts import bool_answer
 from lifecycle.errors import HookError
 from lifecycle.protocols import FaultHook, Gate, MetadataSource, StagingGate, StepContext
-from lifecycle.rules.deadlines import overdue
+from lifecycle.rules.deadlines import DEADLINES, Clock, Deadline, late, limit_of
 from lifecycle.rules.graph import GATES, VERDICTS, GateRule, Verdict
 from lifecycle.status import I8
 from lifecycle.table import RequestTable
@@ -37,7 +37,6 @@ __all__ = ["Inputs", "Source", "SOURCES", "GATE_SOURCES", "armed", "check_source
 
 Mask = NDArray[np.bool_]
 _S = I8.S
-_B = I8.B
 
 
 def everyone(n: int) -> Mask:
@@ -149,19 +148,16 @@ def _abort_flag(x: Inputs) -> Mask | None:
     return t.abort_requested[x.frame.rows] if t.abort_count else None
 
 
-def _bootstrap_deadline(x: Inputs) -> Mask | None:
-    limit, t, rows = x.config.bootstrap_timeout, x.table, x.frame.rows
+def _deadline(d: Deadline, x: Inputs) -> Mask | None:
+    """Rows past deadline ``d``: its clock and statuses are the reason table's.
+    A row entered Bootstrapping when its attempt was born, so the step's born
+    clock is the time it entered its status (the table runs that clock in
+    Bootstrapping only); the waiting clock is NaN until the metadata was sent."""
+    limit, t, rows = limit_of(d, x.config), x.table, x.frame.rows
     if limit is None:
         return None
-    late: Mask = (t.state[rows] == _B) & overdue(x.now, t.entered_time[rows], limit)
-    return late
-
-
-def _waiting_deadline(x: Inputs) -> Mask | None:
-    limit = x.config.waiting_timeout
-    if limit is None:
-        return None
-    return overdue(x.now, x.table.metadata_sent_at[x.frame.rows], limit)  # NaN: not sent
+    clocks = {Clock.BORN: t.entered_time, Clock.WAITED: t.metadata_sent_at}
+    return late(d, x.now, limit, t.state[rows], clocks, rows)
 
 
 def _hook_error(x: Inputs) -> Mask | None:
@@ -188,8 +184,7 @@ def _hook_error(x: Inputs) -> Mask | None:
 SOURCES: dict[str, Source] = {
     "fault_hook": Source(_fault_hook, needs="faults"),
     "abort_flag": Source(_abort_flag),
-    "bootstrap_deadline": Source(_bootstrap_deadline, needs="bootstrap_timeout"),
-    "waiting_deadline": Source(_waiting_deadline, needs="waiting_timeout"),
+    **{d.source: Source(partial(_deadline, d), needs=d.setting) for d in DEADLINES},
     "poll_value": Source(lambda x: x.obs.invalid),
     "poll_error": Source(lambda x: x.obs.errors),
     "metadata_row": Source(lambda x: x.corrupt, after_gates=True),

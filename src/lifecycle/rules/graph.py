@@ -27,14 +27,15 @@ Beside the edges stand the two other rule tables of a step, executed by
 :mod:`lifecycle.core.verdicts` (what a mask does):
 
 - :data:`VERDICTS`: every local reason to fail a request, in reason-code
-  order, with where its mask comes from. The code *is* the priority: on one
+  order, with where its mask comes from (derived from each reason's row in
+  :data:`lifecycle.rules.reasons.REASONS`). The code *is* the priority: on one
   rank the smallest code among the verdicts that hit wins, and across ranks
   MIN keeps the smallest code, so "first verdict wins" and "MIN wins" are
   one rule.
 - :data:`GATES`: every gate, in the order they are asked, with the one
   demotion edge it may apply.
 
-Adding a verdict or a gate is one line in these tables and, for a new
+Adding a verdict is one row in the reason table, a gate one line here; for a new
 source, one entry in :data:`lifecycle.core.sources.SOURCES` or
 :data:`~lifecycle.core.sources.GATE_SOURCES`; the import-time check there names
 any source one table has and another lacks.
@@ -48,6 +49,7 @@ import attrs
 
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.kernel import Kernel
+from lifecycle.rules.reasons import REASONS, agree
 from lifecycle.status import B, F, KVPoll, S, T, W
 
 __all__ = [
@@ -133,31 +135,9 @@ class Verdict:
 
 
 R = FailureReason
-_BACKEND = "backend"
-#: Local verdicts, in priority (= reason code) order. Sources: ``abort_flag``
-#: the table's abort column; ``backend`` a Failed the poller reported with
-#: this reason (a backend may relay a peer's abort or timeout, or a replay
-#: of this rank's own words; UNKNOWN when it gave none); ``bootstrap_deadline`` / ``waiting_deadline`` the table's
-#: clocks; ``metadata_row`` a row carrying another request's room;
-#: ``poll_value`` a value outside KVPoll; ``poll_error`` a poll that raised
-#: or answered with the wrong shape or dtype; ``fault_hook`` injected faults;
-#: ``hook_error`` a gate, staging, metadata source, fault hook or reasons
-#: hook that raised or answered nonsense (it says nothing about the
-#: transfer, so any real cause on another rank wins).
-VERDICTS: tuple[Verdict, ...] = (
-    Verdict(R.ABORTED, ("abort_flag", _BACKEND)),
-    Verdict(R.PEER_DEAD, (_BACKEND,)),
-    Verdict(R.BOOTSTRAP_TIMEOUT, ("bootstrap_deadline", _BACKEND)),
-    Verdict(R.WAITING_TIMEOUT, ("waiting_deadline", _BACKEND)),
-    Verdict(R.METADATA_CORRUPT, ("metadata_row", _BACKEND)),
-    Verdict(R.TRANSFER_ERROR, (_BACKEND,)),
-    Verdict(R.INVALID_STATUS, ("poll_value",)),
-    Verdict(R.LOCAL_EXCEPTION, ("poll_error", _BACKEND)),
-    Verdict(R.INJECTED_FAULT, ("fault_hook", _BACKEND)),
-    Verdict(R.UNKNOWN, (_BACKEND,)),
-    Verdict(R.CHECKSUM_MISMATCH, (_BACKEND,)),
-    Verdict(R.HOOK_ERROR, ("hook_error", _BACKEND)),
-)
+#: Local verdicts, in priority (= reason code) order: each reason and its verdict
+#: sources, read from its row in :data:`lifecycle.rules.reasons.REASONS`.
+VERDICTS: tuple[Verdict, ...] = tuple(Verdict(row.reason, row.sources) for row in REASONS)
 
 
 @attrs.frozen
@@ -198,6 +178,7 @@ def _check_declaration() -> None:
     codes = [int(v.reason) for v in VERDICTS]
     if codes != sorted(codes) or set(codes) != {int(r) for r in R if r is not R.NONE}:
         raise AssertionError("VERDICTS list every reason once, in code (= priority) order")
+    agree("VERDICTS", {v.reason: v.sources for v in VERDICTS}, "sources")
     for g in GATES:
         (edge,) = edges_for(g.trigger)
         if edge.kind is not EdgeKind.DEMOTE or edge.guard != g.source:

@@ -1,5 +1,6 @@
-"""The health of one prefill peer, declared once: states, events, edges, and
-which failure reasons count against a peer.
+"""The health of one prefill peer, declared once: states, events and edges;
+which failure reasons count against a peer is read from each reason's row
+(:data:`lifecycle.rules.reasons.REASONS`).
 
 Theory of operation
 -------------------
@@ -45,6 +46,7 @@ import attrs
 
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.kernel import Kernel
+from lifecycle.rules.reasons import REASONS, agree
 
 __all__ = [
     "PeerState",
@@ -167,29 +169,10 @@ class Counted:
 
 
 R = FailureReason
-#: Every failure reason, in code order, and whether it counts against the peer.
-COUNTED: tuple[Counted, ...] = (
-    Counted(R.ABORTED, False, "a client asked for it; the peer did nothing wrong"),
-    Counted(R.PEER_DEAD, True, "the peer is gone (NIXL deregisters it, #1983)"),
-    Counted(R.BOOTSTRAP_TIMEOUT, True, "the peer never completed the rendezvous"),
-    Counted(R.WAITING_TIMEOUT, True, "the peer was told where to write and never did"),
-    Counted(
-        R.METADATA_CORRUPT,
-        False,
-        "a row carrying another request's room: as likely this side's slot reuse",
-    ),
-    Counted(R.TRANSFER_ERROR, True, "the engine reported a failed write from the peer"),
-    Counted(R.INVALID_STATUS, False, "this side's backend returned a value outside KVPoll"),
-    Counted(R.LOCAL_EXCEPTION, False, "this side's poller raised"),
-    Counted(R.INJECTED_FAULT, False, "a fault plan failed the request, not the peer"),
-    Counted(
-        R.UNKNOWN,
-        True,
-        "a backend reported Failed without a reason (a plain backend always does): "
-        "the transfer from the peer failed, as far as anyone can tell",
-    ),
-    Counted(R.CHECKSUM_MISMATCH, True, "the bytes the peer sent are not the bytes that landed"),
-    Counted(R.HOOK_ERROR, False, "a user hook misbehaved; it says nothing about the transfer"),
+#: Every failure reason, in code order, and whether it counts against the peer
+#: (read from its row in lifecycle.rules.reasons).
+COUNTED: tuple[Counted, ...] = tuple(
+    Counted(row.reason, row.counts, row.counts_why) for row in REASONS
 )
 
 #: The reasons that count against a peer (read from :data:`COUNTED`).
@@ -273,3 +256,9 @@ _MEANING = {
 }
 
 check_declaration()
+agree(
+    "COUNTED",
+    {c.reason: (c.counts, c.why) for c in COUNTED},
+    "counts",
+    read=lambda row: (row.counts, row.counts_why),
+)

@@ -19,7 +19,8 @@ An action is one of:
 - ``recompute``: the request leaves the transfer lifecycle; every transfer
   resource is released and the engine prefills it locally.
 
-:data:`DEFAULT_RECOVERY` retries what a new attempt can cure (a transfer
+:data:`DEFAULT_RECOVERY` retries what a new attempt can cure (each reason's
+row of :data:`lifecycle.rules.reasons.REASONS` says which: a transfer
 error, a timeout, a dead peer, a checksum mismatch, an injected fault) up to
 three attempts, and fails the rest: a client's abort, corrupt metadata
 (another request's row: a bug, not bad luck), a status outside the lattice,
@@ -42,6 +43,7 @@ from numpy.typing import NDArray
 
 from lifecycle.errors import InvalidArgument
 from lifecycle.reasons import REASON_BITS, FailureReason
+from lifecycle.rules.reasons import REASONS, Recovery, agree
 
 __all__ = [
     "Action",
@@ -125,20 +127,16 @@ def retry(max_attempts: int = 3, where: Where | str = Where.SAME) -> Policy:
 
 
 R = FailureReason
-#: reasons a new attempt can cure
+#: reasons a new attempt can cure (their rows in lifecycle.rules.reasons say retry)
 RETRYABLE: frozenset[FailureReason] = frozenset(
-    {
-        R.PEER_DEAD,
-        R.BOOTSTRAP_TIMEOUT,
-        R.WAITING_TIMEOUT,
-        R.TRANSFER_ERROR,
-        R.CHECKSUM_MISMATCH,
-        R.INJECTED_FAULT,
-    }
+    row.reason for row in REASONS if row.recovery is not Recovery.FAIL
 )
-#: a dead or silent peer is best left for another; bytes that went wrong once
-#: may go right on the same path
-_WHERE = {R.PEER_DEAD: Where.ANOTHER, R.BOOTSTRAP_TIMEOUT: Where.ANOTHER}
+#: where each retryable reason's next attempt goes by default (read from its row)
+_WHERE = {
+    row.reason: Where.ANOTHER if row.recovery is Recovery.RETRY_ANOTHER else Where.SAME
+    for row in REASONS
+    if row.reason in RETRYABLE
+}
 
 
 class RecoveryTable:
@@ -245,11 +243,7 @@ class RecoveryTable:
 
 #: retry what a new attempt can cure, three attempts in all; fail the rest
 DEFAULT_RECOVERY = RecoveryTable(
-    {
-        r: retry(3, _WHERE.get(r, Where.SAME)) if r in RETRYABLE else FAIL
-        for r in FailureReason
-        if r is not R.NONE
-    }
+    {r: retry(3, _WHERE[r]) if r in RETRYABLE else FAIL for r in FailureReason if r is not R.NONE}
 )
 #: no recovery: every failure ends the request
 FAIL_ALL = RecoveryTable({r: FAIL for r in FailureReason if r is not R.NONE})
@@ -281,6 +275,20 @@ def _check_declaration() -> None:
     for t in (DEFAULT_RECOVERY, FAIL_ALL, preset("recompute")):
         if t[R.ABORTED] != FAIL or t[R.HOOK_ERROR].action is not Action.FAIL:
             raise AssertionError("aborts and hook errors fail in every preset")
+    agree(
+        "DEFAULT_RECOVERY",
+        {r: _declared(p) for r, p in DEFAULT_RECOVERY.policies.items()},
+        "recovery",
+    )
+
+
+def _declared(p: Policy) -> Recovery:
+    """A default policy as the reason table says it (its attempts are the table's)."""
+    if p.action is Action.FAIL:
+        return Recovery.FAIL
+    if p.action is Action.RETRY:
+        return Recovery.RETRY_ANOTHER if p.where is Where.ANOTHER else Recovery.RETRY_SAME
+    raise AssertionError(f"{p}: the default table only fails or retries")
 
 
 _check_declaration()

@@ -29,18 +29,16 @@ from numpy.typing import ArrayLike, NDArray
 
 from buffers.checks import Checks
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.deadlines import DEADLINES, overdue
+from lifecycle.rules.deadlines import DEADLINES, Clock, late, limit_of
 from lifecycle.status import KVPoll
 from transport.connector.config import MAX_SECONDS
 from transport.errors import ConfigError, ConfigTypeError, epoch_of_arg
 from transport.status_arrays import StatusArrays, StatusHandle
 
-_REASON = {d.name: d.reason for d in DEADLINES}
-
 __all__ = ["FakeConfig", "FakeManager", "FakeSender", "FakeReceiver", "FakeBootstrap"]
 
 _C = Checks(ConfigError, ConfigTypeError)
-_B, _W, _S, _F = (int(p) for p in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Failed))  # fmt: skip
+_S, _F = int(KVPoll.Success), int(KVPoll.Failed)
 
 
 def _callable(inst: Any, attr: Any, value: Any) -> None:
@@ -112,12 +110,10 @@ class FakeManager(StatusArrays):
             checks: list[tuple[NDArray[np.bool_], FailureReason]] = []
             if self.peer_dead():
                 checks.append((live, FailureReason.PEER_DEAD))
-            if c.bootstrap_timeout is not None:
-                late = overdue(now, self.born[indices], c.bootstrap_timeout)
-                checks.append((live & (st == _B) & late, _REASON["bootstrap"]))
-            if c.waiting_timeout is not None:
-                late = overdue(now, self.waited[indices], c.waiting_timeout)
-                checks.append((live & (st == _W) & late, _REASON["waiting"]))
+            clocks = {Clock.BORN: self.born, Clock.WAITED: self.waited}
+            for d in DEADLINES:  # (their clocks and statuses are the reason table's)
+                if (limit := limit_of(d, c)) is not None:
+                    checks.append((live & late(d, now, limit, st, clocks, indices), d.reason))
             for mask, reason in checks:
                 hit = indices[mask & (self.status[indices] != _F)]
                 self.status[hit], self.reason[hit] = _F, int(reason)
@@ -147,6 +143,8 @@ class _FakeRequest(StatusHandle):
             status, reason = KVPoll.Failed, FailureReason.PEER_DEAD
         if status == KVPoll.WaitingForInput and not m.terminal(self.index):
             m.waited[self.index] = m.config.clock()
+        elif status == KVPoll.Transferring:  # a sender given its pages waits no more
+            m.waited[self.index] = np.nan
         m.set(self.index, status, reason)
 
     def abort(self) -> None:

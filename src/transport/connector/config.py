@@ -50,8 +50,9 @@ class ConnectorConfig:
       the wait for decode's scheduler to give the request its pages and
       metadata row, since prefill reports WaitingForInput only then (see
       :mod:`transport.connector.core.graph`).
-    - ``waiting_timeout``: decode, from ``send_metadata`` until every sender
-      said "done".
+    - ``waiting_timeout``: decode, from ``send_metadata`` for as long as it
+      reports WaitingForInput (or Transferring): until every sender said
+      "done" (and, with a digest, its bytes were checked).
     - ``drain_timeout``: how long a failed request with writes that may still
       land stays quarantined (Aborted) before it is released.
     """

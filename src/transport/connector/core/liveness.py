@@ -25,13 +25,12 @@ from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.deadlines import DEADLINES, overdue
+from lifecycle.rules.deadlines import DEADLINES, Clock, late, limit_of
+from lifecycle.rules.reasons import FENCES
 from transport.connector.config import ConnectorConfig
-from transport.connector.core.graph import BOOTSTRAPPING, IS_TERMINAL, ROLE_ID, Phase
+from transport.connector.core.graph import IS_TERMINAL, Phase
 from transport.connector.core.legs import Request
 from transport.connector.core.messages import Incoming
-
-_REASON = {d.name: d.reason for d in DEADLINES}
 
 __all__ = [
     "Clocked",
@@ -49,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 #: the failure reasons whose writer may come back: a decode request failed for
 #: one of them, whose writer is still silent at the drain timeout, is Fenced
-#: instead of released (a paused process resumes and finishes its writes)
-FENCE_REASONS: frozenset[FailureReason] = frozenset({FailureReason.PEER_DEAD})
+#: instead of released (a paused process resumes and finishes its writes); the
+#: reason table (lifecycle.rules.reasons) says which
+FENCE_REASONS: frozenset[FailureReason] = FENCES
 
 
 class _Side(Protocol):
@@ -76,6 +76,7 @@ class Clocked(Protocol):
     peers: dict[int, dict[str, Any]]
     stats: dict[str, int]
     phase: NDArray[np.int8]
+    status: NDArray[np.int8]
     reason: NDArray[np.int8]
     born: NDArray[np.float64]
     waited: NDArray[np.float64]
@@ -205,16 +206,13 @@ def heard(m: Clocked, peer: int) -> None:
 def timeouts(m: Clocked, now: float) -> None:
     cfg, side = m.config, m.side
     reqs, ph, idx = _live(m)
-    late = np.zeros(idx.size, dtype=bool)
-    if cfg.bootstrap_timeout is not None:  # every phase this side reports Bootstrapping in
-        booting = BOOTSTRAPPING[ROLE_ID[cfg.role], ph]
-        late = booting & overdue(now, m.born[idx], cfg.bootstrap_timeout)
-    for i in np.flatnonzero(late):
-        m.fail(reqs[i], _REASON["bootstrap"])
-    if cfg.waiting_timeout is not None and side.RECEIVES:
-        late = (ph == Phase.Metadata) & overdue(now, m.waited[idx], cfg.waiting_timeout)
-        for i in np.flatnonzero(late):
-            m.fail(reqs[i], _REASON["waiting"])
+    # the status this side reports is what a deadline runs in; only decode's
+    # waiting clock ever starts (when it tells prefill where to write)
+    status, clocks = m.status[idx], {Clock.BORN: m.born, Clock.WAITED: m.waited}
+    for d in DEADLINES:
+        if (limit := limit_of(d, cfg)) is not None:
+            for i in np.flatnonzero(late(d, now, limit, status, clocks, idx)):
+                m.fail(reqs[i], d.reason)
     # last resort, so that a lost peer cannot pin memory forever: writes the
     # engine never finished are given up and a prefill rank's legs hear so (they
     # may still land: a decode rank keeps its pages until its own drain timeout),
