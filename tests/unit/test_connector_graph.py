@@ -119,7 +119,7 @@ def test_the_bootstrap_deadline_covers_every_phase_a_side_is_bootstrapping_in():
 
 
 def _check_with(monkeypatch, edges):
-    from transport.connector import graph as g
+    from transport.connector.core import graph as g
 
     monkeypatch.setattr(g, "EDGES", edges)
     monkeypatch.setattr(g, "TRIGGERS", tuple(e.trigger for e in edges))

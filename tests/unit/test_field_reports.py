@@ -16,8 +16,8 @@ from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
 from support.stub_engine import CopyConnector, CopyEngine, handshaken, timeouts
 from support.wait import wait_for
-from transport.connector import prefill as pre
 from transport.connector.config import ConnectorConfig
+from transport.connector.core import prefill as pre
 from transport.connector.core.graph import Phase
 from transport.layout import kv_args_for
 

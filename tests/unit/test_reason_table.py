@@ -21,7 +21,7 @@ from lifecycle.rules.reasons import (
     check_reasons,
 )
 from lifecycle.status import B, S, T, W
-from transport.connector import liveness
+from transport.connector.core import liveness
 
 R = FailureReason
 EVERY = [r for r in FailureReason if r is not R.NONE]

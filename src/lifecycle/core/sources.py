@@ -28,8 +28,9 @@ from lifecycle.core.observe import Observation, contained
 from lifecycle.core.verdicts import bool_answer
 from lifecycle.errors import HookError
 from lifecycle.protocols import FaultHook, Gate, MetadataSource, StagingGate, StepContext
-from lifecycle.rules.deadlines import DEADLINES, Clock, Deadline, late, limit_of
+from lifecycle.rules.deadlines import DEADLINES, Deadline, late, limit_of
 from lifecycle.rules.graph import GATES, VERDICTS, GateRule, Verdict
+from lifecycle.rules.reasons import Clock
 from lifecycle.status import I8
 from lifecycle.table import RequestTable
 

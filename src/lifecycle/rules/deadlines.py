@@ -29,7 +29,6 @@ from lifecycle.rules.reasons import REASONS, Clock, agree
 from lifecycle.status import KVPoll
 
 __all__ = [
-    "Clock",
     "Deadline",
     "DEADLINES",
     "overdue",

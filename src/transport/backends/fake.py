@@ -29,7 +29,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from buffers.checks import Checks
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.deadlines import DEADLINES, Clock, late, limit_of
+from lifecycle.rules.deadlines import DEADLINES, late, limit_of
+from lifecycle.rules.reasons import Clock
 from lifecycle.status import KVPoll
 from transport.connector.config import MAX_SECONDS
 from transport.errors import ConfigError, ConfigTypeError, epoch_of_arg

@@ -25,8 +25,8 @@ from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
-from lifecycle.rules.deadlines import DEADLINES, Clock, late, limit_of
-from lifecycle.rules.reasons import FENCES
+from lifecycle.rules.deadlines import DEADLINES, late, limit_of
+from lifecycle.rules.reasons import FENCES, Clock
 from transport.connector.config import ConnectorConfig
 from transport.connector.core.graph import IS_TERMINAL, Phase
 from transport.connector.core.legs import Request
