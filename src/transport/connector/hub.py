@@ -72,7 +72,8 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound="Request[Any]")
 
 #: rounds of effects a pass performs at most (a write that landed at once, a
-#: record just fetched, lets the next step go in the same pass)
+#: record just fetched, lets the next step go in the same pass); what comes back
+#: of the last round is handed to the core, never dropped
 ROUNDS = 8
 
 
@@ -108,12 +109,7 @@ class Connector:
         self._stop, self._wake = threading.Event(), threading.Event()
         self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, self.rank, self._wake)
         self.store = self.mail.store
-        a = kv_args
-        info.update(kv_ptrs=list(a.kv_data_ptrs), kv_item_lens=list(a.kv_item_lens))
-        info.update(aux_ptrs=list(a.aux_data_ptrs), aux_item_lens=list(a.aux_item_lens))
-        info.update(kv_lens=list(a.kv_data_lens), aux_lens=list(a.aux_data_lens))  # (bounds)
-        info.update(state_ptrs=[list(s.ptrs) for s in a.state], kv_head_num=a.kv_head_num)
-        info.update(state_geom=self.core.state_geom)
+        info.update(self.core.record())
         #: the engine's writes in flight (the thread's alone)
         self.inflight = InFlight(engine)
         group = self.core.side.group_record()
@@ -377,6 +373,9 @@ class Connector:
                 events += self._records(store)
             if not events:
                 break
+        else:  # the rounds ran out: what came back is handed over now, moved on next pass
+            self._handle(events, now)
+            busy = True
         return busy
 
     def _loop(self) -> None:

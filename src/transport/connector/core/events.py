@@ -134,6 +134,8 @@ class Send:
 @attrs.frozen(eq=False)
 class Write:
     write: int  # this write's id, named again by :class:`Written` and :class:`Forget`
+    room: int  # the request and attempt it writes for
+    epoch: int
     peer: int
     info: dict[str, Any]  # the peer's endpoint record (as :class:`PeerReady` gave it)
     writes: Writes  # (src, dst, lens)

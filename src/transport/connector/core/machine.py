@@ -139,6 +139,22 @@ class ConnectorCore(StatusArrays):
         self.side: Side[Any] = side(self)
 
     # -- what the driver asks --------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """What a peer needs to write here (published beside the engine's own keys):
+        this rank's buffers, their bounds, and its state rows' geometry."""
+        a = self.kv_args
+        return {
+            "kv_ptrs": list(a.kv_data_ptrs),
+            "kv_item_lens": list(a.kv_item_lens),
+            "aux_ptrs": list(a.aux_data_ptrs),
+            "aux_item_lens": list(a.aux_item_lens),
+            "kv_lens": list(a.kv_data_lens),  # (bounds)
+            "aux_lens": list(a.aux_data_lens),
+            "state_ptrs": [list(s.ptrs) for s in a.state],
+            "kv_head_num": a.kv_head_num,
+            "state_geom": self.state_geom,
+        }
+
     def take_effects(self) -> list[Effect]:
         """What to do, in order, since the last call: each effect once."""
         out, self._out = self._out, []
@@ -306,7 +322,7 @@ class ConnectorCore(StatusArrays):
         req.tokens.append(wid)
         self.stats["bytes_written"] += int(w[2].sum())
         self.stats["writes"] += int(w[2].size)
-        self._out.append(Write(wid, peer, info, w, note))
+        self._out.append(Write(wid, req.room, req.epoch, peer, info, w, note))
 
     def forget(self, req: Request[Any]) -> None:
         """Let go of ``req``'s writes still in flight (the drain timeout passed)."""

@@ -1,0 +1,195 @@
+"""A scheduler on each rank of a simulated network (transport.testing.simnet):
+requests admitted, pages handed out and taken back as the real schedulers do,
+and what the protocol's invariants are checked against."""
+
+import attrs
+import torch
+
+from buffers import MetadataBuffers, MetadataLayout
+from lifecycle import FailureReason, KVPoll
+from transport.connector.config import ConnectorConfig
+from transport.layout import kv_args_for
+from transport.testing.simnet import Faults, SimNet
+
+HEADS, HEAD_BYTES, PAGES, SLOTS = 2, 16, 16, 4
+TIMEOUTS = {"bootstrap_timeout": 1.0, "waiting_timeout": 1.0, "drain_timeout": 1.0}
+LAYOUT = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
+
+
+@attrs.define
+class Plan:
+    """One simulated run: its shape, its faults, and what the schedulers do."""
+
+    seed: int
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    requests: int = 2
+    pages: int = 2  # per request
+    digest: bool = False
+    staging: bool = False
+    notifies: bool = False
+    faults: Faults = Faults()
+    pause: tuple[str, int, float, float | None] | None = None  # (role, rank, at, seconds)
+    abort: tuple[str, int, float] | None = None  # (role, request, at): its scheduler gives up
+    limit: float = 12.0  # virtual seconds
+
+
+def buffers(role, tp, rank, digest, staging):
+    heads = HEADS // tp
+    kv = [torch.zeros((PAGES, 1, heads, HEAD_BYTES), dtype=torch.uint8)]
+    if role == "prefill":
+        kv[0].copy_(
+            torch.randint(0, 256, kv[0].shape, generator=torch.Generator().manual_seed(rank))
+        )
+    meta = MetadataBuffers(SLOTS, LAYOUT)
+    cfg = ConnectorConfig(
+        role=role, tp_rank=rank, tp_size=tp, store_port=1, digest=digest,
+        staging=staging and role == "decode", staging_pages=8, heartbeat_interval=0.05,
+        heartbeat_misses=3, **TIMEOUTS,
+    )  # fmt: skip
+    return kv_args_for(kv, meta.buf_infos(), rank, kv_head_num=heads), cfg, kv, meta
+
+
+@attrs.define
+class Outcome:
+    status: int
+    reason: int
+
+
+class Run:
+    """The network, its ranks, their schedulers, and what was seen."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.net = SimNet(plan.seed, plan.faults)
+        self.kv = {}
+        self.prefill, self.decode = [], []
+        for role, tp, out in (
+            ("prefill", plan.prefill_tp, self.prefill),
+            ("decode", plan.decode_tp, self.decode),
+        ):
+            for rank in range(tp):
+                args, cfg, kv, meta = buffers(role, tp, rank, plan.digest, plan.staging)
+                r = self.net.add(args, cfg, notifies=plan.notifies and role == "decode")
+                self.kv[role, rank] = (kv, meta)
+                out.append(r)
+        self.free_pages = {r.rank: list(range(PAGES)) for r in self.decode}
+        self.free_slots = {r.rank: list(range(SLOTS)) for r in self.decode + self.prefill}
+        self.handles = {}  # (role, rank, room) -> handle
+        self.held = {}  # (role, rank, room) -> (pages, slot)
+        self.outcome = {}  # (role, rank, room) -> Outcome
+        self.drained_early = []  # (rank, room): drained while a write of it could land
+        self.told = set()
+        self.paused_forever = False
+        for i in range(plan.requests):
+            room = 100 + i
+            for r in self.decode:
+                h = self.handles["decode", r.rank, room] = r.receiver(room)
+                h.init()
+            for r in self.prefill:
+                self.handles["prefill", r.rank, room] = r.sender(room)
+
+    def rooms(self):
+        return [100 + i for i in range(self.plan.requests)]
+
+    def schedule(self):
+        """What every rank's scheduler does this tick."""
+        plan, net = self.plan, self.net
+        if plan.pause and abs(net.now - plan.pause[2]) < net.dt / 2:
+            role, rank, _, seconds = plan.pause
+            net.pause(net.ranks[role, rank], seconds)
+            self.paused_forever = seconds is None
+        for (role, rank, room), h in list(self.handles.items()):
+            if h.detached:
+                continue
+            st = h.poll()
+            if plan.abort and plan.abort[0] == role and 100 + plan.abort[1] == room:
+                if abs(net.now - plan.abort[2]) < net.dt / 2 and st not in (
+                    KVPoll.Success,
+                    KVPoll.Failed,
+                ):
+                    h.abort()
+                    continue
+            key = (role, rank, room)
+            if role == "decode" and st == KVPoll.WaitingForInput and key not in self.told:
+                pages = [self.free_pages[rank].pop(0) for _ in range(plan.pages)]
+                slot = self.free_slots[rank].pop(0)
+                net.assign(net.ranks[role, rank], pages, room, h.epoch)
+                self.held[key] = (pages, slot)
+                self.told.add(key)
+                h.send_metadata(pages, slot)
+            elif role == "prefill" and st == KVPoll.WaitingForInput and key not in self.told:
+                slot = self.free_slots[rank].pop(0)
+                self.held[key] = ([], slot)
+                self.told.add(key)
+                h.init(plan.pages, slot)
+                h.send(list(range(plan.pages * (room - 100), plan.pages * (room - 99))))
+            elif st in (KVPoll.Success, KVPoll.Failed) and h.drained:
+                self._finish(key, h, st)
+
+    def _finish(self, key, h, st):
+        role, rank, room = key
+        net = self.net
+        if role == "decode" and net.in_flight(net.ranks[role, rank], room, h.epoch):
+            self.drained_early.append((rank, room))
+        self.outcome[key] = Outcome(int(st), int(h.failure_reason()) if st == KVPoll.Failed else -1)
+        h.clear()
+        pages, slot = self.held.pop(key, ([], None))
+        if role == "decode":
+            net.free(net.ranks[role, rank], pages)
+            self.free_pages[rank] += pages
+        if slot is not None:
+            self.free_slots[rank].append(slot)
+
+    def go(self):
+        """Run until every handle is cleared or the plan's time is up; True if all were."""
+
+        def done():
+            self.schedule()
+            return all(h.detached for h in self.handles.values())
+
+        return self.net.run(done, self.plan.limit)
+
+    # -- invariants -------------------------------------------------------------------------
+    def leaks(self):
+        """Slots or pages still held once every handle was cleared."""
+        out = []
+        for r in self.prefill + self.decode:
+            if r.core.reqs:
+                out.append(f"{r.role} rank {r.rank} still holds {sorted(r.core.reqs)}")
+            if len(r.core._free) != r.core.status.size:
+                out.append(
+                    f"{r.role} rank {r.rank}: {r.core.status.size - len(r.core._free)} slots taken"
+                )
+        for rank, free in self.free_pages.items():
+            if sorted(free) != list(range(PAGES)):
+                out.append(
+                    f"decode rank {rank}: pages {sorted(set(range(PAGES)) - set(free))} not back"
+                )
+        return out
+
+    def disagreements(self):
+        """Requests whose ranks did not all end alike (checked where no message was lost)."""
+        out = []
+        for room in self.rooms():
+            ends = {k: o.status for k, o in self.outcome.items() if k[2] == room}
+            if len(set(ends.values())) > 1:
+                out.append(f"room={room}: {ends}")
+        return out
+
+    def corrupted_successes(self):
+        """Requests that ended Success on a decode rank holding bytes flipped in flight."""
+        hit = {
+            (f.target.rank, f.effect.room)
+            for f in self.net.flights
+            if f.corrupt and f.done and f.lands
+        }
+        return [
+            (rank, room)
+            for (role, rank, room), o in self.outcome.items()
+            if role == "decode" and (rank, room) in hit and o.status == KVPoll.Success
+        ]
+
+
+def reason_name(code):
+    return FailureReason(code).name if code >= 0 else "-"
