@@ -3,6 +3,7 @@ requests admitted, pages handed out and taken back as the real schedulers do,
 and what the protocol's invariants are checked against."""
 
 import attrs
+import numpy as np
 import torch
 
 from buffers import MetadataBuffers, MetadataLayout
@@ -12,7 +13,9 @@ from transport.layout import kv_args_for
 from transport.testing.simnet import Faults, SimNet
 
 HEADS, HEAD_BYTES, PAGES, SLOTS = 2, 16, 16, 4
-TIMEOUTS = {"bootstrap_timeout": 1.0, "waiting_timeout": 1.0, "drain_timeout": 1.0}
+#: the drain timeout outlasts any write and message delay the plans draw (0.5 s and 0.2 s):
+#: past it a request is released even if a write could still land, by design
+TIMEOUTS = {"bootstrap_timeout": 0.5, "waiting_timeout": 0.5, "drain_timeout": 1.5}
 LAYOUT = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
 
 
@@ -28,10 +31,10 @@ class Plan:
     digest: bool = False
     staging: bool = False
     notifies: bool = False
-    faults: Faults = Faults()
+    faults: Faults = attrs.Factory(Faults)
     pause: tuple[str, int, float, float | None] | None = None  # (role, rank, at, seconds)
     abort: tuple[str, int, float] | None = None  # (role, request, at): its scheduler gives up
-    limit: float = 12.0  # virtual seconds
+    limit: float = 8.0  # virtual seconds
 
 
 def buffers(role, tp, rank, digest, staging):
@@ -44,7 +47,7 @@ def buffers(role, tp, rank, digest, staging):
     meta = MetadataBuffers(SLOTS, LAYOUT)
     cfg = ConnectorConfig(
         role=role, tp_rank=rank, tp_size=tp, store_port=1, digest=digest,
-        staging=staging and role == "decode", staging_pages=8, heartbeat_interval=0.05,
+        staging=staging and role == "decode", staging_pages=8, heartbeat_interval=0.02,
         heartbeat_misses=3, **TIMEOUTS,
     )  # fmt: skip
     return kv_args_for(kv, meta.buf_infos(), rank, kv_head_num=heads), cfg, kv, meta
@@ -61,7 +64,7 @@ class Run:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.net = SimNet(plan.seed, plan.faults)
+        self.net = SimNet(plan.seed, plan.faults, dt=0.001, heartbeat=(0.02, 3))
         self.kv = {}
         self.prefill, self.decode = [], []
         for role, tp, out in (
@@ -74,7 +77,7 @@ class Run:
                 self.kv[role, rank] = (kv, meta)
                 out.append(r)
         self.free_pages = {r.rank: list(range(PAGES)) for r in self.decode}
-        self.free_slots = {r.rank: list(range(SLOTS)) for r in self.decode + self.prefill}
+        self.free_slots = {(r.role, r.rank): list(range(SLOTS)) for r in self.decode + self.prefill}
         self.handles = {}  # (role, rank, room) -> handle
         self.held = {}  # (role, rank, room) -> (pages, slot)
         self.outcome = {}  # (role, rank, room) -> Outcome
@@ -99,33 +102,43 @@ class Run:
             role, rank, _, seconds = plan.pause
             net.pause(net.ranks[role, rank], seconds)
             self.paused_forever = seconds is None
+        for r in self.decode:  # the staging gate: each step scatters what landed
+            if r.staging is not None:
+                live = [(room, h.index) for (ro, k, room), h in self.handles.items()
+                        if ro == "decode" and k == r.rank and not h.detached]  # fmt: skip
+                rooms = np.array([x for x, _ in live], dtype=np.uint64)
+                r.core.advance(rooms, np.array([i for _, i in live], dtype=np.int64), net.now)
         for (role, rank, room), h in list(self.handles.items()):
             if h.detached:
                 continue
             st = h.poll()
-            if plan.abort and plan.abort[0] == role and 100 + plan.abort[1] == room:
-                if abs(net.now - plan.abort[2]) < net.dt / 2 and st not in (
-                    KVPoll.Success,
-                    KVPoll.Failed,
-                ):
-                    h.abort()
-                    continue
+            if st == KVPoll.Success and role == "decode" and self._scattering(rank, room, h):
+                continue  # (the gate holds its Success until every page is placed)
+            aborts = plan.abort and plan.abort[0] == role and 100 + plan.abort[1] == room
+            due = aborts and abs(net.now - plan.abort[2]) < net.dt / 2
+            if due and st not in (KVPoll.Success, KVPoll.Failed):
+                h.abort()
+                continue
             key = (role, rank, room)
             if role == "decode" and st == KVPoll.WaitingForInput and key not in self.told:
                 pages = [self.free_pages[rank].pop(0) for _ in range(plan.pages)]
-                slot = self.free_slots[rank].pop(0)
+                slot = self.free_slots[role, rank].pop(0)
                 net.assign(net.ranks[role, rank], pages, room, h.epoch)
                 self.held[key] = (pages, slot)
                 self.told.add(key)
                 h.send_metadata(pages, slot)
             elif role == "prefill" and st == KVPoll.WaitingForInput and key not in self.told:
-                slot = self.free_slots[rank].pop(0)
+                slot = self.free_slots[role, rank].pop(0)
                 self.held[key] = ([], slot)
                 self.told.add(key)
                 h.init(plan.pages, slot)
                 h.send(list(range(plan.pages * (room - 100), plan.pages * (room - 99))))
             elif st in (KVPoll.Success, KVPoll.Failed) and h.drained:
                 self._finish(key, h, st)
+
+    def _scattering(self, rank, room, h):
+        core = self.net.ranks["decode", rank].core
+        return bool(core.pending(np.array([room], dtype=np.uint64), np.array([h.index]))[0])
 
     def _finish(self, key, h, st):
         role, rank, room = key
@@ -139,7 +152,7 @@ class Run:
             net.free(net.ranks[role, rank], pages)
             self.free_pages[rank] += pages
         if slot is not None:
-            self.free_slots[rank].append(slot)
+            self.free_slots[role, rank].append(slot)
 
     def go(self):
         """Run until every handle is cleared or the plan's time is up; True if all were."""
@@ -169,12 +182,24 @@ class Run:
         return out
 
     def disagreements(self):
-        """Requests whose ranks did not all end alike (checked where no message was lost)."""
+        """Requests whose sides did not agree (checked where no message was lost).
+
+        Each side's ranks agree as the step makes them (a MIN over the TP group:
+        Failed on one rank is Failed on all); the two sides are separate groups,
+        and must end alike through the protocol alone, unless a deadline ended
+        one of them (a timeout races the other side's completion by design)."""
         out = []
+        deadlines = {int(FailureReason.BOOTSTRAP_TIMEOUT), int(FailureReason.WAITING_TIMEOUT)}
         for room in self.rooms():
-            ends = {k: o.status for k, o in self.outcome.items() if k[2] == room}
-            if len(set(ends.values())) > 1:
-                out.append(f"room={room}: {ends}")
+            if any(o.reason in deadlines for k, o in self.outcome.items() if k[2] == room):
+                continue
+            agreed = {}
+            for (role, _, r), o in self.outcome.items():
+                if r == room:
+                    agreed[role] = min(agreed.get(role, o.status), o.status)
+            if len(agreed) == 2 and len(set(agreed.values())) > 1:
+                ends = {k: o.status for k, o in self.outcome.items() if k[2] == room}
+                out.append(f"room={room}: agreed {agreed}, by rank {ends}")
         return out
 
     def corrupted_successes(self):

@@ -308,6 +308,9 @@ LONG_MODULES = {
     "transport/connector/hub.py": "Connector, the driver of the connector's core: the "
     "scheduler's calls under one lock, and the thread's pass (messages, heartbeats, records, "
     "the engine's answers) with the effects it performs",
+    "transport/connector/core/machine.py": "ConnectorCore: one rank's requests and the one "
+    "entry through which every event, effect and scheduler call passes (the phases fired in "
+    "batch, the writes and records it asks for)",
     "transport/connector/core/prefill.py": "the prefill side of the protocol: a request's legs "
     "planned from decode's register, and every write of each leg checked and issued in order "
     "(pages, fields, state rows, the room last)",

@@ -52,7 +52,10 @@ class ConnectorConfig:
       :mod:`transport.connector.core.graph`).
     - ``waiting_timeout``: decode, from ``send_metadata`` for as long as it
       reports WaitingForInput (or Transferring): until every sender said
-      "done" (and, with a digest, its bytes were checked).
+      "done" (and, with a digest, its bytes were checked). Prefill, from its
+      first write until every decode rank's last word ("verified", when it
+      asked for a digest): a write its engine never answers, or a word lost
+      on the way, ends there instead of holding the request for ever.
     - ``drain_timeout``: how long a failed request with writes that may still
       land stays quarantined (Aborted) before it is released.
     """

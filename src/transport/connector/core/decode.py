@@ -158,7 +158,11 @@ class DecodeSide:
             self._drain_if_stopped(req)
         elif isinstance(msg, Failed | GaveUp):
             # the sender failed it: "failed" once its writes drained; "gave_up" when a
-            # write of it may still land (the pages wait for this rank's drain timeout)
+            # write of it may still land (the pages wait for this rank's drain timeout);
+            # a sender that said every write landed has nothing left to fail (a copy,
+            # or its other legs' failure: this leg's bytes are all here)
+            if leg.done:
+                return
             leg.stopped = leg.stopped or isinstance(msg, Failed)
             reason = msg.reason
             if leg.stopped and all(x.stopped for x in req.senders()):

@@ -285,8 +285,8 @@ class ConnectorCore(StatusArrays):
             req.released = True
             self.scatter_left[req.index] = 0
             self.release(req.index)
-            failed = int(self.status[req.index]) == F  # (a Success is never asked about)
-            reason = self.reason[req.index] if failed else FailureReason.ABORTED
+            failed = int(self.status[req.index]) == F  # (a Success is told apart: NONE)
+            reason = self.reason[req.index] if failed else FailureReason.NONE
             self.attempts.release(req.room, req.epoch, int(reason))
             self.side.released(req)
 

@@ -205,7 +205,9 @@ class PrefillSide:
             send(peer, GaveUp(room, epoch, FailureReason(reason)))
         elif isinstance(msg, Abort):  # finished and drained here
             send(peer, Stopped(room, epoch))
-        elif isinstance(msg, Register):  # it failed and was cleared before this rank knew
+        elif isinstance(msg, Register) and reason != FailureReason.NONE:
+            # it failed and was cleared before this rank knew (a register of an attempt
+            # that succeeded here is a copy of one it served: its leg heard "done")
             send(peer, Failed(room, epoch, FailureReason(reason)))
 
     def steps(self, req: PrefillRequest) -> bool:
@@ -399,8 +401,10 @@ class PrefillSide:
             elif not self._issue_leg(req, leg):
                 return
         out = all(leg.fields_out for leg in req.legs.values())
-        if p.phase_of(req) == Phase.Metadata and (req.tokens or out):
-            p.fire(req, "write")
+        if p.phase_of(req) == Phase.Metadata and (req.tokens or out) and p.fire(req, "write"):
+            # the waiting deadline runs from the first write to decode's last word: a
+            # write the engine never answers, or a word lost on the way, ends there
+            p.waited[req.index] = p.now
         if p.phase_of(req) == Phase.Writing and out and not req.tokens:
             for leg in req.legs.values():
                 info = p.peer(leg.peer)
