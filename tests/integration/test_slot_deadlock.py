@@ -325,9 +325,9 @@ def test_one_row_a_side_opposite_orders_both_succeed_stub_engine():
 
 
 def test_negative_control_ready_at_the_handshake_deadlocks_stub_engine(monkeypatch):
-    from transport.connector import hub as connector
+    from transport.connector.core import machine
 
-    monkeypatch.setattr(connector, "POLL", old_table())
+    monkeypatch.setattr(machine, "POLL", old_table())
     check_deadlocked(run_in_process("slots-old"))
 
 
@@ -338,9 +338,9 @@ def _side_main(backend: str, role: str, port: int, ns: str, old: bool, q: Any) -
     from transport.registry import get_backend
 
     if old:
-        from transport.connector import hub as connector
+        from transport.connector.core import machine
 
-        connector.POLL = old_table()
+        machine.POLL = old_table()
     s = None
     try:
         from datetime import timedelta
