@@ -30,8 +30,9 @@ def _diagram(args: argparse.Namespace) -> int:
 
     if args.protocol:
         from transport.connector.core.graph import diagram
+        from transport.connector.core.legs import leg_diagrams
 
-        sys.stdout.write(diagram(args.format))
+        sys.stdout.write(diagram(args.format) + leg_diagrams(args.format))
         return 0
     role = Role.SENDER if args.role == "sender" else Role.RECEIVER
     sys.stdout.write(render(role, args.format))
@@ -51,7 +52,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     d.add_argument("--role", choices=["sender", "receiver"], default="sender")
     d.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
     d.add_argument(
-        "--protocol", action="store_true", help="the connector's per-request protocol instead"
+        "--protocol",
+        action="store_true",
+        help="the connector's per-request protocol and its legs instead",
     )
     d.set_defaults(func=_diagram)
 

@@ -217,3 +217,33 @@ def test_each_word_is_said_by_one_side_and_heard_by_the_other():
         check_words({**words, "prefill": (pre_says | {Msg.abort}, pre_hears)})
     with pytest.raises(AssertionError, match="decode hears"):  # a word no one hears
         check_words({**words, "decode": (dec_says, dec_hears - {Msg.gave_up})})
+
+
+@pytest.mark.parametrize("fmt", ["mermaid", "dot"])
+def test_protocol_diagram_shows_each_sides_leg_machine(fmt, capsys):
+    from transport.connector.core.legs import DECODE_LEG_EDGES, PREFILL_LEG_EDGES
+
+    assert main(["diagram", "--protocol", "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    for e in PREFILL_LEG_EDGES + DECODE_LEG_EDGES:
+        for src in e.sources:
+            edge = (
+                f"{src.name} --> {e.dest.name}: {e.trigger}"
+                if fmt == "mermaid"
+                else f'{src.name} -> {e.dest.name} [label="{e.trigger}'
+            )
+            assert edge in out
+
+
+def test_a_word_said_twice_moves_a_leg_nowhere():
+    from transport.connector.core.legs import DecodeLeg, PrefillLeg, PrefillLegPhase
+
+    leg = PrefillLeg(3, sends=True)
+    assert leg.move("register") and not leg.move("register")  # a copy: nothing moves
+    assert not leg.move("out")  # not told where to write yet
+    assert leg.move("pages") and leg.told and leg.registered and not leg.fields_out
+    assert leg.move("ask_stop") and leg.asked_stop and leg.phase == PrefillLegPhase.Stopping
+    assert not leg.move("verified")
+    d = DecodeLeg(0, sends=True)
+    assert d.move("stop") and d.stopped and not d.done
+    assert d.move("done") and d.done and d.stopped and not d.move("stop")

@@ -311,6 +311,9 @@ LONG_MODULES = {
     "transport/connector/core/machine.py": "ConnectorCore: one rank's requests and the one "
     "entry through which every event, effect and scheduler call passes (the phases fired in "
     "batch, the writes and records it asks for)",
+    "transport/connector/core/legs.py": "a request's legs: each side's leg machine (declared "
+    "on the graph kernel, checked at import), the leg and request records, and the checks "
+    "of what a leg writes",
     "transport/connector/core/prefill.py": "the prefill side of the protocol: a request's legs "
     "planned from decode's register, and every write of each leg checked and issued in order "
     "(pages, fields, state rows, the room last)",

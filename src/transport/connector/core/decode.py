@@ -119,7 +119,7 @@ class DecodeSide:
         self.ask_stop(req, reason)
         if before < Phase.Metadata:  # no page list was sent: nothing can land
             for leg in req.legs.values():
-                leg.stopped = True
+                leg.move("stop")
         self._drain_if_stopped(req)
 
     def every_pass(self) -> None:
@@ -151,7 +151,7 @@ class DecodeSide:
                 leg.pending = (leg.progress or decode_progress(p, req, leg)).finish()
             if came.notified and p.config.digest:
                 return  # the engine's own word carries no digest: prefill's will
-            leg.done = leg.stopped = True
+            leg.move("done")
             leg.digest = msg.leg_digest()
             if all(x.done for x in req.senders()):
                 self._landed(req)
@@ -163,14 +163,15 @@ class DecodeSide:
             # or its other legs' failure: this leg's bytes are all here)
             if leg.done:
                 return
-            leg.stopped = leg.stopped or isinstance(msg, Failed)
+            if isinstance(msg, Failed):
+                leg.move("stop")
             reason = msg.reason
             if leg.stopped and all(x.stopped for x in req.senders()):
                 _ = p.fire(req, "peer_failed", reason) or p.fire(req, "drain")
             elif p.fire(req, "abort", reason):
                 self.ask_stop(req, reason)
         elif isinstance(msg, Stopped):  # a sender acknowledged our abort: nothing more from it
-            leg.stopped = True
+            leg.move("stop")
             self._drain_if_stopped(req)
 
     def late(self, came: Incoming, reason: int) -> None:

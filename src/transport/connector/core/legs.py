@@ -16,6 +16,7 @@ and pages the buffers at both ends hold (:func:`refs_misfit`,
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -25,6 +26,7 @@ from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
+from lifecycle.rules.kernel import Kernel
 from transport.layout import Writes, page_writes, sliced_page_writes
 from transport.topology import Slice
 
@@ -34,6 +36,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Leg",
+    "PrefillLegPhase",
+    "DecodeLegPhase",
+    "PREFILL_LEG_EDGES",
+    "DECODE_LEG_EDGES",
+    "LEG_KERNELS",
+    "leg_diagrams",
     "PrefillLeg",
     "DecodeLeg",
     "Request",
@@ -48,6 +56,92 @@ __all__ = [
 ]
 
 L = TypeVar("L", bound="Leg")
+
+
+# -- each side's view of a leg, declared as a machine on the graph kernel ---------------------
+class PrefillLegPhase(enum.IntEnum):
+    """Where a prefill rank's leg to a decode rank stands."""
+
+    Planned = 0  # known from the first register (of this or another decode rank)
+    Registered = 1  # its decode rank registered the request
+    Told = 2  # its decode rank said where to write
+    Out = 3  # every write it owes is issued (pages, fields, state rows; the room aside)
+    Verified = 4  # its decode rank said the bytes matched the digest
+    Stopping = 5  # its decode rank aborted: it is told "stopped" once nothing is in flight
+
+
+class DecodeLegPhase(enum.IntEnum):
+    """Where a decode rank's leg to a prefill rank (a sender, or one it informs) stands."""
+
+    Open = 0  # the sender may still write
+    Stopped = 1  # it can write nothing more here (it stopped or failed, or was never told)
+    Done = 2  # it said every write landed
+
+
+@attrs.frozen
+class LegEdge:
+    trigger: str
+    sources: tuple[enum.IntEnum, ...]
+    dest: enum.IntEnum
+    doc: str = ""
+
+
+_PL, _DL = PrefillLegPhase, DecodeLegPhase
+#: prefill's legs: each word of its decode rank (and its own writes) moves one on
+PREFILL_LEG_EDGES: tuple[LegEdge, ...] = (
+    LegEdge("register", (_PL.Planned,), _PL.Registered, "the decode rank registered it"),
+    LegEdge("pages", (_PL.Registered,), _PL.Told, "the decode rank said where to write"),
+    LegEdge("out", (_PL.Told,), _PL.Out, "every write the leg owes is issued"),
+    LegEdge("verified", (_PL.Out,), _PL.Verified, "the decode rank's bytes matched"),
+    LegEdge(
+        "ask_stop",
+        (_PL.Planned, _PL.Registered, _PL.Told, _PL.Out, _PL.Verified),
+        _PL.Stopping,
+        "the decode rank aborted the request",
+    ),
+)
+#: decode's legs: the sender's words
+DECODE_LEG_EDGES: tuple[LegEdge, ...] = (
+    LegEdge("stop", (_DL.Open,), _DL.Stopped, "the sender stopped, failed, or was never told"),
+    LegEdge("done", (_DL.Open, _DL.Stopped), _DL.Done, "the sender said every write landed"),
+)
+LEG_KERNELS: dict[str, Kernel[Any]] = {
+    "prefill": Kernel(PrefillLegPhase, PREFILL_LEG_EDGES, (_PL.Stopping,)),
+    "decode": Kernel(DecodeLegPhase, DECODE_LEG_EDGES, (_DL.Done,)),
+}
+_REGISTERED = frozenset({_PL.Registered, _PL.Told, _PL.Out, _PL.Verified})
+_TOLD = frozenset({_PL.Told, _PL.Out, _PL.Verified})
+_OUT = frozenset({_PL.Out, _PL.Verified})
+
+
+def _move(kernel: Kernel[Any], phase: int, trigger: str) -> int:
+    """Where ``trigger`` takes a leg at ``phase`` (-1: nowhere: a word said twice)."""
+    return int(kernel.dest[kernel.trigger_id[trigger], phase])
+
+
+def _check_legs() -> None:
+    phases: tuple[type[enum.IntEnum], ...] = (PrefillLegPhase, DecodeLegPhase)
+    for role, edges, states in zip(
+        ("prefill", "decode"), (PREFILL_LEG_EDGES, DECODE_LEG_EDGES), phases
+    ):
+        k = LEG_KERNELS[role]
+        if k.reachable(states(0)) != set(states):
+            raise AssertionError(f"{role} legs: a phase no word reaches")
+        if any(not e.doc for e in edges):
+            raise AssertionError(f"{role} legs: every edge says what moves it")
+
+
+_check_legs()
+
+
+def leg_diagrams(fmt: str) -> str:
+    """Each side's leg machine as a mermaid or dot diagram (``pdlife diagram --protocol``)."""
+    out = []
+    for role, k in LEG_KERNELS.items():
+        first = k.states(0)
+        title = f"connector {role} leg (one per peer rank of a request)"
+        out.append(k.diagram(fmt, f"{role}_leg", title, first, label=lambda a: f"{a.trigger}"))
+    return "".join(out)
 
 
 @attrs.define(eq=False)
@@ -79,8 +173,8 @@ class Leg:
 class PrefillLeg(Leg):
     """A prefill rank's leg to a decode rank: where it said to write, what went."""
 
-    registered: bool = False
-    told: bool = False  # the decode rank said where to write
+    #: where the leg stands (:class:`PrefillLegPhase`); moved by :meth:`move` alone
+    phase: int = int(PrefillLegPhase.Planned)
     dst_pages: NDArray[np.int64] | None = None
     dst_slot: int = -1
     skip: int = 0  # leading pages decode already holds (a cached prefix)
@@ -88,22 +182,65 @@ class PrefillLeg(Leg):
     dst_heads: int = 0
     dst_state: list[NDArray[np.int64]] | None = None
     issued: int = 0  # this request's source pages written (or skipped) so far
-    fields_out: bool = False
-    asked_stop: bool = False  # the decode rank aborted: it is told "stopped"
     verify: bool = False  # the decode rank asked for a digest: it says whether it matched
-    verified: bool = False
     pending: Any = None  # the digest of its bytes being hashed (a transport.digest.Pending)
+
+    def move(self, trigger: str) -> bool:
+        """Take ``trigger`` (see :data:`PREFILL_LEG_EDGES`); False where it is not
+        declared from here (a word said twice moves nothing)."""
+        dest = _move(LEG_KERNELS["prefill"], self.phase, trigger)
+        if dest >= 0:
+            self.phase = dest
+        return dest >= 0
+
+    @property
+    def registered(self) -> bool:
+        return self.phase in _REGISTERED
+
+    @property
+    def told(self) -> bool:
+        """The decode rank said where to write."""
+        return self.phase in _TOLD
+
+    @property
+    def fields_out(self) -> bool:
+        return self.phase in _OUT
+
+    @property
+    def verified(self) -> bool:
+        return self.phase == _PL.Verified
+
+    @property
+    def asked_stop(self) -> bool:
+        """The decode rank aborted: it is told "stopped"."""
+        return self.phase == _PL.Stopping
 
 
 @attrs.define(eq=False)
 class DecodeLeg(Leg):
     """A decode rank's leg to a prefill rank: what that sender said."""
 
-    done: bool = False
-    stopped: bool = False  # it can write nothing more here
+    #: where the leg stands (:class:`DecodeLegPhase`); moved by :meth:`move` alone
+    phase: int = int(DecodeLegPhase.Open)
     digest: Any = None  # the transport.digest.LegDigest its "done" carried (None: none)
     pending: Any = None  # the digest of its bytes here, being hashed (transport.digest.Pending)
     progress: Any = None  # its pages hashed as they land (transport.digest.Progress)
+
+    def move(self, trigger: str) -> bool:
+        """Take ``trigger`` (see :data:`DECODE_LEG_EDGES`); False where it is not declared."""
+        dest = _move(LEG_KERNELS["decode"], self.phase, trigger)
+        if dest >= 0:
+            self.phase = dest
+        return dest >= 0
+
+    @property
+    def done(self) -> bool:
+        return self.phase == _DL.Done
+
+    @property
+    def stopped(self) -> bool:
+        """It can write nothing more here."""
+        return self.phase != _DL.Open
 
 
 class Request(Generic[L]):

@@ -145,15 +145,16 @@ class PrefillSide:
                 # register, so it may overtake it: held until that register is in
                 req.held.append(came)
                 return
+            if not leg.move("pages"):
+                return  # a copy of a page list already taken
             leg.dst_pages, leg.dst_slot, leg.skip = msg.pages, msg.slot, msg.skip
             leg.dst_heads = msg.dst_heads
             leg.dst_ptrs = None if msg.dst_ptrs is None else msg.dst_ptrs.tolist()
             leg.dst_state = msg.state
-            leg.told = True
             if all(x.told for x in req.legs.values()):
                 p.fire(req, "metadata")
         elif isinstance(msg, Verified) and peer in req.legs:  # that leg's bytes matched
-            req.legs[peer].verified = True
+            req.legs[peer].move("verified")
             if all(x.verified or not x.verify for x in req.legs.values()):
                 p.fire(req, "matched")
 
@@ -168,7 +169,7 @@ class PrefillSide:
         if leg is None and not req.legs:  # before any register: it is told once drained
             leg = req.legs[peer] = PrefillLeg(peer, sends=False)
         if leg is not None:
-            leg.asked_stop = True
+            leg.move("ask_stop")
         if p.fire(req, "abort", reason):
             req.reason = reason
         elif req.abandoned:  # released with writes the engine never finished
@@ -189,8 +190,9 @@ class PrefillSide:
                 f"{None if leg is None else (leg.slice, leg.state)}",
             )
             return
-        leg.registered, leg.inc = True, came.inc
-        leg.verify = msg.digest
+        if not leg.move("register"):
+            return  # a copy of a register already taken
+        leg.inc, leg.verify = came.inc, msg.digest
         if all(x.registered for x in req.legs.values()):
             p.fire(req, "handshake")
         for held in [h for h in req.held if h.peer == peer]:
@@ -326,7 +328,7 @@ class PrefillSide:
             if n >= req.num_pages and not leg.fields_out:
                 if not self._state_out(req, leg, info):
                     return False
-                leg.fields_out = True
+                leg.move("out")
             return True
         w: Any = None  # (src, dst, lengths) this pass writes on the leg
         if leg.issued < n:
@@ -361,7 +363,7 @@ class PrefillSide:
                 w = row if w is None else tuple(np.concatenate(c) for c in zip(w, row))
             if not self._state_out(req, leg, info):
                 return False
-            leg.fields_out = True
+            leg.move("out")
         if w is not None:
             p.submit(req, leg.peer, info, w, b"")
         return True
@@ -397,7 +399,7 @@ class PrefillSide:
         p = self.core
         for leg in req.legs.values():
             if not leg.sends and not leg.state:
-                leg.fields_out = True
+                leg.move("out")
             elif not self._issue_leg(req, leg):
                 return
         out = all(leg.fields_out for leg in req.legs.values())
