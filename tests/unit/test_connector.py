@@ -1,110 +1,100 @@
-"""The shared connector driven end to end in one process, with a stub engine
-that copies memory at once: the protocol's phases, the bytes, the room-last
-ordering, and the API's illegal moves."""
+"""The connector's core on the simulated network (real buffers, real byte copies,
+virtual time): the protocol's phases, the bytes, the room-last ordering, and the
+API's illegal moves."""
 
 import numpy as np
 import pytest
 import torch
 
-from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
-from lifecycle.testing.spawn import store_server
-from support.stub_engine import CopyConnector, handshaken, timeouts
-from support.wait import wait_for
-from transport.connector.config import ConnectorConfig
+from support.simcases_a import deliver, handshaken, pair, post, run, watch_sends
 from transport.connector.core.graph import Phase, ProtocolError
-from transport.layout import kv_args_for
+from transport.connector.core.messages import Msg
+from transport.testing.simnet import Faults
 
 
 @pytest.fixture
-def pair():
-    store = store_server()
-    port = store.port
-    layout = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
-    sides = {}
-    for role in ("prefill", "decode"):
-        kv = [torch.zeros((8, 64), dtype=torch.uint8)]
-        meta = MetadataBuffers(4, layout)
-        cfg = ConnectorConfig(role=role, tp_rank=0, store_port=port, idle_interval=0.005)
-        sides[role] = (CopyConnector(kv_args_for(kv, meta.buf_infos(), 0), cfg), kv, meta)
-    yield sides
-    for m, _, _ in sides.values():
-        m.close(wait=0)  # a test's requests owe nobody: no drain to wait for
-    _ = store
+def sim():
+    """(net, {role: (rank, kv, meta)}): one prefill and one decode rank."""
+    return pair(seed=7)
 
 
-def test_one_request_moves_pages_then_the_row_room_last(pair):
-    p, pkv, pmeta = pair["prefill"]
-    d, dkv, dmeta = pair["decode"]
+def test_one_request_moves_pages_then_the_row_room_last(sim):
+    net, sides = sim
+    p, pkv, pmeta = sides["prefill"]
+    d, dkv, dmeta = sides["decode"]
     pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
     pmeta.write(1, 77, {"output_ids": [5]})
     s, r = p.sender(77), d.receiver(77)
     with pytest.raises(ProtocolError, match=r"room=77.*Bootstrap"):
         r.send_metadata([0], 2)  # before the handshake: refused, nothing sent
     r.init()
-    wait_for(lambda: handshaken(s), "prefill handshake")
+    run(net, lambda: handshaken(s), "prefill handshake")
     assert r.poll() == KVPoll.WaitingForInput  # decode may allocate now
     # prefill is not ready before decode said where to write: had it taken a
     # metadata row at the handshake, the two sides could hold their rows for
     # different requests and wait for each other for ever
     assert s.poll() == KVPoll.Bootstrapping
     r.send_metadata([5, 6, 7], 2)
-    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
+    run(net, lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
     s.init(3, 1)
     s.send([2, 3, 4])
-    wait_for(lambda: r.poll() == KVPoll.Success, "decode success")
+    run(net, lambda: r.poll() == KVPoll.Success, "decode success")
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][5:8], pkv[0][2:5])
     assert dmeta.room_of(2) == 77
-    assert p.engine.writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
+    writes = [f.effect.writes[2].tolist() for f in net.flights if f.writer is p]
+    assert writes[-1] == [p.kv_args.aux_item_lens[-1]]  # the room column, alone, last
     assert s.drained and r.drained
-    assert p.phase[s.index] == Phase.Done and d.phase[r.index] == Phase.Done
+    assert p.phase_of(s._req) == Phase.Done and d.phase_of(r._req) == Phase.Done
 
 
-def test_decode_is_ready_for_pages_before_its_register_leaves(pair):
+def test_decode_is_ready_for_pages_before_its_register_leaves(sim):
     """Whoever sees prefill registered (the handshake) and then gives decode its
     pages must find decode ready: decode takes the handshake before it sends
     any register, never after (that order once lost a CI run to a race)."""
-    p, _, _ = pair["prefill"]
-    d, _, _ = pair["decode"]
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
     seen = []
-    send = d.mail.send
 
-    def spy(peer, msg, store):
-        if msg["kind"] == "register":
-            seen.append(Phase(d.phase_of(d.core.live(msg["room"]))))
-        send(peer, msg, store)
+    def see(msg):
+        if msg.KIND is Msg.register:
+            seen.append(Phase(d.phase_of(d.core.live(msg.room))))
 
-    d.mail.send = spy
+    watch_sends(net, d, see)
     s, r = p.sender(5), d.receiver(5)
     r.init()
-    wait_for(lambda: handshaken(s), "prefill handshake")
+    run(net, lambda: handshaken(s), "prefill handshake")
     assert seen == [Phase.Handshaken]
-    r.send_metadata([1], 0)  # no wait in between: never refused
+    r.send_metadata([1], 0)  # no step in between: never refused
 
 
-def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(pair):
-    p, _, _ = pair["prefill"]
-    d, _, _ = pair["decode"]
+def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(sim):
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
     s, r = p.sender(9), d.receiver(9)
     r.init()
-    wait_for(lambda: handshaken(s), "prefill handshake")
-    p.engine.fail_next = True
+    run(net, lambda: handshaken(s), "prefill handshake")
+    net.faults = Faults(write_fails=1.0)  # the engine reports the request's writes failed
     s.init(1, None)
     s.send([0])
     r.send_metadata([1], 0)
-    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears of the failure")
+    run(net, lambda: r.poll() == KVPoll.Failed, "decode hears of the failure")
+    assert any(f.fails for f in net.flights)
     assert (s.failure_reason(), r.failure_reason()) == (FailureReason.TRANSFER_ERROR,) * 2
-    wait_for(lambda: r.drained, "decode drained")
+    run(net, lambda: r.drained, "decode drained")
     s.clear()
     r.clear()
-    wait_for(lambda: 9 not in p.core.reqs and 9 not in d.core.reqs, "both released")
+    run(net, lambda: 9 not in p.core.reqs and 9 not in d.core.reqs, "both released")
     again = d.receiver(9)  # a cleared room may come back as a new request
     assert again.poll() == KVPoll.Bootstrapping
 
 
-def test_decode_abort_before_metadata_drains_at_once(pair):
-    d, _, _ = pair["decode"]
+def test_decode_abort_before_metadata_drains_at_once(sim):
+    _, sides = sim
+    d, _, _ = sides["decode"]
     r = d.receiver(11)
     r.abort()
     assert r.poll() == KVPoll.Failed
@@ -112,148 +102,158 @@ def test_decode_abort_before_metadata_drains_at_once(pair):
     assert r.drained  # no page list was sent: nothing can land
 
 
-def test_fire_many_moves_a_batch_and_skips_released(pair):
-    d, _, _ = pair["decode"]
+def test_fire_many_moves_a_batch_and_skips_released(sim):
+    _, sides = sim
+    d, _, _ = sides["decode"]
     hs = [d.receiver(100 + i) for i in range(3)]
     reqs = [h._req for h in hs]
     reqs[2].released = True
     moved = d.core.fire_many(reqs, "abort", FailureReason.PEER_DEAD)
     assert moved.tolist() == [True, True, False]
-    assert np.all(d.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
-    assert d.phase[hs[2].index] == Phase.Bootstrap
+    assert np.all(d.core.status[[h.index for h in hs[:2]]] == KVPoll.Failed)
+    assert d.core.phase[hs[2].index] == Phase.Bootstrap
 
 
-def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(pair):
+def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(sim):
     # prefill is Bootstrapping until decode said where to write: its bootstrap
     # deadline runs until then; decode's ended when it registered
-    p, _, _ = pair["prefill"]
-    d, _, _ = pair["decode"]
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
     s, r = p.sender(13), d.receiver(13)
     r.init()
-    wait_for(lambda: handshaken(s), "prefill handshake")
+    run(net, lambda: handshaken(s), "prefill handshake")
+    born = p.core.born[s.index]
+    assert born == d.core.born[r.index]  # (one clock: both deadlines fall due together)
     late = p.config.bootstrap_timeout + 1
-    timeouts(d, d.core.born[r.index] + late)
-    assert r.poll() == KVPoll.WaitingForInput  # registered: decode's deadline is over
-    timeouts(p, p.core.born[s.index] + late - 2)
+    net.jump(born + late - 2 - net.now - net.dt)  # the next step is at born + late - 2
+    net.step()
     assert s.poll() == KVPoll.Bootstrapping  # not yet
-    timeouts(p, p.core.born[s.index] + late)
+    assert r.poll() == KVPoll.WaitingForInput
+    net.jump(2 - net.dt)
+    net.step()  # born + late: one step, so decode cannot have heard from prefill yet
+    assert r.poll() == KVPoll.WaitingForInput  # registered: decode's deadline is over
     assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.BOOTSTRAP_TIMEOUT)
-    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears why")
+    run(net, lambda: r.poll() == KVPoll.Failed, "decode hears why")
     assert r.failure_reason() == FailureReason.BOOTSTRAP_TIMEOUT
-    wait_for(lambda: r.drained and s.drained, "both drained")  # no page list went out
+    run(net, lambda: r.drained and s.drained, "both drained")  # no page list went out
 
 
-def _move(s, r, pkv, dkv, src, dst, slot, pmeta):
+def _move(net, s, r, pkv, dkv, src, dst, slot, pmeta):
     """Drive one request through the protocol by hand: handshake, pages, Success."""
     pmeta.write(slot, s.bootstrap_room, {"output_ids": [slot]})
     r.init()
-    wait_for(lambda: handshaken(s), f"room {s.bootstrap_room} handshake")
+    run(net, lambda: handshaken(s), f"room {s.bootstrap_room} handshake")
     r.send_metadata(dst, slot)  # prefill is ready once decode said where to write
-    wait_for(lambda: s.poll() == KVPoll.WaitingForInput, f"room {s.bootstrap_room} page list")
+    run(net, lambda: s.poll() == KVPoll.WaitingForInput, f"room {s.bootstrap_room} page list")
     s.init(len(src), slot)
     s.send(src)
-    wait_for(lambda: r.poll() == KVPoll.Success, f"room {s.bootstrap_room} on decode")
+    run(net, lambda: r.poll() == KVPoll.Success, f"room {s.bootstrap_room} on decode")
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][dst], pkv[0][src])
 
 
-def _second_request(manager, make, room):
+def _second_request(rank, make, room):
     """What a scheduler does with a second request carrying a live room."""
     from transport import DuplicateRoom, TransportError
 
-    live, free = dict(manager.core.reqs), list(manager.core._free)
+    core = rank.core
+    live, free = dict(core.reqs), list(core._free)
     with pytest.raises(DuplicateRoom) as e:
         make(room)
     assert isinstance(e.value, TransportError) and isinstance(e.value, ValueError)
-    assert (e.value.room, e.value.role, e.value.rank) == (room, manager.config.role, 0)
-    assert f"room={room}: {manager.config.role} rank 0 already has a live request" in str(e.value)
-    assert manager.core.reqs == live and all(manager.core.reqs[k] is v for k, v in live.items())
-    assert manager.core._free == free  # no slot taken
+    assert (e.value.room, e.value.role, e.value.rank) == (room, rank.config.role, 0)
+    assert f"room={room}: {rank.config.role} rank 0 already has a live request" in str(e.value)
+    assert core.reqs == live and all(core.reqs[k] is v for k, v in live.items())
+    assert core._free == free  # no slot taken
 
 
-def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(pair):
+def test_sglang_40125_duplicate_room_is_refused_and_both_sides_survive(sim):
     """SGLang #40125: a client-supplied bootstrap_room used twice crashed both
     schedulers. The connector refuses a second live request with a room, on
     prefill and on decode, with a typed DuplicateRoom (a TransportError, and a
     ValueError as the untyped error was) before anything changes; the first
     request with the room completes and later ones go through."""
-    p, pkv, pmeta = pair["prefill"]
-    d, dkv, _ = pair["decode"]
+    net, sides = sim
+    p, pkv, pmeta = sides["prefill"]
+    d, dkv, _ = sides["decode"]
     pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
     s, r = p.sender(40125), d.receiver(40125)
     _second_request(p, p.sender, 40125)
     _second_request(d, d.receiver, 40125)
-    _move(s, r, pkv, dkv, [2, 3], [5, 6], 1, pmeta)
+    _move(net, s, r, pkv, dkv, [2, 3], [5, 6], 1, pmeta)
     s.clear()
     r.clear()
-    _move(p.sender(40126), d.receiver(40126), pkv, dkv, [4], [7], 2, pmeta)
+    _move(net, p.sender(40126), d.receiver(40126), pkv, dkv, [4], [7], 2, pmeta)
 
 
 def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lost(
-    pair, monkeypatch
+    sim, monkeypatch
 ):
     """Negative control: with the check taken out (the attempts never say a
     room is taken), the second request takes the room's messages and the
     first, still live, never hears from decode: it waits in Bootstrapping
     (until its bootstrap timeout), which the test above would catch."""
-    p, _, _ = pair["prefill"]
-    d, _, _ = pair["decode"]
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
 
     monkeypatch.setattr(p.core.attempts, "taken", lambda room, epoch: False)
     first = p.sender(40125)
     second = p.sender(40125)  # accepted: no typed error, the room now names the second
     d.receiver(40125).init()
-    wait_for(lambda: handshaken(second), "the second's handshake")
-    import time
-
-    time.sleep(0.2)  # (the loop has handled decode's register long since)
+    run(net, lambda: handshaken(second), "the second's handshake")
+    net.run(lambda: False, 0.2)  # (decode's register was handled long since)
     assert not handshaken(first)  # orphaned: decode's register went to the second
     assert first.poll() == KVPoll.Bootstrapping
 
 
-def test_a_retried_room_hears_only_its_own_attempt(pair):
+def test_a_retried_room_hears_only_its_own_attempt(sim):
     """Attempt 0 of room 77 fails; attempt 1 starts. A completion of attempt 0
     that arrives then is refused and counted, never applied to attempt 1 (which
     would report Success over pages nobody wrote); attempt 1 then moves its own
     bytes. The control: the same word naming attempt 1 is applied."""
-    p, pkv, pmeta = pair["prefill"]
-    d, dkv, dmeta = pair["decode"]
+    net, sides = sim
+    p, pkv, pmeta = sides["prefill"]
+    d, dkv, dmeta = sides["decode"]
     s0, r0 = p.sender(77), d.receiver(77)
     r0.init()
-    wait_for(lambda: handshaken(s0), "attempt 0 handshake")
+    run(net, lambda: handshaken(s0), "attempt 0 handshake")
     r0.fail(FailureReason.TRANSFER_ERROR)
-    wait_for(lambda: s0.poll() == KVPoll.Failed and r0.drained, "attempt 0 failed on both sides")
+    run(net, lambda: s0.poll() == KVPoll.Failed and r0.drained, "attempt 0 failed on both sides")
     assert (s0.epoch, r0.epoch) == (0, 0)
     r1 = d.receiver(77, epoch=1)  # the old handle is not cleared yet: both attempts live
     s0.clear(), r0.clear()
     done0 = {"kind": "done", "room": 77, "epoch": 0, "from": 0}
-    with d.lock:  # (prefill's own late reply to attempt 0 is refused too, any time)
-        before = d.stats["stale_epoch"]
-        d.deliver(done0)
-        assert d.stats["stale_epoch"] == before + 1
+    # (handed over at once: prefill's own late reply to attempt 0 is refused too, any time)
+    before = d.core.stats["stale_epoch"]
+    deliver(net, d, done0)
+    assert d.core.stats["stale_epoch"] == before + 1
     assert r1.poll() == KVPoll.Bootstrapping
     pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 249)
     s1 = p.sender(77, epoch=1)
-    _move(s1, r1, pkv, dkv, [2, 3], [6, 7], 3, pmeta)  # handshake, pages, Success, bytes
+    _move(net, s1, r1, pkv, dkv, [2, 3], [6, 7], 3, pmeta)  # handshake, pages, Success, bytes
 
 
-def test_control_a_completion_naming_the_live_attempt_is_applied(pair):
-    d, _, _ = pair["decode"]
-    p, _, _ = pair["prefill"]
+def test_control_a_completion_naming_the_live_attempt_is_applied(sim):
+    net, sides = sim
+    d, _, _ = sides["decode"]
+    p, _, _ = sides["prefill"]
     s, r = p.sender(78, epoch=2), d.receiver(78, epoch=2)
     r.init()
-    wait_for(lambda: handshaken(s), "handshake")
+    run(net, lambda: handshaken(s), "handshake")
     r.send_metadata([5], 2)
-    d.deliver({"kind": "done", "room": 78, "epoch": 2, "from": 0})
+    deliver(net, d, {"kind": "done", "room": 78, "epoch": 2, "from": 0})
     assert r.poll() == KVPoll.Success  # why a word of another attempt must never be
-    assert d.stats["stale_epoch"] == 0
+    assert d.core.stats["stale_epoch"] == 0
 
 
-def test_attempts_of_a_room_are_ordered_and_checked(pair):
+def test_attempts_of_a_room_are_ordered_and_checked(sim):
     from transport import DuplicateRoom
     from transport.errors import InvalidEpoch
 
-    d, _, _ = pair["decode"]
+    _, sides = sim
+    d, _, _ = sides["decode"]
     r = d.receiver(90, epoch=1)
     for epoch in (0, 1):  # the same attempt or an older one: a duplicate
         with pytest.raises(DuplicateRoom):
@@ -262,22 +262,21 @@ def test_attempts_of_a_room_are_ordered_and_checked(pair):
         with pytest.raises(InvalidEpoch, match="attempt"):
             d.receiver(91, epoch=bad)
     assert d.core.live(90) is r._req and d.core.live(91) is None
-    import numpy as np
-
     assert d.receiver(92, epoch=np.uint16(3)).epoch == 3  # an epoch read from a table
 
 
-def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(pair):
+def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(sim):
     """Garbage on a rank's queue (not JSON, an unknown word, a field of the wrong
-    type) is counted and dropped: the loop lives on and the request moves."""
-    p, pkv, pmeta = pair["prefill"]
-    d, dkv, dmeta = pair["decode"]
+    type) is counted and dropped: the rank lives on and the request moves."""
+    net, sides = sim
+    p, pkv, pmeta = sides["prefill"]
+    d, dkv, dmeta = sides["decode"]
     s, r = p.sender(79), d.receiver(79)
     bad = [b"{not json", b"[1, 2]", b'{"kind": "explode", "room": 79, "from": 0}']
     bad.append(b'{"kind": "failed", "room": 79, "from": 0, "reason": "oops"}')
     bad.append(b'{"kind": "done", "room": 79, "from": 0, "epoch": -1}')
     for body in bad:
-        d.store.queue_push(d.mail._key, body)
-    wait_for(lambda: d.stats["malformed"] == len(bad), "every malformed message counted")
-    assert r.poll() == KVPoll.Bootstrapping and d.last_error is None
-    _move(s, r, pkv, dkv, [2], [6], 1, pmeta)  # the loop still serves the request
+        post(d, body)
+    run(net, lambda: d.core.stats["malformed"] == len(bad), "every malformed message counted")
+    assert r.poll() == KVPoll.Bootstrapping and d.core.last_error is None
+    _move(net, s, r, pkv, dkv, [2], [6], 1, pmeta)  # the rank still serves the request
