@@ -18,9 +18,13 @@ from support.simcases_b import (
     WHOLE,
     Rank,
     deliver,
+    finish,
     handshaken,
+    hello,
     pattern,
     refused_for_layout,
+    run_request,
+    run_split_state,
     settle,
     split_row,
     whole_row,
@@ -52,59 +56,6 @@ def cluster(net):
         return pre, dec
 
     return build
-
-
-def run_request(net, pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
-    group = [p for p in pre if p.dp == dp]
-    senders = [p.m.sender(room) for p in group]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init(prefill_dp_rank=dp)
-    settle(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
-    settle(net, lambda: handshaken(*senders), "every decode rank registered")
-    # prefill waits for every decode rank's page list before it reports ready
-    assert {s.poll() for s in senders} == {KVPoll.Bootstrapping}
-    dst = np.arange(10, 10 + n - prefix)[::-1].copy()  # decode pages in another order
-    for d, r in zip(dec, receivers):
-        r.send_metadata(
-            dst,
-            2,
-            state_indices=[np.array([5])] if d.state is not None else None,
-            decode_prefix_len=prefix * PS,
-        )
-    settle(net, lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
-    src = np.arange(3, 3 + n)
-    for p, s in zip(group, senders):
-        p.fill(room, src)
-        p.meta.write(1, room, {"output_ids": [room % 1000]})
-        if p.state is not None:
-            p.state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
-        s.init(n, 1)
-    for k in range(0, n, chunks):
-        for p, s in zip(group, senders):
-            s.send(
-                src[k : k + chunks], state_indices=[np.array([2])] if p.state is not None else None
-            )
-    return senders, receivers, dst
-
-
-def finish(net, senders, receivers, dec, staged=False):
-    def done():
-        for d, r in zip(dec, receivers):
-            if staged:
-                d.m.core.advance(
-                    np.array([r.bootstrap_room], np.uint64), np.array([r.index]), net.now
-                )
-        return all(r.poll() == KVPoll.Success for r in receivers) and (
-            not staged
-            or not any(
-                d.m.core.pending(np.array([0], np.uint64), np.array([r.index]))[0]
-                for d, r in zip(dec, receivers)
-            )
-        )
-
-    settle(net, done, "decode success")
-    settle(net, lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
 
 
 @pytest.mark.parametrize("heads_major", [False, True], ids=["token-major", "head-major"])
@@ -422,35 +373,6 @@ def test_a_late_register_hears_why_prefill_failed_even_once_cleared(net, cluster
     settle(net, lambda: r.drained, "decode drained")
 
 
-def _hello(net, pre, dec, room):
-    """One request's senders and receivers, past the handshake."""
-    senders = [p.m.sender(room) for p in pre]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init()
-    settle(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "hello")
-    settle(net, lambda: handshaken(*senders), "every decode rank registered")
-    return senders, receivers
-
-
-def _run_split_state(net, pre, dec, room):
-    """One request whose state is split by TP: prefill row 2, decode row 5."""
-    group = pre
-    senders, receivers = _hello(net, pre, dec, room)
-    src = np.arange(3, 5)
-    for p, s in zip(group, senders):
-        p.fill(room, src)
-        p.split[0][2] = torch.tensor(split_row(room, len(pre), p.tp_rank))
-        p.split[1][2] = torch.tensor(whole_row(room))
-        s.init(2, 1)
-    dst = np.array([11, 10])
-    for r in receivers:
-        r.send_metadata(dst, 2, state_indices=[np.array([5])])
-    for s in senders:
-        s.send(src, state_indices=[np.array([2])])
-    return senders, receivers, dst
-
-
 @pytest.mark.parametrize(
     ("pt", "dt", "heads", "mla"),
     [
@@ -463,7 +385,7 @@ def test_split_state_is_resharded_whatever_the_kv_layout(net, cluster, pt, dt, h
     # every prefill rank whose share overlaps it, and the whole tensor from its
     # primary sender, also where those are not its KV senders (MLA, replicated heads)
     pre, dec = cluster(pt, dt, heads=heads, mla=mla, state="split")
-    senders, receivers, dst = _run_split_state(net, pre, dec, room=57)
+    senders, receivers, dst = run_split_state(net, pre, dec, room=57)
     finish(net, senders, receivers, dec)
     for d in dec:
         d.check(57, dst)
@@ -514,7 +436,7 @@ def test_state_rows_of_another_count_than_decode_gave_are_refused(net, cluster, 
     # split writes paired sources and destinations out of step. Refused, named
     pre, dec = cluster(2, 1, heads=2, state=state)
     room = 71
-    senders, receivers = _hello(net, pre, dec, room)
+    senders, receivers = hello(net, pre, dec, room)
     for p, s in zip(pre, senders):
         for t in [p.state] if state is True else p.split:
             t[2:4] = 7
@@ -545,7 +467,7 @@ def test_state_rows_named_on_one_side_only_are_refused(net, cluster, state, side
     # committed, decode would hold whatever its rows held before. Refused, named
     pre, dec = cluster(2, 1, heads=2, state=state)
     room = 73
-    senders, receivers = _hello(net, pre, dec, room)
+    senders, receivers = hello(net, pre, dec, room)
     for s in senders:
         s.init(1, 1)
     rows = [np.array([5])] if side == "decode" else None
