@@ -1,223 +1,69 @@
-"""The shared connector over real topologies, in one process with a stub
-engine that copies at once: prefill and decode TP sizes that differ (direct
-head-sliced writes and staging), MLA, state components, a cached prefix and
-prefill DP groups. Every page decode holds is compared, head by head, with
-what the prefill rank holding that head wrote."""
-
-import time
+"""The shared connector's protocol over real topologies, on the simulated
+network (transport.testing.simnet) with real buffers and real byte copies:
+prefill and decode TP sizes that differ (direct head-sliced writes and
+staging), MLA, state components, a cached prefix and prefill DP groups. Every
+page decode holds is compared, head by head, with what the prefill rank
+holding that head wrote."""
 
 import numpy as np
 import pytest
 import torch
 
-from buffers import MetadataBuffers, MetadataLayout
-from buffers.kv_args import StateComponent, StateType
 from lifecycle import FailureReason, KVPoll
-from lifecycle.testing.spawn import store_server
-from support.stub_engine import CopyConnector, handshaken, refused_for_layout
-from support.wait import wait_for
-from transport.connector.config import ConnectorConfig
-from transport.layout import kv_args_for
+from support.simcases_b import (
+    HB,
+    PS,
+    SPLIT_UNITS,
+    UNIT,
+    WHOLE,
+    Rank,
+    deliver,
+    finish,
+    handshaken,
+    hello,
+    pattern,
+    refused_for_layout,
+    run_request,
+    run_split_state,
+    settle,
+    split_row,
+    whole_row,
+)
+from transport.connector.core.graph import Phase
+from transport.testing.simnet import SimNet
 from transport.topology import Topology, TopologyError
-
-PAGES, PS, HB, SLOTS = 32, 2, 8, 4
-SPLIT_UNITS, UNIT, WHOLE = 8, 3, 5  # split state: 8 global units of 3 bytes; a 5-byte whole row
-LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
-
-
-def split_row(room, tp, rank):
-    """Rank ``rank`` of a TP group of ``tp``'s share of ``room``'s split state row."""
-    full = (room * 17 + np.arange(SPLIT_UNITS * UNIT) * 3 + 1) % 251
-    n = SPLIT_UNITS // tp * UNIT
-    return full[rank * n : (rank + 1) * n].astype(np.uint8)
-
-
-def whole_row(room):
-    return ((room * 5 + np.arange(WHOLE) * 7 + 2) % 251).astype(np.uint8)
-
-
-def pattern(room, layer, tokens, heads):
-    """What global heads ``heads`` of tokens ``tokens`` of ``room`` hold: (tokens, heads, HB)."""
-    t = np.asarray(tokens)[:, None, None]
-    h = np.asarray(heads)[None, :, None]
-    b = np.arange(HB)[None, None, :]
-    return ((room * 31 + layer * 7 + t * 13 + h * 29 + b) % 251).astype(np.uint8)
-
-
-class Rank:
-    def __init__(self, role, tp, rank, port, topo, dp=0, state=False, heads_major=False, **cfg):
-        cfg = {"kv_heads": topo.kv_heads, **cfg}
-        self.role, self.tp_rank, self.dp = role, rank, dp
-        self.heads = list(topo.heads(role, rank))
-        shape = (
-            (PAGES, len(self.heads), PS, HB) if heads_major else (PAGES, PS, len(self.heads), HB)
-        )
-        # indexed (page, token, head, byte) either way; head-major pages are
-        # (page, head, token, byte) in memory
-        self.kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
-        if heads_major:
-            self.kv = [t.transpose(1, 2) for t in self.kv]
-        self.meta = MetadataBuffers(SLOTS, LAYOUT)
-        self.state = torch.zeros((8, 24), dtype=torch.uint8) if state is True else None
-        comps = (
-            [StateComponent(StateType.MAMBA, [self.state.data_ptr()], [self.state.nbytes], [24])]
-            if state is True
-            else []
-        )
-        if state == "split":  # a mamba-like state: one tensor split by TP, one held whole
-            units = SPLIT_UNITS // tp
-            self.split = [
-                torch.zeros((8, units * UNIT), dtype=torch.uint8),
-                torch.zeros((8, WHOLE), dtype=torch.uint8),
-            ]
-            comps = [
-                StateComponent(
-                    StateType.MAMBA,
-                    [t.data_ptr() for t in self.split],
-                    [t.nbytes for t in self.split],
-                    [t[0].nbytes for t in self.split],
-                    split_dims=[units, 0],
-                )
-            ]
-        args = kv_args_for(
-            self.kv,
-            self.meta.buf_infos(),
-            rank,
-            page_size=PS,
-            kv_head_num=len(self.heads),
-            state=comps,
-            heads_major=heads_major,
-        )
-        c = ConnectorConfig(
-            role=role,
-            tp_rank=rank,
-            tp_size=tp,
-            dp_rank=dp,
-            store_port=port,
-            idle_interval=0.005,
-            mla=topo.mla,
-            **cfg,
-        )
-        self.m = CopyConnector(args, c)
-
-    def fill(self, room, pages):
-        for layer, t in enumerate(self.kv):
-            tokens = np.arange(pages.size * PS)
-            t.numpy()[pages] = pattern(room, layer, tokens, self.heads).reshape(
-                pages.size, PS, len(self.heads), HB
-            )
-
-    def check(self, room, pages, first_page=0):
-        for layer, t in enumerate(self.kv):
-            tokens = np.arange(first_page * PS, (first_page + pages.size) * PS)
-            want = pattern(room, layer, tokens, self.heads).reshape(
-                pages.size, PS, len(self.heads), HB
-            )
-            assert np.array_equal(t.numpy()[pages], want), (
-                f"decode rank {self.tp_rank} layer {layer}"
-            )
-
-
-@pytest.fixture(scope="module")
-def store():
-    server = store_server()  # one store for the module: each test has a namespace of its own
-    port = server.port
-    yield port
-    _ = server
 
 
 @pytest.fixture
-def cluster(store, request):
-    made = []
-    ns = f"t{abs(hash(request.node.name))}"
+def net():
+    return SimNet(seed=0)
 
+
+@pytest.fixture
+def cluster(net):
     def build(pt, dt, heads=4, mla=False, dp=1, state=False, heads_major=False, **decode_cfg):
         topo = Topology(pt, dt, heads, mla)
         hm = heads_major
         pre = [
-            Rank("prefill", pt, r, store, topo, dp=g, state=state, heads_major=hm, namespace=ns)
+            Rank("prefill", pt, r, topo, net.add, dp=g, state=state, heads_major=hm)
             for g in range(dp)
             for r in range(pt)
         ]
         dec = [
-            Rank(
-                "decode",
-                dt,
-                r,
-                store,
-                topo,
-                state=state,
-                heads_major=hm,
-                namespace=ns,
-                **decode_cfg,
-            )
+            Rank("decode", dt, r, topo, net.add, state=state, heads_major=hm, **decode_cfg)
             for r in range(dt)
         ]
-        made.extend(pre + dec)
         return pre, dec
 
-    yield build
-    for r in made:
-        r.m.close(wait=0)
-
-
-def run_request(pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
-    group = [p for p in pre if p.dp == dp]
-    senders = [p.m.sender(room) for p in group]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init(prefill_dp_rank=dp)
-    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
-    wait_for(lambda: handshaken(*senders), "every decode rank registered")
-    # prefill waits for every decode rank's page list before it reports ready
-    assert {s.poll() for s in senders} == {KVPoll.Bootstrapping}
-    dst = np.arange(10, 10 + n - prefix)[::-1].copy()  # decode pages in another order
-    for d, r in zip(dec, receivers):
-        r.send_metadata(
-            dst,
-            2,
-            state_indices=[np.array([5])] if d.state is not None else None,
-            decode_prefix_len=prefix * PS,
-        )
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
-    src = np.arange(3, 3 + n)
-    for p, s in zip(group, senders):
-        p.fill(room, src)
-        p.meta.write(1, room, {"output_ids": [room % 1000]})
-        if p.state is not None:
-            p.state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
-        s.init(n, 1)
-    for k in range(0, n, chunks):
-        for p, s in zip(group, senders):
-            s.send(
-                src[k : k + chunks], state_indices=[np.array([2])] if p.state is not None else None
-            )
-    return senders, receivers, dst
-
-
-def finish(senders, receivers, dec, staged=False):
-    def done():
-        for d, r in zip(dec, receivers):
-            if staged:
-                d.m.advance(np.array([r.bootstrap_room], np.uint64), np.array([r.index]))
-        return all(r.poll() == KVPoll.Success for r in receivers) and (
-            not staged
-            or not any(
-                d.m.pending(np.array([0], np.uint64), np.array([r.index]))[0]
-                for d, r in zip(dec, receivers)
-            )
-        )
-
-    wait_for(done, "decode success")
-    wait_for(lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
+    return build
 
 
 @pytest.mark.parametrize("heads_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2)])
-def test_head_sliced_writes_land_every_head(cluster, pt, dt, heads_major):
+def test_head_sliced_writes_land_every_head(net, cluster, pt, dt, heads_major):
     pre, dec = cluster(pt, dt, heads=4, heads_major=heads_major)
-    senders, receivers, dst = run_request(pre, dec, room=77)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_request(net, pre, dec, room=77)
+    finish(net, senders, receivers, dec)
     for d in dec:
         d.check(77, dst)
         assert d.meta.room_of(2) == 77 and d.meta.read(2).first_token == 77
@@ -225,38 +71,30 @@ def test_head_sliced_writes_land_every_head(cluster, pt, dt, heads_major):
     if (pt, dt) == (2, 1):  # 5 pages of 2 tokens in 2 layers, decode's pages reversed
         kv = 5 * 2 * (1 if heads_major else PS)  # a run per page (head-major) or per token
         row = len(pre[0].meta.buf_infos()[0])  # the primary's metadata fields and room
-        assert [p.m.stats["writes"] for p in pre] == [kv + row, kv]
+        assert [p.m.core.stats["writes"] for p in pre] == [kv + row, kv]
 
 
 @pytest.mark.parametrize("pre_hm", [False, True], ids=["token-to-head", "head-to-token"])
-def test_pages_laid_out_unlike_the_peers_are_refused_on_either_side(store, pre_hm):
-    ns = f"layout-{pre_hm}"
-    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), heads_major=pre_hm, namespace=ns)
-    d = Rank("decode", 1, 0, store, Topology(1, 1, 2), heads_major=not pre_hm, namespace=ns)
-    try:
-        refused_for_layout(p.m, d.m, 4, "(KVArgs.heads_major)")
-        assert "decode rank 0 refused it: prefill's KV pages are" in str(p.m.last_error)
-    finally:
-        p.m.close()
-        d.m.close()
+def test_pages_laid_out_unlike_the_peers_are_refused_on_either_side(net, pre_hm):
+    p = Rank("prefill", 1, 0, Topology(1, 1, 2), net.add, heads_major=pre_hm)
+    d = Rank("decode", 1, 0, Topology(1, 1, 2), net.add, heads_major=not pre_hm)
+    refused_for_layout(net, p.m, d.m, 4, "(KVArgs.heads_major)")
+    assert "decode rank 0 refused it: prefill's KV pages are" in str(p.m.core.last_error)
 
 
-def test_prefill_refuses_a_register_from_pages_laid_out_otherwise(store):
-    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), heads_major=True, namespace="layout-c")
-    try:
-        s = p.m.sender(5)
-        register = {"kind": "register", "room": 5, "from": 0, "decode_tp": 1, "dp": 0}
-        register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
-        p.m.deliver(register)  # from a decode rank of token-major pages
-        assert s.poll() == KVPoll.Failed
-        assert "prefill's KV pages are head-major, decode's token-major" in str(p.m.last_error)
-        assert p.m.stats["bytes_written"] == 0
-    finally:
-        p.m.close()
+def test_prefill_refuses_a_register_from_pages_laid_out_otherwise(net):
+    p = Rank("prefill", 1, 0, Topology(1, 1, 2), net.add, heads_major=True)
+    s = p.m.sender(5)
+    register = {"kind": "register", "room": 5, "from": 0, "decode_tp": 1, "dp": 0}
+    register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
+    deliver(net, p.m, register)  # from a decode rank of token-major pages
+    assert s.poll() == KVPoll.Failed
+    assert "prefill's KV pages are head-major, decode's token-major" in str(p.m.core.last_error)
+    assert p.m.core.stats["bytes_written"] == 0
 
 
 @pytest.mark.parametrize(("pt", "dt"), [(1, 2), (2, 4), (1, 4)])
-def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, pt, dt):
+def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(net, cluster, pt, dt):
     # a prefill rank with several decode legs reports WaitingForInput (its scheduler
     # takes a metadata row) only once each of them said where to write
     pre, dec = cluster(pt, dt, heads=4)
@@ -265,8 +103,8 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, p
     receivers = [d.m.receiver(room) for d in dec]
     for r in receivers:
         r.init()
-    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
-    wait_for(lambda: handshaken(*senders), "every decode rank registered")
+    settle(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
+    settle(net, lambda: handshaken(*senders), "every decode rank registered")
     dst = np.arange(10, 10 + n)
     last = dt - 1  # every decode rank but the last says where to write
     for r in receivers[:last]:
@@ -275,7 +113,8 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, p
     def legs(p):
         return p.m.core.live(room).legs
 
-    wait_for(
+    settle(
+        net,
         lambda: all(leg.told for p in pre for q, leg in legs(p).items() if q != last),
         "every other page list in",
     )
@@ -287,69 +126,71 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(cluster, p
     if pt == 1:  # its other legs' lists are in, yet it is not ready
         assert len(legs(pre[0])) == dt
     receivers[last].send_metadata(dst, 2)
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "every list in")
+    settle(net, lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "every list in")
     src = np.arange(3, 3 + n)
     for p, s in zip(pre, senders):
         p.fill(room, src)
         p.meta.write(1, room, {"output_ids": [room % 1000]})
         s.init(n, 1)
         s.send(src)
-    finish(senders, receivers, dec)
+    finish(net, senders, receivers, dec)
     for d in dec:
         d.check(room, dst)
 
 
-def test_staging_lands_contiguous_then_the_gate_holds_until_scattered(cluster):
+def test_staging_lands_contiguous_then_the_gate_holds_until_scattered(net, cluster):
     pre, dec = cluster(2, 4, heads=4, staging=True, staging_pages=8, scatter_pages=2)
-    senders, receivers, dst = run_request(pre, dec, room=91, n=5)
+    senders, receivers, dst = run_request(net, pre, dec, room=91, n=5)
     assert all(r.require_staging for r in receivers)
     # every sender done: the connector says Success, the scatter is still to come
-    wait_for(lambda: all(r.poll() == KVPoll.Success for r in receivers), "transfer done")
+    settle(net, lambda: all(r.poll() == KVPoll.Success for r in receivers), "transfer done")
     idx = np.array([r.index for r in receivers])
-    assert dec[0].m.pending(np.array([91], np.uint64), idx[:1]).all()
+    assert dec[0].m.core.pending(np.array([91], np.uint64), idx[:1]).all()
     assert dec[0].kv[0].sum() == 0  # nothing placed yet
     for _ in range(2):  # 2 pages a step: 5 pages need 3 steps
-        dec[0].m.advance(np.array([91], np.uint64), idx[:1])
-    assert dec[0].m.pending(np.array([91], np.uint64), idx[:1]).all()
-    finish(senders, receivers, dec, staged=True)
+        dec[0].m.core.advance(np.array([91], np.uint64), idx[:1], net.now)
+    assert dec[0].m.core.pending(np.array([91], np.uint64), idx[:1]).all()
+    finish(net, senders, receivers, dec, staged=True)
     for d in dec:
         d.check(91, dst)
 
 
-def test_mla_one_sender_per_decode_rank_idle_prefill_ranks_still_succeed(cluster):
+def test_mla_one_sender_per_decode_rank_idle_prefill_ranks_still_succeed(net, cluster):
     pre, dec = cluster(2, 1, mla=True, heads=1)
-    senders, receivers, dst = run_request(pre, dec, room=5)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_request(net, pre, dec, room=5)
+    finish(net, senders, receivers, dec)
     dec[0].check(5, dst)
-    assert pre[1].m.stats["bytes_written"] == 0  # the idle rank wrote nothing
-    assert pre[0].m.stats["bytes_written"] > 0
+    assert pre[1].m.core.stats["bytes_written"] == 0  # the idle rank wrote nothing
+    assert pre[0].m.core.stats["bytes_written"] > 0
 
 
-def test_state_rows_travel_with_the_pages(cluster):
+def test_state_rows_travel_with_the_pages(net, cluster):
     pre, dec = cluster(2, 1, heads=2, state=True)
-    senders, receivers, dst = run_request(pre, dec, room=33)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_request(net, pre, dec, room=33)
+    finish(net, senders, receivers, dec)
     dec[0].check(33, dst)
     assert np.array_equal(dec[0].state[5].numpy(), pattern(33, 9, [0], range(3)).reshape(-1))
     assert dec[0].state[:5].sum() == 0
 
 
-def test_a_cached_prefix_is_not_sent(cluster):
+def test_a_cached_prefix_is_not_sent(net, cluster):
     pre, dec = cluster(1, 1, heads=2)
-    senders, receivers, dst = run_request(pre, dec, room=44, n=6, prefix=2)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_request(net, pre, dec, room=44, n=6, prefix=2)
+    finish(net, senders, receivers, dec)
     dec[0].check(44, dst, first_page=2)
     page = PS * 2 * HB  # a page of one layer: 2 tokens x 2 heads
-    assert pre[0].m.stats["bytes_written"] == 4 * page * 2 + sum(pre[0].m.kv_args.aux_item_lens)
+    assert pre[0].m.core.stats["bytes_written"] == 4 * page * 2 + sum(
+        pre[0].m.kv_args.aux_item_lens
+    )
 
 
-def test_a_prefill_that_knows_the_prefix_hands_over_only_the_pages_after_it(cluster):
+def test_a_prefill_that_knows_the_prefix_hands_over_only_the_pages_after_it(net, cluster):
     pre, dec = cluster(2, 1, heads=2)  # two prefill ranks: each sends its head
     room, n, prefix = 45, 6, 2
     senders = [p.m.sender(room) for p in pre]
     (r,) = [d.m.receiver(room) for d in dec]
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    settle(net, lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
     assert all(s.decode_prefix_pages is None for s in senders)  # not told yet
     src = np.arange(3, 3 + n)
     for p in pre:
@@ -357,97 +198,93 @@ def test_a_prefill_that_knows_the_prefix_hands_over_only_the_pages_after_it(clus
         p.meta.write(1, room, {"output_ids": [room]})
     dst = np.arange(10, 10 + n - prefix)
     r.send_metadata(dst, 2, decode_prefix_len=prefix * PS)
-    wait_for(lambda: all(s.decode_prefix_pages == prefix for s in senders), "told")
+    settle(net, lambda: all(s.decode_prefix_pages == prefix for s in senders), "told")
     for s in senders:
         s.init(n - prefix, 1, first_page=prefix)
         s.send(src[prefix:4])
         with pytest.raises(ValueError, match="first_page=2 given after pages"):
             s.init(n - prefix, 1, first_page=prefix)
         s.send(src[4:])
-    finish(senders, [r], dec)
+    finish(net, senders, [r], dec)
     dec[0].check(room, dst, first_page=prefix)
     page = PS * 1 * HB  # one head of one page on one layer, per prefill rank
     row = sum(pre[0].m.kv_args.aux_item_lens)  # written once, by the primary rank
-    written = sum(p.m.stats["bytes_written"] for p in pre)
+    written = sum(p.m.core.stats["bytes_written"] for p in pre)
     assert written == (n - prefix) * page * 2 * len(pre) + row
 
 
-def test_a_decode_rank_with_a_shorter_prefix_than_prefill_skipped_fails_it(cluster):
+def test_a_decode_rank_with_a_shorter_prefix_than_prefill_skipped_fails_it(net, cluster):
     pre, dec = cluster(1, 1, heads=2)
     s, r = pre[0].m.sender(46), dec[0].m.receiver(46)
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    settle(net, lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
     r.send_metadata(np.arange(10, 14), 2, decode_prefix_len=1 * PS)
-    wait_for(lambda: s.decode_prefix_pages == 1, "told")
+    settle(net, lambda: s.decode_prefix_pages == 1, "told")
     s.init(3, 1, first_page=2)  # prefill believes decode holds 2 pages: page 1 is missing
     s.send(np.arange(5, 8))
-    wait_for(lambda: s.poll() == KVPoll.Failed, "refused")
+    settle(net, lambda: s.poll() == KVPoll.Failed, "refused")
     assert s.failure_reason() == FailureReason.TRANSFER_ERROR
     assert "decode rank 0 holds a prefix of 1 pages, but send() is handed the request's " in str(
-        pre[0].m.last_error
+        pre[0].m.core.last_error
     )
-    wait_for(lambda: r.poll() == KVPoll.Failed, "decode told")
+    settle(net, lambda: r.poll() == KVPoll.Failed, "decode told")
 
 
-def test_prefill_dp_groups_pair_only_with_the_named_group(cluster):
+def test_prefill_dp_groups_pair_only_with_the_named_group(net, cluster):
     pre, dec = cluster(2, 1, heads=2, dp=2)
-    senders, receivers, dst = run_request(pre, dec, room=66, dp=1)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_request(net, pre, dec, room=66, dp=1)
+    finish(net, senders, receivers, dec)
     dec[0].check(66, dst)
-    assert all(p.m.stats["bytes_written"] == 0 for p in pre if p.dp == 0)
+    assert all(p.m.core.stats["bytes_written"] == 0 for p in pre if p.dp == 0)
 
 
-def test_an_abort_on_one_decode_rank_fails_and_drains_every_leg(cluster):
+def test_an_abort_on_one_decode_rank_fails_and_drains_every_leg(net, cluster):
     pre, dec = cluster(2, 4, heads=4)
     senders = [p.m.sender(12) for p in pre]
     receivers = [d.m.receiver(12) for d in dec]
     for r in receivers:
         r.init()
-    wait_for(lambda: handshaken(*senders), "handshake")
+    settle(net, lambda: handshaken(*senders), "handshake")
     for r in receivers:
         r.send_metadata(np.arange(3), 0)
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
+    settle(net, lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
     receivers[1].abort()  # decode rank 1's heads come from prefill rank 0 alone
-    wait_for(lambda: senders[0].poll() == KVPoll.Failed, "prefill rank 0 hears")
+    settle(net, lambda: senders[0].poll() == KVPoll.Failed, "prefill rank 0 hears")
     # prefill rank 0 tells its other leg, decode rank 0, once its writes drained
-    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode rank 0 hears")
+    settle(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode rank 0 hears")
     assert receivers[0].failure_reason() == FailureReason.ABORTED
     assert senders[1].poll() == KVPoll.WaitingForInput  # its own scheduler's consensus tells it
     senders[1].fail(FailureReason.ABORTED)
     for r in receivers[2:]:
         r.fail(FailureReason.ABORTED)
-    wait_for(lambda: all(r.drained for r in receivers), "every decode rank drained")
-    wait_for(lambda: all(s.drained for s in senders), "every prefill rank drained")
+    settle(net, lambda: all(r.drained for r in receivers), "every decode rank drained")
+    settle(net, lambda: all(s.drained for s in senders), "every prefill rank drained")
 
 
-def test_decode_refuses_a_prefill_group_serving_another_model(store):
-    p = Rank("prefill", 1, 0, store, Topology(1, 1, 2), namespace="mismatch")
-    d = Rank("decode", 1, 0, store, Topology(1, 1, 4), namespace="mismatch")
-    try:
-        s = p.m.sender(3)
-        r = d.m.receiver(3)
-        r.init()
-        wait_for(lambda: r.poll() == KVPoll.Failed, "refused")
-        assert isinstance(d.m.last_error, TopologyError)
-        assert "2 KV heads" in str(d.m.last_error) and "room=3" in str(d.m.last_error)
-        # prefill hears why at once (not at its bootstrap timeout, 300 s)
-        wait_for(lambda: s.poll() == KVPoll.Failed, "prefill told")
-        assert s.failure_reason() == FailureReason.TRANSFER_ERROR
-        assert "room=3 on prefill rank 0: decode rank 0 refused it: 2 KV heads" in str(
-            p.m.last_error
-        )
-    finally:
-        p.m.close()
-        d.m.close()
+def test_decode_refuses_a_prefill_group_serving_another_model(net):
+    p = Rank("prefill", 1, 0, Topology(1, 1, 2), net.add)
+    d = Rank("decode", 1, 0, Topology(1, 1, 4), net.add)
+    s = p.m.sender(3)
+    r = d.m.receiver(3)
+    r.init()
+    settle(net, lambda: r.poll() == KVPoll.Failed, "refused")
+    assert isinstance(d.m.core.last_error, TopologyError)
+    assert "2 KV heads" in str(d.m.core.last_error) and "room=3" in str(d.m.core.last_error)
+    # prefill hears why at once (not at its bootstrap timeout, 300 s)
+    settle(net, lambda: s.poll() == KVPoll.Failed, "prefill told", limit=1.0)
+    assert s.failure_reason() == FailureReason.TRANSFER_ERROR
+    assert "room=3 on prefill rank 0: decode rank 0 refused it: 2 KV heads" in str(
+        p.m.core.last_error
+    )
 
 
-def test_bad_arguments_are_refused_before_anything_moves(cluster):
+def test_bad_arguments_are_refused_before_anything_moves(net, cluster):
     pre, dec = cluster(1, 1, heads=2)
     s, r = pre[0].m.sender(8), dec[0].m.receiver(8)
     with pytest.raises(ValueError, match="prefill_dp_rank"):
         r.init(prefill_dp_rank=-1)
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
+    settle(net, lambda: r.poll() == KVPoll.WaitingForInput, "handshake")
     with pytest.raises(ValueError, match="room=8: decode_prefix_len 3"):
         r.send_metadata([1, 2], 0, decode_prefix_len=3)
     with pytest.raises(ValueError, match="no state component"):
@@ -456,14 +293,12 @@ def test_bad_arguments_are_refused_before_anything_moves(cluster):
         s.send([1], state_indices=[1])
     assert r.poll() == KVPoll.WaitingForInput  # nothing was sent
     with pytest.raises(TopologyError, match="holds 1 of 2 KV heads, but its KVArgs say 2"):
-        Rank("decode", 2, 0, 1, Topology(1, 1, 2), kv_heads=2)
+        Rank("decode", 2, 0, Topology(1, 1, 2), net.add, kv_heads=2)
 
 
-def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
+def test_a_page_list_that_overtakes_its_register_is_held_not_lost(net, cluster):
     # decode's scheduler and its loop send on two store connections: "pages"
     # can reach prefill before "register"
-    from transport.connector.core.graph import Phase
-
     pre, _ = cluster(1, 1, heads=2)
     m = pre[0].m
     s = m.sender(21)
@@ -471,147 +306,71 @@ def test_a_page_list_that_overtakes_its_register_is_held_not_lost(cluster):
     pages.update(dst_heads=2, dst_ptrs=None, state=None)
     register = {"kind": "register", "room": 21, "from": 0, "decode_tp": 1, "dp": 0}
     register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
-    m.deliver(pages)
-    assert m.phase[s.index] == Phase.Bootstrap and m.last_error is None
-    m.deliver(register)
-    assert m.phase[s.index] == Phase.Metadata  # handshake, then the held page list
+    deliver(net, m, pages)
+    assert m.core.phase[s.index] == Phase.Bootstrap and m.core.last_error is None
+    deliver(net, m, register)
+    assert m.core.phase[s.index] == Phase.Metadata  # handshake, then the held page list
     assert m.core.live(21).legs[0].dst_pages.tolist() == [4]
 
 
-def test_messages_that_came_early_go_first_and_one_at_a_time(cluster, monkeypatch):
-    """A register that came before prefill's scheduler took the room is handled
-    as it takes it (its thread); a page list the loop receives meanwhile waits
-    for it. Handled side by side, the page list could be held after the
-    register had looked for held ones: lost, the request waiting for ever."""
-    import threading
-
-    from transport.connector.core.graph import Phase
-    from transport.connector.core.prefill import PrefillSide
-
-    pre, _ = cluster(1, 1, heads=2)
-    m = pre[0].m
-    pages = {"kind": "pages", "room": 23, "from": 0, "pages": [4], "slot": 1, "skip": 0}
-    pages.update(dst_heads=2, dst_ptrs=None, state=None)
-    register = {"kind": "register", "room": 23, "from": 0, "decode_tp": 1, "dp": 0}
-    register.update(kv_heads=2, mla=False, slice=[0, 0, 2], state=[], state_leg=True)
-    log, inside, go = [], threading.Event(), threading.Event()
-    real = PrefillSide.on_message
-
-    def slow(side, req, msg):
-        log.append(("in", msg.msg.KIND))
-        if msg.msg.KIND == "register":
-            inside.set()
-            go.wait(5)
-        real(side, req, msg)
-        log.append(("out", msg.msg.KIND))
-
-    monkeypatch.setattr(PrefillSide, "on_message", slow)
-    m.deliver(register)  # no request yet: kept for the scheduler
-    taker = threading.Thread(target=lambda: m.sender(23))
-    taker.start()
-    assert inside.wait(5)  # the register is being handled, as the room is taken
-    late = threading.Thread(target=m.deliver, args=(pages,))
-    late.start()
-    late.join(0.3)
-    assert late.is_alive()  # the page list waits for the register
-    go.set()
-    taker.join(5)
-    late.join(5)
-    assert log == [("in", "register"), ("out", "register"), ("in", "pages"), ("out", "pages")]
-    assert m.phase[m.core.live(23).index] == Phase.Metadata
-
-
 @pytest.mark.parametrize("when", ["before the handshake", "after the handshake"])
-def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(cluster, when):
+def test_a_decode_abort_before_the_page_list_reaches_every_prefill_rank(net, cluster, when):
     pre, dec = cluster(2, 1, heads=2)
     senders = [p.m.sender(31) for p in pre]
     r = dec[0].m.receiver(31)
     if when == "after the handshake":
         r.init()
-        wait_for(lambda: handshaken(*senders), "handshake")
+        settle(net, lambda: handshaken(*senders), "handshake")
     else:  # named its group, not registered yet: the legs are planned to tell them
         r._req.want_register = True
         r._req.dp = 0
     r.abort()
     assert r.drained  # no page list was sent: nothing can land
-    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "every prefill rank hears")
+    settle(net, lambda: all(s.poll() == KVPoll.Failed for s in senders), "every prefill rank hears")
     assert {s.failure_reason() for s in senders} == {FailureReason.ABORTED}
-    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+    settle(net, lambda: all(s.drained for s in senders), "prefill drained")
 
 
 @pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2), (2, 2)])
-def test_a_decode_failure_before_prefill_is_up_reaches_it_once_it_is(store, request, pt, dt):
+def test_a_decode_failure_before_prefill_is_up_reaches_it_once_it_is(net, pt, dt):
     """Decode fails a request before its prefill group's record is up (its
     ranks still starting): nothing could land, so decode releases it at once,
     and its prefill ranks hear why once they are up -- instead of holding the
     request in Bootstrapping for a register that never comes."""
-    ns = f"t{abs(hash(request.node.name))}"
     topo = Topology(pt, dt, 4, False)
-    made = [Rank("decode", dt, r, store, topo, namespace=ns) for r in range(dt)]
-    try:
-        receivers = [d.m.receiver(51) for d in made]
-        for r in receivers:
-            r.init()
-            r.fail(FailureReason.INJECTED_FAULT)
-        assert all(r.drained for r in receivers)  # no page list was sent
-        for r in receivers:
-            r.clear()
-        pre = [Rank("prefill", pt, r, store, topo, namespace=ns) for r in range(pt)]
-        made += pre
-        senders = [p.m.sender(51) for p in pre]
-        wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), "prefill hears")
-        assert {s.failure_reason() for s in senders} == {FailureReason.INJECTED_FAULT}
-        wait_for(lambda: all(s.drained for s in senders), "prefill drained")
-        # every decode rank told its word (prefill may have heard one first)
-        wait_for(lambda: not any(d.m.core.side.owed for d in made[:dt]), "every owed word told")
-    finally:
-        for r in made:
-            r.m.close(wait=0)
+    made = [Rank("decode", dt, r, topo, net.add) for r in range(dt)]
+    receivers = [d.m.receiver(51) for d in made]
+    for r in receivers:
+        r.init()
+        r.fail(FailureReason.INJECTED_FAULT)
+    assert all(r.drained for r in receivers)  # no page list was sent
+    for r in receivers:
+        r.clear()
+    net.run(lambda: False, 0.2)  # the decode ranks run on alone for a while
+    pre = [Rank("prefill", pt, r, topo, net.add) for r in range(pt)]
+    made += pre
+    senders = [p.m.sender(51) for p in pre]
+    settle(net, lambda: all(s.poll() == KVPoll.Failed for s in senders), "prefill hears")
+    assert {s.failure_reason() for s in senders} == {FailureReason.INJECTED_FAULT}
+    settle(net, lambda: all(s.drained for s in senders), "prefill drained")
+    # every decode rank told its word (prefill may have heard one first)
+    settle(net, lambda: not any(d.m.core.side.owed for d in made[:dt]), "every owed word told")
 
 
-def test_a_late_register_hears_why_prefill_failed_even_once_cleared(cluster):
+def test_a_late_register_hears_why_prefill_failed_even_once_cleared(net, cluster):
     pre, dec = cluster(2, 1, heads=2)
     senders = [p.m.sender(41) for p in pre]
     for s in senders:  # prefill agreed Failed before decode registered; released at once
         s.fail(FailureReason.INJECTED_FAULT)
-    wait_for(lambda: all(s.drained for s in senders), "prefill drained")
+    settle(net, lambda: all(s.drained for s in senders), "prefill drained")
     for s in senders:
         s.clear()
-    wait_for(lambda: all(41 not in p.m.core.reqs for p in pre), "prefill released")
+    settle(net, lambda: all(41 not in p.m.core.reqs for p in pre), "prefill released")
     r = dec[0].m.receiver(41)
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.Failed, "decode hears")
+    settle(net, lambda: r.poll() == KVPoll.Failed, "decode hears")
     assert r.failure_reason() == FailureReason.INJECTED_FAULT
-    wait_for(lambda: r.drained, "decode drained")
-
-
-def _hello(pre, dec, room):
-    """One request's senders and receivers, past the handshake."""
-    senders = [p.m.sender(room) for p in pre]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init()
-    wait_for(lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "hello")
-    wait_for(lambda: handshaken(*senders), "every decode rank registered")
-    return senders, receivers
-
-
-def _run_split_state(pre, dec, room):
-    """One request whose state is split by TP: prefill row 2, decode row 5."""
-    group = pre
-    senders, receivers = _hello(pre, dec, room)
-    src = np.arange(3, 5)
-    for p, s in zip(group, senders):
-        p.fill(room, src)
-        p.split[0][2] = torch.tensor(split_row(room, len(pre), p.tp_rank))
-        p.split[1][2] = torch.tensor(whole_row(room))
-        s.init(2, 1)
-    dst = np.array([11, 10])
-    for r in receivers:
-        r.send_metadata(dst, 2, state_indices=[np.array([5])])
-    for s in senders:
-        s.send(src, state_indices=[np.array([2])])
-    return senders, receivers, dst
+    settle(net, lambda: r.drained, "decode drained")
 
 
 @pytest.mark.parametrize(
@@ -621,26 +380,26 @@ def _run_split_state(pre, dec, room):
         *[(2, 2, 4, False), (2, 1, 1, False), (1, 4, 1, False), (4, 2, 1, True), (2, 4, 1, True)],
     ],
 )
-def test_split_state_is_resharded_whatever_the_kv_layout(cluster, pt, dt, heads, mla):
+def test_split_state_is_resharded_whatever_the_kv_layout(net, cluster, pt, dt, heads, mla):
     # every decode rank holds its own share of the split tensor, assembled from
     # every prefill rank whose share overlaps it, and the whole tensor from its
     # primary sender, also where those are not its KV senders (MLA, replicated heads)
     pre, dec = cluster(pt, dt, heads=heads, mla=mla, state="split")
-    senders, receivers, dst = _run_split_state(pre, dec, room=57)
-    finish(senders, receivers, dec)
+    senders, receivers, dst = run_split_state(net, pre, dec, room=57)
+    finish(net, senders, receivers, dec)
     for d in dec:
         d.check(57, dst)
         assert np.array_equal(d.split[0][5].numpy(), split_row(57, dt, d.tp_rank)), d.tp_rank
         assert np.array_equal(d.split[1][5].numpy(), whole_row(57)), d.tp_rank
         assert d.split[0][:5].sum() == 0 and d.split[1][6:].sum() == 0
     due = sum(d.split[0][0].nbytes + WHOLE for d in dec)
-    sent = sum(p.m.stats["bytes_written"] for p in pre)
+    sent = sum(p.m.core.stats["bytes_written"] for p in pre)
     kv = sum(d.kv[0][0].nbytes * 2 * 2 for d in dec)  # 2 layers x 2 pages per decode rank
     meta = sum(pre[0].m.kv_args.aux_item_lens) * dt
     assert sent == kv + meta + due  # each state byte written once, no more
 
 
-def test_split_state_that_does_not_fit_is_refused_on_either_side(cluster):
+def test_split_state_that_does_not_fit_is_refused_on_either_side(net, cluster):
     # one side cuts its rows into units of another size: refused and named, nothing written
     pre, dec = cluster(2, 1, heads=2, state="split")
     wrong = [[[SPLIT_UNITS * UNIT * 2, WHOLE], [SPLIT_UNITS, 0]]]  # 6-byte units on decode
@@ -649,33 +408,35 @@ def test_split_state_that_does_not_fit_is_refused_on_either_side(cluster):
     told = [p.m.sender(61) for p in pre]
     r = bad.receiver(61)
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.Failed, "decode refuses")
-    assert isinstance(bad.last_error, TopologyError)
-    assert "room=61" in str(bad.last_error)
-    assert "a unit must have the same bytes on both" in str(bad.last_error)
-    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in told), "every prefill rank told")
-    assert all("a unit must have the same bytes" in str(p.m.last_error) for p in pre)
+    settle(net, lambda: r.poll() == KVPoll.Failed, "decode refuses")
+    assert isinstance(bad.core.last_error, TopologyError)
+    assert "room=61" in str(bad.core.last_error)
+    assert "a unit must have the same bytes on both" in str(bad.core.last_error)
+    settle(net, lambda: all(s.poll() == KVPoll.Failed for s in told), "every prefill rank told")
+    assert all("a unit must have the same bytes" in str(p.m.core.last_error) for p in pre)
     # prefill checks the geometry a register carries as well
     m = pre[0].m
     s = m.sender(62)
     register = {"kind": "register", "room": 62, "from": 0, "decode_tp": 1, "dp": 0}
     register.update(kv_heads=2, mla=False, slice=[0, 0, 1], state=wrong, state_leg=True)
-    m.deliver(register)
+    deliver(net, m, register)
     assert s.poll() == KVPoll.Failed
-    assert isinstance(m.last_error, TopologyError)
-    assert "room=62 on prefill rank 0" in str(m.last_error)
-    assert "prefill cuts 12-byte rows into 4 units, decode 48-byte rows into 8" in str(m.last_error)
-    assert all(p.m.stats["bytes_written"] == 0 for p in pre)
+    assert isinstance(m.core.last_error, TopologyError)
+    assert "room=62 on prefill rank 0" in str(m.core.last_error)
+    assert "prefill cuts 12-byte rows into 4 units, decode 48-byte rows into 8" in str(
+        m.core.last_error
+    )
+    assert all(p.m.core.stats["bytes_written"] == 0 for p in pre)
 
 
 @pytest.mark.parametrize("state", [True, "split"])
-def test_state_rows_of_another_count_than_decode_gave_are_refused(cluster, state):
+def test_state_rows_of_another_count_than_decode_gave_are_refused(net, cluster, state):
     # prefill hands over 2 state rows, decode gave 1: written as they were, the
     # second whole row ran into decode's next row (another request's), and the
     # split writes paired sources and destinations out of step. Refused, named
     pre, dec = cluster(2, 1, heads=2, state=state)
     room = 71
-    senders, receivers = _hello(pre, dec, room)
+    senders, receivers = hello(net, pre, dec, room)
     for p, s in zip(pre, senders):
         for t in [p.state] if state is True else p.split:
             t[2:4] = 7
@@ -686,13 +447,13 @@ def test_state_rows_of_another_count_than_decode_gave_are_refused(cluster, state
         s.send(np.array([3]), state_indices=[np.array([2, 3])])
     # a rank writing state rows refuses (the primary; with split state each writes a
     # share, and the first to refuse may abort the other through decode first)
-    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
-    wait_for(lambda: senders[0].poll() == KVPoll.Failed, "prefill fails")
-    errors = [p for p in pre if p.m.last_error is not None]
+    settle(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
+    settle(net, lambda: senders[0].poll() == KVPoll.Failed, "prefill fails")
+    errors = [p for p in pre if p.m.core.last_error is not None]
     assert errors
     for p in errors:
-        assert isinstance(p.m.last_error, TopologyError)
-        why = str(p.m.last_error)
+        assert isinstance(p.m.core.last_error, TopologyError)
+        why = str(p.m.core.last_error)
         assert f"room={room} on prefill rank {p.tp_rank}" in why
         assert "2 state rows of component 0" in why and "decode rank 0 gave 1" in why
     got = [dec[0].state] if state is True else dec[0].split
@@ -701,12 +462,12 @@ def test_state_rows_of_another_count_than_decode_gave_are_refused(cluster, state
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize("state", [True, "split"])
-def test_state_rows_named_on_one_side_only_are_refused(cluster, state, side):
+def test_state_rows_named_on_one_side_only_are_refused(net, cluster, state, side):
     # decode gave rows but prefill's send() never did (or the other way round):
     # committed, decode would hold whatever its rows held before. Refused, named
     pre, dec = cluster(2, 1, heads=2, state=state)
     room = 73
-    senders, receivers = _hello(pre, dec, room)
+    senders, receivers = hello(net, pre, dec, room)
     for s in senders:
         s.init(1, 1)
     rows = [np.array([5])] if side == "decode" else None
@@ -714,8 +475,8 @@ def test_state_rows_named_on_one_side_only_are_refused(cluster, state, side):
         r.send_metadata(np.array([10]), 2, state_indices=rows)
     for s in senders:
         s.send(np.array([3]), state_indices=None if side == "decode" else [np.array([2])])
-    wait_for(lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
-    errors = [str(p.m.last_error) for p in pre if p.m.last_error is not None]
+    settle(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode hears")
+    errors = [str(p.m.core.last_error) for p in pre if p.m.core.last_error is not None]
     assert errors
     want = (
         "decode rank 0 gave state rows but send() was handed none"
@@ -725,22 +486,22 @@ def test_state_rows_named_on_one_side_only_are_refused(cluster, state, side):
     assert all(f"room={room}" in e and want in e for e in errors), errors
 
 
-def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(cluster):
+def test_a_request_of_no_pages_takes_its_state_rows_from_the_send_after_init(net, cluster):
     # init(0) then send([], state_indices): the loop may run between the two
     # calls; "every page handed over" is not yet "every row handed over"
     pre, dec = cluster(1, 1, heads=2, state=True)
     room = 74
     s, r = pre[0].m.sender(room), dec[0].m.receiver(room)
     r.init()
-    wait_for(lambda: r.poll() == KVPoll.WaitingForInput and handshaken(s), "handshake")
+    settle(net, lambda: r.poll() == KVPoll.WaitingForInput and handshaken(s), "handshake")
     pre[0].meta.write(1, room, {"output_ids": [room % 1000]})
     pre[0].state[2] = torch.tensor(pattern(room, 9, [0], range(3)).reshape(-1))
     r.send_metadata(np.array([], dtype=np.int64), 2, state_indices=[np.array([5])])
-    wait_for(lambda: pre[0].m.core.live(room).legs[0].told, "pages told")
+    settle(net, lambda: pre[0].m.core.live(room).legs[0].told, "pages told")
     s.init(0, 1)
-    time.sleep(0.2)  # the loop's turn between the scheduler's two calls
+    net.run(lambda: False, 0.2)  # the loop's turn between the scheduler's two calls
     s.send(np.array([], dtype=np.int64), state_indices=[np.array([2])])
-    wait_for(lambda: r.poll() in (KVPoll.Success, KVPoll.Failed), "decode concludes")
-    assert pre[0].m.last_error is None, pre[0].m.last_error
-    finish([s], [r], dec)
+    settle(net, lambda: r.poll() in (KVPoll.Success, KVPoll.Failed), "decode concludes")
+    assert pre[0].m.core.last_error is None, pre[0].m.core.last_error
+    finish(net, [s], [r], dec)
     assert np.array_equal(dec[0].state[5].numpy(), pattern(room, 9, [0], range(3)).reshape(-1))
