@@ -69,6 +69,10 @@ def test_an_older_peer_that_names_no_epoch_means_the_first_attempt():
     assert parse({"kind": "done", "room": 8, "from": 0}).msg == Done(8, 0)
 
 
+#: a page list that parses; each case below spoils one field of it
+PAGES = {"kind": "pages", "room": 7, "from": 0, "pages": [1], "slot": 1, "skip": 0, "dst_heads": 2}
+
+
 @pytest.mark.parametrize(
     ("raw", "field"),
     [
@@ -89,42 +93,9 @@ def test_an_older_peer_that_names_no_epoch_means_the_first_attempt():
         ({"kind": "failed", "room": 7, "from": 0, "reason": 99}, "reason"),
         ({"kind": "abort", "room": 7, "from": 0, "why": 3}, "why"),
         ({"kind": "pages", "room": 7, "from": 0, "slot": 1, "skip": 0, "dst_heads": 2}, "pages"),
-        (
-            {
-                "kind": "pages",
-                "room": 7,
-                "from": 0,
-                "pages": [1.5],
-                "slot": 1,
-                "skip": 0,
-                "dst_heads": 2,
-            },
-            "pages",
-        ),
-        (
-            {
-                "kind": "pages",
-                "room": 7,
-                "from": 0,
-                "pages": [[1]],
-                "slot": 1,
-                "skip": 0,
-                "dst_heads": 2,
-            },
-            "pages",
-        ),
-        (
-            {
-                "kind": "pages",
-                "room": 7,
-                "from": 0,
-                "pages": [1],
-                "slot": True,
-                "skip": 0,
-                "dst_heads": 2,
-            },
-            "slot",
-        ),
+        ({**PAGES, "pages": [1.5]}, "pages"),
+        ({**PAGES, "pages": [[1]]}, "pages"),
+        ({**PAGES, "slot": True}, "slot"),
         (
             {
                 "kind": "register",
