@@ -18,7 +18,7 @@ import torch
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from support.simcases_b import Rank
+from support.simcases import Rank
 from support.stub_engine import CopyConnector, CopyEngine, handshaken
 from support.wait import wait_for
 from transport.connector.config import ConnectorConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lifecycle import FailureReason, KVPoll
-from support.simcases_b import (
+from support.simcases import (
     HB,
     PS,
     SPLIT_UNITS,
