@@ -19,6 +19,17 @@ def sim():
     return pair(seed=7)
 
 
+def _past_handshake(sim, room, epoch=0):
+    """(net, prefill rank, decode rank, sender, receiver) of ``room``, registered."""
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
+    s, r = p.sender(room, epoch=epoch), d.receiver(room, epoch=epoch)
+    r.init()
+    settle(net, lambda: handshaken(s), "prefill handshake")
+    return net, p, d, s, r
+
+
 def test_one_request_moves_pages_then_the_row_room_last(sim):
     net, sides = sim
     p, pkv, pmeta = sides["prefill"]
@@ -54,7 +65,6 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(sim):
     pages must find decode ready: decode takes the handshake before it sends
     any register, never after (that order once lost a CI run to a race)."""
     net, sides = sim
-    p, _, _ = sides["prefill"]
     d, _, _ = sides["decode"]
     seen = []
 
@@ -63,20 +73,13 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(sim):
             seen.append(Phase(d.phase_of(d.core.live(msg.room))))
 
     watch_sends(net, d, see)
-    s, r = p.sender(5), d.receiver(5)
-    r.init()
-    settle(net, lambda: handshaken(s), "prefill handshake")
+    _, _, _, _, r = _past_handshake(sim, 5)
     assert seen == [Phase.Handshaken]
     r.send_metadata([1], 0)  # no step in between: never refused
 
 
 def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(sim):
-    net, sides = sim
-    p, _, _ = sides["prefill"]
-    d, _, _ = sides["decode"]
-    s, r = p.sender(9), d.receiver(9)
-    r.init()
-    settle(net, lambda: handshaken(s), "prefill handshake")
+    net, p, d, s, r = _past_handshake(sim, 9)
     net.faults = Faults(write_fails=1.0)  # the engine reports the request's writes failed
     s.init(1, None)
     s.send([0])
@@ -117,12 +120,7 @@ def test_fire_many_moves_a_batch_and_skips_released(sim):
 def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(sim):
     # prefill is Bootstrapping until decode said where to write: its bootstrap
     # deadline runs until then; decode's ended when it registered
-    net, sides = sim
-    p, _, _ = sides["prefill"]
-    d, _, _ = sides["decode"]
-    s, r = p.sender(13), d.receiver(13)
-    r.init()
-    settle(net, lambda: handshaken(s), "prefill handshake")
+    net, p, d, s, r = _past_handshake(sim, 13)
     born = p.core.born[s.index]
     assert born == d.core.born[r.index]  # (one clock: both deadlines fall due together)
     late = p.config.bootstrap_timeout + 1
@@ -236,12 +234,7 @@ def test_a_retried_room_hears_only_its_own_attempt(sim):
 
 
 def test_control_a_completion_naming_the_live_attempt_is_applied(sim):
-    net, sides = sim
-    d, _, _ = sides["decode"]
-    p, _, _ = sides["prefill"]
-    s, r = p.sender(78, epoch=2), d.receiver(78, epoch=2)
-    r.init()
-    settle(net, lambda: handshaken(s), "handshake")
+    net, _, d, _, r = _past_handshake(sim, 78, epoch=2)
     r.send_metadata([5], 2)
     deliver(net, d, {"kind": "done", "room": 78, "epoch": 2, "from": 0})
     assert r.poll() == KVPoll.Success  # why a word of another attempt must never be
