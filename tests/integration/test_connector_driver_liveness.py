@@ -18,7 +18,7 @@ import torch
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
 from lifecycle.testing.spawn import store_server
-from support.simcases_b import Rank
+from support.simcases import Rank
 from support.stub_engine import CopyConnector, CopyEngine, handshaken
 from support.wait import wait_for
 from transport.connector.config import ConnectorConfig
@@ -57,12 +57,21 @@ def _make_pair(prefill_engine=CopyEngine, drain=(30.0, 30.0), decode_engine=Copy
     return sides
 
 
+@contextlib.contextmanager
+def _opened(**kw):
+    """A pair of ``_make_pair(**kw)``, closed however the test ends."""
+    sides = _make_pair(**kw)
+    try:
+        yield sides
+    finally:
+        for role in ("prefill", "decode"):
+            sides[role].close(wait=0)
+
+
 @pytest.fixture
 def pair(request):
-    sides = _make_pair(drain=getattr(request, "param", (30.0, 30.0)))
-    yield sides
-    for role in ("prefill", "decode"):
-        sides[role].close(wait=0)
+    with _opened(drain=getattr(request, "param", (30.0, 30.0))) as sides:
+        yield sides
 
 
 @contextlib.contextmanager
@@ -159,25 +168,20 @@ class NeverReached(UnreachableAtFirst):
 def test_a_peer_unreachable_at_first_fails_nothing_and_is_tried_again():
     # the connect that raised used to fail every live request of the rank as
     # a transfer error, from a peer none of them had reached yet
-    sides = _make_pair(decode_engine=UnreachableAtFirst)
-    p, d = sides["prefill"], sides["decode"]
-    try:
+    with _opened(decode_engine=UnreachableAtFirst) as sides:
+        p, d = sides["prefill"], sides["decode"]
         _succeeds(p, d, 11)
         assert d.engine.tries == UnreachableAtFirst.refusals + 1  # once per try, then once more
         assert d.last_error is None
         _succeeds(p, d, 12)  # connected: not tried again
         assert d.engine.tries == UnreachableAtFirst.refusals + 1
-    finally:
-        for role in ("prefill", "decode"):
-            sides[role].close(wait=0)
 
 
 def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
     # it beats, so it is never named dead: without the give-up its requests
     # would wait out the bootstrap timeout with the cause unsaid
-    sides = _make_pair(decode_engine=NeverReached)
-    p, d = sides["prefill"], sides["decode"]
-    try:
+    with _opened(decode_engine=NeverReached) as sides:
+        p, d = sides["prefill"], sides["decode"]
         p.sender(31)
         r = d.receiver(31)
         r.init()
@@ -187,15 +191,11 @@ def test_a_live_peer_never_reached_is_a_transfer_error_naming_it():
         assert d.engine.tries == give_up  # one try a heartbeat interval, no more
         assert isinstance(d.last_error, ConnectionError)
         assert "peer 0" in str(d.last_error) and "NIXL_ERR_BACKEND" in str(d.last_error)
-    finally:
-        for role in ("prefill", "decode"):
-            sides[role].close(wait=0)
 
 
 def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
-    sides = _make_pair(decode_engine=NeverReached)
-    p, d = sides["prefill"], sides["decode"]
-    try:
+    with _opened(decode_engine=NeverReached) as sides:
+        p, d = sides["prefill"], sides["decode"]
         p.sender(21)
         # it published and beat, then went silent (a dead process) before decode's
         # first connect. Decode names it dead after heartbeat_misses intervals of
@@ -214,9 +214,6 @@ def test_a_peer_never_reached_and_silent_is_peer_dead_not_a_transfer_error():
         assert r.failure_reason() == FailureReason.PEER_DEAD
         # tried again a heartbeat interval apart, not on every pass of the loop
         assert 1 <= d.engine.tries <= 2 + took / d.config.heartbeat_interval
-    finally:
-        for role in ("prefill", "decode"):
-            sides[role].close(wait=0)
 
 
 @pytest.fixture

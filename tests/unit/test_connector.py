@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lifecycle import FailureReason, KVPoll
-from support.simcases_a import deliver, handshaken, pair, post, run, watch_sends
+from support.simcases import deliver, handshaken, pair, post, settle, watch_sends
 from transport.connector.core.graph import Phase, ProtocolError
 from transport.connector.core.messages import Msg
 from transport.testing.simnet import Faults
@@ -17,6 +17,17 @@ from transport.testing.simnet import Faults
 def sim():
     """(net, {role: (rank, kv, meta)}): one prefill and one decode rank."""
     return pair(seed=7)
+
+
+def _past_handshake(sim, room, epoch=0):
+    """(net, prefill rank, decode rank, sender, receiver) of ``room``, registered."""
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
+    s, r = p.sender(room, epoch=epoch), d.receiver(room, epoch=epoch)
+    r.init()
+    settle(net, lambda: handshaken(s), "prefill handshake")
+    return net, p, d, s, r
 
 
 def test_one_request_moves_pages_then_the_row_room_last(sim):
@@ -29,17 +40,17 @@ def test_one_request_moves_pages_then_the_row_room_last(sim):
     with pytest.raises(ProtocolError, match=r"room=77.*Bootstrap"):
         r.send_metadata([0], 2)  # before the handshake: refused, nothing sent
     r.init()
-    run(net, lambda: handshaken(s), "prefill handshake")
+    settle(net, lambda: handshaken(s), "prefill handshake")
     assert r.poll() == KVPoll.WaitingForInput  # decode may allocate now
     # prefill is not ready before decode said where to write: had it taken a
     # metadata row at the handshake, the two sides could hold their rows for
     # different requests and wait for each other for ever
     assert s.poll() == KVPoll.Bootstrapping
     r.send_metadata([5, 6, 7], 2)
-    run(net, lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
+    settle(net, lambda: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
     s.init(3, 1)
     s.send([2, 3, 4])
-    run(net, lambda: r.poll() == KVPoll.Success, "decode success")
+    settle(net, lambda: r.poll() == KVPoll.Success, "decode success")
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][5:8], pkv[0][2:5])
     assert dmeta.room_of(2) == 77
@@ -54,7 +65,6 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(sim):
     pages must find decode ready: decode takes the handshake before it sends
     any register, never after (that order once lost a CI run to a race)."""
     net, sides = sim
-    p, _, _ = sides["prefill"]
     d, _, _ = sides["decode"]
     seen = []
 
@@ -63,31 +73,24 @@ def test_decode_is_ready_for_pages_before_its_register_leaves(sim):
             seen.append(Phase(d.phase_of(d.core.live(msg.room))))
 
     watch_sends(net, d, see)
-    s, r = p.sender(5), d.receiver(5)
-    r.init()
-    run(net, lambda: handshaken(s), "prefill handshake")
+    _, _, _, _, r = _past_handshake(sim, 5)
     assert seen == [Phase.Handshaken]
     r.send_metadata([1], 0)  # no step in between: never refused
 
 
 def test_a_failed_write_fails_both_sides_and_quarantines_until_drained(sim):
-    net, sides = sim
-    p, _, _ = sides["prefill"]
-    d, _, _ = sides["decode"]
-    s, r = p.sender(9), d.receiver(9)
-    r.init()
-    run(net, lambda: handshaken(s), "prefill handshake")
+    net, p, d, s, r = _past_handshake(sim, 9)
     net.faults = Faults(write_fails=1.0)  # the engine reports the request's writes failed
     s.init(1, None)
     s.send([0])
     r.send_metadata([1], 0)
-    run(net, lambda: r.poll() == KVPoll.Failed, "decode hears of the failure")
+    settle(net, lambda: r.poll() == KVPoll.Failed, "decode hears of the failure")
     assert any(f.fails for f in net.flights)
     assert (s.failure_reason(), r.failure_reason()) == (FailureReason.TRANSFER_ERROR,) * 2
-    run(net, lambda: r.drained, "decode drained")
+    settle(net, lambda: r.drained, "decode drained")
     s.clear()
     r.clear()
-    run(net, lambda: 9 not in p.core.reqs and 9 not in d.core.reqs, "both released")
+    settle(net, lambda: 9 not in p.core.reqs and 9 not in d.core.reqs, "both released")
     again = d.receiver(9)  # a cleared room may come back as a new request
     assert again.poll() == KVPoll.Bootstrapping
 
@@ -117,12 +120,7 @@ def test_fire_many_moves_a_batch_and_skips_released(sim):
 def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(sim):
     # prefill is Bootstrapping until decode said where to write: its bootstrap
     # deadline runs until then; decode's ended when it registered
-    net, sides = sim
-    p, _, _ = sides["prefill"]
-    d, _, _ = sides["decode"]
-    s, r = p.sender(13), d.receiver(13)
-    r.init()
-    run(net, lambda: handshaken(s), "prefill handshake")
+    net, p, d, s, r = _past_handshake(sim, 13)
     born = p.core.born[s.index]
     assert born == d.core.born[r.index]  # (one clock: both deadlines fall due together)
     late = p.config.bootstrap_timeout + 1
@@ -134,21 +132,21 @@ def test_prefill_bootstrap_deadline_covers_the_wait_for_decode_page_list(sim):
     net.step()  # born + late: one step, so decode cannot have heard from prefill yet
     assert r.poll() == KVPoll.WaitingForInput  # registered: decode's deadline is over
     assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.BOOTSTRAP_TIMEOUT)
-    run(net, lambda: r.poll() == KVPoll.Failed, "decode hears why")
+    settle(net, lambda: r.poll() == KVPoll.Failed, "decode hears why")
     assert r.failure_reason() == FailureReason.BOOTSTRAP_TIMEOUT
-    run(net, lambda: r.drained and s.drained, "both drained")  # no page list went out
+    settle(net, lambda: r.drained and s.drained, "both drained")  # no page list went out
 
 
 def _move(net, s, r, pkv, dkv, src, dst, slot, pmeta):
     """Drive one request through the protocol by hand: handshake, pages, Success."""
     pmeta.write(slot, s.bootstrap_room, {"output_ids": [slot]})
     r.init()
-    run(net, lambda: handshaken(s), f"room {s.bootstrap_room} handshake")
+    settle(net, lambda: handshaken(s), f"room {s.bootstrap_room} handshake")
     r.send_metadata(dst, slot)  # prefill is ready once decode said where to write
-    run(net, lambda: s.poll() == KVPoll.WaitingForInput, f"room {s.bootstrap_room} page list")
+    settle(net, lambda: s.poll() == KVPoll.WaitingForInput, f"room {s.bootstrap_room} page list")
     s.init(len(src), slot)
     s.send(src)
-    run(net, lambda: r.poll() == KVPoll.Success, f"room {s.bootstrap_room} on decode")
+    settle(net, lambda: r.poll() == KVPoll.Success, f"room {s.bootstrap_room} on decode")
     assert s.poll() == KVPoll.Success
     assert torch.equal(dkv[0][dst], pkv[0][src])
 
@@ -202,7 +200,7 @@ def test_sglang_40125_negative_control_without_the_check_the_first_request_is_lo
     first = p.sender(40125)
     second = p.sender(40125)  # accepted: no typed error, the room now names the second
     d.receiver(40125).init()
-    run(net, lambda: handshaken(second), "the second's handshake")
+    settle(net, lambda: handshaken(second), "the second's handshake")
     net.run(lambda: False, 0.2)  # (decode's register was handled long since)
     assert not handshaken(first)  # orphaned: decode's register went to the second
     assert first.poll() == KVPoll.Bootstrapping
@@ -218,9 +216,9 @@ def test_a_retried_room_hears_only_its_own_attempt(sim):
     d, dkv, dmeta = sides["decode"]
     s0, r0 = p.sender(77), d.receiver(77)
     r0.init()
-    run(net, lambda: handshaken(s0), "attempt 0 handshake")
+    settle(net, lambda: handshaken(s0), "attempt 0 handshake")
     r0.fail(FailureReason.TRANSFER_ERROR)
-    run(net, lambda: s0.poll() == KVPoll.Failed and r0.drained, "attempt 0 failed on both sides")
+    settle(net, lambda: s0.poll() == KVPoll.Failed and r0.drained, "attempt 0 failed on both sides")
     assert (s0.epoch, r0.epoch) == (0, 0)
     r1 = d.receiver(77, epoch=1)  # the old handle is not cleared yet: both attempts live
     s0.clear(), r0.clear()
@@ -236,12 +234,7 @@ def test_a_retried_room_hears_only_its_own_attempt(sim):
 
 
 def test_control_a_completion_naming_the_live_attempt_is_applied(sim):
-    net, sides = sim
-    d, _, _ = sides["decode"]
-    p, _, _ = sides["prefill"]
-    s, r = p.sender(78, epoch=2), d.receiver(78, epoch=2)
-    r.init()
-    run(net, lambda: handshaken(s), "handshake")
+    net, _, d, _, r = _past_handshake(sim, 78, epoch=2)
     r.send_metadata([5], 2)
     deliver(net, d, {"kind": "done", "room": 78, "epoch": 2, "from": 0})
     assert r.poll() == KVPoll.Success  # why a word of another attempt must never be
@@ -277,6 +270,6 @@ def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(sim):
     bad.append(b'{"kind": "done", "room": 79, "from": 0, "epoch": -1}')
     for body in bad:
         post(d, body)
-    run(net, lambda: d.core.stats["malformed"] == len(bad), "every malformed message counted")
+    settle(net, lambda: d.core.stats["malformed"] == len(bad), "every malformed message counted")
     assert r.poll() == KVPoll.Bootstrapping and d.core.last_error is None
     _move(net, s, r, pkv, dkv, [2], [6], 1, pmeta)  # the rank still serves the request

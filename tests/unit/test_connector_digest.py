@@ -4,10 +4,12 @@ same bytes on both sides; a byte corrupted on decode fails the request there and
 on prefill (checksum mismatch); with the digest off the same corruption goes
 unseen; a decode that asks a prefill that does not digest fails closed."""
 
+from functools import partial
+
 import pytest
 
 from lifecycle import FailureReason, KVPoll
-from support.simcases_a import PS, Rank, finish, run, run_request, run_split_state
+from support.simcases import PS, Rank, finish, run_request, run_split_state, settle
 from transport.connector.core.graph import Phase
 from transport.errors import ChecksumMismatch
 from transport.testing.simnet import SimNet
@@ -20,17 +22,12 @@ def build():
         """(net, prefill ranks, decode ranks); ``notifies``: the engines note each
         noted write's landing to decode, as NIXL does."""
         net = SimNet(pt * 10 + dt)
+        host = partial(net.add, notifies=notifies)
         topo = Topology(pt, dt, heads, mla)
         p_cfg = {"digest": True} if pre is None else pre
         d_cfg = {"digest": True, **kw} if dec is None else {**dec, **kw}
-        ps = [
-            Rank(net, "prefill", pt, r, topo, state=state, notifies=notifies, **p_cfg)
-            for r in range(pt)
-        ]
-        ds = [
-            Rank(net, "decode", dt, r, topo, state=state, notifies=notifies, **d_cfg)
-            for r in range(dt)
-        ]
+        ps = [Rank("prefill", pt, r, topo, host, state=state, **p_cfg) for r in range(pt)]
+        ds = [Rank("decode", dt, r, topo, host, state=state, **d_cfg) for r in range(dt)]
         return net, ps, ds
 
     return make
@@ -69,19 +66,19 @@ def test_a_corrupted_byte_fails_both_sides_checksum_mismatch(build, staged):
 
     def failed():
         if staged:
-            dec[0].advance(43, r.index)
+            dec[0].advance(43, r.index, net.now)
         return r.poll() == KVPoll.Failed
 
-    run(net, failed, "decode fails the request")
+    settle(net, failed, "decode fails the request")
     assert r.failure_reason() == FailureReason.CHECKSUM_MISMATCH
-    run(net, lambda: all(s.poll() == KVPoll.Failed for s in senders), "prefill hears why")
+    settle(net, lambda: all(s.poll() == KVPoll.Failed for s in senders), "prefill hears why")
     assert {s.failure_reason() for s in senders} == {FailureReason.CHECKSUM_MISMATCH}
     st = dec[0].stats
     assert (st["corrupted"], st["digest_mismatches"]) == (1, 1)  # the first sender's leg only
     err = dec[0].m.core.last_error
     assert isinstance(err, ChecksumMismatch) and "room=43" in str(err)
     assert "prefill rank 0" in str(err) and "prefill rank 1" not in str(err)
-    run(net, lambda: r.drained and all(s.drained for s in senders), "both drained")
+    settle(net, lambda: r.drained and all(s.drained for s in senders), "both drained")
 
 
 def test_with_the_digest_off_the_same_corruption_goes_unseen(build):
@@ -100,26 +97,26 @@ def test_with_the_digest_off_the_same_corruption_goes_unseen(build):
 def test_a_decode_that_asks_a_prefill_that_does_not_digest_fails_closed(build):
     net, pre, dec = build(1, 1, pre={})
     senders, receivers, _ = run_request(net, pre, dec, room=53, n=2)
-    run(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode fails closed")
+    settle(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode fails closed")
     assert receivers[0].failure_reason() == FailureReason.CHECKSUM_MISMATCH
     assert "sent no digest" in str(dec[0].m.core.last_error)
-    run(net, lambda: senders[0].poll() == KVPoll.Failed, "prefill hears why")
+    settle(net, lambda: senders[0].poll() == KVPoll.Failed, "prefill hears why")
     assert senders[0].failure_reason() == FailureReason.CHECKSUM_MISMATCH
 
 
 def test_a_prefill_waits_for_the_verdict_before_success(build):
     """Prefill is Verifying, not Done, until decode said its bytes matched."""
-    from support.simcases_a import hold_sends
+    from support.simcases import hold_sends
 
     net, pre, dec = build(1, 1)
     release = hold_sends(net, dec[0].m, "verified")
     senders, receivers, _ = run_request(net, pre, dec, room=59, n=2)
-    run(net, lambda: receivers[0].poll() == KVPoll.Success, "decode matched")
-    run(net, lambda: pre[0].m.phase_of(senders[0]._req) == Phase.Verifying, "prefill verifying")
+    settle(net, lambda: receivers[0].poll() == KVPoll.Success, "decode matched")
+    settle(net, lambda: pre[0].m.phase_of(senders[0]._req) == Phase.Verifying, "prefill verifying")
     net.run(lambda: False, 1.0)  # a virtual second more: the verdict is all it waits for
     assert senders[0].poll() == KVPoll.Transferring
     assert release() >= 1
-    run(net, lambda: senders[0].poll() == KVPoll.Success, "prefill success")
+    settle(net, lambda: senders[0].poll() == KVPoll.Success, "prefill success")
     assert PS == 2  # (the geometry run_request fills)
 
 
@@ -157,7 +154,7 @@ def test_decode_hashes_each_noted_write_as_it_lands(build, pieces, pt, kw):
     st = dec[0].stats
     assert st["digests_checked"] == pt and st["digest_mismatches"] == 0, st
     # a note per page after the prefix, from each sender (heard on a later pass)
-    run(net, lambda: st["landed"] == 5 * pt, "every note heard")
+    settle(net, lambda: st["landed"] == 5 * pt, "every note heard")
 
 
 def test_a_byte_corrupted_after_its_pages_were_hashed_is_still_caught(build, pieces):
@@ -166,8 +163,8 @@ def test_a_byte_corrupted_after_its_pages_were_hashed_is_still_caught(build, pie
     net, pre, dec = build(1, 1, notifies=True)
     dec[0].m.core.corrupt(59, offset=3)
     senders, receivers, _ = run_request(net, pre, dec, room=59, n=4)
-    run(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode fails the request")
+    settle(net, lambda: receivers[0].poll() == KVPoll.Failed, "decode fails the request")
     assert receivers[0].failure_reason() == FailureReason.CHECKSUM_MISMATCH
     st = dec[0].stats
     assert (st["corrupted"], st["digest_mismatches"]) == (1, 1)
-    run(net, lambda: st["landed"] == 4, "every note heard")
+    settle(net, lambda: st["landed"] == 4, "every note heard")

@@ -13,7 +13,7 @@ import torch
 
 from buffers import MetadataBuffers, MetadataLayout
 from lifecycle import FailureReason, KVPoll
-from support.simcases_b import handshaken, settle, thaw
+from support.simcases import handshaken, settle, thaw
 from transport.connector.config import ConnectorConfig
 from transport.connector.core import liveness
 from transport.connector.core.graph import Phase

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lifecycle import FailureReason, KVPoll
-from support.simcases_b import (
+from support.simcases import (
     HB,
     PS,
     SPLIT_UNITS,
@@ -99,12 +99,7 @@ def test_prefill_is_ready_only_once_every_decode_legs_page_list_is_in(net, clust
     # takes a metadata row) only once each of them said where to write
     pre, dec = cluster(pt, dt, heads=4)
     room, n = 83, 3
-    senders = [p.m.sender(room) for p in pre]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init()
-    settle(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
-    settle(net, lambda: handshaken(*senders), "every decode rank registered")
+    senders, receivers = hello(net, pre, dec, room)
     dst = np.arange(10, 10 + n)
     last = dt - 1  # every decode rank but the last says where to write
     for r in receivers[:last]:

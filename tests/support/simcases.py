@@ -1,8 +1,10 @@
-"""The connector's unit tests on the simulated network (transport.testing.simnet):
-a prefill/decode pair of one small buffer each, ranks over real topologies (head
-slices, MLA, state rows, staging), and the few things those tests steer on the
-wire: sends watched or held back, a raw body put on a rank's queue, a message
-handed to a core at once."""
+"""The connector's tests on the simulated network (transport.testing.simnet):
+waiting in virtual time; a prefill/decode pair of one small buffer each; the
+few things those tests steer on the wire (sends watched or held back, a raw
+body put on a rank's queue, a message handed to a core at once, a paused rank
+thawed); and ranks over a topology's real buffers (head slices, head-major
+pages, MLA, state rows, staging) that either network (simulated, or a store
+with a copy engine) can host, with the steps of one request across them."""
 
 import json
 
@@ -18,15 +20,18 @@ from transport.connector.core.graph import Phase
 from transport.connector.core.messages import parse
 from transport.layout import kv_args_for
 from transport.testing.simnet import SimNet
+from transport.topology import TopologyError
 
 LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_logprobs=16)
 #: virtual seconds a step of a test may take: far more than any message or write needs
 LIMIT = 5.0
 
 
-def run(net, cond, what, limit=LIMIT):
-    """Step ``net`` until ``cond()`` holds; fail naming ``what`` if it never does."""
-    assert net.run(cond, limit), f"{what}: not within {limit} virtual seconds (t={net.now:.3f})"
+def settle(net, cond, what, limit=LIMIT):
+    """Step ``net`` until ``cond()`` holds; fail naming ``what`` if it never does
+    within ``limit`` virtual seconds."""
+    if not net.run(cond, limit):
+        raise AssertionError(f"{what}: not within {limit} virtual seconds (t={net.now:.3f})")
 
 
 def handshaken(*senders):
@@ -91,8 +96,27 @@ def post(rank, body):
 
 
 def deliver(net, rank, raw):
-    """Hand ``rank``'s core one message at once, nothing else in between."""
+    """``raw`` reaches ``rank`` as its mailbox read it, and is handled at once,
+    nothing else in between; what it causes goes out on the rank's next pass."""
     rank.core.handle(Arrived(parse(raw)), net.now)
+
+
+def thaw(rank):
+    """A rank paused for ever (``net.pause(rank, None)``) resumes."""
+    rank.paused = False
+
+
+def refused_for_layout(net, prefill, decode, room, says):
+    """Decode refuses ``room`` for a layout misfit (a TopologyError saying ``says``)
+    and prefill is told: (the prefill sender, the decode receiver), both Failed."""
+    s = prefill.sender(room)
+    r = decode.receiver(room)
+    r.init()
+    settle(net, lambda: r.poll() == KVPoll.Failed, "refused")
+    assert isinstance(decode.core.last_error, TopologyError)
+    assert says in str(decode.core.last_error)
+    settle(net, lambda: s.poll() == KVPoll.Failed, "prefill told")
+    return s, r
 
 
 # -- ranks over real topologies --------------------------------------------------------------
@@ -120,16 +144,23 @@ def pattern(room, layer, tokens, heads):
 
 
 class Rank:
-    """A rank of the simulated network holding its heads of a topology: ``m`` is
-    its :class:`~transport.testing.simnet.SimRank`."""
+    """One rank of a topology over real buffers; ``host(kv_args, config)`` builds
+    its connector, ``m`` (``SimNet.add``, or a driver over a store at ``port``)."""
 
-    def __init__(self, net, role, tp, rank, topo, dp=0, state=False, notifies=False, **cfg):
+    def __init__(
+        self, role, tp, rank, topo, host, port=1, dp=0, state=False, heads_major=False, **cfg
+    ):
         cfg = {"kv_heads": topo.kv_heads, **cfg}
         self.role, self.tp_rank, self.dp = role, rank, dp
         self.heads = list(topo.heads(role, rank))
-        self.kv = [
-            torch.zeros((PAGES, PS, len(self.heads), HB), dtype=torch.uint8) for _ in range(2)
-        ]
+        shape = (
+            (PAGES, len(self.heads), PS, HB) if heads_major else (PAGES, PS, len(self.heads), HB)
+        )
+        # indexed (page, token, head, byte) either way; head-major pages are
+        # (page, head, token, byte) in memory
+        self.kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+        if heads_major:
+            self.kv = [t.transpose(1, 2) for t in self.kv]
         self.meta = MetadataBuffers(SLOTS, LAYOUT)
         self.state = torch.zeros((8, 24), dtype=torch.uint8) if state is True else None
         comps = (
@@ -159,20 +190,27 @@ class Rank:
             page_size=PS,
             kv_head_num=len(self.heads),
             state=comps,
+            heads_major=heads_major,
         )
         c = ConnectorConfig(
-            role=role, tp_rank=rank, tp_size=tp, dp_rank=dp, store_port=1, mla=topo.mla, **cfg
+            role=role,
+            tp_rank=rank,
+            tp_size=tp,
+            dp_rank=dp,
+            store_port=port,
+            idle_interval=0.005,
+            mla=topo.mla,
+            **cfg,
         )
-        self.net = net
-        self.m = net.add(args, c, notifies=notifies)
+        self.m = host(args, c)
 
     @property
     def stats(self):
         return self.m.core.stats
 
-    def advance(self, room, index):
+    def advance(self, room, index, now):
         """The staging gate's step for one request (decode's scheduler, each step)."""
-        self.m.core.advance(np.array([room], np.uint64), np.array([index]), self.net.now)
+        self.m.core.advance(np.array([room], np.uint64), np.array([index]), now)
 
     def pending(self, room, index):
         return bool(self.m.core.pending(np.array([room], np.uint64), np.array([index]))[0])
@@ -195,15 +233,24 @@ class Rank:
             )
 
 
-def run_request(net, pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
-    """One request through the handshake and its page lists, every page handed to send()."""
-    group = [p for p in pre if p.dp == dp]
-    senders = [p.m.sender(room) for p in group]
+def hello(net, pre, dec, room, dp=0):
+    """Request ``room``'s senders (on prefill DP group ``dp``) and receivers (on
+    every decode rank), past the handshake: (senders, receivers)."""
+    senders = [p.m.sender(room) for p in pre if p.dp == dp]
     receivers = [d.m.receiver(room) for d in dec]
     for r in receivers:
         r.init(prefill_dp_rank=dp)
-    run(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
-    run(net, lambda: handshaken(*senders), "every decode rank registered")
+    settle(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "handshake")
+    settle(net, lambda: handshaken(*senders), "every decode rank registered")
+    return senders, receivers
+
+
+def run_request(net, pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
+    """Request ``room`` of ``n`` pages from prefill DP group ``dp`` to every decode
+    rank (``prefix`` pages cached there), handed over ``chunks`` pages a send;
+    (senders, receivers, decode's pages)."""
+    group = [p for p in pre if p.dp == dp]
+    senders, receivers = hello(net, pre, dec, room, dp=dp)
     # prefill waits for every decode rank's page list before it reports ready
     assert {s.poll() for s in senders} == {KVPoll.Bootstrapping}
     dst = np.arange(10, 10 + n - prefix)[::-1].copy()  # decode pages in another order
@@ -214,7 +261,7 @@ def run_request(net, pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
             state_indices=[np.array([5])] if d.state is not None else None,
             decode_prefix_len=prefix * PS,
         )
-    run(net, lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
+    settle(net, lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), "page lists in")
     src = np.arange(3, 3 + n)
     for p, s in zip(group, senders):
         p.fill(room, src)
@@ -232,12 +279,7 @@ def run_request(net, pre, dec, room, n=5, prefix=0, dp=0, chunks=2):
 
 def run_split_state(net, pre, dec, room):
     """One request whose state is split by TP: prefill row 2, decode row 5."""
-    senders = [p.m.sender(room) for p in pre]
-    receivers = [d.m.receiver(room) for d in dec]
-    for r in receivers:
-        r.init()
-    run(net, lambda: all(r.poll() == KVPoll.WaitingForInput for r in receivers), "hello")
-    run(net, lambda: handshaken(*senders), "every decode rank registered")
+    senders, receivers = hello(net, pre, dec, room)
     src = np.arange(3, 5)
     for p, s in zip(pre, senders):
         p.fill(room, src)
@@ -258,10 +300,10 @@ def finish(net, senders, receivers, dec, staged=False):
     def done():
         for d, r in zip(dec, receivers):
             if staged:
-                d.advance(r.bootstrap_room, r.index)
+                d.advance(r.bootstrap_room, r.index, net.now)
         return all(r.poll() == KVPoll.Success for r in receivers) and (
             not staged or not any(d.pending(0, r.index) for d, r in zip(dec, receivers))
         )
 
-    run(net, done, "decode success")
-    run(net, lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
+    settle(net, done, "decode success")
+    settle(net, lambda: all(s.poll() == KVPoll.Success for s in senders), "prefill success")
