@@ -382,6 +382,10 @@ class Connector:
         store = self.mail.client()
         cfg, last_look = self.config, float("-inf")
         while not self._stop.is_set():
+            # cleared before the pass, not after the wait: a wake during the pass (a
+            # message, a scheduler's call whose effects wait for this thread) makes the
+            # wait below return at once instead of being lost for an idle interval
+            self._wake.clear()
             now = self.clock()
             look = now - last_look >= cfg.heartbeat_interval
             if look:
@@ -396,7 +400,6 @@ class Connector:
             # poll the engine closely only while writes are in flight; otherwise sleep
             # until a message wakes us (the engine's threads need the CPU)
             self._wake.wait(cfg.poll_interval if busy else cfg.idle_interval)
-            self._wake.clear()
 
     def close(self, wait: float | None = None) -> None:
         """Shut down: fail every request still live (reason aborted), let the
