@@ -214,7 +214,3 @@ class Run:
             for (role, rank, room), o in self.outcome.items()
             if role == "decode" and (rank, room) in hit and o.status == KVPoll.Success
         ]
-
-
-def reason_name(code):
-    return FailureReason(code).name if code >= 0 else "-"

@@ -24,7 +24,7 @@ import contextlib
 import ctypes
 import heapq
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -395,6 +395,3 @@ class SimNet:
                                 f"{buf}, which belongs to {owner or 'no request'}",
                             )
                         )
-
-    def ranks_of(self, role: str) -> Iterator[SimRank]:
-        return (r for (ro, _), r in sorted(self.ranks.items()) if ro == role)
