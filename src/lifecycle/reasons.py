@@ -6,7 +6,7 @@ it must fit in :data:`REASON_BITS` bits and its numeric order is the
 reasons in the same step, MIN keeps the smallest code, and every rank ends up
 with that one reason and the rank it came from. Everything else about a
 reason (its verdict sources, deadline, default recovery, whether it counts
-against a peer or fences pages) is its row in :mod:`lifecycle.rules.reasons`.
+against a peer) is its row in :mod:`lifecycle.rules.reasons`.
 
 Priority, most specific cause first:
 

@@ -168,11 +168,11 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
     # drain timeout (1 s) its pages stay fenced while prefill is silent; the
     # write lands in those pages (still fenced), prefill resumes, hears the
     # abort and says it stopped, and only then are they released. Negative
-    # control: with no reason fenced (the rule switched off), decode releases
+    # control: with no writer counted silent (the rule switched off), decode releases
     # the pages on silence, and the late write lands in pages the scheduler
     # gave back (the simulated network's fence records it)
     if not fence:
-        monkeypatch.setattr(liveness, "FENCE_REASONS", frozenset())
+        monkeypatch.setattr(liveness, "silent_writers", lambda dead, req: set())
     # the write lands 3 s after it is issued: past silence (0.6 s) and drain (1 s)
     sides = _make_pair(drain=(30.0, 1.0), faults=Faults(write_delay=(3.0, 3.0)))
     net, p, d = sides["net"], sides["prefill"], sides["decode"]

@@ -21,7 +21,6 @@ from lifecycle.rules.reasons import (
     check_reasons,
 )
 from lifecycle.status import B, S, T, W
-from transport.connector.core import liveness
 
 R = FailureReason
 EVERY = [r for r in FailureReason if r is not R.NONE]
@@ -68,12 +67,11 @@ def test_the_default_recovery_is_the_rows_recovery():
     assert default[R.PEER_DEAD] == recovery.retry(3, "another")
 
 
-def test_counted_and_fenced_are_the_rows_flags():
+def test_counted_is_the_rows_flag():
     assert [(c.reason, c.counts, c.why) for c in peers.COUNTED] == [
         (r.reason, r.counts, r.counts_why) for r in REASONS
     ]
     assert {r.reason for r in REASONS if r.counts} == peers.COUNTS
-    assert liveness.FENCE_REASONS == {r.reason for r in REASONS if r.fences} == {R.PEER_DEAD}
 
 
 def _with(reason, **changes):
@@ -104,7 +102,6 @@ def _deadline(reason, **changes):
             "new",
         ),
         (_with(R.WAITING_TIMEOUT, sources=("backend",)), "WAITING_TIMEOUT.sources", "missing"),
-        (_with(R.UNKNOWN, fences=True, counts=False), "UNKNOWN.fences", "must count"),
         (_with(R.ABORTED, recovery=Recovery.RETRY_SAME), "ABORTED.recovery", "must fail"),
         (_with(R.HOOK_ERROR, counts=True), "HOOK_ERROR.counts", "not count"),
         (_with(R.UNKNOWN, recovery="fail"), "UNKNOWN.recovery", "not a Recovery"),
@@ -125,11 +122,8 @@ def test_a_derived_table_that_disagrees_is_refused_naming_the_reason_and_the_fie
     agree("COUNTED", counted, "counts")  # the real one agrees
     with pytest.raises(ReasonTableError, match=r"HOOK_ERROR\.counts: COUNTED says True"):
         agree("COUNTED", {**counted, R.HOOK_ERROR: True}, "counts")
-    fences = {r: True for r in liveness.FENCE_REASONS}
-    with pytest.raises(ReasonTableError, match=r"UNKNOWN\.fences: FENCES has an entry"):
-        agree("FENCES", {**fences, R.UNKNOWN: True}, "fences", read=lambda r: r.fences or None)
-    with pytest.raises(ReasonTableError, match=r"PEER_DEAD\.fences: FENCES has no entry"):
-        agree("FENCES", {}, "fences", read=lambda r: r.fences or None)
+    with pytest.raises(ReasonTableError, match=r"PEER_DEAD\.counts: COUNTED has no entry"):
+        agree("COUNTED", {r: v for r, v in counted.items() if r != R.PEER_DEAD}, "counts")
 
 
 def test_a_deadline_is_late_only_in_its_statuses_and_on_its_clock():

@@ -13,10 +13,12 @@ A row says, for its reason:
   from (:class:`Clock`) and the statuses it runs in;
 - ``recovery``: its default recovery (:data:`lifecycle.rules.recovery.DEFAULT_RECOVERY`);
 - ``counts``: whether it counts against the health of the prefill peer the
-  request was routed to (:data:`lifecycle.rules.peers.COUNTED`), and why;
-- ``fences``: whether a decode request failed with it, whose writer is still
-  silent at the drain timeout, keeps its pages fenced rather than released
-  (the connector's ``FENCE_REASONS``).
+  request was routed to (:data:`lifecycle.rules.peers.COUNTED`), and why.
+
+Whether a failed decode request's pages are fenced is not a reason's: any
+request whose writer is still silent at the drain timeout is fenced, whatever
+it failed for (a client's abort that the paused writer never heard included;
+see :mod:`transport.connector.core.liveness`).
 
 The other tables are derived from :data:`REASONS`, each where it is used, and
 each checks at import that it still says what the row says (:func:`agree`);
@@ -41,7 +43,6 @@ __all__ = [
     "ReasonRule",
     "REASONS",
     "RULES",
-    "FENCES",
     "BACKEND",
     "ReasonTableError",
     "check_reasons",
@@ -93,7 +94,6 @@ class ReasonRule:
     recovery: Recovery
     counts: bool
     counts_why: str
-    fences: bool = False
     deadline: DeadlineRule | None = None
 
     @property
@@ -123,7 +123,6 @@ REASONS: tuple[ReasonRule, ...] = (
         _ANOTHER,  # a dead or silent peer is best left for another
         True,
         "the peer is gone (NIXL deregisters it, #1983)",
-        fences=True,  # a paused writer may resume and write: its pages stay out of reuse
     ),
     ReasonRule(
         R.BOOTSTRAP_TIMEOUT,
@@ -284,9 +283,8 @@ def check_reasons(rows: tuple[ReasonRule, ...]) -> None:
             raise ReasonTableError(r, "sources", f"{row.sources!r} names a source twice")
         if not isinstance(row.recovery, Recovery):
             raise ReasonTableError(r, "recovery", f"{row.recovery!r} is not a Recovery")
-        for field in ("counts", "fences"):
-            if not isinstance(getattr(row, field), bool):
-                raise ReasonTableError(r, field, f"{getattr(row, field)!r} is not a bool")
+        if not isinstance(row.counts, bool):
+            raise ReasonTableError(r, "counts", f"{row.counts!r} is not a bool")
         if not isinstance(row.counts_why, str) or not row.counts_why:
             raise ReasonTableError(r, "counts_why", "say why it does or does not count")
         if r in _SAYS_NOTHING and (row.recovery is not Recovery.FAIL or row.counts):
@@ -294,9 +292,6 @@ def check_reasons(rows: tuple[ReasonRule, ...]) -> None:
             # another peer could change, nor anything about the peer
             field = "recovery" if row.recovery is not Recovery.FAIL else "counts"
             raise ReasonTableError(r, field, "must fail and not count against the peer")
-        if row.fences and not row.counts:
-            # a fence waits for a writer to come back: only a reason that blames it may
-            raise ReasonTableError(r, "fences", "a reason that fences must count against the peer")
         _check_deadline(row, names)
     missing = [r.name for r in R if r is not R.NONE and r not in seen]
     if missing:
@@ -329,5 +324,3 @@ check_reasons(REASONS)
 
 #: each reason's row
 RULES: Mapping[FailureReason, ReasonRule] = MappingProxyType({row.reason: row for row in REASONS})
-#: the reasons whose decode request is fenced, not released, while its writer is silent
-FENCES: frozenset[FailureReason] = frozenset(row.reason for row in REASONS if row.fences)

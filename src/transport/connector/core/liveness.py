@@ -7,7 +7,8 @@ A silent peer may only be paused (a long GC, a starved host) and write again
 once it resumes, so its requests fail on the usual path: every leg is told,
 the silent one too, and their memory stays quarantined until each sender
 said it stopped, or the drain timeout passed. A decode request whose writer
-is still silent at the drain timeout is Fenced instead of released: its
+is still silent at the drain timeout is Fenced instead of released, whatever
+it failed for (a scheduler's abort that a paused writer never heard too): its
 memory stays out of reuse while that writer is silent (:func:`fenced` counts
 it). When the writer speaks again, every request fenced on it is asked again
 to stop and gets a fresh drain timeout. A peer that beats again is live again
@@ -26,7 +27,7 @@ from numpy.typing import NDArray
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
 from lifecycle.rules.deadlines import DEADLINES, late, limit_of
-from lifecycle.rules.reasons import FENCES, Clock
+from lifecycle.rules.reasons import Clock
 from transport.connector.config import ConnectorConfig
 from transport.connector.core.graph import IS_TERMINAL, Phase
 from transport.connector.core.legs import Request
@@ -41,16 +42,10 @@ __all__ = [
     "timeouts",
     "fenced",
     "owing",
-    "FENCE_REASONS",
+    "silent_writers",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: the failure reasons whose writer may come back: a decode request failed for
-#: one of them, whose writer is still silent at the drain timeout, is Fenced
-#: instead of released (a paused process resumes and finishes its writes); the
-#: reason table (lifecycle.rules.reasons) says which
-FENCE_REASONS: frozenset[FailureReason] = FENCES
 
 
 class _Side(Protocol):
@@ -225,14 +220,19 @@ def timeouts(m: Clocked, now: float) -> None:
     # on a side written into, a writer still silent may resume and write: fenced, not released
     fence = np.zeros(idx.size, dtype=bool)
     if side.RECEIVES:
-        dead = m.peer_dead
-        fence = stale_ & np.isin(m.reason[idx], [int(r) for r in FENCE_REASONS])
-        for i in np.flatnonzero(fence):
-            fence[i] = bool(dead.intersection(reqs[i].legs))
+        for i in np.flatnonzero(stale_):
+            fence[i] = bool(silent_writers(m.peer_dead, reqs[i]))
     m.stats["fenced"] += int(
         m.fire_many([reqs[i] for i in np.flatnonzero(fence)], "peer_dead").sum()
     )
     m.fire_many([reqs[i] for i in np.flatnonzero(stale_ & ~fence)], "drain")
+
+
+def silent_writers(dead: set[int], req: Request[Any]) -> set[int]:
+    """The peers paired with ``req`` that are silent now: any of them may resume
+    and write, so past the drain timeout its memory stays fenced (whatever the
+    request failed for)."""
+    return dead.intersection(req.legs)
 
 
 def owing(m: Clocked) -> bool:

@@ -133,7 +133,9 @@ class PrefillSide:
             self._aborted(req, msg, peer)
             return
         if p.phase_of(req) in (Phase.Aborted, Phase.Drained):  # failed here: the leg hears why
-            if isinstance(msg, Register):
+            # ("failed" says no write of it can land: with writes in flight every
+            # leg hears it once they drained, see steps)
+            if isinstance(msg, Register) and not req.tokens:
                 p.send(peer, Failed(req.room, req.epoch, req.reason))
             return
         if isinstance(msg, Register):
