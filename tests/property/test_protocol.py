@@ -1,8 +1,8 @@
 """The connector's protocol on a simulated network (transport.testing.simnet):
-1-2 prefill ranks x 1-2 decode ranks (TP 1:1, 2->1, 1->2), staged or not,
-with and without digests, under lost, doubled, late and reordered messages,
-writes that fail, never land or land corrupted, ranks paused for a while or
-for ever, and schedulers that give up on a request.
+1-3 prefill ranks x 1-2 decode ranks (TP 1:1, 2->1, 1->2, 2->2, 3->1, 3->2),
+staged or not, with and without digests, under lost, doubled, late and
+reordered messages, writes that fail, never land or land corrupted, ranks
+paused for a while or for ever, and schedulers that give up on a request.
 
 Invariants, each with a negative control that switches its mechanism off:
 
@@ -32,7 +32,7 @@ from transport.connector.core.machine import ConnectorCore
 from transport.connector.core.prefill import PrefillSide
 from transport.testing.simnet import Faults
 
-SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2)]
+SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (3, 2)]
 #: about 0.3 s a run: the ci profile's 150 would take a minute; deep takes its own
 DEEP = settings.default.max_examples > 150
 EXAMPLES = settings.default.max_examples if DEEP else 60
@@ -238,6 +238,19 @@ def test_negative_control_a_prefill_that_ignores_decode_giving_up_disagrees(monk
     )
     run.go()
     assert any(b.startswith("disagree:") for b in check(run, True))
+
+
+def test_an_abort_that_crosses_done_ends_the_sides_apart_and_is_a_race_not_a_disagreement():
+    # decode's scheduler gives up after prefill succeeded and said "done", before
+    # the word arrived: prefill ends Success, decode Failed (aborted), and prefill
+    # handled no word of the abort before its Success. The deaf prefill of the
+    # control above handles the abort first and is caught
+    plan = Plan(seed=3, requests=1, faults=Faults(delay=(0.0002, 0.2)), abort=("decode", 0, 0.02))
+    run = Run(plan)
+    assert run.go()
+    ends = {k[0]: (o.status, o.reason) for k, o in run.outcome.items()}
+    assert ends == {"prefill": (4, -1), "decode": (0, 0)}  # Success; Failed, aborted
+    assert run._raced(100) and check(run, True) == []
 
 
 @pytest.mark.parametrize("seed", range(3))

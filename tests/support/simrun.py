@@ -12,7 +12,7 @@ from transport.connector.config import ConnectorConfig
 from transport.layout import kv_args_for
 from transport.testing.simnet import Faults, SimNet
 
-HEADS, HEAD_BYTES, PAGES, SLOTS = 2, 16, 16, 4
+HEADS, HEAD_BYTES, PAGES, SLOTS = 6, 16, 16, 4  # 6 heads: TP 1, 2 and 3 slice them
 #: the drain timeout outlasts any write and message delay the plans draw (0.5 s and 0.2 s):
 #: past it a request is released even if a write could still land, by design
 TIMEOUTS = {"bootstrap_timeout": 0.5, "waiting_timeout": 0.5, "drain_timeout": 1.5}
@@ -83,6 +83,7 @@ class Run:
         self.outcome = {}  # (role, rank, room) -> Outcome
         self.drained_early = []  # (rank, room): drained while a write of it could land
         self.told = set()
+        self.succeeded = {}  # (role, rank, room) -> when its Success was first seen
         self.paused_forever = False
         for i in range(plan.requests):
             room = 100 + i
@@ -114,6 +115,8 @@ class Run:
             st = h.poll()
             if st == KVPoll.Success and role == "decode" and self._scattering(rank, room, h):
                 continue  # (the gate holds its Success until every page is placed)
+            if st == KVPoll.Success:
+                self.succeeded.setdefault((role, rank, room), net.now)
             aborts = plan.abort and plan.abort[0] == role and 100 + plan.abort[1] == room
             due = aborts and abs(net.now - plan.abort[2]) < net.dt / 2
             if due and st not in (KVPoll.Success, KVPoll.Failed):
@@ -187,11 +190,14 @@ class Run:
         Each side's ranks agree as the step makes them (a MIN over the TP group:
         Failed on one rank is Failed on all); the two sides are separate groups,
         and must end alike through the protocol alone, unless a deadline ended
-        one of them (a timeout races the other side's completion by design)."""
+        one of them (a timeout races the other side's completion by design), or
+        a scheduler gave up on it after the other side had succeeded (:meth:`_raced`)."""
         out = []
         deadlines = {int(FailureReason.BOOTSTRAP_TIMEOUT), int(FailureReason.WAITING_TIMEOUT)}
         for room in self.rooms():
             if any(o.reason in deadlines for k, o in self.outcome.items() if k[2] == room):
+                continue
+            if self._raced(room):
                 continue
             agreed = {}
             for (role, _, r), o in self.outcome.items():
@@ -201,6 +207,21 @@ class Run:
                 ends = {k: o.status for k, o in self.outcome.items() if k[2] == room}
                 out.append(f"room={room}: agreed {agreed}, by rank {ends}")
         return out
+
+    def _raced(self, room):
+        """A scheduler's abort of ``room`` that came too late for the other side:
+        each of its ranks that ended Success had succeeded before it handled any
+        word of the failure (the abort crossed its "done", or its "verified")."""
+        if not self.plan.abort or 100 + self.plan.abort[1] != room:
+            return False
+        other = "decode" if self.plan.abort[0] == "prefill" else "prefill"
+        words = {"abort", "failed", "gave_up"}
+        heard = {}  # (role, rank) -> when it first handled a word of the failure
+        for t, role, rank, kind, r in self.net.handled:
+            if r == room and kind in words:
+                heard.setdefault((role, rank), t)
+        ok = [(k, t) for k, t in self.succeeded.items() if k[0] == other and k[2] == room]
+        return bool(ok) and all(t <= heard.get(k[:2], float("inf")) for k, t in ok)
 
     def corrupted_successes(self):
         """Requests that ended Success on a decode rank holding bytes flipped in flight."""

@@ -189,6 +189,9 @@ class SimNet:
         #: decode pages by (rank, buffer, page) -> the (room, epoch) they belong to now
         self.owner: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.violations: list[Violation] = []
+        #: every message a rank handled: (time, role, rank, kind, room), for checks
+        #: of what a rank could have known when it decided
+        self.handled: list[tuple[float, str, int, str, int]] = []
         self.sent = self.dropped = self.duplicated = 0
 
     def add(self, kv_args: KVArgs, config: ConnectorConfig, notifies: bool = False) -> SimRank:
@@ -277,9 +280,12 @@ class SimNet:
         inbox, r.inbox = r.inbox, []
         for raw in inbox:
             try:
-                events.append(Arrived(parse(raw)))
+                came = parse(raw)
             except MalformedMessage:
                 core.stats["malformed"] += 1
+                continue
+            events.append(Arrived(came))
+            self.handled.append((now, r.role, r.rank, str(came.msg.KIND), came.room))
         results, r.results = r.results, []
         events += results
         peers, groups = core.wanted()
