@@ -94,7 +94,7 @@ def check(run, ended):
     if not ended and not run.paused_forever:
         stuck = {k: h.poll() for k, h in run.handles.items() if not h.detached}
         broke.append(f"not every request ended in {run.plan.limit} s: {stuck}")
-    broke += [f"fence: {v.what}" for v in run.net.violations]
+    broke += [f"fence: {v.what}" for v in run.net.fence.violations]
     broke += [
         f"decode rank {r} said room={m} drained with a write in flight"
         for r, m in run.drained_early

@@ -126,7 +126,7 @@ class Run:
             if role == "decode" and st == KVPoll.WaitingForInput and key not in self.told:
                 pages = [self.free_pages[rank].pop(0) for _ in range(plan.pages)]
                 slot = self.free_slots[role, rank].pop(0)
-                net.assign(net.ranks[role, rank], pages, room, h.epoch)
+                net.fence.assign(net.ranks[role, rank], pages, room, h.epoch)
                 self.held[key] = (pages, slot)
                 self.told.add(key)
                 h.send_metadata(pages, slot)
@@ -152,7 +152,7 @@ class Run:
         h.clear()
         pages, slot = self.held.pop(key, ([], None))
         if role == "decode":
-            net.free(net.ranks[role, rank], pages)
+            net.fence.free(net.ranks[role, rank], pages)
             self.free_pages[rank] += pages
         if slot is not None:
             self.free_slots[role, rank].append(slot)

@@ -118,7 +118,7 @@ def _paired(net, p, d, room):
     r.init()
     settle(net, lambda: handshaken(s), "prefill handshake")
     s.init(1, None)
-    net.assign(d, [1], room, r.epoch)  # decode's scheduler gave the request page 1
+    net.fence.assign(d, [1], room, r.epoch)  # decode's scheduler gave the request page 1
     r.send_metadata([1], 0)  # decode's pages are promised: writes may land from now
     settle(net, lambda: p.core.phase[s.index] == Phase.Metadata, "prefill has the page list")
     return s, r
@@ -128,7 +128,7 @@ def _cleared(net, d, *handles):
     """The schedulers let go of the handles; decode's page goes back to the pool."""
     for h in handles:
         h.clear()
-    net.free(d, [1])
+    net.fence.free(d, [1])
 
 
 def _succeeds(net, p, d, room):
@@ -158,7 +158,7 @@ def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
     assert (s.poll(), s.failure_reason()) == (KVPoll.Failed, FailureReason.PEER_DEAD)
     _cleared(net, d, s, r)
     _succeeds(net, p, d, 8)  # it beats again: live for new requests
-    assert net.violations == []
+    assert net.fence.violations == []
 
 
 @pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control"])
@@ -194,7 +194,7 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
         assert d.core.fenced() == (1, 1)  # the gauge: one request, one page
     else:
         settle(net, lambda: r.drained, "released on prefill's silence")
-        net.free(d, [1])  # drained: the scheduler takes the page back
+        net.fence.free(d, [1])  # drained: the scheduler takes the page back
     assert not late.done
     settle(net, lambda: late.done, "the paused process's queued write lands")
     assert bytes(kv_d[1].tolist()) == b"\xab" * 64  # it landed in decode's page 1
@@ -203,14 +203,14 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
         # the page held the late write: only now, told prefill stopped, is it free
         settle(net, lambda: r.drained, "released on prefill's word")
         assert d.core.phase[r.index] == Phase.Drained and d.core.fenced() == (0, 0)
-        assert net.violations == []
+        assert net.fence.violations == []
         _cleared(net, d, s, r)
     else:  # released before the write landed: another request's page by then
         assert d.core.phase[r.index] == Phase.Drained
-        assert [v.rank for v in net.violations] == [0], net.violations
+        assert [v.rank for v in net.fence.violations] == [0], net.fence.violations
         for h in (s, r):
             h.clear()
-        net.violations.clear()
+        net.fence.violations.clear()
     net.faults = Faults()  # writes land quickly again
     kv_p[0] = 0x11
     s2, r2 = _paired(net, p, d, 8)  # admitted after the resume: it succeeds
@@ -218,7 +218,7 @@ def test_sglang_24527_a_writer_silent_past_the_drain_timeout_stays_fenced(monkey
     settle(net, lambda: _write_of(net, p, 8) is not None, "the new write is issued")
     settle(net, lambda: r2.poll() == KVPoll.Success == s2.poll(), "room 8 succeeds")
     assert bytes(kv_d[1].tolist()) == b"\x11" * 64
-    assert net.violations == []
+    assert net.fence.violations == []
 
 
 @pytest.mark.parametrize("pair", [(30.0, 1.0)], indirect=True)
@@ -251,7 +251,7 @@ def test_a_paused_decode_hears_why_once_it_resumes(pair):
     assert r.failure_reason() == FailureReason.PEER_DEAD
     _cleared(net, d, s, r)
     _succeeds(net, p, d, 8)
-    assert net.violations == []
+    assert net.fence.violations == []
 
 
 def test_writes_given_up_keep_decode_quarantined_until_its_own_drain_timeout():

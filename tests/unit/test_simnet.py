@@ -15,4 +15,4 @@ def test_a_killed_prefill_rank_is_peer_dead_on_decode_and_nothing_lands_after():
     assert (r.poll(), r.failure_reason()) == (KVPoll.Failed, FailureReason.PEER_DEAD)
     assert r.fenced and not r.drained  # its writer may be paused, not dead: pages held
     assert decode.core.fenced() == (1, 2)
-    assert net.violations == [] and run.drained_early == []
+    assert net.fence.violations == [] and run.drained_early == []

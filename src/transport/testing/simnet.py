@@ -13,9 +13,10 @@ Each rank also stands in for its scheduler's side of the handles
 (:class:`~transport.connector.handles.Requests`): ``rank.sender(room)`` and
 ``rank.receiver(room)`` are the real handles. Decode's pages remember which
 request and attempt wrote each of their bytes last, and the test says which
-request a page belongs to (:meth:`SimNet.assign`): a write into a page that
-belongs to another request or attempt, or to none, is recorded in
-:attr:`SimNet.violations` (the fence the protocol must keep).
+request a page belongs to (``net.fence.assign``, a
+:class:`~transport.testing.fence.PageFence`): a write into a page that belongs
+to another request or attempt, or to none, is recorded in
+``net.fence.violations`` (the fence the protocol must keep).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from transport.connector.core.wire import MalformedMessage
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.staging import Staging
 from transport.status_arrays import Statuses
+from transport.testing.fence import PageFence
 
-__all__ = ["Faults", "SimNet", "SimRank", "Violation"]
+__all__ = ["Faults", "SimNet", "SimRank"]
 
 R = TypeVar("R", bound="Request[Any]")
 
@@ -72,15 +74,6 @@ class Faults:
     write_fails: float = 0.0  # the engine reports the write failed; nothing lands
     write_lost: float = 0.0  # the write never lands and the engine never answers
     corrupt: float = 0.0  # the write lands with one byte flipped
-
-
-@attrs.frozen
-class Violation:
-    """A write that landed where the fence says it must not."""
-
-    at: float
-    rank: int
-    what: str
 
 
 @attrs.define
@@ -186,9 +179,8 @@ class SimNet:
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.flights: list[_Flight] = []
-        #: decode pages by (rank, buffer, page) -> the (room, epoch) they belong to now
-        self.owner: dict[tuple[int, int, int], tuple[int, int]] = {}
-        self.violations: list[Violation] = []
+        #: which request each of decode's pages belongs to, and the writes that broke it
+        self.fence = PageFence()
         #: every message a rank handled: (time, role, rank, kind, room), for checks
         #: of what a rank could have known when it decided
         self.handled: list[tuple[float, str, int, str, int]] = []
@@ -213,20 +205,7 @@ class SimNet:
         """Move the clock on at once (every rank sees the time pass)."""
         self.now += seconds
 
-    # -- the fence -------------------------------------------------------------------------------
-    def assign(
-        self, rank: SimRank, pages: NDArray[np.int64] | list[int], room: int, epoch: int
-    ) -> None:
-        """Decode's scheduler gave ``pages`` of ``rank`` to attempt ``epoch`` of ``room``."""
-        for buf in range(len(rank.kv_args.kv_data_ptrs)):
-            for p in pages:
-                self.owner[rank.rank, buf, int(p)] = (room, epoch)
-
-    def free(self, rank: SimRank, pages: NDArray[np.int64] | list[int]) -> None:
-        for buf in range(len(rank.kv_args.kv_data_ptrs)):
-            for p in pages:
-                self.owner.pop((rank.rank, buf, int(p)), None)
-
+    # -- writes in flight ------------------------------------------------------------------------
     def in_flight(self, rank: SimRank, room: int, epoch: int) -> int:
         """Writes of that attempt towards ``rank`` that may still land."""
         return sum(
@@ -362,7 +341,7 @@ class SimNet:
             return
         src, dst, lens = (a.tolist() for a in e.writes)
         for i, (s, d, n) in enumerate(zip(src, dst, lens)):
-            self._fence(fl.target, d, n, e)
+            self.fence.check(fl.target, d, n, e.room, e.epoch, self.now)
             ctypes.memmove(d, s, n)
             if fl.corrupt and i == 0 and n:
                 b = ctypes.c_uint8.from_address(d)
@@ -382,22 +361,3 @@ class SimNet:
         if len(parts) == 4:
             return Landed(parts[0], parts[1], (parts[2], parts[3]))
         return None
-
-    def _fence(self, target: SimRank, addr: int, n: int, e: Write) -> None:
-        """Hold a write landing in decode's KV pages to the pages' owners."""
-        a = target.kv_args
-        for buf, (ptr, size, item) in enumerate(
-            zip(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)
-        ):
-            if ptr <= addr < ptr + size:
-                for page in range((addr - ptr) // item, (addr - ptr + n - 1) // item + 1):
-                    owner = self.owner.get((target.rank, buf, page))
-                    if owner != (e.room, e.epoch):
-                        self.violations.append(
-                            Violation(
-                                self.now,
-                                target.rank,
-                                f"room={e.room} attempt {e.epoch} wrote page {page} of buffer "
-                                f"{buf}, which belongs to {owner or 'no request'}",
-                            )
-                        )
