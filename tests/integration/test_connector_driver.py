@@ -130,6 +130,13 @@ def test_an_object_with_the_protocol_drives_a_request_from_the_contracted_thread
     (p, pkv, pmeta), (d, dkv, dmeta) = sides["prefill"], sides["decode"]
     try:
         assert p.engine is pe and p.core.notifies is False
+        sent, send = [], d.mail.send
+
+        def spy(peer, msg, store):
+            sent.append((msg["kind"], threading.current_thread().name))
+            send(peer, msg, store)
+
+        d.mail.send = spy
         pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
         pmeta.write(1, 41, {"output_ids": [3]})
         s, r = p.sender(41), d.receiver(41)
@@ -159,6 +166,9 @@ def test_an_object_with_the_protocol_drives_a_request_from_the_contracted_thread
     assert pe.inner.regions[0] == (pkv[0].data_ptr(), pkv[0].numel())  # KV first
     assert {t for k, t in de.calls if k not in ("start", "stop")} == {"pd-decode"}
     assert "write" not in [k for k, _ in de.calls]  # nothing is written from decode
+    # decode's page list leaves from the scheduler's own call (no wake of the thread
+    # between them); what the core decides on its pass leaves from the thread
+    assert ("pages", me) in sent and ("register", "pd-decode") in sent, sent
 
 
 def test_a_connector_refuses_a_non_engine_before_it_starts_anything():

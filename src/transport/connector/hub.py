@@ -15,11 +15,14 @@ every heartbeat interval; fetch the records the core asks for (a peer's
 endpoint, connected to; a prefill DP group's); let the core move every
 request on (:meth:`~transport.connector.core.machine.ConnectorCore.tick`); then
 perform what it asked: messages to send, writes to issue, writes to let go
-of. Effects are performed on the thread alone, in the order the core asked
-for them, so the engine is only ever called from it (see
-:mod:`transport.engine`) and no two messages to a peer are reordered here.
-The scheduler's calls (through :mod:`transport.connector.handles`) change
-the core under the lock and wake the thread.
+of. The engine is only ever called from the thread (see
+:mod:`transport.engine`). The scheduler's calls (through
+:mod:`transport.connector.handles`) change the core under the lock and wake
+the thread; a call whose effects are messages alone (decode telling prefill
+where to write) sends them itself, sparing the page list a wake of the
+thread. Effects are taken from the core and then performed in one order
+(:attr:`Connector.order` is taken before the core's lock is let go), so no
+two messages to a peer are reordered, whichever thread sends them.
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ class Connector:
         self.host = engine_host(config, type(self).__name__.replace("Manager", "Config"))
         #: every call into the core is made under it (the core keeps no lock)
         self.lock = threading.RLock()
+        #: held from taking effects (under :attr:`lock`) to having performed them,
+        #: so effects are performed in the order they were taken
+        self.order = threading.Lock()
         self.core = ConnectorCore(
             kv_args, config, self.kv_heads, SIDES[c.role], bool(engine.NOTIFIES), Views(kv_args)
         )
@@ -109,6 +115,8 @@ class Connector:
         self._stop, self._wake = threading.Event(), threading.Event()
         self.mail = Mailbox(c.store_host, c.store_port, c.namespace, c.role, self.rank, self._wake)
         self.store = self.mail.store
+        #: the store client of the scheduler's own sends (used under :attr:`order` alone)
+        self._caller_store = self.mail.client()
         info.update(self.core.record())
         #: the engine's writes in flight (the thread's alone)
         self.inflight = InFlight(engine)
@@ -216,7 +224,28 @@ class Connector:
     ) -> None:
         with self.lock:
             self.core.tell_pages(req, pages, slot, state, skip, self.clock())
+            sends = self._take_sends()
+        if sends:
+            self._perform_taken(sends, self._caller_store)
         self._wake.set()  # data is due: an engine that notes its landing is polled closely
+
+    def _take_sends(self) -> list[Effect]:
+        """Under :attr:`lock`: the core's effects if they are messages alone (then
+        :attr:`order` is held, for :meth:`_perform_taken`), else none (the thread
+        performs them)."""
+        if not self.core.sends_only():
+            return []
+        effects = self.core.take_effects()
+        if effects:
+            self.order.acquire()
+        return effects
+
+    def _perform_taken(self, effects: list[Effect], store: Any) -> list[Event]:
+        """Perform effects taken with :attr:`order` held, then let it go."""
+        try:
+            return self._perform(effects, store)
+        finally:
+            self.order.release()
 
     def wake(self) -> None:
         self._wake.set()
@@ -368,7 +397,8 @@ class Connector:
                     self.core.handle(ev, now)
                 busy = self.core.tick(now)
                 effects = self.core.take_effects()
-            events = self._perform(effects, store) + list[Event](self.inflight.reap())
+                self.order.acquire()
+            events = self._perform_taken(effects, store) + list[Event](self.inflight.reap())
             if effects:
                 events += self._records(store)
             if not events:

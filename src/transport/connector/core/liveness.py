@@ -213,6 +213,8 @@ def timeouts(m: Clocked, now: float) -> None:
     # may still land: a decode rank keeps its pages until its own drain timeout),
     # and a request failed for a dead peer is released on that peer's silence
     stale_ = (ph == Phase.Aborted) & (now - m.failed_at[idx] > cfg.drain_timeout)
+    if not stale_.any():
+        return
     for i in np.flatnonzero(stale_):
         req = reqs[i]
         m.forget(req)

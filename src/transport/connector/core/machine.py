@@ -155,6 +155,10 @@ class ConnectorCore(StatusArrays):
             "state_geom": self.state_geom,
         }
 
+    def sends_only(self) -> bool:
+        """Whether every effect not taken yet is a message (none: True)."""
+        return all(isinstance(e, Send) for e in self._out)
+
     def take_effects(self) -> list[Effect]:
         """What to do, in order, since the last call: each effect once."""
         out, self._out = self._out, []

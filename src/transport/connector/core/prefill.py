@@ -296,6 +296,8 @@ class PrefillSide:
         info = p.peer(leg.peer)
         if info is None or leg.dst_pages is None:
             return True
+        if leg.fields_out and leg.issued >= req.src.size:
+            return True  # all of it went out, and was checked as it went: nothing new
         why = rows_misfit(req, leg)
         if why is not None:
             self._refuse(req, why)
