@@ -19,6 +19,7 @@ import numpy as np
 
 from buffers.errors import (
     BadArgument,
+    BadArgumentType,
     DoubleFree,
     NotQuarantined,
     SlotNotOwned,
@@ -44,8 +45,11 @@ def _is_int(value: object) -> bool:
 
 def check_room(room: object) -> int:
     """A room as an int in 1..2**64-1 (int or numpy integer, not bool), else BadArgument."""
-    if not _is_int(room) or not 0 < _int(room) <= _MAX_ROOM:
-        raise BadArgument("room", room, "an integer in 1..2**64-1 (int or numpy integer)")
+    expected = "an integer in 1..2**64-1 (int or numpy integer)"
+    if not _is_int(room):
+        raise BadArgumentType("room", room, expected)
+    if not 0 < _int(room) <= _MAX_ROOM:
+        raise BadArgument("room", room, expected)
     return _int(room)
 
 

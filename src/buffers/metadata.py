@@ -25,7 +25,7 @@ import torch
 from numpy.typing import NDArray
 
 from buffers.allocator import MAX_SLOTS, check_room
-from buffers.errors import BadArgument, LayoutError, RowOverflow, SlotOutOfRange
+from buffers.errors import BadArgument, BadArgumentType, LayoutError, RowOverflow, SlotOutOfRange
 
 __all__ = [
     "FieldSpec",
@@ -189,18 +189,23 @@ class MetadataBuffers:
     # -- rows --------------------------------------------------------------
     def _check(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or isinstance(slot, (bool, np.bool_)):
-            raise BadArgument("metadata slot", slot, f"an integer in 0..{self.size - 1}")
+            raise BadArgumentType("metadata slot", slot, f"an integer in 0..{self.size - 1}")
         if not 0 <= slot < self.size:
             raise SlotOutOfRange(int(slot), self.size)
 
     def write(self, slot: int, room: int, values: Mapping[str, Any]) -> None:
-        """Write a row; ``bootstrap_room`` goes last, so a reader that sees the room sees all."""
+        """Write a row; ``bootstrap_room`` goes last, so a reader that sees the room sees all.
+
+        Everything is checked before the row is touched: a slot, room or
+        ``values`` of the wrong type (a string, say), or a field's value that
+        is not numbers, raises :class:`~buffers.errors.BadArgumentType` (a
+        TypeError) naming it."""
         self._check(slot)
         if isinstance(room, (int, np.integer)) and not isinstance(room, bool) and room == 0:
             raise LayoutError("room 0 means 'not written'; a real request needs a non-zero room")
         room = check_room(room)
         if not isinstance(values, Mapping):
-            raise BadArgument("metadata values", values, "a mapping of field name to values")
+            raise BadArgumentType("metadata values", values, _VALUES)
         self._store(slot, _signed(room), values)
 
     def write_unclaimed(self, slot: int, values: Mapping[str, Any]) -> None:
@@ -208,7 +213,7 @@ class MetadataBuffers:
         that has no room (warm-up), whose row no reader may take as landed."""
         self._check(slot)
         if not isinstance(values, Mapping):
-            raise BadArgument("metadata values", values, "a mapping of field name to values")
+            raise BadArgumentType("metadata values", values, _VALUES)
         self._store(slot, 0, values)
 
     def _store(self, slot: int, room_word: int, values: Mapping[str, Any]) -> None:
@@ -218,7 +223,12 @@ class MetadataBuffers:
         staged = {}
         for name, v in values.items():
             t = self.tensors[name]
-            src = torch.as_tensor(v, dtype=t.dtype).reshape(-1)
+            if isinstance(v, (str, bytes)):
+                raise BadArgumentType(f"metadata values[{name!r}]", v, _numbers(name, t))
+            try:
+                src = torch.as_tensor(v, dtype=t.dtype).reshape(-1)
+            except (TypeError, ValueError, RuntimeError):
+                raise BadArgumentType(f"metadata values[{name!r}]", v, _numbers(name, t)) from None
             if src.numel() > t.shape[1]:
                 raise RowOverflow(name, src.numel(), t.shape[1])
             staged[name] = src
@@ -287,6 +297,13 @@ class MetadataBuffers:
         landed = got == want
         # corrupt: another request's (non-zero) room, i.e. written and not landed
         return landed, np.greater(got != 0, landed)
+
+
+_VALUES = "a mapping of field name to values (e.g. {'output_ids': [token]})"
+
+
+def _numbers(name: str, tensor: torch.Tensor) -> str:
+    return f"numbers for the {name} row (at most {tensor.shape[1]}, as {tensor.dtype})"
 
 
 def _signed(room: int) -> int:

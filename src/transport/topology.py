@@ -126,7 +126,15 @@ class Topology:
             )
 
     def heads(self, role: str, tp_rank: int) -> range:
-        """The global heads a rank holds (MLA: the one latent, head 0)."""
+        """The global heads a rank holds (MLA: the one latent, head 0). A role
+        other than "prefill" or "decode" raises :class:`TopologySettingError`
+        (a :class:`TopologyError` and a ValueError; for a value that is not a
+        string, :class:`TopologySettingTypeError`, also a TypeError)."""
+        if role != "prefill" and role != "decode":
+            error = TopologySettingError if isinstance(role, str) else TopologySettingTypeError
+            raise error(
+                "role", role, "'prefill' or 'decode' (the side the rank is on)", "Topology.heads"
+            )
         if self.mla:
             return range(0, 1)
         tp = self.prefill_tp if role == "prefill" else self.decode_tp

@@ -5,7 +5,9 @@ builds for that backend and role (see :mod:`field.conn`): built and
 driven the way engines build today's connectors, doing the work through our
 backend of the same name. It returns None where the backend has no such class
 (the fake backend has no bootstrap server), raises ``ValueError("Unsupported
-transfer backend: ...")`` for a name it does not know, and
+transfer backend: ...")`` for a name it does not know, a typed
+:class:`~buffers.errors.BadArgument` (a ValueError; for a value that is not
+a name, also a TypeError) for a class type that is not a ``KVClassType``, and
 :class:`~transport.errors.BackendUnavailable`, naming what to install or the
 hardware needed, for a backend whose package or hardware is missing here.
 """
@@ -16,6 +18,7 @@ import enum
 import importlib
 from typing import Any
 
+from field._checks import member
 from field.conn import UnsupportedTransferBackend
 from transport.errors import BackendUnavailable
 from transport.registry import get_backend
@@ -60,7 +63,7 @@ def _backend(transfer_backend: Any) -> TransferBackend:
 def get_kv_class(transfer_backend: Any, class_type: Any) -> Any:
     """The class of ``class_type`` for ``transfer_backend``, or None where it has none."""
     backend = _backend(transfer_backend)
-    kind = KVClassType(getattr(class_type, "value", class_type))
+    kind = member("class_type", class_type, KVClassType, " (or its value, e.g. 'manager')")
     get_backend(backend.value)  # imports it; a missing package or hardware raises here
     module = _FIELD_CLASSES.get(backend)
     if module is None:

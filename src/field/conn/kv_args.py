@@ -6,6 +6,7 @@ from typing import Any
 
 from buffers.kv_args import KVArgs as CoreKVArgs
 from buffers.kv_args import StateComponent
+from field._checks import int_or_raw
 from field.data.state_types import core_state_type
 
 __all__ = ["KVArgs"]
@@ -112,6 +113,11 @@ class KVArgs:
         self.prefill_pp_size = 1
 
     def to_core(self) -> CoreKVArgs:
+        """The frozen :class:`buffers.KVArgs` of these fields. Integers of any
+        kind (numpy, 0-d tensors) become ints; anything else (a float or a
+        string rank) is handed on as it is, and the core refuses it by name
+        with :class:`~buffers.errors.BadSettingType` (a TypeError). Nothing
+        here changes either way."""
         dims = self.state_dim_per_tensor or [[] for _ in self.state_types]
         state = tuple(
             StateComponent(
@@ -130,7 +136,7 @@ class KVArgs:
             )
         )
         return CoreKVArgs(
-            engine_rank=int(self.engine_rank),
+            engine_rank=int_or_raw(self.engine_rank),
             kv_data_ptrs=self.kv_data_ptrs,
             kv_data_lens=self.kv_data_lens,
             kv_item_lens=self.kv_item_lens,
@@ -138,7 +144,7 @@ class KVArgs:
             aux_data_lens=self.aux_data_lens,
             aux_item_lens=self.aux_item_lens,
             state=state,
-            page_size=int(self.page_size),
+            page_size=int_or_raw(self.page_size),
             ib_device=self.ib_device,
-            kv_head_num=int(self.kv_head_num),
+            kv_head_num=int_or_raw(self.kv_head_num),
         )

@@ -28,7 +28,7 @@ from buffers.errors import (
     SlotOutOfRange,
 )
 from buffers.pages import C128, cp_filter_chunk, cp_split, ring_state_page
-from field._checks import integer
+from field._checks import forward_slice, integer, optional_integer, page_indices, required
 
 __all__ = [
     "ReqToMetadataIdxAllocator",
@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------
+
+_MANAGER = "the KV manager, with attn_cp_rank and attn_cp_size (this rank's place in CP)"
+
+
+def _page_ids(name: str, value: Any) -> None:
+    page_indices(name, value, " (e.g. a 1-D int64 numpy array)")
 
 
 def _as_signed(word: int) -> int:
@@ -123,13 +129,21 @@ def page_indices_to_cp_rank_page_indices(
     This is the field's rule and assumes the request's pages are contiguous;
     :func:`buffers.cp_filter_pages` splits by position and stays right when
     they are not. ``cp_size <= 1`` returns ``page_indices`` itself.
+
+    Every argument is checked first: page ids that are not a one-dimensional
+    sequence of integers, or a size or rank that is not an integer, raise
+    :class:`~buffers.errors.BadArgumentType` naming it.
     """
-    if cp_size <= 1:
+    _page_ids("page_indices", page_indices)
+    total = integer("total_pages", total_pages, 0)
+    size = integer("cp_size", cp_size, 0, " (the attention CP group's size)")
+    rank = integer("cp_rank", cp_rank, 0, f" below cp_size ({size})")
+    if size <= 1:
         return page_indices
     ids = np.asarray(page_indices)
     if ids.size == 0:
         return ids
-    start, end = cp_split(total_pages, cp_size, cp_rank)
+    start, end = cp_split(total, size, rank)
     first = int(ids.min())
     kept: NDArray[Any] = ids[(ids >= first + start) & (ids < first + end)]
     return kept
@@ -141,13 +155,28 @@ def filter_kv_indices_for_cp_rank(
     """A chunk's page ids (``kv_indices``, at request positions ``index_slice``)
     cut to CP rank ``kv_mgr.attn_cp_rank`` of ``kv_mgr.attn_cp_size``: the kept
     ids and their positions. Nothing kept: an empty array and an empty slice at
-    the chunk start. ``cp_size <= 1`` returns the inputs unchanged."""
-    total = len(kv_indices) if total_pages is None else int(total_pages)
-    rank, size = int(kv_mgr.attn_cp_rank), int(kv_mgr.attn_cp_size)
+    the chunk start. ``cp_size <= 1`` returns the inputs unchanged.
+
+    Every argument is checked first, whatever the CP size: no manager (or
+    one without the two attributes), page ids that are not a one-dimensional
+    sequence of integers, an ``index_slice`` that is not a forward slice
+    (None, a step, start past stop) or a ``total_pages`` that is not an
+    integer raise :class:`~buffers.errors.BadArgumentType` or
+    :class:`~buffers.errors.BadArgument` naming it."""
+    required("kv_mgr", kv_mgr, _MANAGER)
+    if not (hasattr(kv_mgr, "attn_cp_rank") and hasattr(kv_mgr, "attn_cp_size")):
+        raise BadArgumentType("kv_mgr", kv_mgr, _MANAGER)
+    size = integer("kv_mgr.attn_cp_size", kv_mgr.attn_cp_size, 0)
+    rank = integer("kv_mgr.attn_cp_rank", kv_mgr.attn_cp_rank, 0, f" below attn_cp_size ({size})")
+    _page_ids("kv_indices", kv_indices)
+    start, stop = forward_slice("index_slice", index_slice, " (the chunk's request positions)")
+    hint = " (the request's page count; None: len(kv_indices))"
+    given = optional_integer("total_pages", total_pages, 0, hint)
+    total = len(kv_indices) if given is None else given
     if size <= 1:
         return kv_indices, index_slice
-    c0 = 0 if index_slice.start is None else int(index_slice.start)
-    c1 = total if index_slice.stop is None else int(index_slice.stop)
+    c0 = 0 if start is None else start
+    c1 = total if stop is None else stop
     if c0 >= total:  # a chunk past the request's pages holds none of this rank's
         return kv_indices[:0], slice(c0, c0)
     positions, kept = cp_filter_chunk(slice(c0, min(c1, total)), total, size, rank)
@@ -160,10 +189,17 @@ def get_dsv4_c128_state_indices(
     req_pool_idx: int, seq_len: int, *, online: bool, ring_size: int
 ) -> NDArray[np.int32]:
     """The compressed-state row (online) or ring page to ship, as an int32 array
-    of 0 or 1 entries. A ring size that is not a multiple of 128 is an error."""
-    if not online and seq_len % C128 and ring_size % C128:
+    of 0 or 1 entries. A ring size that is not a multiple of 128 is an error.
+
+    The three numbers are checked first: one that is not an integer (a
+    float, a string) raises :class:`~buffers.errors.BadArgumentType`, a
+    negative one :class:`~buffers.errors.BadArgument`, naming it."""
+    row = integer("req_pool_idx", req_pool_idx, 0, " (the request's row in the state pool)")
+    length = integer("seq_len", seq_len, 0, " (the request's token count)")
+    ring = integer("ring_size", ring_size, 0, " (a multiple of 128)")
+    if not online and length % C128 and ring % C128:
         raise AssertionError(f"C128 ring_size must be 128-aligned, got {ring_size}")
-    page = ring_state_page(int(seq_len), int(req_pool_idx), int(ring_size), online=online)
+    page = ring_state_page(length, row, ring, online=online)
     if page is None:
         return np.empty(0, dtype=np.int32)
     return np.array([page], dtype=np.int32)

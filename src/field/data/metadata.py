@@ -15,7 +15,7 @@ from buffers.errors import (
     RowOverflow,
 )
 from buffers.metadata import MetadataBuffers as _CoreMetadataBuffers
-from field._checks import integer, uint64
+from field._checks import integer, required, uint64
 from field.data.rows import (
     _CHECKSUM,
     _DSA,
@@ -221,7 +221,13 @@ class MetadataBuffers(_CoreMetadataBuffers):
         long for its row. Unlike the field, the whole row is written: what
         the request does not set (no logprobs, no hidden state) goes back to
         its empty value, not left from the slot's previous owner. The KV
-        checksum is not part of the row (:meth:`set_kv_checksum`)."""
+        checksum is not part of the row (:meth:`set_kv_checksum`).
+
+        No request (None) or one without output ids raises
+        :class:`~buffers.errors.BadArgumentType` (a TypeError), and empty
+        output ids :class:`~buffers.errors.BadArgument` (a ValueError): the row
+        carries the first output token, so call this once it is sampled."""
+        first = _first_token(req)
         slot = req.metadata_buffer_index
         self._check(slot)
         values: dict[str, Any] = {
@@ -230,7 +236,7 @@ class MetadataBuffers(_CoreMetadataBuffers):
             if spec.name not in ("bootstrap_room", _CHECKSUM)
         }
         values |= {
-            "output_ids": [int(req.output_ids[0])],
+            "output_ids": [first],
             "cached_tokens": [
                 int(getattr(req, "cached_tokens", 0) or 0),
                 int(getattr(req, "cached_tokens_device", 0) or 0),
@@ -332,6 +338,25 @@ class MetadataBuffers(_CoreMetadataBuffers):
 
 
 _U64 = (1 << 64) - 1
+_REQ = "a request with metadata_buffer_index and output_ids (its sampled tokens)"
+
+
+def _first_token(req: Any) -> int:
+    """The request's first output token, after checking there is one."""
+    required("req", req, _REQ)
+    ids = getattr(req, "output_ids", None)
+    try:
+        count = len(ids)  # type: ignore[arg-type]
+    except TypeError:
+        raise BadArgumentType("req.output_ids", ids, f"a sequence of token ids ({_REQ})") from None
+    if count == 0:
+        raise BadArgument(
+            "req.output_ids",
+            ids,
+            "at least one token: the row carries the first output token, so write it "
+            "once that token is sampled",
+        )
+    return int(ids[0])  # type: ignore[index]
 
 
 def _multimodal_counts(req: Any) -> tuple[int, int, int]:

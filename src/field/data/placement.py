@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from field._checks import integer
+from field._checks import forward_slice, integer, page_indices
 
 __all__ = ["filter_kv_indices_for_shard_rank", "should_send_replicated_state"]
 
@@ -17,12 +17,17 @@ def filter_kv_indices_for_shard_rank(
     """Pages dealt round-robin over ``shard_size`` ranks: logical page ``p`` is
     local page ``p // shard_size`` on rank ``p % shard_size``. Returns this
     rank's local page ids and their positions in the request's page list (the
-    positions ``index_slice`` covers), which replace the contiguous slice."""
+    positions ``index_slice`` covers), which replace the contiguous slice.
+    Page ids that are not a one-dimensional sequence of integers, or an
+    ``index_slice`` that is not a forward slice (None, a step), raise a
+    typed error naming it before anything is computed."""
     size = integer("shard_size", shard_size, 1)
     rank = _below(integer("shard_rank", shard_rank, 0), size, "shard_rank", "shard_size")
+    page_indices("kv_indices", kv_indices, " (e.g. a 1-D int64 numpy array)")
+    first, last = forward_slice("index_slice", index_slice, " (the pages' request positions)")
     pages = np.asarray(kv_indices)
-    start = 0 if index_slice.start is None else int(index_slice.start)
-    stop = start + pages.size if index_slice.stop is None else int(index_slice.stop)
+    start = 0 if first is None else first
+    stop = start + pages.size if last is None else last
     if stop - start != pages.size:
         raise ValueError(
             f"index_slice {index_slice} covers {stop - start} positions for {pages.size} pages"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from buffers.errors import GeometryMismatch
+from field._checks import required
 from field.data.state_types import StateType
 
 __all__ = ["is_mla_backend", "append_state_component", "setup_state_kv_args"]
@@ -91,7 +92,11 @@ def setup_state_kv_args(
     total_kv_layers: int | None = None,
     req_to_token_pool: Any = None,
 ) -> None:
-    """Fill ``kv_args``'s state lists from what the pools describe of themselves."""
+    """Fill ``kv_args``'s state lists from what the pools describe of themselves.
+
+    No ``kv_args`` (None) raises :class:`~buffers.errors.BadArgumentType` (a
+    TypeError) naming it, before anything is read from the pools."""
+    required("kv_args", kv_args, "the KVArgs whose state lists are filled in")
     kv_args.state_types = []
     kv_args.state_data_ptrs = []
     kv_args.state_data_lens = []

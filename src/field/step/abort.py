@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from buffers.errors import BadArgument
+from field._checks import integer, required
 from field.engine import FinishAbort
 
 __all__ = ["prepare_abort", "is_aborted", "is_unadmitted_reject", "engine_abort_class"]
@@ -51,17 +53,31 @@ def prepare_abort(req: Any, error_message: str, status_code: Any = None) -> None
     input-logprob lists (under ``req.logprob`` where it has one).
 
     With our own reason, a missing status code becomes 500 (ours always carries one).
+
+    Checked before the request is touched: no request (None) or a status code
+    that is not an integer (``"400"``, ``400.0``) raises
+    :class:`~buffers.errors.BadArgumentType` (a TypeError), a code outside
+    100..599 :class:`~buffers.errors.BadArgument` (a ValueError).
     """
+    required("req", req, "the request to abort")
+    code = 500 if status_code is None else _status(status_code)
     cls = engine_abort_class()
     if cls is not None:
         req.finished_reason = cls(error_message, status_code)
     else:
-        code = 500 if status_code is None else int(status_code)
         req.finished_reason = FinishAbort(error_message, code)
     if getattr(req, "return_logprob", False):
         holder = getattr(req, "logprob", None) or req
         for name in _INPUT_LOGPROB_LISTS:
             setattr(holder, name, [])
+
+
+def _status(status_code: object) -> int:
+    hint = " status code in 100..599 (e.g. 400 or HTTPStatus.BAD_REQUEST), or None for 500"
+    code = integer("status_code", status_code, None, hint)
+    if not 100 <= code <= 599:
+        raise BadArgument("status_code", status_code, "an integer" + hint)
+    return code
 
 
 def _is_abort(reason: object) -> bool:

@@ -38,6 +38,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from field._checks import sequence
 from field.release import release
 from field.step.session import Session
 from lifecycle import faults as _faults
@@ -226,15 +227,7 @@ def _check_group(group: Any, name: str) -> None:
 
 
 def _length(value: Any, name: str) -> int:
-    if (
-        isinstance(value, (str, bytes))
-        or not hasattr(value, "__len__")
-        or not hasattr(value, "__getitem__")
-    ):
-        raise TypeError(
-            f"{name} must be a list (one entry per request), not {type(value).__name__}"
-        )
-    return len(value)
+    return len(sequence(name, value, "a list, one entry per request"))
 
 
 def _gate_args(decode_reqs: Any, metadata_buffers: Any, where: str) -> None:
@@ -299,7 +292,12 @@ def poll_and_all_reduce_with_staging(
 
     The fifth argument is 0.5.23's ``pollers``; under the seed's conventions
     (:func:`field.release.release` is ``"seed"``) it is the seed's ``server_args``.
+
+    ``decode_reqs`` that is not a list (None, say) raises
+    :class:`~buffers.errors.BadArgumentType` (a TypeError) naming it, before
+    any scatter is advanced or anything is polled.
     """
+    _length(decode_reqs, "decode_reqs")
     if release() == "seed" and pollers is not None and server_args is None:
         server_args, pollers = pollers, None
     _gate_args(decode_reqs, metadata_buffers, "poll_and_all_reduce_with_staging")

@@ -336,10 +336,13 @@ def test_an_unreadable_room_column_fails_the_requests_it_gates(world_of_one):
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda g: poll_and_all_reduce(5, g), "pollers must be a list"),
-        (lambda g: poll_and_all_reduce("abc", g), "pollers must be a list"),
+        (lambda g: poll_and_all_reduce(5, g), "pollers: got .* expected a list"),
+        (lambda g: poll_and_all_reduce("abc", g), "pollers: got .* expected a list"),
         (lambda g: poll_and_all_reduce(pollers(4), object()), "gloo_group must be"),
-        (lambda g: poll_and_all_reduce(pollers(4), g, decode_reqs=7), "decode_reqs must be a list"),
+        (
+            lambda g: poll_and_all_reduce(pollers(4), g, decode_reqs=7),
+            "decode_reqs: got 7 .* expected a list",
+        ),
         (
             lambda g: poll_and_all_reduce_with_staging([staged_req(101, 0, 4)], object(), g),
             "staging_handler .* has no is_done",
