@@ -1,4 +1,4 @@
-"""The package layers: buffers <- lifecycle <- transport <- field <- pdlife (tooling).
+"""The package layers: buffers <- lifecycle <- transport <- field <- vllm_connector <- pdlife (tooling).
 
 Each layer may import only the ones before it, including imports inside
 functions, so ``import lifecycle`` can never pull in a transport or the
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ORDER = ["buffers", "lifecycle", "transport", "field", "pdlife"]
+ORDER = ["buffers", "lifecycle", "transport", "field", "vllm_connector", "pdlife"]
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -47,7 +47,7 @@ def test_a_broken_layer_is_seen(tmp_path):
 
 # -- inside a package: modules import one way, the step's core imports no driver --
 
-PACKAGES = ["buffers", "lifecycle", "transport", "field", "pdlife"]
+PACKAGES = ["buffers", "lifecycle", "transport", "field", "vllm_connector", "pdlife"]
 #: the sans-I/O step and the rules it executes; the drivers that do I/O
 SANS_IO = ("lifecycle.core", "lifecycle.rules")
 DRIVERS = ("lifecycle.drive",)

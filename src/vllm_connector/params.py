@@ -1,0 +1,150 @@
+"""What rides in a vLLM request's ``kv_transfer_params``, typed and checked.
+
+The flow is the one vLLM's own prefill/decode connectors use, so its proxy
+and router examples work unchanged: the router sends a request to prefill
+with ``do_remote_decode``; prefill's ``request_finished`` answers the
+params decode needs (``do_remote_prefill``, the blocks that hold the KV,
+where prefill is); the router copies them into the request it sends to
+decode. Beside vLLM's own keys this connector adds ``pdlife_room`` (the
+request's room on the wire, chosen by prefill) and ``pdlife_epoch`` (its
+attempt).
+
+A malformed value is refused with :class:`ParamsError`, naming the request,
+the key and what it must hold; nothing is recorded for the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import xxhash
+
+from transport.errors import TransportError
+
+__all__ = ["ParamsError", "TransferParams", "room_of"]
+
+#: the largest room (rooms are uint64, 0 meaning none)
+MAX_ROOM = (1 << 64) - 1
+
+
+class ParamsError(TransportError, ValueError):
+    """A request's ``kv_transfer_params`` hold a value this connector cannot use."""
+
+    def __init__(self, request_id: str, key: str, value: object, expected: str) -> None:
+        self.request_id, self.key, self.value = request_id, key, value
+        super().__init__(
+            f'request {request_id}: kv_transfer_params["{key}"] is {value!r} '
+            f"({type(value).__name__}), expected {expected}; the request is not transferred "
+            "(check the router that builds the params)"
+        )
+
+
+def room_of(request_id: str) -> int:
+    """The room of a request id: the same on every rank and every run (a 64-bit
+    hash; never 0, which means no room)."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"a request id is a string, got {request_id!r}")
+    return xxhash.xxh3_64_intdigest(request_id.encode()) or 1
+
+
+def _int(rid: str, params: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = params[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ParamsError(rid, key, v, f"an integer in {lo}..{hi}")
+    return v
+
+
+def _text(rid: str, params: Mapping[str, Any], key: str) -> str:
+    v = params[key]
+    if not isinstance(v, str) or not v:
+        raise ParamsError(rid, key, v, "a non-empty string")
+    return v
+
+
+@attrs.frozen
+class TransferParams:
+    """Decode's view of where a request's KV is: prefill's engine, address,
+    TP size and blocks, and the room and attempt on the wire."""
+
+    room: int
+    epoch: int
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+
+    #: the keys :meth:`from_params` needs (besides ``do_remote_prefill``)
+    KEYS = (
+        "pdlife_room",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "remote_block_ids",
+    )
+
+    @classmethod
+    def from_params(cls, request_id: str, params: object) -> TransferParams | None:
+        """The params of a request decode must load from prefill, or None when it
+        need not (no params, or ``do_remote_prefill`` false)."""
+        if params is None:
+            return None
+        if not isinstance(params, Mapping):
+            raise ParamsError(request_id, "", params, "a JSON object")
+        if not params.get("do_remote_prefill"):
+            return None
+        for key in cls.KEYS:
+            if key not in params:
+                raise ParamsError(request_id, key, None, "a value (prefill's answer lacks it)")
+        blocks = params["remote_block_ids"]
+        if not isinstance(blocks, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
+        ):
+            raise ParamsError(request_id, "remote_block_ids", blocks, "a list of block ids >= 0")
+        return cls(
+            room=_int(request_id, params, "pdlife_room", 1, MAX_ROOM),
+            epoch=_int(
+                request_id,
+                {"pdlife_epoch": params.get("pdlife_epoch", 0)},
+                "pdlife_epoch",
+                0,
+                65535,
+            ),
+            engine_id=_text(request_id, params, "remote_engine_id"),
+            request_id=_text(request_id, params, "remote_request_id"),
+            host=_text(request_id, params, "remote_host"),
+            port=_int(request_id, params, "remote_port", 1, 65535),
+            tp_size=_int(request_id, params, "tp_size", 1, 1 << 16),
+            block_ids=tuple(blocks),
+        )
+
+    @staticmethod
+    def answer(
+        room: int,
+        epoch: int,
+        engine_id: str,
+        request_id: str,
+        host: str,
+        port: int,
+        tp_size: int,
+        block_ids: list[int],
+    ) -> dict[str, Any]:
+        """Prefill's answer in ``request_finished``: the params decode's request
+        carries (vLLM's keys, then this connector's)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(block_ids),
+            "remote_engine_id": engine_id,
+            "remote_request_id": request_id,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": tp_size,
+            "pdlife_room": room,
+            "pdlife_epoch": epoch,
+        }
