@@ -1,0 +1,114 @@
+"""One answer for ``get_finished`` on every TP worker: the transfers in flight,
+stepped together.
+
+vLLM's scheduler learns that a transfer finished by counting the workers that
+reported it; each worker answers from its own view, so one worker may report
+a request finished that another reports failed, and the scheduler sees
+neither reason nor origin. Here every worker of the group holds its
+in-flight transfers in a :class:`~lifecycle.table.RequestTable` and, before
+``get_finished`` answers, steps them with this library's step: one MIN
+all-reduce over the group. So every worker reports the same requests ended,
+in the same step, each failure with the agreed reason, the rank it came from
+and the recovery table's decision; a worker whose list of requests differs
+from the others' raises :class:`~lifecycle.errors.CollectiveMismatch` on
+every worker instead of hanging. A request ended is reported once, then
+forgotten.
+
+:class:`WorkerAgreement` takes plain data: request ids, rooms and the
+handle index the transfer's poller answers for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+
+from lifecycle import Collective, KVPoll, RequestTable, Role, StepConfig, Stepper
+from lifecycle.errors import InvalidArgument
+from lifecycle.protocols import BatchPoller
+from lifecycle.result import Failure, StepResult
+
+__all__ = ["Ended", "WorkerAgreement"]
+
+
+@attrs.frozen
+class Ended:
+    """The requests one step ended, the same on every worker of the group."""
+
+    #: request ids whose transfer every worker finished
+    succeeded: frozenset[str] = frozenset()
+    #: request id -> the agreed failure (reason, origin rank, attempt, decision)
+    failed: Mapping[str, Failure] = attrs.field(factory=dict)
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """Every request this step ended, succeeded or failed."""
+        return self.succeeded | frozenset(self.failed)
+
+
+class WorkerAgreement:
+    """One worker's transfers in flight (``poller``: their statuses, by handle
+    index), stepped over ``collective`` with the group's other workers."""
+
+    def __init__(
+        self,
+        rank: int,
+        poller: BatchPoller,
+        collective: Collective,
+        config: StepConfig | None = None,
+    ) -> None:
+        self.table = RequestTable(rank)
+        self.collective = collective
+        self.stepper = Stepper(self.table, rank, poller=poller, config=config, queue="vllm")
+        self._ids: dict[int, str] = {}  # room -> request id
+        self._rooms: dict[str, int] = {}  # request id -> room
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._rooms
+
+    def add(
+        self, request_id: str, room: int, handle_index: int, role: Role, epoch: int = 0
+    ) -> None:
+        """A transfer starts on this worker (every worker of the group adds the
+        same requests, in the same order, before the next step)."""
+        if not isinstance(request_id, str):
+            raise InvalidArgument("request id", request_id, "a string (vLLM's request id)")
+        if request_id in self._rooms:
+            raise InvalidArgument(
+                f"request {request_id}", "added twice", "one transfer per request at a time"
+            )
+        self.table.add(room, role=role, handle_index=handle_index, epoch=epoch)
+        self._ids[int(room)] = request_id
+        self._rooms[request_id] = int(room)
+
+    def abort(self, request_id: str) -> None:
+        """The scheduler gave up on ``request_id``: it ends Failed (aborted) at the
+        next step, on every worker alike."""
+        room = self._rooms.get(request_id)
+        if room is None:
+            raise InvalidArgument(f"request {request_id}", "not in flight", "a request added")
+        self.table.request_abort(room)
+
+    def step(self) -> Ended:
+        """Step every transfer in flight with the group; what ended, once."""
+        res: StepResult = self.stepper.step(self.collective)
+        if res.changed.size == 0:
+            return Ended()
+        ended = res.changed[
+            (res.statuses[res.changed] == KVPoll.Success)
+            | (res.statuses[res.changed] == KVPoll.Failed)
+        ]
+        if ended.size == 0:
+            return Ended()
+        failed = {self._ids[f.room]: f for f in res.failures()}
+        rooms = res.rooms[ended]
+        succeeded = frozenset(self._ids[int(r)] for r in rooms.tolist()) - failed.keys()
+        self.table.remove_many(np.asarray(rooms, dtype=np.uint64))
+        for r in rooms.tolist():
+            self._rooms.pop(self._ids.pop(int(r)))
+        return Ended(succeeded, failed)
