@@ -15,7 +15,7 @@ the key and what it must hold; nothing is recorded for the request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -63,6 +63,23 @@ def _text(rid: str, params: Mapping[str, Any], key: str) -> str:
     return v
 
 
+def _is_id(b: object) -> bool:
+    return isinstance(b, int) and not isinstance(b, bool) and b >= 0
+
+
+def _groups(rid: str, blocks: object) -> tuple[tuple[int, ...], ...]:
+    """Block ids per KV cache group: vLLM sends a list per group (a flat list is
+    one group)."""
+    expected = "block ids >= 0: a list per KV cache group, or one flat list"
+    if not isinstance(blocks, (list, tuple)):
+        raise ParamsError(rid, "remote_block_ids", blocks, expected)
+    if all(_is_id(b) for b in blocks):
+        return (tuple(blocks),)
+    if all(isinstance(g, (list, tuple)) and all(_is_id(b) for b in g) for g in blocks):
+        return tuple(tuple(g) for g in blocks)
+    raise ParamsError(rid, "remote_block_ids", blocks, expected)
+
+
 @attrs.frozen
 class TransferParams:
     """Decode's view of where a request's KV is: prefill's engine, address,
@@ -75,7 +92,8 @@ class TransferParams:
     host: str
     port: int
     tp_size: int
-    block_ids: tuple[int, ...]
+    #: prefill's blocks per KV cache group (one group: a model of one attention kind)
+    block_ids: tuple[tuple[int, ...], ...]
 
     #: the keys :meth:`from_params` needs (besides ``do_remote_prefill``)
     KEYS = (
@@ -101,11 +119,7 @@ class TransferParams:
         for key in cls.KEYS:
             if key not in params:
                 raise ParamsError(request_id, key, None, "a value (prefill's answer lacks it)")
-        blocks = params["remote_block_ids"]
-        if not isinstance(blocks, (list, tuple)) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks
-        ):
-            raise ParamsError(request_id, "remote_block_ids", blocks, "a list of block ids >= 0")
+        blocks = _groups(request_id, params["remote_block_ids"])
         return cls(
             room=_int(request_id, params, "pdlife_room", 1, MAX_ROOM),
             epoch=_int(
@@ -120,7 +134,7 @@ class TransferParams:
             host=_text(request_id, params, "remote_host"),
             port=_int(request_id, params, "remote_port", 1, 65535),
             tp_size=_int(request_id, params, "tp_size", 1, 1 << 16),
-            block_ids=tuple(blocks),
+            block_ids=blocks,
         )
 
     @staticmethod
@@ -132,14 +146,14 @@ class TransferParams:
         host: str,
         port: int,
         tp_size: int,
-        block_ids: list[int],
+        block_ids: Sequence[Sequence[int]],
     ) -> dict[str, Any]:
         """Prefill's answer in ``request_finished``: the params decode's request
         carries (vLLM's keys, then this connector's)."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": [list(g) for g in block_ids],
             "remote_engine_id": engine_id,
             "remote_request_id": request_id,
             "remote_host": host,

@@ -13,15 +13,24 @@ GOOD = TransferParams.answer(
     host="127.0.0.1",
     port=5600,
     tp_size=2,
-    block_ids=[4, 5, 9],
+    block_ids=[[4, 5, 9]],
 )
 
 
 def test_prefills_answer_is_read_back_whole():
     p = TransferParams.from_params("cmpl-1-d", dict(GOOD))
-    assert p == TransferParams(77, 1, "prefill-engine", "cmpl-1-p", "127.0.0.1", 5600, 2, (4, 5, 9))
+    assert p == TransferParams(
+        77, 1, "prefill-engine", "cmpl-1-p", "127.0.0.1", 5600, 2, ((4, 5, 9),)
+    )
     # vLLM's own keys, so its proxy copies them unchanged
     assert GOOD["do_remote_prefill"] is True and GOOD["do_remote_decode"] is False
+
+
+def test_block_ids_per_group_or_one_flat_list():
+    two = {**GOOD, "remote_block_ids": [[1, 2], [7]]}
+    assert TransferParams.from_params("r", two).block_ids == ((1, 2), (7,))
+    flat = {**GOOD, "remote_block_ids": [3, 4]}
+    assert TransferParams.from_params("r", flat).block_ids == ((3, 4),)
 
 
 def test_params_that_ask_no_load_give_none():
@@ -57,6 +66,8 @@ def test_a_missing_key_is_named(key):
         ("remote_block_ids", [1, -2]),
         ("remote_block_ids", "4,5"),
         ("remote_block_ids", [1.0]),
+        ("remote_block_ids", [[1], 2]),
+        ("remote_block_ids", [[1], [-2]]),
     ],
 )
 def test_a_malformed_value_is_named_with_the_request(key, value):
