@@ -41,6 +41,9 @@ class Ended:
     succeeded: frozenset[str] = frozenset()
     #: request id -> the agreed failure (reason, origin rank, attempt, decision)
     failed: Mapping[str, Failure] = attrs.field(factory=dict)
+    #: request ids every worker now reports WaitingForInput (decode: handshaken,
+    #: say where to write; prefill: every page list in, hand over the pages)
+    ready: frozenset[str] = frozenset()
 
     @property
     def ids(self) -> frozenset[str]:
@@ -99,16 +102,18 @@ class WorkerAgreement:
         res: StepResult = self.stepper.step(self.collective)
         if res.changed.size == 0:
             return Ended()
-        ended = res.changed[
-            (res.statuses[res.changed] == KVPoll.Success)
-            | (res.statuses[res.changed] == KVPoll.Failed)
-        ]
+        now = res.statuses[res.changed]
+        ready = frozenset(
+            self._ids[int(r)]
+            for r in res.rooms[res.changed[now == KVPoll.WaitingForInput]].tolist()
+        )
+        ended = res.changed[(now == KVPoll.Success) | (now == KVPoll.Failed)]
         if ended.size == 0:
-            return Ended()
+            return Ended(ready=ready)
         failed = {self._ids[f.room]: f for f in res.failures()}
         rooms = res.rooms[ended]
         succeeded = frozenset(self._ids[int(r)] for r in rooms.tolist()) - failed.keys()
         self.table.remove_many(np.asarray(rooms, dtype=np.uint64))
         for r in rooms.tolist():
             self._rooms.pop(self._ids.pop(int(r)))
-        return Ended(succeeded, failed)
+        return Ended(succeeded, failed, ready)

@@ -233,6 +233,53 @@ def test_a_retried_room_hears_only_its_own_attempt(sim):
     _move(net, s1, r1, pkv, dkv, [2, 3], [6, 7], 3, pmeta)  # handshake, pages, Success, bytes
 
 
+@pytest.mark.parametrize("superseded", [True, False])
+def test_a_register_of_an_attempt_prefill_moved_past_is_told_it_failed(
+    sim, superseded, monkeypatch
+):
+    """Prefill gave up attempt 0 of room 79 and cleared it before decode's attempt 0
+    registered (decode had not asked yet): attempt 1 is live there. Decode's
+    register of attempt 0 is answered "failed" (a reason a new attempt can cure),
+    so decode moves on to attempt 1 instead of waiting out its timeout. The
+    negative control drops the answer: decode waits."""
+    from transport.connector.core import machine
+
+    if not superseded:
+        monkeypatch.setattr(machine.ConnectorCore, "_arrived", _arrived_without_answer)
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
+    s0 = p.sender(79)
+    s0.fail(FailureReason.BOOTSTRAP_TIMEOUT)
+    settle(net, lambda: s0.drained, "attempt 0 drained on prefill")
+    s0.clear()
+    s1 = p.sender(79, epoch=1)
+    r0 = d.receiver(79)
+    r0.init()
+    told = net.run(lambda: r0.poll() == KVPoll.Failed, 1.0)
+    assert told is superseded
+    if superseded:
+        assert r0.failure_reason() == machine.SUPERSEDED == FailureReason.TRANSFER_ERROR
+        assert p.core.stats["stale_epoch"] >= 1
+        r0.clear()
+        r1 = d.receiver(79, epoch=1)
+        r1.init()
+        settle(net, lambda: handshaken(s1), "attempt 1 handshake")
+
+
+def _arrived_without_answer(self, msg):
+    """ConnectorCore._arrived as it was: a stale word is dropped unanswered."""
+    from transport.attempts import Route
+    from transport.connector.core import liveness
+
+    liveness.heard(self, msg.peer)
+    route, req, reason = self.attempts.route(msg.room, msg.epoch, msg)
+    if route is Route.LATE:
+        self.side.late(msg, reason)
+    elif route is Route.DELIVER and req is not None:
+        self.side.on_message(req, msg)
+
+
 def test_control_a_completion_naming_the_live_attempt_is_applied(sim):
     net, _, d, _, r = _past_handshake(sim, 78, epoch=2)
     r.send_metadata([5], 2)

@@ -60,7 +60,7 @@ from transport.connector.core.events import (
 )
 from transport.connector.core.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.connector.core.legs import Request, describe
-from transport.connector.core.messages import Incoming, Message
+from transport.connector.core.messages import Incoming, Message, Register
 from transport.connector.core.side import Side
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
@@ -71,6 +71,10 @@ __all__ = ["ConnectorCore", "STATS", "DIGEST_STATS"]
 
 S, F = int(KVPoll.Success), int(KVPoll.Failed)
 logger = logging.getLogger(__name__)
+
+#: the reason a register of an attempt this rank has moved past is answered with
+#: (one a new attempt can cure: the peer moves on to the next attempt)
+SUPERSEDED = FailureReason.TRANSFER_ERROR
 
 R = TypeVar("R", bound="Request[Any]")
 
@@ -389,6 +393,11 @@ class ConnectorCore(StatusArrays):
         self.stats["stale_epoch"] = self.attempts.stale
         if route is Route.STALE:  # an older attempt's word, that attempt gone: never applied
             logger.debug("room=%s: %s of another attempt refused", msg.room, msg.msg.KIND)
+            if isinstance(msg.msg, Register):
+                # a peer still on an attempt this rank has moved past: nothing of it was
+                # or will be written here (it was drained and cleared, or never held), so
+                # it is told it failed, with a reason that lets it move to the next one
+                self.side.late(msg, SUPERSEDED)
         elif route is Route.LATE:  # released here: the side answers what needs an answer
             self.side.late(msg, reason)
         elif req is not None:

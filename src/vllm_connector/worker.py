@@ -1,0 +1,176 @@
+"""The worker side of the vLLM connector: each step's loads and sends started
+on this worker's connector, ``get_finished`` answered from the group.
+
+:class:`WorkerSide` takes the scheduler's :class:`~vllm_connector.scheduler.Meta`
+and this worker's connector (anything that hands out the connector's
+handles: :class:`Handles`), and keeps every transfer in a
+:class:`~vllm_connector.agreement.WorkerAgreement`. Each :meth:`WorkerSide.finished`
+steps the group once; then, on every worker alike:
+
+- a transfer every worker sees handshaken is handed its pages (decode says
+  where to write; prefill hands over the pages decode's list names);
+- a transfer that ended is reported once its pages are drained (no write of it
+  can land any more), never before: vLLM reuses the blocks it is told of.
+  A load that failed also reports its blocks as load errors, so vLLM's
+  scheduler recomputes or fails the request as its ``kv_load_failure_policy``
+  says;
+- a failure the recovery table retries starts the next attempt (epoch + 1,
+  the same blocks) on both sides, unseen by vLLM: the old attempt's writes are
+  fenced by its epoch;
+- a load the scheduler gave up while in flight is aborted, and reported as
+  sent (the blocks vLLM held for it may be freed) once drained.
+
+Only vLLM's one-group KV (a model of one attention kind) is moved; a request
+whose blocks span several KV cache groups is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import numpy as np
+from numpy.typing import NDArray
+
+from lifecycle import Role
+from lifecycle.rules.recovery import Action
+from transport.connector.handles import ConnectorReceiver, ConnectorSender
+from vllm_connector.agreement import WorkerAgreement
+from vllm_connector.params import ParamsError
+from vllm_connector.scheduler import Meta
+
+__all__ = ["Handles", "Report", "WorkerSide"]
+
+
+class Handles(Protocol):
+    """What the worker side asks of its connector: the handles of an attempt."""
+
+    def sender(self, room: int, epoch: int = 0) -> ConnectorSender: ...
+
+    def receiver(self, room: int, epoch: int = 0) -> ConnectorReceiver: ...
+
+
+@attrs.frozen
+class Report:
+    """What ``get_finished`` and ``get_block_ids_with_load_errors`` answer."""
+
+    #: prefill sends ended, and aborted loads drained: vLLM may free their blocks
+    sending: frozenset[str] = frozenset()
+    #: loads ended (succeeded or failed)
+    recving: frozenset[str] = frozenset()
+    #: the blocks of the loads that failed
+    load_errors: frozenset[int] = frozenset()
+
+
+@attrs.define
+class _Transfer:
+    room: int
+    epoch: int
+    role: Role
+    pages: NDArray[np.int64]
+    handle: ConnectorSender | ConnectorReceiver
+    aborted: bool = False
+
+
+@attrs.frozen
+class _Ending:
+    request_id: str
+    transfer: _Transfer
+    failed: bool
+    #: False: an attempt the next one replaced, nothing to tell vLLM
+    tell: bool = True
+
+
+def _pages(request_id: str, block_ids: tuple[tuple[int, ...], ...]) -> NDArray[np.int64]:
+    if len(block_ids) != 1:
+        raise ParamsError(
+            request_id,
+            "remote_block_ids",
+            [list(g) for g in block_ids],
+            "the blocks of one KV cache group (models of several attention kinds are "
+            "not moved by this connector yet)",
+        )
+    return np.asarray(block_ids[0], dtype=np.int64)
+
+
+class WorkerSide:
+    """One worker's transfers (see the module)."""
+
+    def __init__(self, handles: Handles, agreement: WorkerAgreement) -> None:
+        self.handles = handles
+        self.agreement = agreement
+        self.live: dict[str, _Transfer] = {}
+        #: ended, waiting for their pages to drain
+        self.ending: list[_Ending] = []
+
+    def start(self, meta: Meta) -> None:
+        """Start the step's loads and sends; abort the loads it gives up. Every
+        request is checked before any is started."""
+        planned = {rid: _pages(rid, x.block_ids) for rid, x in meta.loads.items()}
+        planned |= {rid: _pages(rid, x.block_ids) for rid, x in meta.sends.items()}
+        for rid in planned:
+            if rid in self.live:
+                raise ParamsError(rid, "", "started twice", "one transfer per request at a time")
+        for rid, load in meta.loads.items():
+            self._begin(rid, load.room, load.epoch, Role.RECEIVER, planned[rid])
+        for rid, send in meta.sends.items():
+            self._begin(rid, send.room, send.epoch, Role.SENDER, planned[rid])
+        for rid in meta.aborts:
+            t = self.live.get(rid)
+            if t is not None and not t.aborted:
+                t.aborted = True
+                t.handle.abort()
+                self.agreement.abort(rid)
+
+    def _begin(self, rid: str, room: int, epoch: int, role: Role, pages: NDArray[np.int64]) -> None:
+        h: ConnectorSender | ConnectorReceiver
+        if role is Role.RECEIVER:
+            r = h = self.handles.receiver(room, epoch)
+            r.init()
+        else:
+            h = self.handles.sender(room, epoch)
+        self.live[rid] = _Transfer(room, epoch, role, pages, h)
+        self.agreement.add(rid, room, h.index, role, epoch)
+
+    def finished(self) -> Report:
+        """Step the group once; what ended and drained since the last call."""
+        ended = self.agreement.step()
+        for rid in sorted(ended.ready):
+            t = self.live[rid]
+            if isinstance(t.handle, ConnectorReceiver):
+                t.handle.send_metadata(t.pages, -1)
+            else:
+                t.handle.init(int(t.pages.size))
+                t.handle.send(t.pages)
+        for rid in sorted(ended.succeeded):
+            self.ending.append(_Ending(rid, self.live.pop(rid), failed=False))
+        for rid, f in sorted(ended.failed.items()):
+            t = self.live.pop(rid)
+            retried = f.action is Action.RETRY and not t.aborted
+            # a retried attempt drains unseen while the next one runs (fenced by its epoch)
+            self.ending.append(_Ending(rid, t, failed=True, tell=not retried))
+            if retried:
+                self._begin(rid, t.room, t.epoch + 1, t.role, t.pages)
+        return self._drained()
+
+    def _drained(self) -> Report:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        errors: set[int] = set()
+        keep = []
+        for e in self.ending:
+            t = e.transfer
+            if not t.handle.drained:
+                keep.append(e)
+                continue
+            t.handle.clear()
+            if not e.tell:
+                continue
+            if t.role is Role.SENDER or t.aborted:
+                sending.add(e.request_id)
+            else:
+                recving.add(e.request_id)
+                if e.failed:
+                    errors.update(t.pages.tolist())
+        self.ending = keep
+        return Report(frozenset(sending), frozenset(recving), frozenset(errors))

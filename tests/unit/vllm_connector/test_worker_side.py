@@ -1,0 +1,135 @@
+"""The vLLM connector's two sides end to end on the simulated network (no vLLM,
+no socket): prefill's scheduler holds a finished request's blocks, decode's
+loads them, the workers move the bytes, and each side reports the request to
+vLLM once, only when its pages are drained."""
+
+import numpy as np
+import pytest
+import torch
+
+from lifecycle import FailureReason, SingleRank, StepConfig
+from lifecycle.rules.recovery import DEFAULT_RECOVERY, FAIL_ALL
+from support.simcases import pair
+from transport.testing.simnet import Faults
+from vllm_connector.agreement import WorkerAgreement
+from vllm_connector.scheduler import Meta, Phase, SchedulerCore
+from vllm_connector.worker import Report, WorkerSide
+
+SRC, DST = [[3, 4, 5]], [[6, 1, 7]]
+
+
+def setup(seed=0, recovery=FAIL_ALL, **net):
+    n, sides = pair(seed, **net)
+    (p, pkv, _), (d, dkv, _) = sides["prefill"], sides["decode"]
+    pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
+    cfg = StepConfig(recovery=recovery)
+    w = {
+        "prefill": WorkerSide(p, WorkerAgreement(0, p.core, SingleRank(), cfg)),
+        "decode": WorkerSide(d, WorkerAgreement(0, d.core, SingleRank(), cfg)),
+    }
+    s = {r: SchedulerCore(f"{r}-0", "127.0.0.1", 5600, 1) for r in w}
+    return n, (p, pkv), (d, dkv), w, s
+
+
+def hand_over(s, w, prefix_computed=0):
+    """Prefill finishes the request and holds its blocks; the router copies the
+    params into decode's request, which loads them."""
+    held, params = s["prefill"].finished("req-p", {"do_remote_decode": True}, SRC, normal=True)
+    assert held
+    w["prefill"].start(s["prefill"].build_meta())
+    n, load_async = s["decode"].matched("req-d", params, 3, prefix_computed)
+    assert (n, load_async) == (3, True)
+    s["decode"].allocated("req-d", DST, n)
+    w["decode"].start(s["decode"].build_meta())
+
+
+def run(n, w, s, until, limit=4000):
+    """Step the network and both sides (each worker's get_finished, then the
+    scheduler's update_connector_output) until ``until(reports)``."""
+    got = {r: Report() for r in w}
+    for _ in range(limit):
+        n.step()
+        for r in w:
+            rep = w[r].finished()
+            s[r].workers_report(set(rep.sending), set(rep.recving))
+            got[r] = Report(
+                got[r].sending | rep.sending,
+                got[r].recving | rep.recving,
+                got[r].load_errors | rep.load_errors,
+            )
+        if until(got):
+            return got
+    raise AssertionError(f"not within {limit} steps: {got}")
+
+
+def test_a_load_moves_every_byte_and_each_side_reports_once():
+    n, (p, pkv), (d, dkv), w, s = setup()
+    hand_over(s, w)
+    got = run(n, w, s, lambda g: g["prefill"].sending and g["decode"].recving)
+    assert got["decode"] == Report(recving=frozenset({"req-d"}))
+    assert got["prefill"] == Report(sending=frozenset({"req-p"}))
+    assert torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
+    assert s["prefill"].reqs == {} == s["decode"].reqs
+    # nothing is reported again
+    more = run(n, w, s, lambda g: True)
+    assert more == {"prefill": Report(), "decode": Report()}
+
+
+def test_an_abort_in_flight_holds_the_blocks_until_drained():
+    # writes take long: decode's scheduler gives up while they are in flight
+    n, _, (d, dkv), w, s = setup(faults=Faults(write_delay=(0.5, 0.5)))
+    hand_over(s, w)
+    run(
+        n,
+        w,
+        s,
+        lambda g: (
+            s["prefill"].phase("req-p") is Phase.SENDING
+            and d.core.reqs
+            and any(r.tokens for r in n.ranks["prefill", 0].core.reqs.values())
+        ),
+    )
+    held, _ = s["decode"].finished("req-d", None, DST, normal=False)
+    assert held and s["decode"].phase("req-d") is Phase.DRAINING
+    w["decode"].start(s["decode"].build_meta())
+    got = run(n, w, s, lambda g: g["decode"].sending and g["prefill"].sending)
+    # reported as sent (its blocks may be freed) only when no write can land
+    assert got["decode"].sending == {"req-d"} and not got["decode"].recving
+    assert s["decode"].reqs == {}
+
+
+def test_a_failed_load_reports_its_blocks_as_load_errors():
+    n, (p, _), _, w, s = setup()
+    hand_over(s, w)
+    p.core.fail(next(iter(p.core.reqs.values())), FailureReason.TRANSFER_ERROR)
+    got = run(n, w, s, lambda g: g["decode"].recving and g["prefill"].sending)
+    assert got["decode"].load_errors == {6, 1, 7}
+
+
+def test_a_retried_failure_starts_the_next_attempt_unseen_by_vllm():
+    n, (p, pkv), (d, dkv), w, s = setup(recovery=DEFAULT_RECOVERY)
+    hand_over(s, w)
+    first = next(iter(p.core.reqs.values()))
+    p.core.fail(first, FailureReason.TRANSFER_ERROR)  # retryable: a second attempt
+    got = run(n, w, s, lambda g: g["decode"].recving and g["prefill"].sending)
+    assert got["decode"] == Report(recving=frozenset({"req-d"}))  # no load error
+    assert torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
+    assert {t.epoch for t in w["decode"].live.values()} == set()
+
+
+def test_blocks_of_several_kv_cache_groups_are_refused_by_name():
+    _, _, _, w, _ = setup()
+    from vllm_connector.params import ParamsError
+    from vllm_connector.scheduler import Send
+
+    meta = Meta(sends={"r": Send(5, 0, ((1,), (2,)))})
+    with pytest.raises(ParamsError, match="one KV cache group"):
+        w["prefill"].start(meta)
+    assert w["prefill"].live == {}
+
+
+def test_the_bytes_would_differ_without_the_transfer():
+    """Negative control: the check above can fail (decode's pages start apart)."""
+    _, (p, pkv), (d, dkv), _, _ = setup()
+    assert not torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
+    assert np.array_equal(np.asarray(SRC[0]), [3, 4, 5])
