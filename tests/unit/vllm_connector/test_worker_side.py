@@ -108,13 +108,23 @@ def test_a_failed_load_reports_its_blocks_as_load_errors():
 
 def test_a_retried_failure_starts_the_next_attempt_unseen_by_vllm():
     n, (p, pkv), (d, dkv), w, s = setup(recovery=DEFAULT_RECOVERY)
+    epochs = {"sender": [], "receiver": []}
+    for role, rank in (("sender", p), ("receiver", d)):
+        make = getattr(rank, role)
+
+        def record(room, epoch=0, make=make, seen=epochs[role]):
+            seen.append(epoch)
+            return make(room, epoch)
+
+        setattr(rank, role, record)
     hand_over(s, w)
     first = next(iter(p.core.reqs.values()))
     p.core.fail(first, FailureReason.TRANSFER_ERROR)  # retryable: a second attempt
     got = run(n, w, s, lambda g: g["decode"].recving and g["prefill"].sending)
     assert got["decode"] == Report(recving=frozenset({"req-d"}))  # no load error
     assert torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
-    assert {t.epoch for t in w["decode"].live.values()} == set()
+    assert epochs == {"sender": [0, 1], "receiver": [0, 1]}  # both sides moved on
+    assert w["decode"].live == {} == w["prefill"].live and not w["decode"].ending
 
 
 def test_blocks_of_several_kv_cache_groups_are_refused_by_name():
