@@ -52,6 +52,7 @@ class Setting:
 #: every key a user may set (the table the parser executes)
 SETTINGS: tuple[Setting, ...] = (
     Setting("backend", None, "the transfer backend's name (default 'mooncake')"),
+    Setting("side", None, "'prefill' or 'decode' (default: from kv_role; needed for kv_both)"),
     Setting("store_host", "store_host", "the rendezvous store's host (default: kv_ip)"),
     Setting("store_port", "store_port", "the rendezvous store's port (default: kv_port)"),
     Setting("namespace", "namespace", "prefix of every store key (one per P/D deployment)"),
@@ -89,6 +90,8 @@ class ExtraConfig:
     backend: str
     fields: Mapping[str, Any]
     recovery: RecoveryTable
+    #: the connector's role on this engine: "prefill" or "decode"
+    side: str = "decode"
 
     @classmethod
     def parse(
@@ -97,6 +100,7 @@ class ExtraConfig:
         kv_ip: str = "127.0.0.1",
         kv_port: int = 14579,
         kv_load_failure_policy: str = "fail",
+        kv_role: str = "kv_consumer",
     ) -> ExtraConfig:
         """Check every key of ``extra`` (vLLM's ``kv_connector_extra_config``) and
         build the settings; the first refusal names its key."""
@@ -118,7 +122,8 @@ class ExtraConfig:
         fields = {"store_host": kv_ip, "store_port": kv_port}
         fields |= {s.field: extra[s.key] for s in SETTINGS if s.field and s.key in extra}
         _probe(fields, extra)
-        return cls(backend, fields, _recovery(extra, kv_load_failure_policy))
+        side = _side(extra, kv_role)
+        return cls(backend, fields, _recovery(extra, kv_load_failure_policy), side)
 
     def connector(self, role: str, tp_rank: int, tp_size: int, **more: Any) -> ConnectorConfig:
         """This rank's ConnectorConfig: the settings, its place, and what the
@@ -145,6 +150,25 @@ def _probe(fields: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
         if key in _BY_KEY:
             raise err((key,), e.value, e.allowed) from None
         raise ConfigError(key, e.value, e.allowed, "KVTransferConfig") from None
+
+
+#: the side each of vLLM's kv_role values stands for (kv_both: the "side" key says)
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": None}
+
+
+def _side(extra: Mapping[str, Any], kv_role: str) -> str:
+    if kv_role not in ROLES:
+        raise ConfigError("kv_role", kv_role, ", ".join(map(repr, ROLES)), "KVTransferConfig")
+    side = extra.get("side", ROLES[kv_role])
+    if side is None:
+        raise ExtraConfigError(
+            ("side",), None, "'prefill' or 'decode': with kv_role 'kv_both' this engine's side"
+        )
+    if side not in ("prefill", "decode") or (ROLES[kv_role] not in (None, side)):
+        raise (ExtraConfigError if isinstance(side, str) else ExtraConfigTypeError)(
+            ("side",), side, f"'prefill' or 'decode', matching kv_role {kv_role!r}"
+        )
+    return str(side)
 
 
 def _recovery(extra: Mapping[str, Any], policy: str) -> RecoveryTable:

@@ -26,6 +26,7 @@ def test_defaults_follow_vllms_own_settings():
 def test_every_key_is_taken_and_reaches_the_connector_config():
     extra = {
         "backend": "nixl",
+        "side": "decode",
         "store_host": "127.0.0.1",
         "store_port": 4000,
         "namespace": "pd-a",
@@ -97,6 +98,9 @@ BAD = [
         "retry",
     ),
     ({"recovery": {"aborted": "retry"}}, ExtraConfigError, f'{OWNER}["recovery"]', "abort"),
+    ({"side": "middle"}, ExtraConfigError, f'{OWNER}["side"]', "prefill"),
+    ({"side": 1}, ExtraConfigTypeError, f'{OWNER}["side"]', "prefill"),
+    ({"side": "prefill"}, ExtraConfigError, f'{OWNER}["side"]', "kv_consumer"),
     ({"max_attempts": 0}, ExtraConfigError, f'{OWNER}["max_attempts"]', "1..32767"),
     ({"max_attempts": "3"}, ExtraConfigTypeError, f'{OWNER}["max_attempts"]', "1..32767"),
     ({"max_attempts": True}, ExtraConfigTypeError, f'{OWNER}["max_attempts"]', "1..32767"),
@@ -113,6 +117,16 @@ def test_a_bad_value_is_refused_naming_its_key_and_nothing_is_taken(extra, kind,
     assert hint in msg and "nothing was started" in msg
     assert isinstance(e.value, ConfigError) and isinstance(e.value, ValueError)
     assert extra == before
+
+
+def test_the_side_follows_kv_role_and_kv_both_must_name_it():
+    assert ExtraConfig.parse({}, kv_role="kv_producer").side == "prefill"
+    assert ExtraConfig.parse({}, kv_role="kv_consumer").side == "decode"
+    assert ExtraConfig.parse({"side": "prefill"}, kv_role="kv_both").side == "prefill"
+    with pytest.raises(ExtraConfigError, match=r'\["side"\].*kv_both'):
+        ExtraConfig.parse({}, kv_role="kv_both")
+    with pytest.raises(ConfigError, match=r"^KVTransferConfig\.kv_role"):
+        ExtraConfig.parse({}, kv_role="kv_lender")
 
 
 def test_vllms_own_settings_are_named_as_vllms():
