@@ -6,7 +6,8 @@ that is not there is refused with the list of those that are. A key that
 sets a :class:`~transport.connector.config.ConnectorConfig` field is checked
 by that field's own validator (one rule, wherever the field is set), and its
 refusal is reported under the key the user wrote. The rendezvous defaults to
-vLLM's own ``kv_ip`` and ``kv_port``; the recovery table, when none is given,
+vLLM's own ``kv_port`` on 127.0.0.1 (vLLM 0.34 has no ``kv_ip``: a store on
+another host is ``store_host``); the recovery table, when none is given,
 follows vLLM's ``kv_load_failure_policy`` ("recompute": what a new attempt
 could cure is recomputed locally; "fail": every failure ends the request).
 
@@ -53,7 +54,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("backend", None, "the transfer backend's name (default 'mooncake')"),
     Setting("side", None, "'prefill' or 'decode' (default: from kv_role; needed for kv_both)"),
-    Setting("store_host", "store_host", "the rendezvous store's host (default: kv_ip)"),
+    Setting("store_host", "store_host", "the rendezvous store's host (default 127.0.0.1)"),
     Setting("store_port", "store_port", "the rendezvous store's port (default: kv_port)"),
     Setting("namespace", "namespace", "prefix of every store key (one per P/D deployment)"),
     Setting("bootstrap_timeout", "bootstrap_timeout", "seconds a handshake may take, or null"),

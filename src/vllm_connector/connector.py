@@ -74,7 +74,7 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
         kt = vllm_config.kv_transfer_config
         self.settings = ExtraConfig.parse(
             kt.kv_connector_extra_config,
-            kv_ip=kt.kv_ip,
+            kv_ip=str(getattr(kt, "kv_ip", "127.0.0.1")),  # (0.34 has no kv_ip: store_host)
             kv_port=kt.kv_port,
             kv_load_failure_policy=kt.kv_load_failure_policy,
             kv_role=kt.kv_role,
@@ -86,7 +86,8 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.manager: Any = None
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerCore(self.engine_id, kt.kv_ip, kt.kv_port, self.tp_size)
+            host, port = self.settings.fields["store_host"], self.settings.fields["store_port"]
+            self.scheduler = SchedulerCore(self.engine_id, host, port, self.tp_size)
 
     # -- scheduler side -------------------------------------------------------------------------
     def _core(self) -> SchedulerCore:
@@ -177,6 +178,20 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
         report = self._worker().finished()
         self._load_errors |= report.load_errors
         return set(report.sending) or None, set(report.recving) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Sends ended, loads ended, and the loads that failed by request id."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        report = self._worker().finished()
+        self._load_errors |= report.load_errors
+        return KVConnectorTransferResults(
+            finished_sending=set(report.sending),
+            finished_recving=set(report.recving),
+            failed_recving=set(report.failed),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

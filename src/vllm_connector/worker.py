@@ -60,6 +60,8 @@ class Report:
     recving: frozenset[str] = frozenset()
     #: the blocks of the loads that failed
     load_errors: frozenset[int] = frozenset()
+    #: the loads that failed (also in ``recving``), by request id
+    failed: frozenset[str] = frozenset()
 
 
 @attrs.define
@@ -157,6 +159,7 @@ class WorkerSide:
         sending: set[str] = set()
         recving: set[str] = set()
         errors: set[int] = set()
+        failed: set[str] = set()
         keep = []
         for e in self.ending:
             t = e.transfer
@@ -172,5 +175,6 @@ class WorkerSide:
                 recving.add(e.request_id)
                 if e.failed:
                     errors.update(t.pages.tolist())
+                    failed.add(e.request_id)
         self.ending = keep
-        return Report(frozenset(sending), frozenset(recving), frozenset(errors))
+        return Report(frozenset(sending), frozenset(recving), frozenset(errors), frozenset(failed))

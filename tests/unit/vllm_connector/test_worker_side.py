@@ -56,6 +56,7 @@ def run(n, w, s, until, limit=4000):
                 got[r].sending | rep.sending,
                 got[r].recving | rep.recving,
                 got[r].load_errors | rep.load_errors,
+                got[r].failed | rep.failed,
             )
         if until(got):
             return got
@@ -103,7 +104,7 @@ def test_a_failed_load_reports_its_blocks_as_load_errors():
     hand_over(s, w)
     p.core.fail(next(iter(p.core.reqs.values())), FailureReason.TRANSFER_ERROR)
     got = run(n, w, s, lambda g: g["decode"].recving and g["prefill"].sending)
-    assert got["decode"].load_errors == {6, 1, 7}
+    assert got["decode"].load_errors == {6, 1, 7} and got["decode"].failed == {"req-d"}
 
 
 def test_a_retried_failure_starts_the_next_attempt_unseen_by_vllm():
