@@ -34,6 +34,8 @@ from transport.registry import known_backends
 __all__ = ["SETTINGS", "ExtraConfig", "ExtraConfigError", "ExtraConfigTypeError"]
 
 OWNER = "kv_connector_extra_config"
+#: backends a vLLM engine cannot load KV through, and why
+NOT_FOR_VLLM = {"fake": "moves no bytes: decode would run on KV nobody wrote"}
 #: vLLM's kv_load_failure_policy values, and the recovery preset each stands for
 POLICIES = {"recompute": "recompute", "fail": "fail"}
 RECOVERY_WORDS = ("fail", "recompute", "retry")
@@ -52,7 +54,7 @@ class Setting:
 
 #: every key a user may set (the table the parser executes)
 SETTINGS: tuple[Setting, ...] = (
-    Setting("backend", None, "the transfer backend's name (default 'mooncake')"),
+    Setting("backend", None, "the transfer backend's name (default 'mooncake'; not 'fake')"),
     Setting("side", None, "'prefill' or 'decode' (default: from kv_role; needed for kv_both)"),
     Setting("store_host", "store_host", "the rendezvous store's host (default 127.0.0.1)"),
     Setting("store_port", "store_port", "the rendezvous store's port (default: kv_port)"),
@@ -115,7 +117,7 @@ class ExtraConfig:
                     (str(key),), extra[key], f"a known key: {', '.join(s.key for s in SETTINGS)}"
                 )
         backend = extra.get("backend", "mooncake")
-        known = known_backends()
+        known = [b for b in known_backends() if b not in NOT_FOR_VLLM]
         if not isinstance(backend, str):
             raise ExtraConfigTypeError(("backend",), backend, f"one of {', '.join(known)}")
         if backend not in known:

@@ -72,6 +72,7 @@ BAD = [
     ({"bogus": 1}, ExtraConfigError, f'{OWNER}["bogus"]', "known key"),
     ({"backend": "carrier-pigeon"}, ExtraConfigError, f'{OWNER}["backend"]', "mooncake"),
     ({"backend": 3}, ExtraConfigTypeError, f'{OWNER}["backend"]', "mooncake"),
+    ({"backend": "fake"}, ExtraConfigError, f'{OWNER}["backend"]', "nixl"),
     ({"store_port": 0}, ExtraConfigError, f'{OWNER}["store_port"]', "65535"),
     ({"store_port": "4000"}, ExtraConfigTypeError, f'{OWNER}["store_port"]', "integer"),
     ({"store_host": ""}, ExtraConfigError, f'{OWNER}["store_host"]', ""),
