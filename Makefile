@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= dev,plot,mooncake,nixl,metrics
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-test
+.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-test vllm-env vllm-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +110,37 @@ field-test: field-env
 	$(FIELD_PY) -m compileall -q -j 0 src tests
 	$(FIELD_PY) -m pytest -q -p no:cacheprovider tests/field
 
+# A third venv with the real vLLM 0.34.0, for the tests in tests/vllm: torch
+# 2.14.1 (the CUDA build of .venv-field, running on the CPU), vllm without its
+# serving stack, and this project with extras dev,mooncake,nixl. Not
+# .venv-field: vLLM and SGLang pin tokenizers, xgrammar, compressed-tensors
+# and openai at versions the other refuses (docs/vllm-env.md). Built the same
+# way: every package pinned in vllm-env/requirements.txt, installed with
+# --no-deps through vllm-env/constraints.txt, then vllm-env/check_env.py.
+VLLM_PYTHON ?= $(FIELD_PYTHON)
+VLLM_VENV   ?= .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_STAMP  := $(VLLM_VENV)/.installed-stamp
+VLLM_FILES  := vllm-env/requirements.txt vllm-env/constraints.txt vllm-env/check_env.py
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_FILES)
+	@$(VLLM_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
+	  { echo "make: $(VLLM_VENV) needs CPython 3.11 (the pinned torch 2.14.1 wheel is cp311): make vllm-env VLLM_PYTHON=python3.11"; exit 1; }
+	rm -rf $(VLLM_VENV)
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-deps -c vllm-env/constraints.txt -r vllm-env/requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps -c vllm-env/constraints.txt -e ".[dev,mooncake,nixl]"
+	$(VLLM_PY) vllm-env/check_env.py
+	touch $(VLLM_STAMP)
+
+vllm-env: sysdeps $(VLLM_STAMP)
+
+# HF_HUB_OFFLINE: the tests build vLLM's configs from a local config.json and
+# must never reach for the Hugging Face hub (CI has no route to it).
+vllm-test: vllm-env
+	$(VLLM_PY) -m compileall -q -j 0 src tests
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
 clean:
-	rm -rf $(VENV) $(FIELD_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FIELD_VENV) $(VLLM_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
 	find src tests examples -name __pycache__ -prune -exec rm -rf {} +
