@@ -149,3 +149,12 @@ def transfer_output(
     return ModelRunnerOutput.with_kv_conn_output_only(
         KVConnectorOutput(finished_recving=finished_recving, finished_sending=finished_sending)
     )
+
+
+def model_output(scheduler_output: Any, kv: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    """The model runner's output for every request a step scheduled (one sampled
+    token each), with what the workers' connectors reported."""
+    ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[[7] for _ in ids], kv_connector_output=kv
+    )
