@@ -18,7 +18,8 @@ steps the group once; then, on every worker alike:
   the same blocks) on both sides, unseen by vLLM: the old attempt's writes are
   fenced by its epoch;
 - a load the scheduler gave up while in flight is aborted, and reported as
-  sent (the blocks vLLM held for it may be freed) once drained.
+  sent (the blocks vLLM held for it may be freed) once drained; one it gave
+  up after the load ended here (the two crossed) is reported so too.
 
 Only vLLM's one-group KV (a model of one attention kind) is moved; a request
 whose blocks span several KV cache groups is refused by name.
@@ -104,6 +105,9 @@ class WorkerSide:
         self.live: dict[str, _Transfer] = {}
         #: ended, waiting for their pages to drain
         self.ending: list[_Ending] = []
+        #: loads the scheduler gave up after they ended here: reported as sent
+        #: (their blocks freeable) once drained
+        self.freeable: set[str] = set()
 
     def start(self, meta: Meta) -> None:
         """Start the step's loads and sends; abort the loads it gives up. Every
@@ -119,7 +123,9 @@ class WorkerSide:
             self._begin(rid, send.room, send.epoch, Role.SENDER, planned[rid])
         for rid in meta.aborts:
             t = self.live.get(rid)
-            if t is not None and not t.aborted:
+            if t is None:  # it ended here before the scheduler knew: freeable once drained
+                self.freeable.add(rid)
+            elif not t.aborted:
                 t.aborted = True
                 t.handle.abort()
                 self.agreement.abort(rid)
@@ -177,4 +183,8 @@ class WorkerSide:
                     errors.update(t.pages.tolist())
                     failed.add(e.request_id)
         self.ending = keep
+        waiting = {e.request_id for e in keep}
+        done = {rid for rid in self.freeable if rid not in waiting and rid not in self.live}
+        sending |= done
+        self.freeable -= done
         return Report(frozenset(sending), frozenset(recving), frozenset(errors), frozenset(failed))

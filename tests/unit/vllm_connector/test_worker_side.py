@@ -99,6 +99,27 @@ def test_an_abort_in_flight_holds_the_blocks_until_drained():
     assert s["decode"].reqs == {}
 
 
+def test_an_abort_that_crosses_the_loads_end_still_frees_the_blocks():
+    """The workers finished the load, but the scheduler gave the request up before
+    it heard: it holds the blocks until told they are freeable, and is told."""
+    n, _, _, w, s = setup()
+    hand_over(s, w)
+    # the workers' report is not handed to the scheduler: it still thinks it loads
+    for _ in range(4000):
+        n.step()
+        w["prefill"].finished()
+        rep = w["decode"].finished()
+        if rep.recving:
+            break
+    assert rep.recving == {"req-d"} and s["decode"].phase("req-d") is Phase.LOADING
+    held, _ = s["decode"].finished("req-d", None, DST, normal=False)
+    assert held and s["decode"].phase("req-d") is Phase.DRAINING
+    w["decode"].start(s["decode"].build_meta())
+    s["decode"].workers_report(set(), set(rep.recving))  # the crossed report arrives
+    got = run(n, w, s, lambda g: g["decode"].sending)
+    assert got["decode"].sending == {"req-d"} and s["decode"].reqs == {}
+
+
 def test_a_failed_load_reports_its_blocks_as_load_errors():
     n, (p, _), _, w, s = setup()
     hand_over(s, w)
