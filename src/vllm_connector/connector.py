@@ -146,6 +146,7 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
             WorkerAgreement(
                 rank, self.manager, self._collective(), StepConfig(recovery=self.settings.recovery)
             ),
+            page_size=shape.block_size,
         )
 
     def _collective(self) -> Collective:

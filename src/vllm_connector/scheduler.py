@@ -84,6 +84,9 @@ class Load:
     epoch: int
     block_ids: tuple[tuple[int, ...], ...]
     remote: TransferParams
+    #: the prompt's first tokens decode holds already (a local prefix-cache hit,
+    #: whole blocks): their blocks are in ``block_ids`` but are not written
+    skip_tokens: int = 0
 
 
 @attrs.frozen
@@ -124,6 +127,7 @@ class _Req:
     epoch: int = 0
     blocks: tuple[tuple[int, ...], ...] = ()
     remote: TransferParams | None = None
+    skip: int = 0
 
 
 class SchedulerCore:
@@ -168,6 +172,7 @@ class SchedulerCore:
         nxt = self._move(request_id, "match")
         self.reqs.setdefault(request_id, _Req(Phase.ASKED, remote.room, remote.epoch))
         self.reqs[request_id].remote = remote
+        self.reqs[request_id].skip = computed
         self._land(request_id, nxt)
         return count, True
 
@@ -224,7 +229,7 @@ class SchedulerCore:
             nxt = self._move(rid, "meta")
             if r.phase is Phase.PLANNED:
                 assert r.remote is not None
-                loads[rid] = Load(r.room, r.epoch, r.blocks, r.remote)
+                loads[rid] = Load(r.room, r.epoch, r.blocks, r.remote, r.skip)
             else:
                 sends[rid] = Send(r.room, r.epoch, r.blocks)
             self._land(rid, nxt)

@@ -21,7 +21,8 @@ steps the group once; then, on every worker alike:
   sent (the blocks vLLM held for it may be freed) once drained; one it gave
   up after the load ended here (the two crossed) is reported so too.
 
-Only vLLM's one-group KV (a model of one attention kind) is moved; a request
+A local prefix-cache hit on decode (whole blocks) is not written: prefill
+skips those pages. Only vLLM's one-group KV (a model of one attention kind) is moved; a request
 whose blocks span several KV cache groups is refused by name.
 """
 
@@ -73,6 +74,8 @@ class _Transfer:
     pages: NDArray[np.int64]
     handle: ConnectorSender | ConnectorReceiver
     aborted: bool = False
+    #: decode: the prompt's tokens held here already (whole pages, not written)
+    skip: int = 0
 
 
 @attrs.frozen
@@ -99,8 +102,10 @@ def _pages(request_id: str, block_ids: tuple[tuple[int, ...], ...]) -> NDArray[n
 class WorkerSide:
     """One worker's transfers (see the module)."""
 
-    def __init__(self, handles: Handles, agreement: WorkerAgreement) -> None:
+    def __init__(self, handles: Handles, agreement: WorkerAgreement, page_size: int = 1) -> None:
         self.handles = handles
+        #: tokens per page (vLLM's block size)
+        self.page_size = page_size
         self.agreement = agreement
         self.live: dict[str, _Transfer] = {}
         #: ended, waiting for their pages to drain
@@ -118,7 +123,15 @@ class WorkerSide:
             if rid in self.live:
                 raise ParamsError(rid, "", "started twice", "one transfer per request at a time")
         for rid, load in meta.loads.items():
-            self._begin(rid, load.room, load.epoch, Role.RECEIVER, planned[rid])
+            if load.skip_tokens % self.page_size or load.skip_tokens < 0:
+                raise ParamsError(
+                    rid,
+                    "num_computed_tokens",
+                    load.skip_tokens,
+                    f"a whole number of {self.page_size}-token blocks (a prefix-cache hit)",
+                )
+        for rid, load in meta.loads.items():
+            self._begin(rid, load.room, load.epoch, Role.RECEIVER, planned[rid], load.skip_tokens)
         for rid, send in meta.sends.items():
             self._begin(rid, send.room, send.epoch, Role.SENDER, planned[rid])
         for rid in meta.aborts:
@@ -130,14 +143,22 @@ class WorkerSide:
                 t.handle.abort()
                 self.agreement.abort(rid)
 
-    def _begin(self, rid: str, room: int, epoch: int, role: Role, pages: NDArray[np.int64]) -> None:
+    def _begin(
+        self,
+        rid: str,
+        room: int,
+        epoch: int,
+        role: Role,
+        pages: NDArray[np.int64],
+        skip: int = 0,
+    ) -> None:
         h: ConnectorSender | ConnectorReceiver
         if role is Role.RECEIVER:
             r = h = self.handles.receiver(room, epoch)
             r.init()
         else:
             h = self.handles.sender(room, epoch)
-        self.live[rid] = _Transfer(room, epoch, role, pages, h)
+        self.live[rid] = _Transfer(room, epoch, role, pages, h, skip=skip)
         self.agreement.add(rid, room, h.index, role, epoch)
 
     def finished(self) -> Report:
@@ -145,8 +166,10 @@ class WorkerSide:
         ended = self.agreement.step()
         for rid in sorted(ended.ready):
             t = self.live[rid]
-            if isinstance(t.handle, ConnectorReceiver):
-                t.handle.send_metadata(t.pages, -1)
+            if isinstance(t.handle, ConnectorReceiver):  # (a cached prefix is not written)
+                t.handle.send_metadata(
+                    t.pages[t.skip // self.page_size :], -1, decode_prefix_len=t.skip
+                )
             else:
                 t.handle.init(int(t.pages.size))
                 t.handle.send(t.pages)
@@ -158,7 +181,7 @@ class WorkerSide:
             # a retried attempt drains unseen while the next one runs (fenced by its epoch)
             self.ending.append(_Ending(rid, t, failed=True, tell=not retried))
             if retried:
-                self._begin(rid, t.room, t.epoch + 1, t.role, t.pages)
+                self._begin(rid, t.room, t.epoch + 1, t.role, t.pages, t.skip)
         return self._drained()
 
     def _drained(self) -> Report:

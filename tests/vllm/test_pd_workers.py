@@ -66,47 +66,73 @@ def model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_a_request_moves_every_byte_from_prefill_to_decode(model, backend):
+def transfer(p, d, rid, seed):
+    """Request ``rid`` through prefill (its blocks filled with seeded bytes) and
+    decode, until decode runs it: (prefill's blocks, decode's blocks, request)."""
+    preq = make_request(
+        rid, 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    p.sched.add_request(preq)
+    eco = p.step()
+    params = next(o for e in eco.values() for o in e.outputs).kv_transfer_params
+    src = params["remote_block_ids"][0]
+    g = torch.Generator().manual_seed(seed)
+    for t in p.caches.values():  # what the prefill "computed" for the request's blocks
+        t[:, src] = torch.randn(t[:, src].shape, generator=g).to(t.dtype)
+    assert not torch.equal(
+        p.caches["layers.0"][:, src], torch.zeros_like(p.caches["layers.0"][:, src])
+    )
+    dreq = make_request(f"{rid}-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
+    d.sched.add_request(dreq)
+    dst = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and dreq.status != RequestStatus.RUNNING:
+        time.sleep(0.002)
+        p.step()
+        d.step()
+        if dst is None and d.sched.requests.get(dreq.request_id) is not None:
+            blocks = d.sched.kv_cache_manager.get_block_ids(dreq.request_id)
+            dst = list(blocks[0]) if blocks and blocks[0] else None
+        assert not dreq.is_finished(), dreq.status
+    assert dreq.status == RequestStatus.RUNNING, dreq.status
+    return src, dst[:2], dreq
+
+
+@pytest.fixture
+def pd(model, request):
     store = store_server()
+    backend = getattr(request, "param", "mooncake")
     p = Engine(model, "kv_producer", store.port, backend)
     d = Engine(model, "kv_consumer", store.port, backend)
-    try:
-        preq = make_request(
-            "c1", 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-        )
-        p.sched.add_request(preq)
-        eco = p.step()
-        params = next(o for e in eco.values() for o in e.outputs).kv_transfer_params
-        src = params["remote_block_ids"][0]
-        g = torch.Generator().manual_seed(1)
-        for t in p.caches.values():  # what the prefill "computed" for the request's blocks
-            t[:, src] = torch.randn(t[:, src].shape, generator=g).to(t.dtype)
-        assert not torch.equal(d.caches["layers.0"][:, src], p.caches["layers.0"][:, src])
-        dreq = make_request("c1-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
-        d.sched.add_request(dreq)
-        dst = None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.002)
-            p.step()
-            d.step()
-            if dst is None and d.sched.requests.get("c1-d") is not None:
-                blocks = d.sched.kv_cache_manager.get_block_ids("c1-d")
-                dst = list(blocks[0]) if blocks and blocks[0] else None
-            if dreq.status == RequestStatus.RUNNING or dreq.is_finished():
-                break
-        assert dreq.status in (RequestStatus.RUNNING,) or dreq.is_finished(), dreq.status
-        assert dreq.status != RequestStatus.FINISHED_ERROR
-        for name in p.caches:
-            assert torch.equal(d.caches[name][:, dst[:2]], p.caches[name][:, src]), name
-        # prefill frees its blocks once the send is reported
-        for _ in range(200):
-            time.sleep(0.002)
-            p.step()
-            if not p.sched.requests:
-                break
-        assert "c1" not in p.worker.worker.live
-    finally:
-        p.worker.shutdown()
-        d.worker.shutdown()
+    yield p, d
+    p.worker.shutdown()
+    d.worker.shutdown()
+
+
+@pytest.mark.parametrize("pd", ["mooncake", "nixl"], indirect=True)
+def test_a_request_moves_every_byte_from_prefill_to_decode(pd):
+    p, d = pd
+    src, dst, _ = transfer(p, d, "c1", seed=1)
+    for name in p.caches:
+        assert torch.equal(d.caches[name][:, dst], p.caches[name][:, src]), name
+    # prefill frees its blocks once the send is reported
+    for _ in range(200):
+        time.sleep(0.002)
+        p.step()
+        if not p.sched.requests:
+            break
+    assert "c1" not in p.worker.worker.live and not p.sched.requests
+
+
+def test_a_prefix_decode_holds_already_is_not_written(pd):
+    """A second request with the same first block: decode's prefix cache holds
+    it, so only the second block is loaded, and the shared block keeps its bytes."""
+    p, d = pd
+    _, dst1, _ = transfer(p, d, "c1", seed=1)
+    shared = {n: t[:, dst1[0]].clone() for n, t in d.caches.items()}
+    src2, dst2, req2 = transfer(p, d, "c2", seed=2)
+    assert dst2[0] == dst1[0]  # the cached block, shared with c1
+    for name in p.caches:
+        assert torch.equal(d.caches[name][:, dst2[0]], shared[name]), name
+        assert torch.equal(d.caches[name][:, dst2[1]], p.caches[name][:, src2[1]]), name
+        assert not torch.equal(shared[name], p.caches[name][:, src2[0]])  # (c2's would differ)
