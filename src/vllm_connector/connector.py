@@ -34,7 +34,7 @@ from transport.registry import get_backend
 from vllm_connector.agreement import WorkerAgreement
 from vllm_connector.caches import kv_args_of
 from vllm_connector.config import ExtraConfig
-from vllm_connector.scheduler import Meta, SchedulerCore
+from vllm_connector.scheduler import Meta, Phase, SchedulerCore
 from vllm_connector.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -106,18 +106,32 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._core().allocated(
+        core = self._core()
+        core.allocated(
             request.request_id, _groups(blocks.get_block_ids()), int(num_external_tokens)
         )
+        if core.phase(request.request_id) is Phase.PLANNED:
+            # one transfer per request: a request recomputed or preempted later
+            # never asks prefill again (whose blocks are freed by then)
+            request.kv_transfer_params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: Any) -> PdLifecycleMetadata:
         return PdLifecycleMetadata(self._core().build_meta())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._core().workers_report(
+        core = self._core()
+        core.workers_report(
             set(connector_output.finished_sending or ()),
             set(connector_output.finished_recving or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
         )
+        hold, release = core.take_holds()
+        if hold or release:  # the quarantine of failed loads' blocks (see the scheduler core)
+            pool = self._kv_cache_manager.block_pool
+            for ids in hold:
+                pool.touch([pool.blocks[i] for i in ids])
+            for ids in release:
+                pool.free_blocks([pool.blocks[i] for i in ids])
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._core().finished(

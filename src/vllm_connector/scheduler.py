@@ -20,6 +20,13 @@ finishes (an abort) while its load is in flight keeps its blocks
 drained (``DRAINING``): no write can land in blocks vLLM gave to another
 request.
 
+A load that fails is told to vLLM at once (so vLLM fails or recomputes the
+request), but a writer may still land in its blocks (a prefill paused, not
+dead): this side takes its own hold on them (``QUARANTINED``: the driver
+adds a reference in vLLM's block pool, :meth:`SchedulerCore.take_holds`) and
+lets go once the workers report them drained, so vLLM never hands them to
+another request meanwhile.
+
 Prefill (``do_remote_decode``) that finishes normally keeps its blocks for
 decode (``HELD``), answers the params decode's request carries, hands the
 send to the workers (``SENDING``) and frees the blocks when they report it
@@ -53,6 +60,7 @@ class Phase(enum.Enum):
     PLANNED = "planned"  # decode: blocks given; the load goes out with the next step
     LOADING = "loading"  # decode: the workers load it
     DRAINING = "draining"  # decode: finished while loading; blocks held until drained
+    QUARANTINED = "quarantined"  # decode: the load failed; its blocks held here until drained
     HELD = "held"  # prefill: finished; blocks held for decode; the send goes out next step
     SENDING = "sending"  # prefill: the workers serve decode's load
 
@@ -66,9 +74,14 @@ EDGES: Mapping[tuple[Phase | None, str], Phase | None] = {
     (Phase.PLANNED, "meta"): Phase.LOADING,
     (Phase.PLANNED, "finish"): None,  # the workers never heard of it
     (Phase.LOADING, "received"): None,
+    (Phase.LOADING, "failed"): Phase.QUARANTINED,  # (its blocks taken out of vLLM's reuse)
     (Phase.LOADING, "finish"): Phase.DRAINING,
     (Phase.DRAINING, "received"): Phase.DRAINING,  # (it ended at the workers; still draining)
+    (Phase.DRAINING, "failed"): Phase.DRAINING,  # (vLLM holds its blocks already)
     (Phase.DRAINING, "drained"): None,
+    (Phase.QUARANTINED, "received"): Phase.QUARANTINED,
+    (Phase.QUARANTINED, "finish"): Phase.QUARANTINED,  # vLLM frees its own hold; ours stays
+    (Phase.QUARANTINED, "drained"): None,  # (the blocks go back to vLLM's pool)
     (None, "hold"): Phase.HELD,
     (Phase.HELD, "meta"): Phase.SENDING,
     (Phase.SENDING, "sent"): None,
@@ -139,6 +152,8 @@ class SchedulerCore:
         self.reqs: dict[str, _Req] = {}
         self._meta: list[str] = []  # requests whose work goes out with the next step
         self._aborts: dict[str, int] = {}
+        self._hold: list[tuple[int, ...]] = []  # block ids to take a hold on
+        self._release: list[tuple[int, ...]] = []  # block ids to let go of
 
     def phase(self, request_id: str) -> Phase | None:
         r = self.reqs.get(request_id)
@@ -236,20 +251,38 @@ class SchedulerCore:
         aborts, self._meta, self._aborts = self._aborts, [], {}
         return Meta(loads, sends, aborts)
 
-    def workers_report(self, sending: set[str] | None, recving: set[str] | None) -> None:
+    def workers_report(
+        self, sending: set[str] | None, recving: set[str] | None, failed: set[str] | None = None
+    ) -> None:
         """``update_connector_output``: the requests every worker finished
-        (sending: a prefill's send ended, or an aborted load drained;
-        receiving: a load ended). A report for a request not held is stale
-        (vLLM reports it once; this side may have forgotten it): ignored."""
-        for rid in sorted(recving or ()):
+        (sending: a prefill's send ended, or a load's blocks drained after it
+        was aborted or failed; receiving: a load ended; failed: the loads among
+        them that failed). A report for a request not held is stale (vLLM
+        reports it once; this side may have forgotten it): ignored."""
+        for rid in sorted(failed or ()):
             if self.phase(rid) in (Phase.LOADING, Phase.DRAINING):
+                nxt = self._move(rid, "failed")
+                if nxt is Phase.QUARANTINED:
+                    self._hold.append(self.reqs[rid].blocks[0])
+                self._land(rid, nxt)
+        for rid in sorted(recving or ()):
+            if self.phase(rid) in (Phase.LOADING, Phase.DRAINING, Phase.QUARANTINED):
                 self._land(rid, self._move(rid, "received"))
         for rid in sorted(sending or ()):
             ph = self.phase(rid)
             if ph is Phase.SENDING:
                 self._land(rid, self._move(rid, "sent"))
-            elif ph is Phase.DRAINING:
+            elif ph in (Phase.DRAINING, Phase.QUARANTINED):
+                if ph is Phase.QUARANTINED:
+                    self._release.append(self.reqs[rid].blocks[0])
                 self._land(rid, self._move(rid, "drained"))
+
+    def take_holds(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(block ids to take a hold on, block ids to let go of) since the last
+        call, for the driver to apply to vLLM's block pool, holds first."""
+        out = (self._hold, self._release)
+        self._hold, self._release = [], []
+        return out
 
 
 def _check_declaration() -> None:
@@ -259,7 +292,17 @@ def _check_declaration() -> None:
     if entered != set(Phase) or left != set(Phase):
         raise AssertionError(f"EDGES: phases never entered or left: {set(Phase) ^ entered}")
     events = {e for _, e in EDGES}
-    if events != {"match", "alloc", "finish", "meta", "received", "drained", "hold", "sent"}:
+    if events != {
+        "match",
+        "alloc",
+        "finish",
+        "meta",
+        "received",
+        "failed",
+        "drained",
+        "hold",
+        "sent",
+    }:
         raise AssertionError(f"EDGES: unexpected events {sorted(events)}")
 
 

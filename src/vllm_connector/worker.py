@@ -11,9 +11,12 @@ steps the group once; then, on every worker alike:
   where to write; prefill hands over the pages decode's list names);
 - a transfer that ended is reported once its pages are drained (no write of it
   can land any more), never before: vLLM reuses the blocks it is told of.
-  A load that failed also reports its blocks as load errors, so vLLM's
-  scheduler recomputes or fails the request as its ``kv_load_failure_policy``
-  says;
+  A load that failed is the exception: it is reported at once (with its
+  blocks as load errors), so vLLM's scheduler recomputes or fails the
+  request as its ``kv_load_failure_policy`` says instead of waiting on a
+  writer that may be silent for ever, and its blocks are reported freeable
+  (as sent) once drained: until then the scheduler side holds them
+  (:mod:`vllm_connector.scheduler`, quarantined);
 - a failure the recovery table retries starts the next attempt (epoch + 1,
   the same blocks) on both sides, unseen by vLLM: the old attempt's writes are
   fenced by its epoch;
@@ -78,13 +81,28 @@ class _Transfer:
     skip: int = 0
 
 
+#: what a drained transfer is reported as: freeable blocks (prefill's send
+#: ended, an aborted or failed load), a load ended, or nothing (an attempt the
+#: next one replaced)
+SENT, RECEIVED, UNSEEN = "sent", "received", "unseen"
+
+
 @attrs.frozen
 class _Ending:
     request_id: str
     transfer: _Transfer
-    failed: bool
-    #: False: an attempt the next one replaced, nothing to tell vLLM
-    tell: bool = True
+    #: what it is reported as once drained
+    then: str
+
+
+@attrs.define
+class _Told:
+    """What one call reports."""
+
+    sending: set[str] = attrs.field(factory=set)
+    recving: set[str] = attrs.field(factory=set)
+    errors: set[int] = attrs.field(factory=set)
+    failed: set[str] = attrs.field(factory=set)
 
 
 def _pages(request_id: str, block_ids: tuple[tuple[int, ...], ...]) -> NDArray[np.int64]:
@@ -174,21 +192,28 @@ class WorkerSide:
                 t.handle.init(int(t.pages.size))
                 t.handle.send(t.pages)
         for rid in sorted(ended.succeeded):
-            self.ending.append(_Ending(rid, self.live.pop(rid), failed=False))
+            t = self.live.pop(rid)
+            self.ending.append(_Ending(rid, t, SENT if t.role is Role.SENDER else RECEIVED))
+        now = _Told()
         for rid, f in sorted(ended.failed.items()):
             t = self.live.pop(rid)
-            retried = f.action is Action.RETRY and not t.aborted
-            # a retried attempt drains unseen while the next one runs (fenced by its epoch)
-            self.ending.append(_Ending(rid, t, failed=True, tell=not retried))
-            if retried:
+            if f.action is Action.RETRY and not t.aborted:
+                # the failed attempt drains unseen while the next one runs (fenced by its epoch)
+                self.ending.append(_Ending(rid, t, UNSEEN))
                 self._begin(rid, t.room, t.epoch + 1, t.role, t.pages, t.skip)
-        return self._drained()
+            elif t.role is Role.RECEIVER and not t.aborted:
+                # told at once, so vLLM never waits on a silent writer; its blocks are
+                # reported freeable (sending) only once no write can land
+                now.recving.add(rid)
+                now.failed.add(rid)
+                now.errors.update(t.pages.tolist())
+                self.ending.append(_Ending(rid, t, SENT))
+            else:
+                self.ending.append(_Ending(rid, t, SENT))
+        return self._drained(now)
 
-    def _drained(self) -> Report:
-        sending: set[str] = set()
-        recving: set[str] = set()
-        errors: set[int] = set()
-        failed: set[str] = set()
+    def _drained(self, told: _Told) -> Report:
+        sending, recving = told.sending, told.recving
         keep = []
         for e in self.ending:
             t = e.transfer
@@ -196,18 +221,14 @@ class WorkerSide:
                 keep.append(e)
                 continue
             t.handle.clear()
-            if not e.tell:
-                continue
-            if t.role is Role.SENDER or t.aborted:
+            if e.then == SENT:
                 sending.add(e.request_id)
-            else:
+            elif e.then == RECEIVED:
                 recving.add(e.request_id)
-                if e.failed:
-                    errors.update(t.pages.tolist())
-                    failed.add(e.request_id)
         self.ending = keep
         waiting = {e.request_id for e in keep}
         done = {rid for rid in self.freeable if rid not in waiting and rid not in self.live}
         sending |= done
         self.freeable -= done
+        errors, failed = told.errors, told.failed
         return Report(frozenset(sending), frozenset(recving), frozenset(errors), frozenset(failed))

@@ -248,3 +248,20 @@ def test_the_documented_skeleton_drives_a_request(monkeypatch):
         for m, _, _ in sides.values():
             m.close(wait=0)
     assert p.engine.lib.closed and d.engine.lib.closed
+
+
+def test_a_rank_has_beaten_once_before_any_record_of_it_is_found(monkeypatch):
+    """A rank killed before its heartbeat thread's first beat must still be
+    seen to stop beating (else a peer that found its records waits out the
+    bootstrap timeout): the first beat is written before the records."""
+    from transport.connector.mailbox import Mailbox
+
+    monkeypatch.setattr(Mailbox, "start_beating", lambda self, interval: None)  # never beats
+    store = store_server()
+    sides = _pair(store.port, {"prefill": CopyEngine(), "decode": CopyEngine()})
+    try:
+        for role, (m, _, _) in sides.items():
+            assert m.store.check([f"{m.config.namespace}/{role}/0/hb"]), role
+    finally:
+        for m, _, _ in sides.values():
+            m.close(wait=0)

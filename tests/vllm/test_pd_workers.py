@@ -8,94 +8,15 @@ import time
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import RequestStatus
-from vllm_engine import (
-    BLOCK_SIZE,
-    make_request,
-    make_scheduler,
-    make_vllm_config,
-    model_output,
-    write_tiny_model,
-)
+from pd_engines import Engine, transfer
+from vllm_engine import write_tiny_model
 
 from lifecycle.testing.spawn import store_server
-
-MODULE = "vllm_connector.connector"
-BLOCKS, HEADS, DIM = 64, 2, 16
-
-
-class Engine:
-    """One vLLM engine: its scheduler and one worker's connector with CPU caches."""
-
-    def __init__(self, model, role, port, backend):
-        from vllm_connector.connector import PdLifecycleConnector
-
-        extra = {"store_port": port, "backend": backend, "namespace": f"t{port}"}
-        self.cfg = make_vllm_config(model, "PdLifecycleConnector", MODULE, extra, kv_role=role)
-        self.sched = make_scheduler(self.cfg, num_blocks=BLOCKS)
-        self.caches = {
-            f"layers.{i}": torch.zeros((2, BLOCKS, BLOCK_SIZE, HEADS, DIM), dtype=torch.float16)
-            for i in range(2)
-        }
-        self.worker = PdLifecycleConnector(self.cfg, KVConnectorRole.WORKER, None)
-        self.worker.register_kv_caches(self.caches)
-
-    def step(self):
-        """One scheduler step, the worker's connector run on its metadata."""
-        out = self.sched.schedule()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        res = self.worker.get_transfer_results(set())
-        self.worker.clear_connector_metadata()
-        kv = KVConnectorOutput(
-            finished_sending=res.finished_sending or None,
-            finished_recving=res.finished_recving or None,
-            failed_recving=res.failed_recving,
-            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
-        )
-        if out.num_scheduled_tokens:
-            return self.sched.update_from_output(out, model_output(out, kv))
-        return self.sched.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-def transfer(p, d, rid, seed):
-    """Request ``rid`` through prefill (its blocks filled with seeded bytes) and
-    decode, until decode runs it: (prefill's blocks, decode's blocks, request)."""
-    preq = make_request(
-        rid, 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-    )
-    p.sched.add_request(preq)
-    eco = p.step()
-    params = next(o for e in eco.values() for o in e.outputs).kv_transfer_params
-    src = params["remote_block_ids"][0]
-    g = torch.Generator().manual_seed(seed)
-    for t in p.caches.values():  # what the prefill "computed" for the request's blocks
-        t[:, src] = torch.randn(t[:, src].shape, generator=g).to(t.dtype)
-    assert not torch.equal(
-        p.caches["layers.0"][:, src], torch.zeros_like(p.caches["layers.0"][:, src])
-    )
-    dreq = make_request(f"{rid}-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
-    d.sched.add_request(dreq)
-    dst = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and dreq.status != RequestStatus.RUNNING:
-        time.sleep(0.002)
-        p.step()
-        d.step()
-        if dst is None and d.sched.requests.get(dreq.request_id) is not None:
-            blocks = d.sched.kv_cache_manager.get_block_ids(dreq.request_id)
-            dst = list(blocks[0]) if blocks and blocks[0] else None
-        assert not dreq.is_finished(), dreq.status
-    assert dreq.status == RequestStatus.RUNNING, dreq.status
-    return src, dst[:2], dreq
 
 
 @pytest.fixture

@@ -120,6 +120,10 @@ class Connector:
         info.update(self.core.record())
         #: the engine's writes in flight (the thread's alone)
         self.inflight = InFlight(engine)
+        # a first beat before any record: a peer that finds one can always tell,
+        # later, that this rank stopped beating (one killed before its heartbeat
+        # thread's first beat would otherwise wait out the bootstrap timeout)
+        self.mail.beat(self.store)
         group = self.core.side.group_record()
         if group is not None:
             self.mail.publish_group(c.dp_rank, group)

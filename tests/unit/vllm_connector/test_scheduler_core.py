@@ -129,3 +129,34 @@ def test_stale_worker_reports_are_ignored():
 def test_the_table_enters_and_leaves_every_phase():
     entered = {n for n in EDGES.values() if n is not None}
     assert entered == set(Phase) == {p for p, _ in EDGES if p is not None}
+
+
+@pytest.mark.parametrize("finished_by_vllm", [True, False])
+def test_a_failed_load_is_quarantined_until_its_blocks_drain(finished_by_vllm):
+    """vLLM is told at once (it fails or recomputes the request); the blocks stay
+    held by this side until the workers report no write can land."""
+    s = core()
+    s.matched("r", dict(REMOTE), 32, 0)
+    s.allocated("r", [[10, 11]], 32)
+    s.build_meta()
+    s.workers_report(set(), {"r"}, {"r"})
+    assert s.phase("r") is Phase.QUARANTINED
+    assert s.take_holds() == ([(10, 11)], [])
+    if finished_by_vllm:  # policy fail: vLLM ends the request and frees its own hold
+        assert s.finished("r", dict(REMOTE), [[10, 11]], normal=False) == (False, None)
+        assert s.phase("r") is Phase.QUARANTINED
+    assert s.take_holds() == ([], [])
+    s.workers_report({"r"}, set(), set())  # drained
+    assert s.take_holds() == ([], [(10, 11)]) and s.reqs == {}
+
+
+def test_a_load_that_fails_after_an_abort_is_held_by_vllm_not_here():
+    s = core()
+    s.matched("r", dict(REMOTE), 32, 0)
+    s.allocated("r", [[10]], 32)
+    s.build_meta()
+    s.finished("r", dict(REMOTE), [[10]], normal=False)  # draining: vLLM holds the blocks
+    s.workers_report(set(), {"r"}, {"r"})
+    assert s.phase("r") is Phase.DRAINING and s.take_holds() == ([], [])
+    s.workers_report({"r"}, set(), set())
+    assert s.reqs == {}

@@ -51,7 +51,7 @@ def run(n, w, s, until, limit=4000):
         n.step()
         for r in w:
             rep = w[r].finished()
-            s[r].workers_report(set(rep.sending), set(rep.recving))
+            s[r].workers_report(set(rep.sending), set(rep.recving), set(rep.failed))
             got[r] = Report(
                 got[r].sending | rep.sending,
                 got[r].recving | rep.recving,
@@ -118,6 +118,25 @@ def test_an_abort_that_crosses_the_loads_end_still_frees_the_blocks():
     s["decode"].workers_report(set(), set(rep.recving))  # the crossed report arrives
     got = run(n, w, s, lambda g: g["decode"].sending)
     assert got["decode"].sending == {"req-d"} and s["decode"].reqs == {}
+
+
+def test_a_failed_load_is_told_at_once_even_while_its_writer_is_silent():
+    """Prefill pauses for ever after decode's page list went out: decode's load
+    fails (peer dead) and stays fenced. vLLM is told at once, with the load's
+    blocks as errors; the blocks are never reported freeable (sent) while the
+    writer is silent."""
+    n, (p, _), (d, _), w, s = setup()
+    hand_over(s, w)
+    n.pause(p, None)
+    got = run(n, w, s, lambda g: g["decode"].failed)
+    assert got["decode"].recving == {"req-d"} and got["decode"].load_errors == {6, 1, 7}
+    assert s["decode"].phase("req-d") is Phase.QUARANTINED
+    for _ in range(600):
+        n.step()
+        rep = w["decode"].finished()
+        s["decode"].workers_report(set(rep.sending), set(rep.recving), set(rep.failed))
+        assert "req-d" not in rep.sending  # fenced: a thawed writer could still land
+    assert s["decode"].phase("req-d") is Phase.QUARANTINED
 
 
 def test_a_failed_load_reports_its_blocks_as_load_errors():
