@@ -7,7 +7,10 @@ params decode needs (``do_remote_prefill``, the blocks that hold the KV,
 where prefill is); the router copies them into the request it sends to
 decode. Beside vLLM's own keys this connector adds ``pdlife_room`` (the
 request's room on the wire, chosen by prefill) and ``pdlife_epoch`` (its
-attempt).
+attempt). Both may be missing (a router that forwards only vLLM's keys, or
+vLLM's own tests, which build the params by hand): the room is then the one
+prefill derives from its request id (:func:`room_of` of
+``remote_request_id``), and the attempt the first.
 
 A malformed value is refused with :class:`ParamsError`, naming the request,
 the key and what it must hold; nothing is recorded for the request.
@@ -97,7 +100,6 @@ class TransferParams:
 
     #: the keys :meth:`from_params` needs (besides ``do_remote_prefill``)
     KEYS = (
-        "pdlife_room",
         "remote_engine_id",
         "remote_request_id",
         "remote_host",
@@ -120,8 +122,15 @@ class TransferParams:
             if key not in params:
                 raise ParamsError(request_id, key, None, "a value (prefill's answer lacks it)")
         blocks = _groups(request_id, params["remote_block_ids"])
+        remote_id = _text(request_id, params, "remote_request_id")
         return cls(
-            room=_int(request_id, params, "pdlife_room", 1, MAX_ROOM),
+            room=_int(
+                request_id,
+                {"pdlife_room": params.get("pdlife_room", room_of(remote_id))},
+                "pdlife_room",
+                1,
+                MAX_ROOM,
+            ),
             epoch=_int(
                 request_id,
                 {"pdlife_epoch": params.get("pdlife_epoch", 0)},
@@ -130,7 +139,7 @@ class TransferParams:
                 65535,
             ),
             engine_id=_text(request_id, params, "remote_engine_id"),
-            request_id=_text(request_id, params, "remote_request_id"),
+            request_id=remote_id,
             host=_text(request_id, params, "remote_host"),
             port=_int(request_id, params, "remote_port", 1, 65535),
             tp_size=_int(request_id, params, "tp_size", 1, 1 << 16),

@@ -44,6 +44,15 @@ def test_the_epoch_defaults_to_the_first_attempt():
     assert TransferParams.from_params("r", p).epoch == 0
 
 
+def test_without_pdlife_room_the_room_is_the_one_prefill_derives():
+    # prefill's room is room_of(its request id): a router that forwards only
+    # vLLM's keys (or vLLM's own tests) still lands on the same room
+    p = {k: v for k, v in GOOD.items() if k not in ("pdlife_room", "pdlife_epoch")}
+    got = TransferParams.from_params("r", p)
+    assert got.room == room_of("cmpl-1-p") and got.epoch == 0
+    assert "pdlife_room" not in TransferParams.KEYS
+
+
 @pytest.mark.parametrize("key", TransferParams.KEYS)
 def test_a_missing_key_is_named(key):
     p = {k: v for k, v in GOOD.items() if k != key}
