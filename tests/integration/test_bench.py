@@ -50,6 +50,9 @@ def test_bench_transfer_moves_scattered_pages_and_checks_every_byte(backend):
     res = run_transfer_bench(4, 32, 2, backend, buffers=4, shuffle=True)
     assert (res["runs"], res["buffers"], res["shuffled"]) == (128, 4, True)
     assert res["bytes_verified"] and res["raw_gbps"] > 0 and res["lifecycle_gbps"] > 0
+    pairs = res["lifecycle/raw_pairs"]  # one ratio per repetition, summarised
+    assert pairs["min"] <= pairs["q1"] <= pairs["median"] <= pairs["q3"] <= pairs["max"]
+    assert res["lifecycle/raw"] == pairs["median"] and res["lifecycle/raw_of_medians"] > 0
 
 
 #: what the head-sliced case reports (more may be added beside them, never taken away)
