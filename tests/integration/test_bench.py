@@ -55,6 +55,20 @@ def test_bench_transfer_moves_scattered_pages_and_checks_every_byte(backend):
     assert res["lifecycle/raw"] == pairs["median"] and res["lifecycle/raw_of_medians"] > 0
 
 
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_bench_transfer_with_the_digest_reports_its_cpu_time_against_a_bare_pass(backend):
+    from pdlife.bench.transfer import run_transfer_bench
+
+    res = run_transfer_bench(8, 256, 2, backend, digest=True)
+    assert res["digests_checked"] == 2 and res["digest_mismatches"] == 0
+    for side in ("prefill", "decode"):
+        # every byte of the request hashed once per side (and its metadata row), timed
+        assert res["bytes"] < res[f"{side}_digest_bytes"] < res["bytes"] + (1 << 16)
+        assert res[f"{side}_digest_cpu_s"] > 0 and res[f"{side}_bare_hash_cpu_s"] > 0
+        assert res[f"{side}_digest_cpu/bare"] > 0
+
+
 #: what the head-sliced case reports (more may be added beside them, never taken away)
 HETERO_KEYS = ("raw-1:1_gbps", "lifecycle_gbps", "lifecycle/raw-1:1", "raw_sliced_gbps")
 HETERO_KEYS += ("raw-sliced/raw-1:1", "lifecycle/raw-sliced", "handshake_median_s")

@@ -302,9 +302,6 @@ LONG_MODULES = {
     "handle or as already polled) and containing every poll error as a verdict",
     "field/step/session.py": "Session: one queue's consensus kept across calls (the list's "
     "changes applied to its table, the poll, the step and the retirement of its rows)",
-    "transport/digest/hashing.py": "the KV digest over one leg's bytes: the rank's buffers as "
-    "views, the stream cut in pieces, and the pieces hashed on threads, at once or as "
-    "the pages land",
     "transport/connector/hub.py": "Connector, the driver of the connector's core: the "
     "scheduler's calls under one lock, and the thread's pass (messages, heartbeats, records, "
     "the engine's answers) with the effects it performs",

@@ -165,11 +165,25 @@ def run_transfer_bench(
         "lifecycle/raw-sliced": sliced / life,
         "handshake_median_s": hand,
         "bytes_verified": True,
-        **(_digest_numbers(dec, pairs["median"]) if digest else {"digest": False}),
+        **(_digest_numbers(pre, dec, pairs["median"]) if digest else {"digest": False}),
     }
 
 
-def _digest_numbers(dec: list[Any], ratio: float) -> dict[str, Any]:
+def _digest_cpu(side: str, stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """``side``'s hashing CPU time per request (summed over its ranks; the
+    median over requests) against a bare hash pass over the same byte count."""
+    per_request = np.sum([s["digest_cpu_s"] for s in stats], axis=0)
+    cpu = float(np.median(per_request))
+    bare = float(sum(s["bare_hash_cpu_s"] for s in stats))
+    return {
+        f"{side}_digest_cpu_s": cpu,
+        f"{side}_digest_bytes": int(sum(s["digest_bytes_per_request"] for s in stats)),
+        f"{side}_bare_hash_cpu_s": bare,
+        f"{side}_digest_cpu/bare": cpu / bare if bare else float("nan"),
+    }
+
+
+def _digest_numbers(pre: list[Any], dec: list[Any], ratio: float) -> dict[str, Any]:
     """The lifecycle-driven request ran with the KV digest: its ratio to raw, the
     hash's speed here, and what decode checked (every leg of every repetition)."""
     from transport.digest import ALGORITHM, measure
@@ -177,6 +191,10 @@ def _digest_numbers(dec: list[Any], ratio: float) -> dict[str, Any]:
     stats = [s for _, _, s in dec]
     return {
         "digest": True,
+        # per side, the median over requests of its ranks' hashing CPU time (all
+        # threads), against one bare pass of the hash over as many contiguous bytes
+        **_digest_cpu("prefill", [s for _, _, s in pre]),
+        **_digest_cpu("decode", stats),
         "lifecycle+digest/raw": ratio,
         "hash": ALGORITHM,
         "hash_gbps_2mib": measure(2 << 20),
@@ -238,7 +256,12 @@ def _run(args: argparse.Namespace) -> int:
             f"with the KV digest ({res['hash']}: {res['hash_gbps_2mib']:.1f} GB/s on 2 MiB, "
             f"{res['hash_gbps_64mib']:.1f} GB/s on 64 MiB here): lifecycle+digest/raw "
             f"{100 * res['lifecycle+digest/raw']:.0f}%; {res['digests_checked']} leg digests "
-            f"checked on decode, {res['digest_mismatches']} differed"
+            f"checked on decode, {res['digest_mismatches']} differed; the digest's CPU time "
+            f"per request: prefill {1e3 * res['prefill_digest_cpu_s']:.1f} ms "
+            f"({res['prefill_digest_cpu/bare']:.2f}x a bare pass over its "
+            f"{res['prefill_digest_bytes'] >> 20} MiB), decode "
+            f"{1e3 * res['decode_digest_cpu_s']:.1f} ms "
+            f"({res['decode_digest_cpu/bare']:.2f}x)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

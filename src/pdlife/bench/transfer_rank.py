@@ -159,6 +159,9 @@ def _run(
     world, leader = shape.prefill_tp + shape.decode_tp, role == "prefill" and rank == 0
     times: dict[str, list[tuple[float, float]]] = {p: [] for p in (*PARTS, "handshake")}
     verified = True
+    from transport.digest import bare_cpu, hash_cpu
+
+    hashed: list[tuple[float, int]] = []  # per lifecycle request: (CPU seconds, bytes) hashed
     for rep in range(reps):
         for what in PARTS[rep % 3 :] + PARTS[: rep % 3]:  # each part first in turn
             if role == "decode" and what == "life":
@@ -166,6 +169,7 @@ def _run(
                     t.zero_()  # so only this request can put the bytes back
             _barrier(store, f"{rep}/{what}", world, leader)
             room = 1000 + rep * 2 + (what == "life")
+            before = hash_cpu()
             if what != "life":
                 if role == "prefill":
                     times[what].append(_raw(mgr, infos, writes[what]))
@@ -179,7 +183,16 @@ def _run(
                 meta.clear_room(1)
             else:
                 _prefill(mgr, meta, room, shape.pages, step_s)
-    q.put((role, rank, times, bool(verified), dict(mgr.stats)))
+            if what == "life":
+                after = hash_cpu()
+                hashed.append((after[0] - before[0], after[1] - before[1]))
+    stats: dict[str, Any] = dict(mgr.stats)
+    if digest:
+        per = int(np.median([b for _, b in hashed]))
+        stats["digest_cpu_s"] = [c for c, _ in hashed]
+        stats["digest_bytes_per_request"] = per
+        stats["bare_hash_cpu_s"] = bare_cpu(per) if per else 0.0
+    q.put((role, rank, times, bool(verified), stats))
     _barrier(store, "end", world, leader)  # nobody closes while a peer still writes
     time.sleep(0.2)
     mgr.close()

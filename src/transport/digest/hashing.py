@@ -36,6 +36,7 @@ import hashlib
 import math
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs, group_pieces
+from transport.digest.clock import CPU
 
 __all__ = [
     "ALGORITHM",
@@ -59,7 +61,6 @@ __all__ = [
     "digest",
     "signature",
     "flip",
-    "measure",
 ]
 
 _xxhash: Any
@@ -282,8 +283,15 @@ def _hash_piece(piece: Sequence[_Seg], algorithm: str) -> int:
     return int(h.intdigest())
 
 
+def _piece_bytes(piece: Sequence[_Seg]) -> int:
+    return sum(hi - lo for _, _, _, lo, hi in piece)
+
+
 def _hash_pieces(pieces: Sequence[Sequence[_Seg]]) -> list[int]:
-    return [_hash_piece(p, ALGORITHM) for p in pieces]
+    t0 = time.thread_time()
+    out = [_hash_piece(p, ALGORITHM) for p in pieces]
+    CPU.add(time.thread_time() - t0, sum(_piece_bytes(p) for p in pieces))
+    return out
 
 
 def _combine(values: Sequence[int], algorithm: str) -> int:
@@ -386,17 +394,3 @@ class LegDigest:
         if sig == NO_DIGEST or "digest" not in msg:
             return None
         return cls(int(msg["digest"]), sig, int(msg.get("digest_bytes", 0)))
-
-
-def measure(nbytes: int, algorithm: str = ALGORITHM, reps: int = 5) -> float:
-    """GB/s of ``algorithm`` over one ``nbytes`` buffer (the best of ``reps``)."""
-    import time
-
-    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    part: Part = (buf.reshape(1, -1), np.zeros(1, dtype=np.int64), (slice(None),))
-    best = float("inf")
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        digest([part], algorithm)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
