@@ -378,3 +378,31 @@ def test_the_metadata_gate_reads_only_the_rows_at_local_success_when_they_are_fe
     res = s.step(SingleRank())
     assert len(meta.asked[-1]) == 38  # the 38 rows still live
     assert sorted(res.succeeded.tolist()) == [r for i, r in enumerate(rooms) if i % 2 and i > 3]
+
+
+def test_the_gate_that_held_each_request_is_recorded_when_asked():
+    meta = MetadataBuffers(4)
+    staging, gate = SetStaging(), SetGate("mine")
+    table, board = RequestTable(), StatusBoard()
+    table.extend([1, 2, 3, 4])
+    for slot, room in enumerate([1, 2, 3, 4]):
+        table.set_metadata_slot(room, slot)
+    stepper = Stepper(table, 0, poller=board, metadata=meta, staging=staging, gates=[gate])
+    board.set([1, 2, 3, 4], S)
+    staging.pending_rooms = {1}
+    gate.closed_rooms = {1, 3}  # room 1 is the staging gate's: it is asked first
+    for slot, room in ((0, 1), (2, 3), (3, 4)):
+        meta.write(slot, room, {"output_ids": [7]})  # room 2's row has not landed
+    res = ok(lockstep([stepper]))[0]
+    assert res.statuses.tolist() == [T, T, T, S]
+    assert stepper.last_holds() == {}  # not asked: nothing recorded
+    stepper.record_holds = True
+    assert stepper.record_holds
+    ok(lockstep([stepper]))  # the same holds, recorded
+    held = {g: rooms.tolist() for g, rooms in stepper.last_holds().items()}
+    assert held == {"staging": [1], "metadata": [2], "user": [3]}
+    # nothing held: nothing recorded, not the last step's holds
+    staging.pending_rooms, gate.closed_rooms = set(), set()
+    meta.write(1, 2, {"output_ids": [7]})
+    ok(lockstep([stepper]))
+    assert stepper.last_holds() == {}

@@ -86,6 +86,12 @@ class LocalStage:
         self._failed_at: tuple[NDArray[np.int8], int, NDArray[np.int64]] | None = None
         self.obs = Observation(self.values)
         self.now = 0.0
+        #: record which gate held which row (:attr:`held`); off, the step asks nothing more
+        self.explain = False
+        #: the last prepare's holds, with :attr:`explain`: gate name -> the active
+        #: rows' positions it held at Transferring (a row two gates would hold is
+        #: the first one's, in the order of ``GATES``)
+        self.held: dict[str, NDArray[np.int64]] = {}
 
     @property
     def staging(self) -> StagingGate | None:
@@ -132,6 +138,8 @@ class LocalStage:
         # so the common step makes as few as it can
         n = f.n
         self.now = now
+        if self.held:
+            self.held = {}
         staging = self.staging
         if observed is not None and staging is not None:  # the scatter advances before the poll
             raise ValueError("a step with a staging gate observes its rows itself")
@@ -191,7 +199,10 @@ class LocalStage:
             closed: dict[np.int8, NDArray[np.bool_] | None] = {}
             for rule in GATES:  # masks here are never written to: may be a hook's own
                 dest = GATE_DEST[rule.source]
-                closed[dest] = GATE_SOURCES[rule.source](x, closed.get(dest))
+                before = closed.get(dest)
+                closed[dest] = GATE_SOURCES[rule.source](x, before)
+                if self.explain:
+                    self._attribute(rule.name, local, before, closed[dest])
             if x.corrupt is not None or obs.hooked is not hooked:
                 # what the gates found: the late sources again (every source,
                 # when the quiet step skipped them)
@@ -211,6 +222,22 @@ class LocalStage:
         if codes is not None and codes is obs.backend and obs.failed is not None:
             # only the poller's Failed values: they are the Failed rows
             self._failed_at = (local, n, obs.failed.nonzero()[0])
+
+    def _attribute(
+        self,
+        gate: str,
+        local: NDArray[np.int8],
+        before: NDArray[np.bool_] | None,
+        after: NDArray[np.bool_] | None,
+    ) -> None:
+        """Record the local Successes ``gate`` closed that no earlier gate had."""
+        if after is None:
+            return
+        own = after & (local == _S)
+        if before is not None:
+            own &= ~before
+        if own.any():
+            self.held[gate] = own.nonzero()[0]
 
     def _only_poll(self, t: RequestTable, f: Frame, cfg: StepConfig) -> bool:
         """No verdict source but the poll can hit (no fault hook, abort,
@@ -252,6 +279,8 @@ class LocalStage:
         obs.clean, obs.scan, obs.given = True, scan, answers
         self.values, self.codes, self.unfailed, self._failed_at = values, None, values, None
         self.now = now
+        if self.held:  # (no gate had a Success to decide)
+            self.held = {}
 
     def _armed(self, cfg: StepConfig) -> tuple[tuple[str, Any], ...]:
         """The sources that can hit under ``cfg`` (kept while ``cfg`` is the same)."""

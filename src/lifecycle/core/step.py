@@ -386,6 +386,24 @@ class RawStepper:
         rooms = self._frame.rooms if self._frame is not None else np.empty(0, np.uint64)
         return rooms, self.local.values, self.local.reasons()
 
+    @property
+    def record_holds(self) -> bool:
+        """Whether each step records which gate held which request (:meth:`last_holds`)."""
+        return self.local.explain
+
+    @record_holds.setter
+    def record_holds(self, on: bool) -> None:
+        self.local.explain = bool(on)
+
+    def last_holds(self) -> dict[str, NDArray[np.uint64]]:
+        """With :attr:`record_holds`: the rooms each gate held at Transferring on
+        this rank in the last prepare (its poll said Success), by gate name
+        (``GATES``: staging, metadata, user); empty otherwise."""
+        f = self._frame
+        if f is None or not self.local.held:
+            return {}
+        return {gate: f.rooms[pos] for gate, pos in self.local.held.items()}
+
     # -- for the drivers ---------------------------------------------------
     def _place(self, area: NDArray[np.uint8]) -> None:
         """Pack into ``area`` (this stepper's segment of a group's buffer)."""
