@@ -15,6 +15,7 @@ __all__ = ["COMMANDS", "register_commands"]
 COMMANDS: dict[str, str] = {
     "simulate": "pdlife.run.simulate",
     "replay": "pdlife.run.replay",
+    "why": "pdlife.why",
     "bench": "pdlife.bench.step",
     "bench-transfer": "pdlife.bench.transfer",
     "engine-memory": "pdlife.bench.engine_memory",

@@ -8,6 +8,12 @@ Each rank writes ``trace/rank{R}.jsonl`` with two kinds of record:
 - ``{"t": "tr", "step", "side", "queue", "room", "from", "to", "trigger",
   "reason", "origin"}``: one transition of an agreed status.
 
+An observation also carries ``ts``, the rank's monotonic clock when it was
+recorded (seconds), and ``held`` when a gate held some of its rows at
+Transferring on this rank (gate name -> rooms); the first record of a trace,
+``{"t": "clock", "mono", "wall"}``, ties the rank's monotonic clock to wall
+time (every rank of a machine shares the monotonic one).
+
 :func:`replay` recomputes every step from the recorded local observations
 alone (pack, MIN over the side's ranks, the declared transitions) and
 reports the first step whose recorded outcome differs. It needs a trace from
@@ -19,8 +25,9 @@ other ranks' records would be checked against a reduce they did not take.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,12 +61,23 @@ class TraceWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._f: IO[str] = path.open("w")
+        clock = {"t": "clock", "rank": rank, "mono": time.monotonic(), "wall": time.time()}
+        self._f.write(json.dumps(clock) + "\n")
 
-    def step(self, side: str, queue: str, result: StepResult, local: Any, reason: Any) -> None:
+    def step(
+        self,
+        side: str,
+        queue: str,
+        result: StepResult,
+        local: Any,
+        reason: Any,
+        held: Mapping[str, Any] | None = None,
+    ) -> None:
         rooms = result.rooms.tolist()
-        rec = {
+        rec: dict[str, Any] = {
             "t": "obs",
             "step": result.step,
+            "ts": round(time.monotonic(), 6),
             "rank": self.rank,
             "side": side,
             "queue": queue,
@@ -69,6 +87,8 @@ class TraceWriter:
             "reason": np.asarray(reason).tolist(),
             "agreed": result.statuses[result.active].tolist(),
         }
+        if held:
+            rec["held"] = {gate: np.asarray(r).tolist() for gate, r in held.items()}
         lines = [json.dumps(rec, separators=(",", ":"))]
         for i, prev, trig in zip(
             result.changed.tolist(), result.previous.tolist(), result.triggers.tolist()

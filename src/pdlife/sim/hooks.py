@@ -191,6 +191,7 @@ class SimQueue:
             ),
             clock=clock,
         )
+        self.stepper.record_holds = True  # the trace says which gate held what (pdlife why)
 
 
 class Queues:
@@ -275,7 +276,7 @@ class QueueSteps:
         res = q.stepper.step(self.coll)
         self.stats.latency_us.add((time.perf_counter() - t0) * 1e6)
         _, local, reason = q.stepper.last_local
-        self.trace.step(self.side, q.name, res, local, reason)
+        self.trace.step(self.side, q.name, res, local, reason, q.stepper.last_holds())
         if self.metrics is not None:
             self.metrics.observe(f"{self.side}/{q.name}", res)
         if res.stuck:
