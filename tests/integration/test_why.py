@@ -9,6 +9,7 @@ import zygote
 
 from pdlife.cluster.config import SimConfig, Workload
 from pdlife.why import explain, why
+from support.trace_events import problems
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
@@ -55,3 +56,12 @@ def test_why_names_the_gate_the_rank_and_the_failures_origin(run_sim, tmp_path):
     cli = zygote.run("why", str(rooms[HELD]), str(out), timeout=60)
     assert cli.returncode == 0 and "user gate held it" in cli.stdout
     assert zygote.run("why", "77", str(out), timeout=60).returncode == 1
+
+    # the same run as a Perfetto trace: well formed, the hold on its rank
+    cli = zygote.run("trace", "export", "--perfetto", str(out), "-o", str(tmp_path / "p.json"))
+    assert cli.returncode == 0, cli.stderr
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert problems(doc) == []
+    holds = {(e["pid"], e["args"]["room"]) for e in doc["traceEvents"] if e["ph"] == "i"}
+    assert (1, int(rooms[HELD])) in holds
+    assert sum(e["ph"] == "s" for e in doc["traceEvents"]) >= REQUESTS - 1  # flows drawn
