@@ -8,13 +8,27 @@ One :class:`LifecycleMetrics` per process; call :meth:`observe` with every
 - ``pdlife_time_in_state_seconds{queue, state}`` (histogram, on leaving a state)
 - ``pdlife_stuck_requests{queue}`` (requests reported stuck at the last step)
 - ``pdlife_live_requests{queue, state}``
+- ``pdlife_failures_by_origin_total{queue, reason, origin}``: the agreed
+  origin rank of each failure (an exemplar names the room)
+- ``pdlife_gate_holds_total{queue, gate, rank}``: requests a gate began to
+  hold at Transferring on this rank (its poll said Success)
+- ``pdlife_gate_hold_seconds{queue, gate}`` (histogram): how long a gate held
+  a request, observed when it lets go (an exemplar names the room)
+- ``pdlife_step_seconds{queue}`` (histogram): the step's own time, reduce
+  included, as its caller measured it
+
+Exemplars appear in the OpenMetrics exposition (``Accept:
+application/openmetrics-text``), each naming the room of a failure or hold.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
@@ -58,6 +72,34 @@ class LifecycleMetrics:
             ["queue", "state"],
             registry=reg,
         )
+        self.by_origin = Counter(
+            "pdlife_failures_by_origin",
+            "Requests agreed Failed, by reason and the rank the failure came from",
+            ["queue", "reason", "origin"],
+            registry=reg,
+        )
+        self.holds = Counter(
+            "pdlife_gate_holds",
+            "Requests a gate began to hold at Transferring on this rank",
+            ["queue", "gate", "rank"],
+            registry=reg,
+        )
+        self.hold_time = Histogram(
+            "pdlife_gate_hold_seconds",
+            "How long a gate held a request at Transferring on this rank",
+            ["queue", "gate"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+            registry=reg,
+        )
+        self.step_time = Histogram(
+            "pdlife_step_seconds",
+            "A step's time, its reduce included",
+            ["queue"],
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 1),
+            registry=reg,
+        )
+        #: (queue, gate) -> room -> when its hold began
+        self._held: dict[tuple[str, str], dict[int, float]] = {}
 
     def observe(self, queue: str, result: StepResult) -> None:
         if result.changed.size:
@@ -70,10 +112,47 @@ class LifecycleMetrics:
             for a, d in zip(prev, result.dwell.tolist()):
                 self.time_in_state.labels(queue, KVPoll(int(a)).name).observe(max(d, 0.0))
             for f in result.failures():
-                self.failures.labels(queue, FailureReason(f.reason).label).inc()
+                reason = FailureReason(f.reason).label
+                self.failures.labels(queue, reason).inc()
+                by = self.by_origin.labels(queue, reason, str(f.origin))
+                by.inc(exemplar={"room": str(f.room)})
         self.stuck.labels(queue).set(len(result.stuck))
         for state, n in result.counts.items():
             self.live.labels(queue, state.name).set(n)
+
+    def observe_holds(
+        self,
+        queue: str,
+        rank: int,
+        holds: Mapping[str, NDArray[np.uint64]],
+        now: float | None = None,
+    ) -> None:
+        """A step's gate holds on this rank (``Stepper.last_holds()``): count the
+        holds that began, time the ones that ended (a request no gate holds any
+        more, or gone)."""
+        now = time.monotonic() if now is None else now
+        for key in {*self._held, *((queue, g) for g in holds)}:
+            if key[0] != queue:
+                continue
+            was = self._held.get(key, {})
+            rooms = holds.get(key[1])
+            held = set() if rooms is None else set(np.asarray(rooms).tolist())
+            began = held - was.keys()
+            if began:
+                self.holds.labels(queue, key[1], str(rank)).inc(len(began))
+            for room in was.keys() - held:
+                since = was.pop(room)
+                exemplar = {"room": str(room)}
+                self.hold_time.labels(queue, key[1]).observe(now - since, exemplar=exemplar)
+            for room in began:
+                was[room] = now
+            if was:
+                self._held[key] = was
+            else:
+                self._held.pop(key, None)
+
+    def observe_step_time(self, queue: str, seconds: float) -> None:
+        self.step_time.labels(queue).observe(seconds)
 
 
 def serve(port: int, host: str = "127.0.0.1") -> int:

@@ -13,8 +13,11 @@ pytest.importorskip("prometheus_client")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
-def scrape(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+def scrape(port, openmetrics=False):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if openmetrics:  # the exposition that carries exemplars
+        req.add_header("Accept", "application/openmetrics-text; version=1.0.0")
+    with urllib.request.urlopen(req, timeout=2) as r:
         return r.read().decode()
 
 
@@ -51,12 +54,14 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    scraped = {}
+    scraped, failing = {}, []
     deadline = time.monotonic() + 120
     try:
-        while time.monotonic() < deadline and proc.poll() is None and len(scraped) < 4:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(scraped) == 4 and failing:
+                break
             for rank in range(4):
-                if rank in scraped:
+                if rank in scraped and (rank >= 2 or failing):
                     continue
                 written = out / "ranks" / f"rank{rank}.metrics_port"
                 try:
@@ -72,7 +77,9 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
                     and 'to="Success"' in line
                 )
                 if done > 0:  # requests are flowing through this rank's queues
-                    scraped[rank] = text
+                    scraped.setdefault(rank, text)
+                    if rank < 2 and "pdlife_failures_by_origin_total{" in text:
+                        failing.append(scrape(int(written.read_text()), openmetrics=True))
             time.sleep(0.2)
         stdout, stderr = proc.communicate(timeout=150)
     finally:
@@ -91,6 +98,12 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
         )
         assert "pdlife_live_requests" in text
         assert 'reason="injected fault"' in text or side == "decode"
+        assert f'pdlife_step_seconds_count{{queue="{side}/' in text
+    # a prefill rank's failures carry their agreed origin, and an exemplar its room
+    assert failing, "no prefill rank had a failure to show when scraped"
+    lines = [x for x in failing[0].splitlines() if x.startswith("pdlife_failures_by_origin_total{")]
+    assert lines and all('origin="' in x and 'reason="' in x for x in lines)
+    assert any(' # {room="' in x for x in lines)
     s = json.loads((out / "summary.json").read_text())
     # the soak admitted what it could in 3 s and finished every one of them
     assert s["soak_s"] == 3.0

@@ -34,3 +34,47 @@ def test_metrics_follow_the_step():
     assert val("pdlife_time_in_state_seconds_sum", queue="decode", state="Bootstrapping") == 5.0
     assert val("pdlife_live_requests", queue="decode", state="Bootstrapping") == 1
     assert val("pdlife_stuck_requests", queue="decode") == 0
+
+
+def test_failures_by_origin_gate_holds_and_their_exemplars():
+    import numpy as np
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from lifecycle.testing import SetGate, lockstep
+    from pdlife.metrics import LifecycleMetrics
+
+    reg = prometheus_client.CollectorRegistry()
+    m = LifecycleMetrics(reg)
+    gate = SetGate("hold")
+    tables = [RequestTable(rank=r) for r in (0, 1)]
+    boards = [StatusBoard(), StatusBoard()]
+    steppers = []
+    for r in (0, 1):
+        tables[r].extend([1, 2, 3])
+        steppers.append(Stepper(tables[r], r, poller=boards[r], gates=[gate] if r == 1 else []))
+        steppers[r].record_holds = True
+        boards[r].set([1, 2], KVPoll.Success)
+    boards[1].set([3], KVPoll.Failed)  # rank 1 fails room 3: the origin on every rank
+    gate.closed_rooms = {2}  # rank 1's gate holds room 2
+    res = lockstep(steppers)
+    m.observe("decode", res[0])  # rank 0's view: the failure came from rank 1
+    m.observe_holds("decode", 1, steppers[1].last_holds(), now=10.0)
+    m.observe_holds("decode", 1, steppers[1].last_holds(), now=11.0)  # still held: not again
+    gate.closed_rooms = set()
+    lockstep(steppers)
+    m.observe_holds("decode", 1, steppers[1].last_holds(), now=12.5)
+
+    def val(name, **labels):
+        return reg.get_sample_value(name, labels)
+
+    labels = {"queue": "decode", "reason": "unknown", "origin": "1"}
+    assert val("pdlife_failures_by_origin_total", **labels) == 1
+    assert val("pdlife_gate_holds_total", queue="decode", gate="user", rank="1") == 1
+    assert val("pdlife_gate_hold_seconds_count", queue="decode", gate="user") == 1
+    assert val("pdlife_gate_hold_seconds_sum", queue="decode", gate="user") == 2.5
+    m.observe_step_time("decode", 0.002)
+    assert val("pdlife_step_seconds_count", queue="decode") == 1
+    text = generate_latest(reg).decode()
+    assert '# {room="3"} 1.0' in text  # the failure's exemplar names its room
+    assert '# {room="2"} 2.5' in text  # and the hold's
+    assert np.array_equal(steppers[0].last_holds().get("user", []), [])  # rank 0 has no gate

@@ -274,11 +274,16 @@ class QueueSteps:
         q.gate.step = step
         t0 = time.perf_counter()
         res = q.stepper.step(self.coll)
-        self.stats.latency_us.add((time.perf_counter() - t0) * 1e6)
+        took = time.perf_counter() - t0
+        self.stats.latency_us.add(took * 1e6)
         _, local, reason = q.stepper.last_local
-        self.trace.step(self.side, q.name, res, local, reason, q.stepper.last_holds())
+        holds = q.stepper.last_holds()
+        self.trace.step(self.side, q.name, res, local, reason, holds)
         if self.metrics is not None:
-            self.metrics.observe(f"{self.side}/{q.name}", res)
+            name = f"{self.side}/{q.name}"
+            self.metrics.observe(name, res)
+            self.metrics.observe_holds(name, q.stepper.rank, holds)
+            self.metrics.observe_step_time(name, took)
         if res.stuck:
             self.stats.stuck_reports += len(res.stuck)
             wire = getattr(self.manager, "describe", None)  # the transport's view
