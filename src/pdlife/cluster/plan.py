@@ -9,7 +9,11 @@ draw decides whether that rank fails the request and at which phase
 same way per request (which ones, at which phase). A fault fires on the first
 step at which the request has reached its phase on that rank (its agreed
 status, or what the backend reports this step, whichever is further), so it
-fires before the request can finish, however fast a real transport moves::
+fires before the request can finish, however fast a real transport moves.
+It fires while the transfer is still incomplete for the other side too: the
+simulator holds back the data of a request a rank of either side is still to
+fail (:meth:`RankFaults.holds`), and counts a request in decode's transfer
+queue as Transferring (``pdlife.sim.hooks.QueueFaults``)::
 
     seed = 7
     mode = "phase"
