@@ -286,3 +286,48 @@ def test_a_pause_fires_at_its_step_and_is_reported_if_it_never_came():
     assert rf.pause_at(4) == 2.5
     assert rf.unfired() == []
     assert RankFaults(plan, 0, [11]).pause_at(4) == 0.0  # another rank's
+
+
+def test_a_request_either_side_is_to_fail_is_held_until_it_ends_here():
+    """holds(): this rank's own ``at`` fail until it fires; a rank of the other
+    side's (targeted: the first attempt only; a phase-keyed winner: the attempt
+    it was drawn for) until the request ends here (forget)."""
+    from pdlife.cluster.phase_draws import phase_decisions
+    from pdlife.cluster.plan_doc import FaultPlan
+
+    plan = parse_plan(
+        {
+            "faults": [
+                {"kind": "fail", "rank": 0, "room": 10, "at": "Transferring"},
+                {"kind": "fail", "rank": 2, "room": 20, "at": "WaitingForInput"},
+                {"kind": "delay", "rank": 2, "room": 30, "at": "WaitingForInput"},
+            ]
+        }
+    )
+    # prefill rank 0 of a 2 + 2 world
+    rf = RankFaults(plan, 0, [], mode="phase", world=4, prefill_ranks=2)
+    rf.admit([10, 20, 30, 40], aborts_here=False)
+    assert [rf.holds(r) for r in (10, 20, 30, 40)] == [True, True, False, False]
+    w, t = 2, 3
+    assert rf.inject_phase(states_ctx([10], [w]), np.array([t], np.int8)).tolist() == [True]
+    assert not rf.holds(10)  # fired here
+    rf.forget(20)
+    assert not rf.holds(20)  # ended here (decode's word)
+    rf.admit([20], aborts_here=False, epoch=1)
+    assert not rf.holds(20)  # a later attempt: the targeted fault fired in the first
+    # decode rank 2 holds nothing for its own faults, prefill's targeted one it does
+    d = RankFaults(plan, 2, [], mode="phase", world=4, prefill_ranks=2)
+    d.admit([10, 20], aborts_here=True)
+    assert d.peer_fail == {10}
+    # without the sides known (prefill_ranks 0) nothing of another rank is held
+    assert RankFaults(plan, 1, [], world=4).peer_fail == set()
+    # phase-keyed winners of the other side are held on this one
+    drawn = FaultPlan(seed=5, prob=0.3)
+    rooms = list(range(1, 201))
+    ds = phase_decisions(drawn, 0.0, 0, 4, np.asarray(rooms, np.uint64))
+    p = RankFaults(drawn, 1, rooms, mode="phase", world=4, prefill_ranks=2)
+    p.admit(rooms, aborts_here=False)
+    want = {x.room for x in ds if x.wins and x.kind == "fail" and x.rank >= 2}
+    assert want and p.peer_fail == want
+    own = {x.room for x in ds if x.wins and x.kind == "fail" and x.rank == 1}
+    assert {r for r in rooms if p.holds(r)} == want | own

@@ -197,3 +197,31 @@ def test_a_decode_rank_with_state_and_a_cached_prefix_sends_the_rest(tmp_path, m
     page = 4 * 2 * 128  # tokens x heads x head bytes
     rows = sum(run.meta.buf_infos()[2]) + 64 + 192  # metadata row, state row
     assert res["bytes_asked"] == res["bytes_due"] == uncached * 2 * page + 20 * rows
+
+
+def test_decodes_transfer_queue_is_transferring_for_its_faults():
+    """A receiver reports WaitingForInput until every byte landed: in decode's
+    transfer queue a fault at Transferring fires all the same (the floor), at
+    once rather than once the data has all landed; elsewhere it waits."""
+    from types import SimpleNamespace
+
+    from lifecycle.protocols import StepContext
+    from pdlife.cluster.plan import RankFaults
+    from pdlife.sim.hooks import QueueFaults
+
+    plan = parse_plan({"faults": [{"kind": "fail", "rank": 2, "room": 7, "at": "Transferring"}]})
+    rooms = np.array([7], np.uint64)
+    w, f = np.array([2], np.int8), 0
+    for floor, want in ((None, False), (3, True)):
+        faults = RankFaults(plan, 2, [], mode="phase")
+        poller = SimpleNamespace(observed=(rooms, w.astype(np.int64)))
+        hook = QueueFaults(faults, poller, None, lambda _room: None, floor)
+        ctx = StepContext(0, 1, 0.0, rooms, w.copy(), np.zeros(1, np.int64))
+        assert hook.inject(ctx).tolist() == [want]
+    # a row already Failed stays so: no floor lifts it
+    faults = RankFaults(plan, 2, [], mode="phase")
+    hook = QueueFaults(faults, SimpleNamespace(observed=None), None, lambda _room: None, 3)
+    failed = np.array([f], np.int8)
+    assert hook.inject(StepContext(0, 1, 0.0, rooms, failed, np.zeros(1, np.int64))).tolist() == [
+        False
+    ]

@@ -64,6 +64,8 @@ def rank_faults(
     ranks it is the primary sender of: it writes their metadata row (one row,
     so a bad one reaches every decode rank it is the primary of), for the
     requests its DP group serves (another group's it never writes)."""
-    own = RankFaults(cfg.plan, rank, work, cfg.mode, cfg.world, cfg.abort_prob, cfg.seed)
+    own = RankFaults(
+        cfg.plan, rank, work, cfg.mode, cfg.world, cfg.abort_prob, cfg.seed, cfg.prefill_ranks
+    )
     served = dp_faults(cfg, where)
     return own, [RankFaults(served, r, work) for r in primary_of(cfg, where)]

@@ -9,7 +9,11 @@ draw decides whether that rank fails the request and at which phase
 same way per request (which ones, at which phase). A fault fires on the first
 step at which the request has reached its phase on that rank (its agreed
 status, or what the backend reports this step, whichever is further), so it
-fires before the request can finish, however fast a real transport moves::
+fires before the request can finish, however fast a real transport moves.
+It fires while the transfer is still incomplete for the other side too: the
+simulator holds back the data of a request a rank of either side is still to
+fail (:meth:`RankFaults.holds`), and counts a request in decode's transfer
+queue as Transferring (``pdlife.sim.hooks.QueueFaults``)::
 
     seed = 7
     mode = "phase"
@@ -101,6 +105,7 @@ class RankFaults:
         world: int = 1,
         abort_prob: float = 0.0,
         abort_seed: int = 0,
+        prefill_ranks: int = 0,
     ) -> None:
         self.rank = rank
         self.plan = plan
@@ -124,6 +129,18 @@ class RankFaults:
         self.pending_fail: dict[int, int] = {}
         self.pending_abort: dict[int, int] = {}
         self.decisions: list[Decision] = []
+        #: the ranks of the other side (none: ``prefill_ranks`` not given), and the
+        #: rooms whose live attempt one of them is to fail (see :meth:`holds`)
+        mine_prefill = rank < prefill_ranks
+        self._others = [
+            r for r in range(world) if prefill_ranks and (r < prefill_ranks) != mine_prefill
+        ]
+        #: room -> the ranks of the other side a targeted ``at`` fault has fail it
+        self._other_targets: dict[int | None, list[int]] = {}
+        for f in plan.faults:
+            if f.kind == "fail" and f.at and f.rank in self._others:
+                self._other_targets.setdefault(self.room(f), []).append(f.rank)
+        self.peer_fail: set[int] = set()
 
     def room(self, f: TargetedFault) -> int | None:
         if f.kind in ("kill_rank", "pause_rank"):
@@ -143,8 +160,6 @@ class RankFaults:
         keep those this rank carries out (its own faults; the client's aborts if
         ``aborts_here``). With prefill DP, ``groups`` holds each request's DP
         group and ``rank_group(rank)`` a rank's (None: it sees every request)."""
-        if self.mode != "phase" or not rooms or (self.plan.prob == 0 and self.abort_prob == 0):
-            return
         serves = None
         if groups is not None and rank_group is not None:
             g = np.asarray(groups, np.int64)
@@ -153,6 +168,13 @@ class RankFaults:
                 mine = rank_group(rank)
                 return np.ones(g.size, bool) if mine is None else g == mine
 
+        if epoch == 0 and self._other_targets:
+            for j, r in enumerate(rooms):
+                ranks = self._other_targets.get(r, ())
+                if any(serves is None or serves(k)[j] for k in ranks):
+                    self.peer_fail.add(r)
+        if self.mode != "phase" or not rooms or (self.plan.prob == 0 and self.abort_prob == 0):
+            return
         for d in phase_decisions(
             self.plan,
             self.abort_prob,
@@ -162,6 +184,8 @@ class RankFaults:
             serves,
             epoch,
         ):
+            if d.wins and d.kind == "fail" and d.rank in self._others:
+                self.peer_fail.add(d.room)
             if d.rank == self.rank or (d.rank == -1 and aborts_here):
                 self.decisions.append(d)
                 if d.wins and d.kind == "fail":
@@ -174,6 +198,27 @@ class RankFaults:
         self.first_seen.pop(room, None)
         self.pending_fail.pop(room, None)
         self.pending_abort.pop(room, None)
+        self.peer_fail.discard(room)
+
+    def holds(self, room: int) -> bool:
+        """Whether ``room``'s transfer must go no further on this rank (its data
+        must not complete on the other side) until the request has ended here:
+        this rank is to fail it (a phase-keyed winner, or a targeted ``at`` fail
+        not fired yet), or a rank of the other side is (its failure is what ends
+        it here). A fault at any phase then fires, on either side, while the
+        transfer is still incomplete for the other side. A targeted fault of the
+        other side holds a room's first attempt only (it fires once, in the
+        first attempt that reaches its phase: a later one would wait for it in
+        vain)."""
+        if room in self.pending_fail or room in self.peer_fail:
+            return True
+        return any(
+            f.kind == "fail"
+            and f.at
+            and self._rooms[i] == room
+            and (i, room) not in self.reached_at
+            for i, f in enumerate(self.mine)
+        )
 
     def _reached(self, ctx: StepContext, observed: NDArray[np.int8] | None) -> NDArray[np.int8]:
         if observed is None:

@@ -20,7 +20,7 @@ from lifecycle.protocols import StepContext
 from lifecycle.reasons import FailureReason
 from lifecycle.result import StepResult
 from lifecycle.rules.recovery import preset
-from lifecycle.status import S, T
+from lifecycle.status import F, S, T
 from lifecycle.table import RequestTable
 from pdlife.cluster.config import SimConfig
 from pdlife.cluster.plan import RankFaults
@@ -85,7 +85,14 @@ class SimPoller:
 
 class QueueFaults:
     """One queue's fault hook: step-mode draws, targeted faults, and the
-    phase-keyed decisions measured against what the backend reported."""
+    phase-keyed decisions measured against what the backend reported.
+
+    ``floor``: the phase every live row of the queue has reached whatever the
+    backend says. Decode's transfer queue holds requests it has told prefill
+    where to write: they are Transferring, though a receiver reports
+    WaitingForInput until every byte has landed (SPEC §1: backends rarely
+    report it), so that a fault at Transferring fires there while the data
+    is still on its way, not once it has all landed."""
 
     def __init__(
         self,
@@ -93,11 +100,13 @@ class QueueFaults:
         poller: SimPoller,
         table: RequestTable,
         abort: Callable[[int], None],
+        floor: int | None = None,
     ) -> None:
         self.faults = faults
         self.poller = poller
         self.table = table
         self.abort = abort
+        self.floor = floor
 
     def inject(self, ctx: StepContext) -> NDArray[np.bool_]:
         observed: NDArray[np.int8] | None = None
@@ -107,6 +116,9 @@ class QueueFaults:
             observed = ctx.states.copy()
             observed[np.isin(ctx.rooms, got[0])] = got[1]
         self.poller.observed = None
+        if self.floor is not None and ctx.rooms.size:
+            seen = ctx.states.copy() if observed is None else observed
+            observed = np.where(seen == F, seen, np.maximum(seen, self.floor)).astype(np.int8)
         return self.faults.inject_phase(ctx, observed, self.abort)
 
 
@@ -173,7 +185,10 @@ class SimQueue:
         self.poller = SimPoller(manager, faults or RankFaults(FaultPlan(), rank, []), self.table)
         self.gate = HoldGate(self.poller.faults)
         fake = cfg.backend == "fake"
-        hook = None if faults is None else QueueFaults(faults, self.poller, self.table, abort)
+        floor = T if name == "transfer" else None  # (decode's: see QueueFaults)
+        hook = (
+            None if faults is None else QueueFaults(faults, self.poller, self.table, abort, floor)
+        )
         self.stepper = Stepper(
             self.table,
             rank,

@@ -111,11 +111,12 @@ class PrefillLoop(_Loop):
             elif st in (T, S):
                 self.violation(f"room {room} {KVPoll(st).name} in bootstrap queue")
         # the forward pass: send the next chunk of every in-flight request; one
-        # this rank is to fail (a phase-keyed fault) goes no further until it has:
-        # its data must not complete on decode before the fault fires here
-        pending = self.requests.faults.pending_fail
+        # this rank or a decode rank is to fail (a phase-keyed or targeted ``at``
+        # fault) goes no further until it has ended here: its data must not
+        # complete on decode before the fault fires, here or there
+        holds = self.requests.faults.holds
         for room in q2.table.rooms().tolist():
-            if room in pending:
+            if holds(room):
                 continue
             total = ledger.need[room]
             k = min(self.cfg.chunk_pages, total - self.sent[room])
@@ -186,14 +187,13 @@ class DecodeLoop(_Loop):
             elif st in (T, S):
                 self.violation(f"room {room} {KVPoll(st).name} in handshake")
         # allocation: in order, head-of-line blocking on slot or KV pages
-        while self.ready:
-            room = self.ready[0]
+        for room in self._allocatable():
             need = ledger.need[room]
             if not ledger.fits(room) or ledger.alloc.available == 0:
                 break
             slot = ledger.alloc.alloc(room)
             assert slot is not None
-            self.ready.popleft()
+            self.ready.remove(room)
             pages = ledger.hold(room, slot)
             h = ledger.handles[room]
             # a cached prefix: decode holds the first pages already, prefill skips them
@@ -243,6 +243,18 @@ class DecodeLoop(_Loop):
                 q2.table.remove(room)
                 self.requests.finish(room, st, reason, origin, then.get(room))
         return [r1, r2]
+
+    def _allocatable(self) -> list[int]:
+        """The ready rooms to allocate, in order. On the fake backend, which has no
+        link between the sides, a room a prefill rank is to fail is left out
+        until its failure is heard here: the fake receiver would otherwise
+        succeed at once, where a real one waits for data that never comes.
+        (It waits before its metadata is sent, where no deadline runs: the
+        wait is on the other side's processes, whose steps are not this side's.)"""
+        if self.buffers.moves_bytes:
+            return list(self.ready)
+        peer = self.faults.peer_fail
+        return [r for r in self.ready if r not in peer]
 
     def check(self, room: int) -> None:
         """A committed request's metadata row, first token and bytes."""

@@ -128,6 +128,7 @@ class RankRun:
             self.peer,
             out / "ranks" / f"rank{rank}.outcomes.jsonl",
             self.router,
+            self.clock,
         )
         self.stats = RankStats(cfg.rss_every)
         self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
@@ -286,6 +287,8 @@ class RankRun:
             "steps": self.clock.step,
             "requests": serves,
             "outcome": outcome,
+            # when each outcome was recorded, ms since the epoch (this rank's clock)
+            "ended_ms": requests.ended_ms,
             "unfinished": unfinished,
             "violations": stats.violations,
             "problems": problems,

@@ -8,6 +8,7 @@ decode re-admits it and the router hands it to a prefill DP group."""
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from pdlife.cluster.faults import dp_group_of
 from pdlife.cluster.phase_draws import attempt_keys, draw
 from pdlife.cluster.plan import RankFaults
 from pdlife.cluster.topology import Place
-from pdlife.sim.hooks import Queues
+from pdlife.sim.hooks import Queues, StepClock
 from pdlife.sim.ledger import Ledger
 from pdlife.sim.peer import PeerWord, Router
 
@@ -50,6 +51,7 @@ class Requests:
         peer: PeerWord,
         outcomes: Path,
         router: Router,
+        clock: StepClock,
     ) -> None:
         self.cfg = cfg
         self.where = where
@@ -78,8 +80,12 @@ class Requests:
         self.ahead: set[int] = set()
         self.corrupted: set[tuple[int, int]] = set()  # (room, epoch) this rank corrupts
         self.health: Any = None  # decode: the prefill groups' health (PeerHealth)
+        self.clock = clock
         self.outcomes_path = outcomes
         self._outcomes = outcomes.open("w")
+        #: room -> when (wall clock, ms since the epoch) its outcome was recorded:
+        #: the one time both sides' processes share (see :meth:`close`)
+        self.ended_ms: dict[str, int] = {}
 
     def arrive(self, step: int, upto: int | None) -> None:
         """Admit this step's arrivals (this rank's DP group's share on prefill),
@@ -215,7 +221,10 @@ class Requests:
             name, self.recomputed = "Recomputed", self.recomputed + 1
             steps = -(-self.ledger.need[room] // self.cfg.chunk_pages)
             self.recompute_steps += steps  # its pages, a chunk per step, as prefill sends them
-        self._outcomes.write(f'[{room},"{name}",{reason},{origin},{epoch}]\n')
+        # the step it ended at (the same on every rank of the side: they agreed it
+        # in that step), then the wall clock, which is this rank's own
+        at = f"{self.clock.step},{time.time_ns() // 1_000_000}"
+        self._outcomes.write(f'[{room},"{name}",{reason},{origin},{epoch},{at}]\n')
         if isinstance(then, Retry):
             self.retried += 1
             g = self.peer.group.get(room, 0)
@@ -255,11 +264,15 @@ class Requests:
         return len(range(self.where.dp_rank, total, self.cfg.prefill_dp))
 
     def close(self) -> dict[str, list[Any]]:
-        """Close the outcomes file; every finished request's outcome, by room."""
+        """Close the outcomes file; every finished request's outcome, by room:
+        [status, reason, origin, epoch, step ended]. When each was recorded by
+        the wall clock goes to :attr:`ended_ms` (ranks of a side agree on the
+        rest, not on that)."""
         self._outcomes.close()
         outcome: dict[str, list[Any]] = {}
         with self.outcomes_path.open() as f:
             for line in f:
-                room, *rest = json.loads(line)
+                room, *rest, ms = json.loads(line)
                 outcome[str(room)] = rest
+                self.ended_ms[str(room)] = ms
         return outcome
