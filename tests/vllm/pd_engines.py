@@ -115,12 +115,14 @@ def prefill_process(model, port, backend, out, stop, hold_blocks):
     p.worker.shutdown()
 
 
-def decode_process(model, port, backend, params, out, policy):
-    """A decode engine in its own process: the request with prefill's params,
-    stepped until it runs or ends; its status and its blocks' bytes on ``out``."""
+def decode_process(model, port, backend, inbox, out, policy):
+    """A decode engine in its own process: the request with prefill's params
+    (taken from ``inbox`` once the engine is up), stepped until it runs or
+    ends; its status and its blocks' bytes on ``out``."""
     d = Engine(
         model, "kv_consumer", port, backend, policy, heartbeat_interval=0.05, heartbeat_misses=3
     )
+    params = inbox.get()
     req = make_request("c1-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
     d.sched.add_request(req)
     dst = None

@@ -19,6 +19,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -65,8 +66,10 @@ def make_vllm_config(
     module_path: str | None,
     extra: dict[str, Any] | None = None,
     kv_role: str = "kv_both",
+    tensor_parallel_size: int = 1,
 ) -> VllmConfig:
-    """A CPU VllmConfig naming `connector`, loaded from `module_path` when given.
+    """A CPU VllmConfig naming `connector`, loaded from `module_path` when given,
+    for an engine of `tensor_parallel_size` workers.
 
     The hybrid KV cache manager is off: a connector that does not implement
     vLLM's SupportsHMA is refused while it is on.
@@ -97,6 +100,7 @@ def make_vllm_config(
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
 
 

@@ -1,0 +1,223 @@
+"""A prefill engine of TP n in processes of its own, laid out as vLLM runs one.
+
+- The engine's process holds vLLM's real Scheduler (the connector's scheduler
+  side). Each step it hands every worker the step's connector metadata and
+  the blocks of the requests it scheduled (vLLM's executor broadcasts the
+  scheduler output; here, one queue per worker), takes each worker's
+  KVConnectorOutput back and merges them with vLLM's own
+  ``KVOutputAggregator`` (expected count: the connector's, else the world
+  size) before ``Scheduler.update_from_output``.
+- Each worker process initialises vLLM's distributed state on the CPU (gloo,
+  a ``file://`` rendezvous: no port) and its TP group, holds its share of the
+  KV heads (``HEADS // n``, rank r the r-th share) and a
+  ``PdLifecycleConnector`` of role WORKER, whose agreement step runs over
+  vLLM's TP group. The model runner is mocked: a step's "forward" writes
+  seeded bytes into each newly scheduled request's blocks, this rank's heads
+  of a tensor every rank draws alike, and puts what it wrote on ``filled``.
+
+:class:`Fleet` starts every process of a test and reaps them all, whatever
+the test's outcome.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import zlib
+
+import numpy as np
+import torch
+from pd_engines import BLOCKS, DIM, HEADS, MODULE
+from vllm_engine import BLOCK_SIZE, make_request, make_scheduler, make_vllm_config, model_output
+
+LAYERS = 2
+#: seconds the engine waits for a worker's step, and a test for a process's answer
+STEP_TIMEOUT = 60
+
+
+def engine_config(model, role, port, backend, policy="fail", tp=1):
+    """The VllmConfig of one engine (built once, in the test, and handed to each
+    of the engine's processes, as vLLM's executor hands its workers the engine's)."""
+    extra = {
+        "store_port": port,
+        "backend": backend,
+        "namespace": f"t{port}",
+        "heartbeat_interval": 0.05,
+        "heartbeat_misses": 3,
+    }
+    cfg = make_vllm_config(
+        model, "PdLifecycleConnector", MODULE, extra, kv_role=role, tensor_parallel_size=tp
+    )
+    cfg.kv_transfer_config.kv_load_failure_policy = policy
+    return cfg
+
+
+def forward_bytes(request_id, blocks, rank, tp):
+    """What the forward of ``request_id`` writes in its ``blocks`` on TP rank
+    ``rank``: per layer, keys and values of every head drawn from the request's
+    seed, this rank's heads kept."""
+    g = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
+    share = HEADS // tp
+    out = {}
+    for i in range(LAYERS):
+        full = torch.randn((2, len(blocks), BLOCK_SIZE, HEADS, DIM), generator=g)
+        out[f"layers.{i}"] = full[..., rank * share : (rank + 1) * share, :].to(torch.float16)
+    return out
+
+
+def whole_heads(parts):
+    """The bytes of every head from each rank's share ({rank: {layer: array}}),
+    ranks in order: what a decode engine of TP 1 must hold."""
+    ranks = sorted(parts)
+    return {n: np.concatenate([parts[r][n] for r in ranks], axis=-2) for n in parts[ranks[0]]}
+
+
+def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
+    """One TP worker of the prefill engine (see the module); ends on ``None``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_connector.connector import PdLifecycleConnector
+
+    tp = cfg.parallel_config.tensor_parallel_size
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"file://{init_file}",
+            backend="gloo",
+        )
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    caches = {
+        f"layers.{i}": torch.zeros((2, BLOCKS, BLOCK_SIZE, HEADS // tp, DIM), dtype=torch.float16)
+        for i in range(LAYERS)
+    }
+    conn = PdLifecycleConnector(cfg, KVConnectorRole.WORKER, None)
+    conn.register_kv_caches(caches)
+    try:
+        while (msg := inbox.get()) is not None:
+            meta, scheduled = msg
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)
+            for rid, blocks in scheduled.items():  # the forward
+                for name, kv in forward_bytes(rid, blocks, rank, tp).items():
+                    caches[name][:, blocks] = kv
+                filled.put((rank, rid, {n: t[:, blocks].numpy().copy() for n, t in caches.items()}))
+            conn.wait_for_save()
+            res = conn.get_transfer_results(set())
+            conn.clear_connector_metadata()
+            outbox.put(
+                KVConnectorOutput(
+                    finished_sending=res.finished_sending or None,
+                    finished_recving=res.finished_recving or None,
+                    failed_recving=res.failed_recving,
+                    invalid_block_ids=conn.get_block_ids_with_load_errors(),
+                )
+            )
+    finally:
+        conn.shutdown()
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+
+
+def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
+    """The prefill engine's scheduler process: request ``c1`` (32 tokens, to be
+    decoded elsewhere) stepped until it finishes, its params put on ``out``;
+    then it serves decode until ``stop`` (``hold``: answer and never step
+    again, an engine about to lose a worker)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    sched = make_scheduler(cfg, num_blocks=BLOCKS)
+    merge = KVOutputAggregator.from_connector(sched.connector, len(inboxes))
+
+    def step():
+        so = sched.schedule()
+        scheduled = {r.req_id: list(r.block_ids[0]) for r in so.scheduled_new_reqs}
+        for box in inboxes:
+            box.put((so.kv_connector_metadata, scheduled))
+        kvs = [box.get(timeout=STEP_TIMEOUT) for box in outboxes]
+        if so.num_scheduled_tokens:
+            outs = [model_output(so, kv) for kv in kvs]
+        else:
+            outs = [ModelRunnerOutput.with_kv_conn_output_only(kv) for kv in kvs]
+        return sched.update_from_output(so, merge.aggregate(outs))
+
+    try:
+        sched.add_request(
+            make_request(
+                "c1", 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+            )
+        )
+        eco = step()
+        out.put(next(o for e in eco.values() for o in e.outputs).kv_transfer_params)
+        while not stop.is_set():
+            time.sleep(0.002)
+            if not hold:
+                step()
+    finally:
+        for box in inboxes:
+            box.put(None)
+
+
+#: what the fork server imports once, so that no process of a test pays for
+#: importing vLLM again (about 5 s of CPU each) or for tearing its interpreter down
+PRELOAD = ["pd_tp", "vllm.distributed.parallel_state", "vllm.distributed.kv_transfer.kv_connector.utils"]
+
+
+class Fleet:
+    """The processes of one test (forked from a server that imported vLLM once,
+    before any backend or thread started), all reaped when it ends: asked to
+    stop, given ``grace`` seconds, then killed."""
+
+    def __init__(self, grace=15.0):
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(PRELOAD)
+        self.stop = self.ctx.Event()
+        self.grace = grace
+        self.procs = []
+        self.queues = []
+
+    def queue(self):
+        q = self.ctx.Queue()
+        self.queues.append(q)
+        return q
+
+    def start(self, target, *args):
+        p = self.ctx.Process(target=target, args=args, daemon=True, name=target.__name__)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        deadline = time.monotonic() + self.grace
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        for q in self.queues:  # nothing left to flush to a reader gone
+            q.cancel_join_thread()
+            q.close()
+
+
+def take(q, n, what):
+    """``n`` items from ``q``, each within STEP_TIMEOUT seconds, or a failure naming ``what``."""
+    items = []
+    for _ in range(n):
+        try:
+            items.append(q.get(timeout=STEP_TIMEOUT))
+        except queue.Empty:
+            raise AssertionError(f"{what}: nothing within {STEP_TIMEOUT} s") from None
+    return items
