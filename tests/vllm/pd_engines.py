@@ -93,10 +93,12 @@ def transfer(p, d, rid, seed):
 
 def prefill_process(model, port, backend, out, stop, hold_blocks):
     """A prefill engine in its own process: one request, its params and its
-    blocks' bytes put on ``out``; then it serves decode until ``stop`` is set
+    blocks' bytes put on ``out``; then it serves decode until ``stop`` is set,
+    saying on ``out`` when the request's blocks are freed
     (``hold_blocks``: fill the blocks, answer, and never step again: a process
     about to die)."""
     p = Engine(model, "kv_producer", port, backend, heartbeat_interval=0.05, heartbeat_misses=3)
+    before = p.sched.kv_cache_manager.block_pool.get_num_free_blocks()
     req = make_request(
         "c1", 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -108,10 +110,16 @@ def prefill_process(model, port, backend, out, stop, hold_blocks):
     for t in p.caches.values():
         t[:, src] = torch.randn(t[:, src].shape, generator=g).to(t.dtype)
     out.put((params, {n: t[:, src].numpy().copy() for n, t in p.caches.items()}))
+    held = True
     while not stop.is_set():
         time.sleep(0.002)
         if not hold_blocks:
             p.step()
+            if held and not p.sched.requests:  # the send reported: the blocks freed
+                held = False
+                out.put(
+                    ("freed", p.sched.kv_cache_manager.block_pool.get_num_free_blocks(), before)
+                )
     p.worker.shutdown()
 
 

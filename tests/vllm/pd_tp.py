@@ -13,15 +13,12 @@
   ``PdLifecycleConnector`` of role WORKER, whose agreement step runs over
   vLLM's TP group. The model runner is mocked: a step's "forward" writes
   seeded bytes into each newly scheduled request's blocks, this rank's heads
-  of a tensor every rank draws alike, and puts what it wrote on ``filled``.
-
-:class:`Fleet` starts every process of a test and reaps them all, whatever
-the test's outcome.
+  of a tensor every rank draws alike, and puts (rank, what it wrote) on
+  ``filled``.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -33,7 +30,7 @@ from pd_engines import BLOCKS, DIM, HEADS, MODULE
 from vllm_engine import BLOCK_SIZE, make_request, make_scheduler, make_vllm_config, model_output
 
 LAYERS = 2
-#: seconds the engine waits for a worker's step, and a test for a process's answer
+#: seconds the engine waits for a worker's step
 STEP_TIMEOUT = 60
 
 
@@ -108,7 +105,7 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
             for rid, blocks in scheduled.items():  # the forward
                 for name, kv in forward_bytes(rid, blocks, rank, tp).items():
                     caches[name][:, blocks] = kv
-                filled.put((rank, rid, {n: t[:, blocks].numpy().copy() for n, t in caches.items()}))
+                filled.put((rank, {n: t[:, blocks].numpy().copy() for n, t in caches.items()}))
             conn.wait_for_save()
             res = conn.get_transfer_results(set())
             conn.clear_connector_metadata()
@@ -137,19 +134,31 @@ def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
     sched = make_scheduler(cfg, num_blocks=BLOCKS)
     merge = KVOutputAggregator.from_connector(sched.connector, len(inboxes))
 
+    def answer(box):  # a worker's output for the step (given up once the test ends)
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                return box.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        why = "the test ended" if stop.is_set() else f"none within {STEP_TIMEOUT} s"
+        raise TimeoutError(f"prefill engine: a worker's output for the step: {why}")
+
     def step():
         so = sched.schedule()
         scheduled = {r.req_id: list(r.block_ids[0]) for r in so.scheduled_new_reqs}
         for box in inboxes:
             box.put((so.kv_connector_metadata, scheduled))
-        kvs = [box.get(timeout=STEP_TIMEOUT) for box in outboxes]
+        kvs = [answer(box) for box in outboxes]
         if so.num_scheduled_tokens:
             outs = [model_output(so, kv) for kv in kvs]
         else:
             outs = [ModelRunnerOutput.with_kv_conn_output_only(kv) for kv in kvs]
         return sched.update_from_output(so, merge.aggregate(outs))
 
+    pool = sched.kv_cache_manager.block_pool
     try:
+        before = pool.get_num_free_blocks()
         sched.add_request(
             make_request(
                 "c1", 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
@@ -157,67 +166,14 @@ def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
         )
         eco = step()
         out.put(next(o for e in eco.values() for o in e.outputs).kv_transfer_params)
+        held = True
         while not stop.is_set():
             time.sleep(0.002)
             if not hold:
                 step()
+                if held and not sched.requests:  # every worker reported the send: freed
+                    held = False
+                    out.put(("freed", pool.get_num_free_blocks(), before))
     finally:
         for box in inboxes:
             box.put(None)
-
-
-#: what the fork server imports once, so that no process of a test pays for
-#: importing vLLM again (about 5 s of CPU each) or for tearing its interpreter down
-PRELOAD = ["pd_tp", "vllm.distributed.parallel_state", "vllm.distributed.kv_transfer.kv_connector.utils"]
-
-
-class Fleet:
-    """The processes of one test (forked from a server that imported vLLM once,
-    before any backend or thread started), all reaped when it ends: asked to
-    stop, given ``grace`` seconds, then killed."""
-
-    def __init__(self, grace=15.0):
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(PRELOAD)
-        self.stop = self.ctx.Event()
-        self.grace = grace
-        self.procs = []
-        self.queues = []
-
-    def queue(self):
-        q = self.ctx.Queue()
-        self.queues.append(q)
-        return q
-
-    def start(self, target, *args):
-        p = self.ctx.Process(target=target, args=args, daemon=True, name=target.__name__)
-        p.start()
-        self.procs.append(p)
-        return p
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        deadline = time.monotonic() + self.grace
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-        for q in self.queues:  # nothing left to flush to a reader gone
-            q.cancel_join_thread()
-            q.close()
-
-
-def take(q, n, what):
-    """``n`` items from ``q``, each within STEP_TIMEOUT seconds, or a failure naming ``what``."""
-    items = []
-    for _ in range(n):
-        try:
-            items.append(q.get(timeout=STEP_TIMEOUT))
-        except queue.Empty:
-            raise AssertionError(f"{what}: nothing within {STEP_TIMEOUT} s") from None
-    return items

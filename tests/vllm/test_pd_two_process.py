@@ -13,10 +13,12 @@ each, PdLifecycleConnector's workers over Mooncake and NIXL on loopback):
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
+from fleet import Fleet
 from pd_engines import decode_process, prefill_process
-from pd_tp import Fleet, engine_config, prefill_engine, prefill_worker, take, whole_heads
+from pd_tp import engine_config, prefill_engine, prefill_worker, whole_heads
 from vllm_engine import write_tiny_model
 
 from lifecycle.testing.spawn import store_server
@@ -29,13 +31,13 @@ def model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def start_prefill(fleet, model, port, backend, tp, hold, init_file):
-    """Prefill's processes; (its params, the bytes it wrote for the request,
-    the process a kill takes down: the engine at TP 1, the last worker at TP 2)."""
-    out = fleet.queue()
+def start_prefill(fleet, out, model, port, backend, tp, hold, init_file):
+    """Prefill's processes, answering on ``out``; (its params, the bytes it
+    wrote for the request, the process a kill takes down: the engine at TP 1,
+    the last worker at TP 2)."""
     if tp == 1:
         victim = fleet.start(prefill_process, model, port, backend, out, fleet.stop, hold)
-        return (*take(out, 1, "prefill's params")[0], victim)
+        return (*fleet.take(out, "prefill's params"), victim)
     cfg = engine_config(model, "kv_producer", port, backend, tp=tp)
     inboxes, outboxes = [fleet.queue() for _ in range(tp)], [fleet.queue() for _ in range(tp)]
     filled = fleet.queue()
@@ -44,26 +46,47 @@ def start_prefill(fleet, model, port, backend, tp, hold, init_file):
         for r in range(tp)
     ]
     fleet.start(prefill_engine, cfg, inboxes, outboxes, out, fleet.stop, hold)
-    params = take(out, 1, "prefill's params")[0]
-    parts = {rank: held for rank, _, held in take(filled, tp, "a prefill worker's forward")}
+    params = fleet.take(out, "prefill's params")
+    parts = dict(fleet.take(filled, "a prefill worker's forward") for _ in range(tp))
     return params, whole_heads(parts), workers[-1]
+
+
+@attrs.frozen
+class Run:
+    status: str  # decode's request's status once it runs or ends
+    computed: int  # its num_computed_tokens
+    held: dict  # layer -> the bytes of its blocks at decode
+    want: dict  # layer -> the bytes prefill wrote in the request's blocks (every head)
+    #: prefill, once its request's blocks are freed: [free blocks, free blocks before
+    #: the request]; None when prefill was killed
+    freed: list | None
 
 
 def run_pair(model, tmp_path, backend="mooncake", tp=1, kill_prefill=False, policy="fail"):
     store = store_server()
     with Fleet() as fleet:
-        to_decode, from_decode = fleet.queue(), fleet.queue()
+        to_decode, from_decode, from_prefill = fleet.queue(), fleet.queue(), fleet.queue()
         fleet.start(decode_process, model, store.port, backend, to_decode, from_decode, policy)
         params, want, victim = start_prefill(
-            fleet, model, store.port, backend, tp, kill_prefill, str(tmp_path / "tp-init")
+            fleet,
+            from_prefill,
+            model,
+            store.port,
+            backend,
+            tp,
+            kill_prefill,
+            str(tmp_path / "tp-init"),
         )
         assert params["tp_size"] == tp
         if kill_prefill:
-            victim.kill()  # the request's blocks are held for decode: the transfer had begun
-            victim.join(30)
+            fleet.kill(victim)  # its blocks are held for decode: the transfer had begun
         to_decode.put(params)
-        status, computed, held = take(from_decode, 1, "decode's verdict")[0]
-    return status, computed, held, want
+        status, computed, held = fleet.take(from_decode, "decode's verdict")
+        freed = None
+        if not kill_prefill and status == "RUNNING":
+            what, *freed = fleet.take(from_prefill, "prefill freeing the request's blocks")
+            assert what == "freed"
+    return Run(status, computed, held, want, freed)
 
 
 def assert_every_byte(held, want):
@@ -75,30 +98,40 @@ def assert_every_byte(held, want):
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_every_byte_arrives_between_two_processes(model, tmp_path, backend):
-    status, computed, held, want = run_pair(model, tmp_path, backend)
-    assert status == "RUNNING" and computed >= 31  # the prompt was loaded, not recomputed
-    assert_every_byte(held, want)
+    run = run_pair(model, tmp_path, backend)
+    assert run.status == "RUNNING" and run.computed >= 31  # loaded, not recomputed
+    assert_every_byte(run.held, run.want)
+    assert run.freed[0] == run.freed[1]  # prefill freed the request's blocks once sent
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_tp2_prefill_to_tp1_decode_moves_every_head(model, tmp_path, backend):
-    """Decode's heads are prefill rank 0's heads then rank 1's, byte for byte."""
-    status, computed, held, want = run_pair(model, tmp_path, backend, tp=2)
-    assert status == "RUNNING" and computed >= 31
-    assert_every_byte(held, want)
+    """Decode's heads are prefill rank 0's heads then rank 1's, byte for byte;
+    prefill frees the request's blocks once both workers reported the send
+    (vLLM's aggregator counting two)."""
+    run = run_pair(model, tmp_path, backend, tp=2)
+    assert run.status == "RUNNING" and run.computed >= 31
+    assert_every_byte(run.held, run.want)
+    assert run.freed[0] == run.freed[1]
 
 
 @pytest.mark.parametrize(("policy", "ends"), [("fail", "FINISHED_ERROR"), ("recompute", "RUNNING")])
 def test_a_killed_prefill_ends_decodes_load_as_the_policy_says(model, tmp_path, policy, ends):
-    status, computed, held, want = run_pair(model, tmp_path, kill_prefill=True, policy=policy)
-    assert status == ends
+    run = run_pair(model, tmp_path, kill_prefill=True, policy=policy)
+    assert run.status == ends
     if ends == "RUNNING":  # recomputed here: nothing of prefill's bytes
-        for name in want:
-            assert not np.array_equal(held[name], want[name]), name
+        for name in run.want:
+            assert not np.array_equal(run.held[name], run.want[name]), name
 
 
-def test_a_killed_prefill_tp_worker_fails_decodes_load(model, tmp_path):
-    """One of prefill's two TP workers killed, the other alive: decode's load
-    still fails (under policy fail), never waits for the dead rank's heads."""
-    status, _, _, _ = run_pair(model, tmp_path, tp=2, kill_prefill=True, policy="fail")
-    assert status == "FINISHED_ERROR"
+@pytest.mark.parametrize(("policy", "ends"), [("fail", "FINISHED_ERROR"), ("recompute", "RUNNING")])
+def test_a_killed_prefill_tp_worker_ends_decodes_load_as_the_policy_says(
+    model, tmp_path, policy, ends
+):
+    """One of prefill's two TP workers killed, the other alive: decode never
+    waits for the dead rank's heads; its load ends as the policy says."""
+    run = run_pair(model, tmp_path, tp=2, kill_prefill=True, policy=policy)
+    assert run.status == ends
+    if ends == "RUNNING":
+        for name in run.want:
+            assert not np.array_equal(run.held[name], run.want[name]), name
