@@ -10,8 +10,9 @@
 - Each worker process initialises vLLM's distributed state on the CPU (gloo,
   a ``file://`` rendezvous: no port) and its TP group, holds its share of the
   KV heads (``HEADS // n``, rank r the r-th share) and a
-  ``PdLifecycleConnector`` of role WORKER, whose agreement step runs over
-  vLLM's TP group. The model runner is mocked: a step's "forward" writes
+  ``PdLifecycleConnector`` of role WORKER, built by vLLM's own
+  ``ensure_kv_transfer_initialized``, whose agreement step runs over vLLM's
+  TP group. The model runner is mocked: a step's "forward" writes
   seeded bytes into each newly scheduled request's blocks, this rank's heads
   of a tensor every rank draws alike, and puts (rank, what it wrote) on
   ``filled``.
@@ -27,7 +28,14 @@ import zlib
 import numpy as np
 import torch
 from pd_engines import BLOCKS, DIM, HEADS, MODULE
-from vllm_engine import BLOCK_SIZE, make_request, make_scheduler, make_vllm_config, model_output
+from vllm_engine import (
+    BLOCK_SIZE,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    model_output,
+)
 
 LAYERS = 2
 #: seconds the engine waits for a worker's step
@@ -76,7 +84,7 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer import kv_transfer_state as kvt
     from vllm.v1.outputs import KVConnectorOutput
 
     from vllm_connector.connector import PdLifecycleConnector
@@ -95,7 +103,11 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
         f"layers.{i}": torch.zeros((2, BLOCKS, BLOCK_SIZE, HEADS // tp, DIM), dtype=torch.float16)
         for i in range(LAYERS)
     }
-    conn = PdLifecycleConnector(cfg, KVConnectorRole.WORKER, None)
+    # as vLLM's worker does: the engine id agreed over the TP group, the class
+    # loaded by its module path, role WORKER
+    kvt.ensure_kv_transfer_initialized(cfg, make_kv_cache_config(cfg, BLOCKS))
+    conn = kvt.get_kv_transfer_group()
+    assert isinstance(conn, PdLifecycleConnector), type(conn)
     conn.register_kv_caches(caches)
     try:
         while (msg := inbox.get()) is not None:
@@ -118,7 +130,7 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
                 )
             )
     finally:
-        conn.shutdown()
+        kvt.ensure_kv_transfer_shutdown()
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
 

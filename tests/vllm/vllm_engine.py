@@ -104,17 +104,26 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
-    """vLLM's Scheduler over `num_blocks` blocks of one full-attention group."""
-    block_size = vllm_config.cache_config.block_size
+def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int = 64) -> KVCacheConfig:
+    """`num_blocks` blocks of one full-attention group (what the scheduler and
+    a worker's connector are built with)."""
     spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
     )
-    kv_cache = KVCacheConfig(
+    return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
+
+
+def make_scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
+    """vLLM's Scheduler over `num_blocks` blocks of one full-attention group."""
+    block_size = vllm_config.cache_config.block_size
+    kv_cache = make_kv_cache_config(vllm_config, num_blocks)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
