@@ -21,6 +21,13 @@ from vllm_engine import (
 
 MODULE = "vllm_connector.connector"
 BLOCKS, HEADS, DIM = 64, 2, 16
+#: liveness where a test kills a process: its peers see it dead within 0.15 s
+#: (a live one stalled that long on a loaded machine is taken for dead too,
+#: which ends the load the same way)
+QUICK = {"heartbeat_interval": 0.05, "heartbeat_misses": 3}
+#: where no process dies: only a peer silent for 30 s is dead, so a load's
+#: success does not hang on how busy the machine is
+PATIENT = {"heartbeat_interval": 0.5, "heartbeat_misses": 60}
 
 
 class Engine:
@@ -91,13 +98,13 @@ def transfer(p, d, rid, seed):
     return src, dst[:2], dreq
 
 
-def prefill_process(model, port, backend, out, stop, hold_blocks):
+def prefill_process(model, port, backend, out, stop, hold_blocks, liveness):
     """A prefill engine in its own process: one request, its params and its
     blocks' bytes put on ``out``; then it serves decode until ``stop`` is set,
     saying on ``out`` when the request's blocks are freed
     (``hold_blocks``: fill the blocks, answer, and never step again: a process
-    about to die)."""
-    p = Engine(model, "kv_producer", port, backend, heartbeat_interval=0.05, heartbeat_misses=3)
+    about to die; ``liveness``: its heartbeat settings)."""
+    p = Engine(model, "kv_producer", port, backend, **liveness)
     before = p.sched.kv_cache_manager.block_pool.get_num_free_blocks()
     req = make_request(
         "c1", 2 * BLOCK_SIZE, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
@@ -123,13 +130,11 @@ def prefill_process(model, port, backend, out, stop, hold_blocks):
     p.worker.shutdown()
 
 
-def decode_process(model, port, backend, inbox, out, policy):
+def decode_process(model, port, backend, inbox, out, policy, liveness):
     """A decode engine in its own process: the request with prefill's params
     (taken from ``inbox`` once the engine is up), stepped until it runs or
     ends; its status and its blocks' bytes on ``out``."""
-    d = Engine(
-        model, "kv_consumer", port, backend, policy, heartbeat_interval=0.05, heartbeat_misses=3
-    )
+    d = Engine(model, "kv_consumer", port, backend, policy, **liveness)
     params = inbox.get()
     req = make_request("c1-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
     d.sched.add_request(req)

@@ -1,21 +1,22 @@
 """A prefill engine of TP n in processes of its own, laid out as vLLM runs one.
 
 - The engine's process holds vLLM's real Scheduler (the connector's scheduler
-  side). Each step it hands every worker the step's connector metadata and
-  the blocks of the requests it scheduled (vLLM's executor broadcasts the
-  scheduler output; here, one queue per worker), takes each worker's
-  KVConnectorOutput back and merges them with vLLM's own
+  side). Each step it hands every worker the scheduler output (vLLM's
+  executor broadcasts it pickled; here, one queue per worker), takes each
+  worker's ModelRunnerOutput back and merges them with vLLM's own
   ``KVOutputAggregator`` (expected count: the connector's, else the world
   size) before ``Scheduler.update_from_output``.
 - Each worker process initialises vLLM's distributed state on the CPU (gloo,
   a ``file://`` rendezvous: no port) and its TP group, holds its share of the
-  KV heads (``HEADS // n``, rank r the r-th share) and a
-  ``PdLifecycleConnector`` of role WORKER, built by vLLM's own
-  ``ensure_kv_transfer_initialized``, whose agreement step runs over vLLM's
-  TP group. The model runner is mocked: a step's "forward" writes
-  seeded bytes into each newly scheduled request's blocks, this rank's heads
-  of a tensor every rank draws alike, and puts (rank, what it wrote) on
-  ``filled``.
+  KV heads (``HEADS // n``, rank r the r-th share), and has vLLM build its
+  ``PdLifecycleConnector`` (``ensure_kv_transfer_initialized``: role WORKER,
+  its agreement step over vLLM's TP group) and drive it each step through
+  the model runner's own connector driver (``get_kv_connector``:
+  ``pre_forward``, ``finish_forward``, ``post_forward``, ``no_forward``).
+  The model itself is mocked: a step's "forward" writes seeded bytes into
+  each newly scheduled request's blocks, this rank's heads of a tensor every
+  rank draws alike, puts (rank, what it wrote) on ``filled``, and samples one
+  token per request.
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ LAYERS = 2
 STEP_TIMEOUT = 60
 
 
-def engine_config(model, role, port, backend, policy="fail", tp=1):
+def engine_config(model, role, port, backend, liveness, policy="fail", tp=1):
     """The VllmConfig of one engine (built once, in the test, and handed to each
     of the engine's processes, as vLLM's executor hands its workers the engine's)."""
     extra = {
         "store_port": port,
         "backend": backend,
         "namespace": f"t{port}",
-        "heartbeat_interval": 0.05,
-        "heartbeat_misses": 3,
+        **liveness,
     }
     cfg = make_vllm_config(
         model, "PdLifecycleConnector", MODULE, extra, kv_role=role, tensor_parallel_size=tp
@@ -85,7 +85,7 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.kv_transfer import kv_transfer_state as kvt
-    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.worker.gpu.kv_connector import get_kv_connector
 
     from vllm_connector.connector import PdLifecycleConnector
 
@@ -104,31 +104,24 @@ def prefill_worker(cfg, rank, init_file, inbox, outbox, filled):
         for i in range(LAYERS)
     }
     # as vLLM's worker does: the engine id agreed over the TP group, the class
-    # loaded by its module path, role WORKER
+    # loaded by its module path (role WORKER), the caches registered by the
+    # model runner's connector driver, which then calls the connector each step
     kvt.ensure_kv_transfer_initialized(cfg, make_kv_cache_config(cfg, BLOCKS))
-    conn = kvt.get_kv_transfer_group()
-    assert isinstance(conn, PdLifecycleConnector), type(conn)
-    conn.register_kv_caches(caches)
+    assert isinstance(kvt.get_kv_transfer_group(), PdLifecycleConnector)
+    driver = get_kv_connector(cfg, caches)
     try:
-        while (msg := inbox.get()) is not None:
-            meta, scheduled = msg
-            conn.bind_connector_metadata(meta)
-            conn.start_load_kv(None)
-            for rid, blocks in scheduled.items():  # the forward
-                for name, kv in forward_bytes(rid, blocks, rank, tp).items():
+        while (so := inbox.get()) is not None:
+            if not so.num_scheduled_tokens:
+                outbox.put(driver.no_forward(so))
+                continue
+            driver.pre_forward(so)
+            for new in so.scheduled_new_reqs:  # the forward
+                blocks = list(new.block_ids[0])
+                for name, kv in forward_bytes(new.req_id, blocks, rank, tp).items():
                     caches[name][:, blocks] = kv
                 filled.put((rank, {n: t[:, blocks].numpy().copy() for n, t in caches.items()}))
-            conn.wait_for_save()
-            res = conn.get_transfer_results(set())
-            conn.clear_connector_metadata()
-            outbox.put(
-                KVConnectorOutput(
-                    finished_sending=res.finished_sending or None,
-                    finished_recving=res.finished_recving or None,
-                    failed_recving=res.failed_recving,
-                    invalid_block_ids=conn.get_block_ids_with_load_errors(),
-                )
-            )
+            driver.finish_forward()
+            outbox.put(model_output(so, driver.post_forward(so.finished_req_ids)))
     finally:
         kvt.ensure_kv_transfer_shutdown()
         ps.destroy_model_parallel()
@@ -141,7 +134,6 @@ def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
     then it serves decode until ``stop`` (``hold``: answer and never step
     again, an engine about to lose a worker)."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-    from vllm.v1.outputs import ModelRunnerOutput
 
     sched = make_scheduler(cfg, num_blocks=BLOCKS)
     merge = KVOutputAggregator.from_connector(sched.connector, len(inboxes))
@@ -158,14 +150,9 @@ def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
 
     def step():
         so = sched.schedule()
-        scheduled = {r.req_id: list(r.block_ids[0]) for r in so.scheduled_new_reqs}
-        for box in inboxes:
-            box.put((so.kv_connector_metadata, scheduled))
-        kvs = [answer(box) for box in outboxes]
-        if so.num_scheduled_tokens:
-            outs = [model_output(so, kv) for kv in kvs]
-        else:
-            outs = [ModelRunnerOutput.with_kv_conn_output_only(kv) for kv in kvs]
+        for box in inboxes:  # (vLLM's executor broadcasts it pickled too)
+            box.put(so)
+        outs = [answer(box) for box in outboxes]
         return sched.update_from_output(so, merge.aggregate(outs))
 
     pool = sched.kv_cache_manager.block_pool

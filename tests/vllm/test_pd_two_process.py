@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import pytest
 from fleet import Fleet
-from pd_engines import decode_process, prefill_process
+from pd_engines import PATIENT, QUICK, decode_process, prefill_process
 from pd_tp import engine_config, prefill_engine, prefill_worker, whole_heads
 from vllm_engine import write_tiny_model
 
@@ -31,14 +31,14 @@ def model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def start_prefill(fleet, out, model, port, backend, tp, hold, init_file):
+def start_prefill(fleet, out, model, port, backend, tp, hold, init_file, liveness):
     """Prefill's processes, answering on ``out``; (its params, the bytes it
     wrote for the request, the process a kill takes down: the engine at TP 1,
     the last worker at TP 2)."""
     if tp == 1:
-        victim = fleet.start(prefill_process, model, port, backend, out, fleet.stop, hold)
+        victim = fleet.start(prefill_process, model, port, backend, out, fleet.stop, hold, liveness)
         return (*fleet.take(out, "prefill's params"), victim)
-    cfg = engine_config(model, "kv_producer", port, backend, tp=tp)
+    cfg = engine_config(model, "kv_producer", port, backend, liveness, tp=tp)
     inboxes, outboxes = [fleet.queue() for _ in range(tp)], [fleet.queue() for _ in range(tp)]
     filled = fleet.queue()
     workers = [
@@ -64,9 +64,12 @@ class Run:
 
 def run_pair(model, tmp_path, backend="mooncake", tp=1, kill_prefill=False, policy="fail"):
     store = store_server()
+    liveness = QUICK if kill_prefill else PATIENT
     with Fleet() as fleet:
         to_decode, from_decode, from_prefill = fleet.queue(), fleet.queue(), fleet.queue()
-        fleet.start(decode_process, model, store.port, backend, to_decode, from_decode, policy)
+        fleet.start(
+            decode_process, model, store.port, backend, to_decode, from_decode, policy, liveness
+        )
         params, want, victim = start_prefill(
             fleet,
             from_prefill,
@@ -76,6 +79,7 @@ def run_pair(model, tmp_path, backend="mooncake", tp=1, kill_prefill=False, poli
             tp,
             kill_prefill,
             str(tmp_path / "tp-init"),
+            liveness,
         )
         assert params["tp_size"] == tp
         if kill_prefill:
