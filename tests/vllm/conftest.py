@@ -24,6 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # keeps its own, so it neither writes there nor leans on an earlier run's
 CACHE_ROOT = tempfile.mkdtemp(prefix="vllm-test-cache-")
 os.environ["VLLM_CACHE_ROOT"] = CACHE_ROOT
+# and the IPC sockets of a TP group's message queue (vLLM leaves them behind
+# in /tmp otherwise), removed with it
+os.environ["VLLM_RPC_BASE_PATH"] = CACHE_ROOT
 
 
 def _vllm_missing() -> str | None:
