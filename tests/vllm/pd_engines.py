@@ -133,8 +133,19 @@ def prefill_process(model, port, backend, out, stop, hold_blocks, liveness):
 def decode_process(model, port, backend, inbox, out, policy, liveness):
     """A decode engine in its own process: the request with prefill's params
     (taken from ``inbox`` once the engine is up), stepped until it runs or
-    ends; its status and its blocks' bytes on ``out``."""
+    ends; its status, its blocks' bytes and the failures its worker's
+    connector agreed (reason, recovery decision) on ``out``."""
     d = Engine(model, "kv_consumer", port, backend, policy, **liveness)
+    failures = []
+    agreement = d.worker.worker.agreement
+    agreed = agreement.step
+
+    def recorded():  # (what the connector tells vLLM holds no reason: read it here)
+        ended = agreed()
+        failures.extend((f.reason.name, f.action.name) for f in ended.failed.values())
+        return ended
+
+    agreement.step = recorded
     params = inbox.get()
     req = make_request("c1-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
     d.sched.add_request(req)
@@ -149,5 +160,5 @@ def decode_process(model, port, backend, inbox, out, policy, liveness):
         if req.is_finished():
             break
     held = {n: t[:, dst[:2]].numpy().copy() for n, t in d.caches.items()} if dst else {}
-    out.put((req.status.name, int(req.num_computed_tokens), held))
+    out.put((req.status.name, int(req.num_computed_tokens), held, failures))
     d.worker.shutdown()

@@ -1,14 +1,16 @@
 """Prefill and decode engines in processes of their own (vLLM's real Scheduler
 each, PdLifecycleConnector's workers over Mooncake and NIXL on loopback):
 
-- TP 1 -> 1: every byte arrives;
+- TP 1 -> 1: every byte arrives, and prefill frees the request's blocks once
+  sent;
 - TP 2 -> 1: a prefill engine of a scheduler process and two worker
   processes in vLLM's own TP group (gloo), each holding half the KV heads;
   decode (TP 1, every head) holds every byte of each rank's heads in the
-  heads that rank holds;
-- a prefill killed while decode loads (the process, or one of its TP
-  workers) ends decode's request with what ``kv_load_failure_policy`` says
-  vLLM does next, never a hang.
+  heads that rank holds, and prefill frees the blocks once both workers
+  reported the send;
+- a prefill killed while its blocks wait for decode (the process, or one of
+  its two TP workers) ends decode's load for a dead peer, as
+  ``kv_load_failure_policy`` says, never a hang.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Run:
     #: prefill, once its request's blocks are freed: [free blocks, free blocks before
     #: the request]; None when prefill was killed
     freed: list | None
+    #: the failures decode's worker connector agreed: (reason, recovery decision)
+    failures: list
 
 
 def run_pair(model, tmp_path, backend="mooncake", tp=1, kill_prefill=False, policy="fail"):
@@ -85,12 +89,12 @@ def run_pair(model, tmp_path, backend="mooncake", tp=1, kill_prefill=False, poli
         if kill_prefill:
             fleet.kill(victim)  # its blocks are held for decode: the transfer had begun
         to_decode.put(params)
-        status, computed, held = fleet.take(from_decode, "decode's verdict")
+        status, computed, held, failures = fleet.take(from_decode, "decode's verdict")
         freed = None
         if not kill_prefill and status == "RUNNING":
             what, *freed = fleet.take(from_prefill, "prefill freeing the request's blocks")
             assert what == "freed"
-    return Run(status, computed, held, want, freed)
+    return Run(status, computed, held, want, freed, failures)
 
 
 def assert_every_byte(held, want):
@@ -104,6 +108,7 @@ def assert_every_byte(held, want):
 def test_every_byte_arrives_between_two_processes(model, tmp_path, backend):
     run = run_pair(model, tmp_path, backend)
     assert run.status == "RUNNING" and run.computed >= 31  # loaded, not recomputed
+    assert run.failures == []
     assert_every_byte(run.held, run.want)
     assert run.freed[0] == run.freed[1]  # prefill freed the request's blocks once sent
 
@@ -114,28 +119,25 @@ def test_tp2_prefill_to_tp1_decode_moves_every_head(model, tmp_path, backend):
     prefill frees the request's blocks once both workers reported the send
     (vLLM's aggregator counting two)."""
     run = run_pair(model, tmp_path, backend, tp=2)
-    assert run.status == "RUNNING" and run.computed >= 31
+    assert run.status == "RUNNING" and run.computed >= 31 and run.failures == []
     assert_every_byte(run.held, run.want)
     assert run.freed[0] == run.freed[1]
 
 
-@pytest.mark.parametrize(("policy", "ends"), [("fail", "FINISHED_ERROR"), ("recompute", "RUNNING")])
-def test_a_killed_prefill_ends_decodes_load_as_the_policy_says(model, tmp_path, policy, ends):
-    run = run_pair(model, tmp_path, kill_prefill=True, policy=policy)
-    assert run.status == ends
-    if ends == "RUNNING":  # recomputed here: nothing of prefill's bytes
-        for name in run.want:
-            assert not np.array_equal(run.held[name], run.want[name]), name
-
-
-@pytest.mark.parametrize(("policy", "ends"), [("fail", "FINISHED_ERROR"), ("recompute", "RUNNING")])
-def test_a_killed_prefill_tp_worker_ends_decodes_load_as_the_policy_says(
-    model, tmp_path, policy, ends
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("policy", "ends", "decided"),
+    [("fail", "FINISHED_ERROR", "FAIL"), ("recompute", "RUNNING", "RECOMPUTE")],
+)
+def test_a_killed_prefill_ends_decodes_load_as_the_policy_says(
+    model, tmp_path, tp, policy, ends, decided
 ):
-    """One of prefill's two TP workers killed, the other alive: decode never
-    waits for the dead rank's heads; its load ends as the policy says."""
-    run = run_pair(model, tmp_path, tp=2, kill_prefill=True, policy=policy)
+    """Prefill killed (TP 1: its process; TP 2: one of its two workers, the
+    other alive) while its blocks wait for decode: decode's load fails for a
+    dead peer, never waiting for the dead rank, and ends as the policy says."""
+    run = run_pair(model, tmp_path, tp=tp, kill_prefill=True, policy=policy)
     assert run.status == ends
-    if ends == "RUNNING":
+    assert run.failures == [("PEER_DEAD", decided)]
+    if ends == "RUNNING":  # recomputed here: nothing of prefill's bytes
         for name in run.want:
             assert not np.array_equal(run.held[name], run.want[name]), name
