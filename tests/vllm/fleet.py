@@ -22,8 +22,10 @@ PRELOAD = [
     "vllm.distributed.parallel_state",
     "vllm.distributed.kv_transfer.kv_connector.utils",
 ]
-#: seconds a test waits for one answer of a process
-ANSWER_TIMEOUT = 60
+#: seconds a test waits for one answer of a process: the only deadline of a
+#: test's processes, generous (a first answer includes starting a transfer
+#: engine; on a loaded machine that has taken a minute)
+ANSWER_TIMEOUT = 180
 PR_SET_PDEATHSIG = 1
 
 

@@ -150,8 +150,7 @@ def decode_process(model, port, backend, inbox, out, policy, liveness):
     req = make_request("c1-d", 2 * BLOCK_SIZE, max_tokens=2, kv_transfer_params=params)
     d.sched.add_request(req)
     dst = None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and req.status != RequestStatus.RUNNING:
+    while req.status != RequestStatus.RUNNING:  # (a hang: the test's wait gives up)
         time.sleep(0.002)
         d.step()
         if dst is None and d.sched.requests.get("c1-d") is not None:

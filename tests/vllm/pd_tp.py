@@ -39,8 +39,6 @@ from vllm_engine import (
 )
 
 LAYERS = 2
-#: seconds the engine waits for a worker's step
-STEP_TIMEOUT = 60
 
 
 def engine_config(model, role, port, backend, liveness, policy="fail", tp=1):
@@ -138,15 +136,13 @@ def prefill_engine(cfg, inboxes, outboxes, out, stop, hold):
     sched = make_scheduler(cfg, num_blocks=BLOCKS)
     merge = KVOutputAggregator.from_connector(sched.connector, len(inboxes))
 
-    def answer(box):  # a worker's output for the step (given up once the test ends)
-        deadline = time.monotonic() + STEP_TIMEOUT
-        while not stop.is_set() and time.monotonic() < deadline:
+    def answer(box):  # a worker's output for the step (a hang: the test's wait gives up)
+        while not stop.is_set():
             try:
                 return box.get(timeout=0.1)
             except queue.Empty:
                 pass
-        why = "the test ended" if stop.is_set() else f"none within {STEP_TIMEOUT} s"
-        raise TimeoutError(f"prefill engine: a worker's output for the step: {why}")
+        raise TimeoutError("prefill engine: the test ended before a worker's output for the step")
 
     def step():
         so = sched.schedule()
