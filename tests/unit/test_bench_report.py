@@ -57,6 +57,8 @@ def test_the_like_for_like_columns_are_the_quotients_of_the_same_runs_medians():
     assert r["field/ours_field"] == pytest.approx(1600 / 640)
     assert r["field_staged/ours"] == pytest.approx(4000 / 800)
     assert r["field_staged/hooks_floor"] == pytest.approx(4000 / 650)
+    assert r["field_gated/floor"] == pytest.approx(2800 / 500)
+    assert r["field/floor"] == pytest.approx(1600 / 500)
     assert r["ours_gated/floor"] == pytest.approx(700 / 500)
     # the columns there were keep their meaning
     assert r["field/ours"] == pytest.approx(1600 / 800)
@@ -73,10 +75,12 @@ def test_the_report_prints_gated_and_ungated_side_by_side():
     at = next(i for i, line in enumerate(lines) if line.startswith("field like for like"))
     header, row = lines[at + 1].split(), lines[at + 2].split()
     assert header[:4] == ["N", "field_gated/ours_gated", "field/ours_field", "field_staged/ours"]
-    assert header[4:] == ["field_staged/hooks_floor", "field/ours", "field/hooks_floor"]
+    assert header[4:6] == ["field_gated/floor", "field/floor"]
+    assert header[6:] == ["field_staged/hooks_floor", "field/ours", "field/hooks_floor"]
     # each cell: the ratio of medians, then that of lower quartiles in brackets
     assert row[0] == "64" and row[1:3] == ["4.00", "(4.00)"] and row[3:5] == ["2.50", "(2.50)"]
-    assert row[5:7] == ["5.00", "(5.00)"] and row[7] == "6.15"
+    assert row[5:7] == ["5.00", "(5.00)"] and row[7] == "5.60" and row[9] == "3.20"
+    assert row[11] == "6.15"
     assert "ours_gated" in lines[1].split()  # the medians' table has its column
     assert any("(ours_gated 700 us), staged 4000 us" in line for line in lines)
 

@@ -48,6 +48,10 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
             # nothing to its hooks
             "field/hooks_floor": med["field"] / med["hooks_floor"],
             "field_staged/hooks_floor": med["field_staged"] / med["hooks_floor"],
+            # the most any like-for-like ratio can be: a step that costs no
+            # more than the bare reduce
+            "field/floor": med["field"] / med["floor"],
+            "field_gated/floor": med["field_gated"] / med["floor"],
             "compat/field": med["compat"] / med["field"],
             "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
         }
@@ -107,11 +111,14 @@ _RATIOS = (
 
 #: SGLang's calls against ours on the same requests, side by side: gated
 #: against gated, ungated against ungated, staged against ``ours``; then the
-#: bounds (a step that added nothing to its hooks) and the old mixed ratio
+#: bounds (a step that cost no more than the bare reduce, or than its hooks
+#: and the reduce) and the old mixed ratio
 _FIELD = (
     "field_gated/ours_gated",
     "field/ours_field",
     "field_staged/ours",
+    "field_gated/floor",
+    "field/floor",
     "field_staged/hooks_floor",
     "field/ours",
     "field/hooks_floor",
