@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= dev,plot,mooncake,nixl,metrics
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-test vllm-env vllm-test vllm-upstream-test
+.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-test vllm-env vllm-test vllm-upstream-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,13 @@ $(FIELD_STAMP): pyproject.toml $(FIELD_FILES)
 	touch $(FIELD_STAMP)
 
 field-env: sysdeps $(FIELD_STAMP)
+
+# pdlife bench where SGLang is importable: its own calls timed beside ours on the
+# same requests (gated against gated, ungated against ungated); -W ignore hides
+# its import chain's warnings. FIELD_BENCH_JSON names the JSON it writes.
+FIELD_BENCH_JSON ?= bench-field.json
+field-bench: field-env
+	$(FIELD_PY) -W ignore -m pdlife bench --sizes 64,1024,4096,16384 --reps 200 --json $(FIELD_BENCH_JSON)
 
 field-test: field-env
 	$(FIELD_PY) -m compileall -q -j 0 src tests

@@ -8,7 +8,7 @@ from pdlife.bench.step import run_bench
 
 # the keys #14 asked for (more may be added beside them, never taken away)
 VARIANTS = ("floor", "ours", "pattern", "transitions", "fused3", "separate3", "churn")
-VARIANTS += ("overlap_visible", "ours_field", "hooks_floor", "hooks3_floor")
+VARIANTS += ("overlap_visible", "ours_field", "hooks_floor", "hooks3_floor", "ours_gated")
 RATIOS = ("ours/floor", "fused3/floor", "separate3/fused3", "churn/floor")
 RATIOS += ("overlap_visible/floor", "pattern/ours", "transitions/ours", "hooks3_floor/floor")
 
@@ -37,6 +37,7 @@ def test_the_bench_reports_every_variant_and_ratio():
     else:
         for row in res["sizes"].values():
             assert {"field/ours", "field/ours_field", "field/hooks_floor"} < set(row["ratios"])
+            assert {"field_gated/ours_gated", "field_staged/ours"} < set(row["ratios"])
 
 
 @pytest.mark.network

@@ -17,8 +17,6 @@ __all__ = [
     "hooks_of",
     "three_queues",
     "churn_case",
-    "field_queue",
-    "field_stepper",
 ]
 
 
@@ -178,57 +176,3 @@ def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
         return elapsed
 
     return churn
-
-
-class RoomPoller:
-    """A field-style per-request poller (a sender or receiver) with its room."""
-
-    __slots__ = ("bootstrap_room", "status")
-
-    def __init__(self, room: int, status: int) -> None:
-        self.bootstrap_room = room
-        self.status = status
-
-    def poll(self) -> int:
-        return self.status
-
-
-def field_queue(n: int) -> tuple[list[Any], list[Any], list[Any], Any]:
-    """A decode transfer queue as the field's functions see it: (ungated pollers,
-    gated pollers, decode requests, metadata buffers). Ungated: half waiting for
-    input, half transferring. Gated: a third transferring, two thirds reporting
-    Success with the metadata row not landed (held at Transferring by the gate).
-    No request finishes, so the list stays the same from call to call."""
-    import types
-
-    from field.data.metadata import MetadataBuffers
-
-    ungated = [RoomPoller(9001 + i, 2 + i % 2) for i in range(n)]
-    gated = [RoomPoller(9001 + i, 3 if i % 3 == 0 else 4) for i in range(n)]
-    reqs = [
-        types.SimpleNamespace(
-            req=types.SimpleNamespace(bootstrap_room=9001 + i, bootstrap_host="10.0.0.1"),
-            metadata_buffer_index=i,
-            kv_receiver=gated[i],
-        )
-        for i in range(n)
-    ]
-    meta = MetadataBuffers(n, 16, torch.float32)  # every row's room is 0: not landed
-    return ungated, gated, reqs, meta
-
-
-def field_stepper(rank: int, n: int) -> Any:
-    """Our step on the field's ungated queue (:func:`field_queue`): the same
-    rooms and statuses (half waiting for input, half transferring) answered by
-    one batch poll, no gates. After its first step nothing moves."""
-    from lifecycle import KVPoll, RequestTable, Stepper
-
-    backend = ChurnBackend(n)
-    backend.status[:n] = 2 + np.arange(n) % 2
-    table = RequestTable(rank=rank, capacity=n)
-    table.extend(
-        np.arange(9001, 9001 + n, dtype=np.uint64),
-        state=KVPoll.WaitingForInput,
-        handle_indices=np.arange(n),
-    )
-    return Stepper(table, rank, poller=backend)

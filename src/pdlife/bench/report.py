@@ -38,9 +38,20 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
     if "field" in med:
         field = {
             "field/ours": med["field"] / med["ours"],
+            # like for like: ungated against ungated, gated against gated (the
+            # same decode requests, metadata buffers and rows landed), and
+            # SGLang's staged gated call on ours' own queue
             "field/ours_field": med["field"] / med["ours_field"],
-            # the most field/ours can be: a step that adds nothing to its hooks
+            "field_gated/ours_gated": med["field_gated"] / med["ours_gated"],
+            "field_staged/ours": med["field_staged"] / med["ours"],
+            # the most field/ours and field_staged/ours can be: a step that adds
+            # nothing to its hooks
             "field/hooks_floor": med["field"] / med["hooks_floor"],
+            "field_staged/hooks_floor": med["field_staged"] / med["hooks_floor"],
+            # the most any like-for-like ratio can be: a step that costs no
+            # more than the bare reduce
+            "field/floor": med["field"] / med["floor"],
+            "field_gated/floor": med["field_gated"] / med["floor"],
             "compat/field": med["compat"] / med["field"],
             "compat_gated/field_gated": med["compat_gated"] / med["field_gated"],
         }
@@ -50,6 +61,7 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
         "ours/floor": med["ours"] / med["floor"],
         "hooks_floor/floor": med["hooks_floor"] / med["floor"],
         "ours/hooks_floor": med["ours"] / med["hooks_floor"],
+        "ours_gated/floor": med["ours_gated"] / med["floor"],
         "fused3/floor": med["fused3"] / med["floor"],
         "hooks3_floor/floor": med["hooks3_floor"] / med["floor"],
         "fused3-hooks3_floor/floor": (med["fused3"] - med["hooks3_floor"]) / med["floor"],
@@ -68,6 +80,7 @@ _COLUMNS = (
     "hooks_floor",
     "ours",
     "ours_field",
+    "ours_gated",
     "fused3",
     "hooks3_floor",
     "separate3",
@@ -82,6 +95,7 @@ _RATIOS = (
     "ours-hooks_floor/floor",
     "hooks_floor/floor",
     "ours/hooks_floor",
+    "ours_gated/floor",
     "fused3/floor",
     "hooks3_floor/floor",
     "fused3-hooks3_floor/floor",
@@ -93,6 +107,33 @@ _RATIOS = (
     "pattern/ours",
     "transitions/ours",
 )
+
+
+#: SGLang's calls against ours on the same requests, side by side: gated
+#: against gated, ungated against ungated, staged against ``ours``; then the
+#: bounds (a step that cost no more than the bare reduce, or than its hooks
+#: and the reduce) and the old mixed ratio
+_FIELD = (
+    "field_gated/ours_gated",
+    "field/ours_field",
+    "field_staged/ours",
+    "field_gated/floor",
+    "field/floor",
+    "field_staged/hooks_floor",
+    "field/ours",
+    "field/hooks_floor",
+)
+
+
+def _like_for_like(sizes: dict[str, Any]) -> list[str]:
+    lines = ["field like for like: ratios of medians (of lower quartiles), same run"]
+    lines.append(f"{'N':>6} " + " ".join(f"{r:>{_width(r)}}" for r in _FIELD))
+    for n, row in sizes.items():
+        cells = [
+            f"{row['ratios'][r]:.2f} ({row['ratios_p25'][r]:.2f})".rjust(_width(r)) for r in _FIELD
+        ]
+        lines.append(f"{n:>6} " + " ".join(cells))
+    return lines
 
 
 def _width(name: str) -> int:
@@ -119,13 +160,17 @@ def format_table(res: dict[str, Any]) -> str:
         if "field/ours" in r:
             lines.append(
                 f"{'':>6} field {row['field']['median_us']:.0f} us, gated "
-                f"{row['field_gated']['median_us']:.0f} us; {compat}; field/ours "
+                f"{row['field_gated']['median_us']:.0f} us (ours_gated "
+                f"{row['ours_gated']['median_us']:.0f} us), staged "
+                f"{row['field_staged']['median_us']:.0f} us; {compat}; field/ours "
                 f"{r['field/ours']:.2f} (at most field/hooks_floor {r['field/hooks_floor']:.2f}), "
                 f"field/ours_field {r['field/ours_field']:.2f}, compat/field {r['compat/field']:.2f}, "
                 f"compat_gated/field_gated {r['compat_gated/field_gated']:.2f}"
             )
         else:
             lines.append(f"{'':>6} {compat}")
+    if any("field/ours" in row["ratios"] for row in res["sizes"].values()):
+        lines.extend(_like_for_like(res["sizes"]))
     lines.append("ratios of lower quartiles, same run (the collectives' fast mode)")
     for n, row in res["sizes"].items():
         lines.append(

@@ -28,10 +28,14 @@ times, back to back and in the same order on both ranks:
 - ``field``: the code a step replaces, SGLang's own ``poll_and_all_reduce``
   (``sglang.srt.disaggregation.utils``) on a field-style queue of per-request
   pollers (half waiting for input, half transferring), ungated, when SGLang is
-  importable here (else skipped, and said so in one line); ``field_gated``:
-  the same function with its metadata gate on a decode transfer queue (two
-  thirds at Success with the row not landed); ``ours_field``: a
+  importable here (else skipped, and said so in one line); ``ours_field``: a
   :class:`Stepper` on the ungated queue's rooms and statuses, one batch poll;
+  ``field_gated``: the same function with its metadata gate on a decode
+  transfer queue, and ``ours_gated``: our step with its metadata gate on the
+  same decode requests and the same metadata buffers; ``field_staged``:
+  SGLang's ``poll_and_all_reduce_with_staging`` on ``ours``' own queue (its
+  staging and metadata gates, the same rows). Each pair's statuses are checked
+  to agree once, untimed (:mod:`pdlife.bench.field_cases`);
 - ``compat`` / ``compat_gated``: the drop-in, :func:`field.step.consensus.poll_and_all_reduce`,
   on the same queues with the same arguments (its table kept across calls);
 - ``overlap_visible``: ``start(worker=True)`` + ``finish`` with a 5 ms sleep
@@ -66,31 +70,20 @@ import numpy as np
 import torch
 
 from pdlife.args import positive_int
-from pdlife.bench.cases import (
-    ObjPoller,
-    churn_case,
+from pdlife.bench.cases import ObjPoller, churn_case, gated_queue, hooks_of, three_queues
+from pdlife.bench.field_cases import (
+    check_agreement,
+    field_calls,
     field_queue,
     field_stepper,
-    gated_queue,
-    hooks_of,
-    three_queues,
+    gated_stepper,
+    staged_view,
 )
 from pdlife.bench.report import format_table, summarise
 
 __all__ = ["add_parser", "run_bench"]
 
 SIZES = (64, 1024, 4096, 16384)
-
-
-def field_function() -> tuple[Any, str]:
-    """SGLang's ``poll_and_all_reduce``, or None and why it is not here."""
-    try:
-        from sglang.srt.disaggregation.utils import (  # type: ignore[import-not-found]
-            poll_and_all_reduce,
-        )
-    except Exception as e:  # not installed, or its import set is incomplete
-        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-    return poll_and_all_reduce, ""
 
 
 def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
@@ -160,32 +153,38 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
         return visible
 
-    field_poll, _ = field_function()
+    fc = field_calls()
     f_ungated, f_gated, f_reqs, f_meta = field_queue(n)
+    f_stepper = field_stepper(rank, n)
+    g_stepper = gated_stepper(rank, f_gated, f_reqs, f_meta)
+    s_pollers, s_reqs, s_left, s_meta = staged_view(backend, meta, rooms)
 
-    def field() -> None:
-        assert field_poll is not None
-        field_poll(f_ungated, group)
+    def field() -> list[int]:
+        return fc.poll(f_ungated, group)  # type: ignore[no-any-return]
 
-    def field_gated() -> None:
-        assert field_poll is not None
-        field_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
+    def field_gated() -> list[int]:
+        return fc.poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)  # type: ignore[no-any-return]
+
+    def field_staged() -> list[int]:
+        return fc.staged(s_reqs, s_left, group, metadata_buffers=s_meta, pollers=s_pollers)  # type: ignore[no-any-return]
 
     def compat() -> None:
         compat_poll(f_ungated, group)
 
-    f_stepper = field_stepper(rank, n)
-
     def ours_field() -> None:
         f_stepper.step(coll)
 
-    def compat_gated() -> None:
-        compat_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
+    def ours_gated() -> None:
+        g_stepper.step(coll)
+
+    def compat_gated() -> list[int]:
+        return compat_poll(f_gated, group, decode_reqs=f_reqs, metadata_buffers=f_meta)
 
     variants = {
         "floor": floor,
         "ours": ours,
         "ours_field": ours_field,
+        "ours_gated": ours_gated,
         "hooks_floor": hooks_floor,
         "pattern": pattern,
         "fused3": fused3,
@@ -198,12 +197,30 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "compat": compat,
         "compat_gated": compat_gated,
     }
-    if field_poll is not None:
+    if fc.poll is not None:
         variants["field"] = field
         variants["field_gated"] = field_gated
+        variants["field_staged"] = field_staged
     for f in variants.values():  # warm-up (also sizes the steps' capacities)
         for _ in range(3):
             f()
+    # the pairs compared must do the same work: once, untimed, on both ranks alike
+    if fc.poll is not None:
+        check_agreement(
+            [
+                ("ours_field", lambda: f_stepper.step(coll), "field", field),
+                ("ours_gated", lambda: g_stepper.step(coll), "field_gated", field_gated),
+                ("ours", lambda: stepper.step(coll), "field_staged", field_staged),
+            ],
+            {
+                "field_gated": lambda: fc.poll(f_gated, group),
+                "field_staged": lambda: fc.poll(s_pollers, group),
+            },
+        )
+    else:  # without the field, our drop-in stands in for its gated call
+        check_agreement(
+            [("ours_gated", lambda: g_stepper.step(coll), "compat_gated", compat_gated)], {}
+        )
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
     # a new order every repetition, the same on both ranks (their collectives
@@ -300,7 +317,7 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
         "sizes": {n: summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
         "table": results[0]["table"],
     }
-    _, why = field_function()
+    why = field_calls().why
     if why:
         res["field_skipped"] = why
     import os
