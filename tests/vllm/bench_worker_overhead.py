@@ -48,8 +48,10 @@ COLUMNS = (
     "bound_us",
     "ratio",
     "passes",
+    "ratio_without_handoff",
     "ours_step_us",
-    "ours_handles_us",
+    "ours_handoff_us",
+    "ours_release_us",
     "ours_rest_us",
     "vllm_report_us",
     "vllm_aggregate_us",
@@ -60,8 +62,15 @@ COLUMNS = (
 )
 
 
-def _rank(rank: int, world: int, ns: list[int], reps: int, life: int, warmup: int) -> Any:
-    """One TP worker's run: per (n, what), this worker's time of each iteration."""
+def _rank(
+    rank: int, world: int, ns: list[int], reps: int, life: int, warmup: int, profile: str | None
+) -> Any:
+    """One TP worker's run: per (n, what), this worker's time of each iteration.
+    ``profile``: a folder where each worker writes the profile of ours' timed
+    calls per n (cProfile, which slows them: the times of such a run are not
+    the measurement)."""
+    import cProfile
+
     import torch
     import torch.distributed as dist
     from overhead_subjects import CountingLoop, OursLoop, SizedCollective
@@ -70,12 +79,18 @@ def _rank(rank: int, world: int, ns: list[int], reps: int, life: int, warmup: in
     counting = {n: CountingLoop(n, life, rank, world) for n in ns}
     buffers: dict[int, torch.Tensor] = {}
     out: dict[str, list[float]] = collections.defaultdict(list)
+    profiles: dict[int, cProfile.Profile] = {}
 
     def run_ours(n: int) -> dict[str, float]:
         loop = ours[n]
         loop.prepare()
+        prof = profiles.get(n)
         dist.barrier()
+        if prof is not None:
+            prof.enable()
         took = loop.iterate()
+        if prof is not None:
+            prof.disable()
         return {"ours": took, **{f"ours_{k}": v for k, v in loop.last.items()}}
 
     def run_vllm(n: int) -> dict[str, float]:
@@ -109,12 +124,16 @@ def _rank(rank: int, world: int, ns: list[int], reps: int, life: int, warmup: in
         for n in ns:
             for kind in KINDS:
                 runs[kind](n)
+    if profile is not None:
+        profiles.update((n, cProfile.Profile()) for n in ns)
     for rep in range(reps):
         order = random.Random(rep)  # the same order on every worker
         for n in order.sample(ns, len(ns)):
             for kind in order.sample(KINDS, len(KINDS)):
                 for key, value in runs[kind](n).items():
                     out[f"{key}/{n}"].append(value)
+    for n, prof in profiles.items():
+        prof.dump_stats(os.path.join(str(profile), f"ours-n{n}-rank{rank}.prof"))
     return dict(out)
 
 
@@ -141,7 +160,8 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
         ours = col("ours") * 1e6
         vllm = (col("vllm_report") + col("vllm_aggregate", "rank0")) * 1e6
         ar = col("allreduce") * 1e6
-        step, handles = col("ours_step") * 1e6, col("ours_handles") * 1e6
+        step, handoff = col("ours_step") * 1e6, col("ours_handoff") * 1e6
+        release = col("ours_release") * 1e6
         row: dict[str, Any] = {"n": n}
         for name, xs in (("ours", ours), ("vllm", vllm), ("allreduce", ar)):
             row[f"{name}_us"] = _q(xs, 50)
@@ -155,9 +175,13 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
             1.2 * row["vllm_p25_us"] + row["allreduce_p25_us"]
         )
         row["passes"] = bool(row["ratio"] <= 1.0)
+        # what the worker side costs beyond the page hand-off, which vLLM's own
+        # connectors do in start_load_kv, outside get_finished
+        row["ratio_without_handoff"] = _q(ours - handoff, 50) / row["bound_us"]
         row["ours_step_us"] = _q(step, 50)
-        row["ours_handles_us"] = _q(handles, 50)
-        row["ours_rest_us"] = _q(ours - step - handles, 50)
+        row["ours_handoff_us"] = _q(handoff, 50)
+        row["ours_release_us"] = _q(release, 50)
+        row["ours_rest_us"] = _q(ours - step - handoff - release, 50)
         row["vllm_report_us"] = _q(col("vllm_report") * 1e6, 50)
         row["vllm_aggregate_us"] = _q(col("vllm_aggregate", "rank0") * 1e6, 50)
         row["reduce_bytes"] = int(col("reduce_bytes", "rank0")[-1])
@@ -170,11 +194,12 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'n':>5} {'ours us':>18} {'vLLM us':>18} {'allreduce us':>16} {'ratio':>18} pass"
-        f" | {'ours: step':>10} {'handles':>8} {'rest':>7} | {'reduce B':>8} {'ends/it':>7}"
-    )
-    lines = [head]
+    """The verdict's table (medians, 25th-75th percentiles), then where each side
+    spends its time (medians of each part, so they need not add up)."""
+    lines = [
+        f"{'n':>5} {'ours us':>18} {'vLLM us':>18} {'allreduce us':>16} "
+        f"{'ratio':>17} pass {'w/o handoff':>11}"
+    ]
     for r in rows:
 
         def span(name: str, r: dict[str, Any] = r) -> str:
@@ -182,12 +207,31 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         lines.append(
             f"{r['n']:>5} {span('ours'):>18} {span('vllm'):>18} {span('allreduce'):>16} "
-            f"{r['ratio']:.2f} ({r['ratio_low']:.2f}-{r['ratio_high']:.2f}) "
-            f"{'yes' if r['passes'] else 'no':>4}"
-            f" | {r['ours_step_us']:>10.0f} {r['ours_handles_us']:>8.0f} {r['ours_rest_us']:>7.0f}"
-            f" | {r['reduce_bytes']:>8} {r['finished_per_iter_ours']:>7.1f}"
+            f"{r['ratio']:>4.2f} ({r['ratio_low']:.2f}-{r['ratio_high']:.2f}) "
+            f"{'yes' if r['passes'] else 'no':>4} {r['ratio_without_handoff']:>11.2f}"
+        )
+    lines.append(
+        f"{'n':>5} {'ours: step':>10} {'handoff':>8} {'release':>8} {'rest':>6} | "
+        f"{'vLLM: report':>12} {'aggregate':>9} | {'reduce B':>8} {'ends/it':>7} {'(vLLM)':>6}"
+    )
+    for r in rows:
+        lines.append(
+            f"{r['n']:>5} {r['ours_step_us']:>10.0f} {r['ours_handoff_us']:>8.0f} "
+            f"{r['ours_release_us']:>8.0f} {r['ours_rest_us']:>6.0f} | "
+            f"{r['vllm_report_us']:>12.0f} {r['vllm_aggregate_us']:>9.0f} | "
+            f"{r['reduce_bytes']:>8} {r['finished_per_iter_ours']:>7.1f} "
+            f"{r['finished_per_iter_vllm']:>6.1f}"
         )
     return "\n".join(lines)
+
+
+def _print_profiles(folder: str, ns: list[int], top: int = 18) -> None:
+    import pstats
+
+    for n in ns:
+        path = os.path.join(folder, f"ours-n{n}-rank0.prof")
+        print(f"\n-- ours at n={n}, rank 0 (cProfile; {path}) --")
+        pstats.Stats(path, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--life", type=int, default=16, help="iterations a load stays in flight")
     p.add_argument("--warmup", type=int, default=40, help="untimed iterations first")
     p.add_argument("--json", metavar="PATH", help="write the rows and the raw samples here")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile ours' timed calls (cProfile) into DIR and print the top of rank 0's; "
+        "the run's times are then not the measurement",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds before the run is killed")
     args = p.parse_args(argv)
     if args.reps < 1 or args.life < 1 or args.warmup < 0 or min(args.n) < 1:
@@ -207,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:  # (the ranks import overhead_subjects from here)
         sys.path.insert(0, here)
+    if args.profile:
+        args.profile = os.path.abspath(args.profile)
+        os.makedirs(args.profile, exist_ok=True)
     load = os.getloadavg()
     work = (args.reps + args.warmup) * len(args.n)
     timeout = args.timeout or 180.0 + 0.05 * work * max(1, max(args.n) // 64)
@@ -217,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         args.reps,
         args.life,
         args.warmup,
+        args.profile,
         timeout=timeout,
         pg_timeout=120.0,
     )
     rows = summarize(per_rank, args.n)
     print(f"{WORLD} TP workers, gloo on 127.0.0.1; load average before: {load[0]:.2f}")
     print(table(rows))
+    if args.profile:
+        _print_profiles(args.profile, args.n)
     if args.json:
         doc = {
             "world": WORLD,

@@ -80,11 +80,19 @@ class _Spent:
         self.seconds = 0.0
 
 
-class _TimedReceiver(ConnectorReceiver):
-    """The connector's decode handle; the time its page hand-off and release take
-    is summed (the transfer's own work, which ``finished()`` calls)."""
+class _Spending:
+    """Seconds the decode handles spent handing pages over and releasing."""
 
-    def __init__(self, manager: SimRank, room: int, epoch: int, spent: _Spent) -> None:
+    def __init__(self) -> None:
+        self.handoff = self.release = 0.0
+
+
+class _TimedReceiver(ConnectorReceiver):
+    """The connector's decode handle; the time its page hand-off (telling prefill
+    where to write) and its release take is summed apart: the transfer's own
+    work, which ``finished()`` calls."""
+
+    def __init__(self, manager: SimRank, room: int, epoch: int, spent: _Spending) -> None:
         super().__init__(manager, room, epoch)
         self._spent = spent
 
@@ -93,20 +101,20 @@ class _TimedReceiver(ConnectorReceiver):
         try:
             super().send_metadata(*args, **kwargs)
         finally:
-            self._spent.seconds += time.perf_counter() - t
+            self._spent.handoff += time.perf_counter() - t
 
     def clear(self) -> None:
         t = time.perf_counter()
         try:
             super().clear()
         finally:
-            self._spent.seconds += time.perf_counter() - t
+            self._spent.release += time.perf_counter() - t
 
 
 class _DecodeHandles:
     """Decode's connector, handing out timed receivers."""
 
-    def __init__(self, rank: SimRank, spent: _Spent) -> None:
+    def __init__(self, rank: SimRank, spent: _Spending) -> None:
         self.rank, self.spent = rank, spent
 
     def sender(self, room: int, epoch: int = 0) -> ConnectorSender:
@@ -148,7 +156,7 @@ class OursLoop:
             self.buffers.append((kv, meta))
             cfg = ConnectorConfig(role=role, tp_rank=0, store_port=1)  # (no store: simulated)
             ranks[role] = self.net.add(kv_args_for([kv], meta.buf_infos(), 0), cfg)
-        self.handles_spent, self.step_spent = _Spent(), _Spent()
+        self.handles_spent, self.step_spent = _Spending(), _Spent()
         self.decode = WorkerSide(
             _DecodeHandles(ranks["decode"], self.handles_spent),
             _TimedAgreement(
@@ -187,14 +195,16 @@ class OursLoop:
 
     def iterate(self) -> float:
         """Timed: one ``finished()`` of decode's worker side (seconds)."""
-        self.handles_spent.seconds = self.step_spent.seconds = 0.0
+        self.handles_spent.handoff = self.handles_spent.release = 0.0
+        self.step_spent.seconds = 0.0
         reduces, live = self.collective.reduces, len(self.decode.live)
         t = time.perf_counter()
         report = self.decode.finished()
         took = time.perf_counter() - t
         self.to_start = len(report.recving)
         self.last = {
-            "handles": self.handles_spent.seconds,
+            "handoff": self.handles_spent.handoff,
+            "release": self.handles_spent.release,
             "step": self.step_spent.seconds,
             "finished": float(len(report.recving)),
             "reduces": float(self.collective.reduces - reduces),
