@@ -33,6 +33,7 @@ import json
 import os
 import random
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -97,9 +98,9 @@ def _rank(
         loop = counting[n]
         loop.prepare()
         dist.barrier()
-        t = _now()
+        t = time.perf_counter()
         mine = loop.report()
-        took = _now() - t
+        took = time.perf_counter() - t
         kv: list[Any] = [None] * world
         dist.all_gather_object(kv, mine.kv_connector_output)  # (not timed: see the module)
         agg, finished = 0.0, 0
@@ -114,9 +115,9 @@ def _rank(
         if buf is None or buf.numel() != size or str(buf.dtype) != f"torch.{dtype}":
             buf = buffers[n] = torch.zeros(size, dtype=getattr(torch, dtype))
         dist.barrier()
-        t = _now()
+        t = time.perf_counter()
         dist.all_reduce(buf, op=dist.ReduceOp.MIN)
-        took = _now() - t
+        took = time.perf_counter() - t
         return {"allreduce": took, "reduce_bytes": float(buf.numel() * buf.element_size())}
 
     runs = {"ours": run_ours, "vllm": run_vllm, "allreduce": run_allreduce}
@@ -135,12 +136,6 @@ def _rank(
     for n, prof in profiles.items():
         prof.dump_stats(os.path.join(str(profile), f"ours-n{n}-rank{rank}.prof"))
     return dict(out)
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 def _q(xs: Any, q: float) -> float:
@@ -188,6 +183,7 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
         row["reduces_per_step"] = float(np.mean(col("ours_reduces", "rank0")))
         row["finished_per_iter_ours"] = float(np.mean(col("ours_finished", "rank0")))
         row["finished_per_iter_vllm"] = float(np.mean(col("vllm_finished", "rank0")))
+        row["in_flight_ours"] = float(np.mean(col("ours_in_flight", "rank0")))
         row["samples"] = len(ours)
         rows.append(row)
     return rows
