@@ -5,6 +5,7 @@ the tests are noisy; `make vllm-bench` measures."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench_worker_overhead import COLUMNS, main
@@ -12,7 +13,7 @@ from bench_worker_overhead import COLUMNS, main
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_every_column_comes_out(tmp_path, capsys):
+def test_every_column_comes_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     assert main(["--reps", "3", "--warmup", "3", "--n", "8", "64", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
