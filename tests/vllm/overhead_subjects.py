@@ -53,12 +53,15 @@ _LAYOUT = MetadataLayout(hidden_size=32, hidden_dtype=torch.float32, max_top_log
 
 
 class SizedCollective(TorchCollective):
-    """The TP group's collective, noting what each reduce of the step sends."""
+    """The TP group's collective, noting what each reduce of the step sends and
+    how long it took from its launch until it landed (a started reduce's time
+    includes the step's work done while it is in flight)."""
 
     def __init__(self, group: Any = None) -> None:
         super().__init__(group)
         self.reduces = 0
         self.sent: tuple[str, int] = ("uint8", 0)
+        self.seconds = 0.0
 
     def _saw(self, buf: NDArray[Any]) -> None:
         self.reduces += 1
@@ -66,11 +69,31 @@ class SizedCollective(TorchCollective):
 
     def all_reduce_min(self, buf: NDArray[Any]) -> None:
         self._saw(buf)
-        super().all_reduce_min(buf)
+        t = time.perf_counter()
+        try:
+            super().all_reduce_min(buf)
+        finally:
+            self.seconds += time.perf_counter() - t
 
     def start_all_reduce_min(self, buf: NDArray[Any]) -> Pending:
         self._saw(buf)
-        return super().start_all_reduce_min(buf)
+        return _Timed(super().start_all_reduce_min(buf), self, time.perf_counter())
+
+
+class _Timed:
+    """A started reduce whose wait adds the time since its launch to the collective's."""
+
+    def __init__(self, work: Pending, owner: SizedCollective, began: float) -> None:
+        self.work, self.owner, self.began = work, owner, began
+
+    def then(self, fn: Any) -> None:
+        self.work.then(fn)
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        finally:
+            self.owner.seconds += time.perf_counter() - self.began
 
 
 class _Spent:
@@ -198,6 +221,7 @@ class OursLoop:
         self.handles_spent.handoff = self.handles_spent.release = 0.0
         self.step_spent.seconds = 0.0
         reduces, live = self.collective.reduces, len(self.decode.live)
+        self.collective.seconds = 0.0
         t = time.perf_counter()
         report = self.decode.finished()
         took = time.perf_counter() - t
@@ -206,6 +230,7 @@ class OursLoop:
             "handoff": self.handles_spent.handoff,
             "release": self.handles_spent.release,
             "step": self.step_spent.seconds,
+            "reduce": self.collective.seconds,
             "finished": float(len(report.recving)),
             "reduces": float(self.collective.reduces - reduces),
             "in_flight": float(live),
