@@ -87,7 +87,8 @@ class _Timed:
         self.work, self.owner, self.began = work, owner, began
 
     def then(self, fn: Any) -> None:
-        self.work.then(fn)
+        work: Any = self.work  # (a torch reduce offers then(); Pending need not)
+        work.then(fn)
 
     def wait(self) -> None:
         try:
