@@ -187,7 +187,7 @@ class OursLoop:
                 rank, ranks["decode"].core, collective, StepConfig(), spent=self.step_spent
             ),
         )
-        prefill = ranks["prefill"]
+        prefill, self.decode_rank = ranks["prefill"], ranks["decode"]
         self.prefill = WorkerSide(prefill, WorkerAgreement(0, prefill.core, SingleRank()))
         self.seq = 0
         self.unserved: collections.deque[int] = collections.deque()  # loads prefill has not begun
@@ -206,6 +206,8 @@ class OursLoop:
             i, self.seq = self.seq, self.seq + 1
             remote = TransferParams(1 + i, 0, "prefill", f"p{i}", "127.0.0.1", 1, 1, ())
             loads[f"d{i}"] = Load(1 + i, 0, self._blocks(i), remote)
+            # decode's pages are this load's now: a write of another lands as a violation
+            self.net.fence.assign(self.decode_rank, self._blocks(i)[0], 1 + i, 0)
             self.unserved.append(i)
         self.decode.start(Meta(loads=loads))
         sends = {}
@@ -216,6 +218,10 @@ class OursLoop:
         for _ in range(TICKS):
             self.net.step()
         self.prefill.finished()
+        # the network's records of what landed and was handled (for tests'
+        # checks) would grow with every iteration, and each write scans them
+        self.net.flights = [f for f in self.net.flights if not f.done]
+        self.net.handled.clear()
 
     def iterate(self) -> float:
         """Timed: one ``finished()`` of decode's worker side (seconds)."""
@@ -235,6 +241,7 @@ class OursLoop:
             "finished": float(len(report.recving)),
             "reduces": float(self.collective.reduces - reduces),
             "in_flight": float(live),
+            "violations": float(len(self.net.fence.violations)),
         }
         return took
 

@@ -25,5 +25,6 @@ def test_every_column_comes_out(tmp_path: Path, capsys: pytest.CaptureFixture[st
         for c in ("ours_us", "vllm_us", "allreduce_us", "ratio"):
             assert row[c] > 0, (c, row[c])
         assert row["reduce_bytes"] > 0 and row["reduces_per_step"] >= 1
+        assert row["fence_violations"] == 0  # no load wrote into another's pages
     printed = capsys.readouterr().out
     assert "ratio" in printed and "vLLM" in printed
