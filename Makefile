@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= dev,plot,mooncake,nixl,metrics
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-test vllm-env vllm-test vllm-upstream-test
+.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-test vllm-env vllm-test vllm-upstream-test vllm-bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -159,6 +159,16 @@ vllm-upstream-test: vllm-env
 	cd .cache/vllm-upstream && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/tests/vllm/upstream \
 	  $(CURDIR)/$(VLLM_PY) -m pytest -q -p no:cacheprovider -p pdlife_upstream \
 	  --rootdir . tests/v1/kv_connector/unit
+
+# The worker side's per-iteration overhead (get_finished with the agreement
+# step) against vLLM's count-based aggregation, at 64 and 1,024 loads in
+# flight, on 2 TP workers over gloo on 127.0.0.1: a table, and bench-worker.json.
+# Timings need a quiet machine (see `uptime`); the test in tests/vllm checks
+# only that every column is there.
+VLLM_BENCH_REPS ?= 300
+vllm-bench: vllm-env
+	HF_HUB_OFFLINE=1 $(VLLM_PY) tests/vllm/bench_worker_overhead.py \
+	  --reps $(VLLM_BENCH_REPS) --n 64 1024 --json bench-worker.json
 
 clean:
 	rm -rf $(VENV) $(FIELD_VENV) $(VLLM_VENV) .cache .demo .pytest_cache .mypy_cache .ruff_cache
