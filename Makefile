@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= dev,plot,mooncake,nixl,metrics
+EXTRAS ?= dev,plot,mooncake,nixl,metrics,otel
 STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-test vllm-env vllm-test vllm-upstream-test vllm-bench

@@ -16,7 +16,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "pdlife.run.simulate",
     "replay": "pdlife.run.replay",
     "why": "pdlife.why",
-    "trace": "pdlife.perfetto",
+    "trace": "pdlife.trace_export",
     "bench": "pdlife.bench.step",
     "bench-transfer": "pdlife.bench.transfer",
     "engine-memory": "pdlife.bench.engine_memory",

@@ -21,8 +21,6 @@ A trace from before the time base cannot be exported (:class:`TraceError`).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 
-__all__ = ["QUEUES", "add_parser", "export", "events_of"]
+__all__ = ["QUEUES", "export", "events_of"]
 
 #: each queue's thread id within its rank's process (the order they are shown in)
 QUEUES = {"bootstrap": 1, "inflight": 2, "handshake": 1, "transfer": 2, "drain": 3, "reports": 9}
@@ -237,31 +235,3 @@ def export(directory: Path) -> dict[str, Any]:
     from pdlife.trace import read_trace
 
     return {"traceEvents": events_of(read_trace(directory)), "displayTimeUnit": "ms"}
-
-
-def _trace(args: argparse.Namespace) -> int:
-    from pdlife.args import UsageError
-    from pdlife.trace import TraceError
-
-    try:
-        doc = export(Path(args.run))
-    except TraceError as e:
-        raise UsageError(f"trace export {args.run}", str(e)) from None
-    out = Path(args.output or Path(args.run) / "trace.perfetto.json")
-    try:
-        out.write_text(json.dumps(doc, separators=(",", ":")))
-    except OSError as e:
-        raise UsageError("--output", f"cannot write {out} ({e.strerror})") from None
-    n = len(doc["traceEvents"])
-    print(f"trace export: {n} events in {out} (open it in ui.perfetto.dev or chrome://tracing)")
-    return 0
-
-
-def add_parser(sub: Any) -> None:
-    t = sub.add_parser("trace", help="a finished run's traces in other formats")
-    tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=type(t))
-    e = tsub.add_parser("export", help="write a run's traces as a Chrome/Perfetto trace")
-    e.add_argument("--perfetto", action="store_true", required=True, help="the trace-event JSON")
-    e.add_argument("run", help="the run's --out directory (pdlife simulate)")
-    e.add_argument("-o", "--output", help="where to write it (default RUN/trace.perfetto.json)")
-    e.set_defaults(func=_trace)

@@ -192,6 +192,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "written to OUT/ranks/rankR.metrics_port",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="after the run, send its requests' spans to this OTLP/HTTP collector "
+        "(http://host:4318/v1/traces; the otel extra); `pdlife trace export --otlp` "
+        "sends a finished run's",
+    )
+    p.add_argument(
         "--compare",
         nargs=2,
         metavar=("A", "B"),

@@ -153,9 +153,23 @@ def _run(args: argparse.Namespace) -> int:
         note = staging_note(cfg)
         if note:
             print(note)
+    endpoint = args.otlp_traces_endpoint
+    if endpoint is not None:  # checked before the run: a run is not wasted on a typo
+        from pdlife.spans.cli import check
+
+        check(endpoint, "--otlp-traces-endpoint")
     if torchrun:
-        return _under_torchrun(cfg, Path(args.out), args.role, quiet)
-    return simulate(cfg, Path(args.out), args.timeout, progress=not args.quiet, quiet=quiet)
+        rc = _under_torchrun(cfg, Path(args.out), args.role, quiet)
+        if endpoint is None or os.environ["RANK"] != "0":
+            return rc
+    else:
+        rc = simulate(cfg, Path(args.out), args.timeout, progress=not args.quiet, quiet=quiet)
+    if endpoint is not None:
+        from pdlife.spans.cli import send
+
+        n, where = send(Path(args.out), endpoint, "involved", 1.0, "--otlp-traces-endpoint")
+        print(f"pdlife simulate: {n} spans sent to {where}")
+    return rc
 
 
 def _under_torchrun(cfg: SimConfig, out: Path, role: str | None = None, quiet: bool = True) -> int:

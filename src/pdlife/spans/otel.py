@@ -1,0 +1,144 @@
+"""The selected spans as OpenTelemetry spans, handed to an exporter (the
+``otel`` extra: opentelemetry-api, -sdk and -exporter-otlp-proto-http).
+
+Each span is built whole from its recorded times (an SDK ``ReadableSpan``),
+so its ids are the derived ones of :mod:`pdlife.spans.select` and its times
+are the ranks' own. Each rank is a resource of its own (``service.name``
+``pdlife``, ``service.instance.id`` its side and rank, ``pdlife.run``).
+A failed request's span has status ERROR, ``error.type`` its agreed reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdlife.spans.build import SpanData, spans_of_records
+from pdlife.spans.select import Identified, Selection, select
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+__all__ = ["MissingExtra", "export_run", "otlp_exporter", "readable_spans", "run_id"]
+
+logger = logging.getLogger(__name__)
+
+#: seconds the OTLP exporter waits for its collector
+OTLP_TIMEOUT_S = 10.0
+
+
+class MissingExtra(ImportError):
+    """OpenTelemetry is not installed."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} needs OpenTelemetry: install the otel extra (pip install 'pd-lifecycle[otel]')"
+        )
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def readable_spans(items: Sequence[Identified], run: str) -> list[ReadableSpan]:
+    """The SDK's spans of ``items`` (ids, times, events, links and status as recorded)."""
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+    except ImportError:
+        raise MissingExtra("exporting spans") from None
+    from lifecycle import __version__
+
+    scope = InstrumentationScope("pdlife.spans", __version__)
+    sampled = TraceFlags(TraceFlags.SAMPLED)
+    resources: dict[tuple[str, int], Resource] = {}
+    out = []
+    for it in items:
+        s: SpanData = it.span
+        res = resources.get((s.side, s.rank))
+        if res is None:
+            res = resources[(s.side, s.rank)] = Resource.create(
+                {
+                    "service.name": "pdlife",
+                    "service.instance.id": f"{s.side} rank {s.rank}",
+                    "pdlife.run": run,
+                }
+            )
+        ctx = SpanContext(it.trace_id, it.span_id, is_remote=False, trace_flags=sampled)
+        parent = (
+            None
+            if it.parent_id is None
+            else SpanContext(it.trace_id, it.parent_id, is_remote=False, trace_flags=sampled)
+        )
+        links = [
+            Link(SpanContext(t, p, is_remote=True, trace_flags=sampled), {"pdlife.link": "prefill"})
+            for t, p in it.links
+        ]
+        events = [Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events]
+        status = Status(StatusCode.ERROR, s.error) if s.error else Status(StatusCode.UNSET)
+        out.append(
+            ReadableSpan(
+                s.name,
+                context=ctx,
+                parent=parent,
+                resource=res,
+                attributes=dict(s.attributes),
+                events=events,
+                links=links,
+                kind=SpanKind.INTERNAL,
+                status=status,
+                start_time=_ns(s.start),
+                end_time=_ns(max(s.end, s.start)),
+                instrumentation_scope=scope,
+            )
+        )
+    return out
+
+
+def run_id(records: Iterable[dict[str, Any]]) -> str:
+    """A run's id: the wall time its first rank started at (the clock records)."""
+    walls = [float(r["wall"]) for r in records if r.get("t") == "clock"]
+    return f"{min(walls):.6f}" if walls else "0"
+
+
+def otlp_exporter(endpoint: str | None) -> SpanExporter:
+    """The OTLP/HTTP (protobuf) exporter to ``endpoint`` (None: the standard
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise MissingExtra("--otlp") from None
+    exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, timeout=OTLP_TIMEOUT_S)
+    return exporter
+
+
+def export_run(directory: Path, exporter: SpanExporter, selection: Selection | None = None) -> int:
+    """Export the spans of the finished run in ``directory``; how many. Raises
+    :class:`ConnectionError` if the exporter reports a failure."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from pdlife.trace import read_trace
+
+    records = list(read_trace(directory))
+    run = run_id(records)
+    spans = readable_spans(select(spans_of_records(records), run, selection), run)
+    # the exporter's own retries and warnings stay in its logger, quiet unless asked
+    quiet = logging.getLogger("opentelemetry")
+    level = quiet.level
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        quiet.setLevel(logging.CRITICAL)
+    try:
+        for start in range(0, len(spans), 512):
+            if exporter.export(spans[start : start + 512]) is not SpanExportResult.SUCCESS:
+                raise ConnectionError(
+                    f"the exporter refused {len(spans[start : start + 512])} spans"
+                )
+    finally:
+        quiet.setLevel(level)
+        exporter.shutdown()
+    return len(spans)

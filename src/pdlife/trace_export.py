@@ -1,0 +1,82 @@
+"""``pdlife trace export``: a finished run's traces in other formats: a
+Chrome/Perfetto trace (:mod:`pdlife.perfetto`) or OpenTelemetry spans sent
+over OTLP/HTTP (:mod:`pdlife.spans`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser"]
+
+
+def _perfetto(args: argparse.Namespace) -> int:
+    from pdlife.args import UsageError
+    from pdlife.perfetto import export
+    from pdlife.trace import TraceError
+
+    try:
+        doc = export(Path(args.run))
+    except TraceError as e:
+        raise UsageError(f"trace export {args.run}", str(e)) from None
+    out = Path(args.output or Path(args.run) / "trace.perfetto.json")
+    try:
+        out.write_text(json.dumps(doc, separators=(",", ":")))
+    except OSError as e:
+        raise UsageError("--output", f"cannot write {out} ({e.strerror})") from None
+    n = len(doc["traceEvents"])
+    print(f"trace export: {n} events in {out} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _otlp(args: argparse.Namespace) -> int:
+    from pdlife.spans.cli import send
+
+    n, where = send(Path(args.run), args.endpoint, args.volume, args.sample, "--endpoint")
+    print(f"trace export: {n} spans sent to {where}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pdlife.args import UsageError
+
+    if args.output and args.otlp:
+        raise UsageError("--output", "writes the Perfetto trace; spans go to --endpoint")
+    if not args.otlp and (args.endpoint, args.volume, args.sample) != (None, "involved", 1.0):
+        raise UsageError("--endpoint/--volume/--sample", "choose the spans: add --otlp")
+    return _otlp(args) if args.otlp else _perfetto(args)
+
+
+def add_parser(sub: Any) -> None:
+    from pdlife.args import probability
+    from pdlife.spans.select import VOLUMES
+
+    t = sub.add_parser("trace", help="a finished run's traces in other formats")
+    tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=type(t))
+    e = tsub.add_parser(
+        "export", help="write a run's traces as a Chrome/Perfetto trace, or send them as spans"
+    )
+    what = e.add_mutually_exclusive_group(required=True)
+    what.add_argument("--perfetto", action="store_true", help="the trace-event JSON")
+    what.add_argument(
+        "--otlp", action="store_true", help="OpenTelemetry spans over OTLP/HTTP (the otel extra)"
+    )
+    e.add_argument("run", help="the run's --out directory (pdlife simulate)")
+    e.add_argument("-o", "--output", help="where to write it (default RUN/trace.perfetto.json)")
+    e.add_argument(
+        "--endpoint",
+        help="the collector's OTLP/HTTP traces URL (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318/v1/traces)",
+    )
+    e.add_argument(
+        "--volume",
+        choices=list(VOLUMES),
+        default="involved",
+        help="whose spans: " + "; ".join(f"{k}: {v}" for k, v in VOLUMES.items()),
+    )
+    e.add_argument(
+        "--sample", type=probability, default=1.0, help="the share of rooms traced (default 1)"
+    )
+    e.set_defaults(func=_export)
