@@ -206,6 +206,9 @@ def read_trace(directory: Path) -> Iterator[dict[str, Any]]:
 class ReplayReport:
     steps_checked: int
     first_difference: dict[str, Any] | None
+    #: every move of an agreed status the replay recomputed, in step order:
+    #: (side, queue, step, room, from, to), once per side (its ranks agree)
+    moves: tuple[tuple[str, str, int, int, int, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -222,6 +225,7 @@ def replay(directory: Path) -> ReplayReport:
         raise TraceError(f"the traces under {directory} hold no collective step")
     prev_agreed: dict[tuple[str, str, int], int] = {}
     checked = 0
+    moves: list[tuple[str, str, int, int, int, int]] = []
     for key in sorted(groups, key=lambda k: (k[2], k[0], k[1])):
         side, queue, step = key
         ranks = groups[key]
@@ -257,8 +261,10 @@ def replay(directory: Path) -> ReplayReport:
         checked += 1
         if diff is not None:
             return ReplayReport(
-                checked, {"step": step, "side": side, "queue": queue, "detail": diff}
+                checked, {"step": step, "side": side, "queue": queue, "detail": diff}, tuple(moves)
             )
-        for room, s in zip(rooms, new.tolist()):
+        for room, before, s in zip(rooms, prev.tolist(), new.tolist()):
             prev_agreed[(side, queue, room)] = s
-    return ReplayReport(checked, None)
+            if s != before:
+                moves.append((side, queue, step, room, before, s))
+    return ReplayReport(checked, None, tuple(moves))

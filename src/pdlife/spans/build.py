@@ -230,7 +230,13 @@ class SpanBuilder:
     def finish(self) -> list[SpanData]:
         """The spans still open when the trace ends (closed there)."""
         out = self._flush()
-        for a in self.live.values():
+        for a in self.live.values():  # its status so far, closed where the trace ends
+            end = a.start if self.last_ts is None else self.last_ts
+            name = STATUS_SPANS.get(a.status, f"pdlife.status.{a.status}")
+            a.child(
+                name, a.status_start, end, {"pdlife.steps": a.steps, "pdlife.ended_by": "trace end"}
+            )
+            a.end = end
             out += a.spans()
         for waiting in self.draining.values():
             for a in waiting:

@@ -11,6 +11,7 @@ A failed request's span has status ERROR, ``error.type`` its agreed reason.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,7 +114,10 @@ def otlp_exporter(endpoint: str | None) -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise MissingExtra("--otlp") from None
-    exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, timeout=OTLP_TIMEOUT_S)
+    # the standard variables set the timeout where they are given
+    given = {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"} & set(os.environ)
+    timeout = None if given else OTLP_TIMEOUT_S
+    exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout)
     return exporter
 
 

@@ -1,0 +1,259 @@
+"""A seeded run's spans (pdlife.spans): a user gate held on prefill rank 1, a
+fault injected on decode rank 3. Under an in-memory exporter the spans agree
+with the trace; over OTLP/HTTP a collector on 127.0.0.1 receives them as the
+wire format says (ExportTraceServiceRequest, decoded here, not mocked)."""
+
+import http.server
+import json
+import os
+import threading
+from collections import defaultdict
+from typing import ClassVar
+
+import pytest
+import zygote
+
+pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import StatusCode
+
+from lifecycle.status import KVPoll
+from pdlife.cluster.config import SimConfig, Workload
+from pdlife.spans.otel import export_run
+from pdlife.spans.select import Selection
+from pdlife.trace import read_trace
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
+
+REQUESTS = 12
+HELD, FAILED = 3, 5  # request indices
+PLAN = {
+    "faults": [
+        {"kind": "hold_gate", "rank": 1, "request": HELD, "at": "Transferring", "steps": 4},
+        {"kind": "fail", "rank": 3, "request": FAILED, "at": "Transferring"},
+    ]
+}
+
+
+class Kept(InMemorySpanExporter):
+    """Keeps its spans past the shutdown that ends an export."""
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spans")
+    (d / "plan.json").write_text(json.dumps(PLAN))
+    args = ["--requests", str(REQUESTS), "--abort-prob", "0", "--plan", str(d / "plan.json")]
+    proc = zygote.run("simulate", "--backend", "fake", "--quiet", "--no-timeline", "--out",
+                      str(d / "run"), *args)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    s = json.loads((d / "run" / "summary.json").read_text())
+    assert s["faults_fired"] == 2
+    rooms = Workload(SimConfig(requests=REQUESTS, seed=0)).all_rooms(REQUESTS)
+    return d / "run", [int(r) for r in rooms]
+
+
+def _spans(run, volume):
+    ex = Kept()
+    n = export_run(run, ex, Selection(volume))
+    spans = ex.get_finished_spans()
+    assert n == len(spans) > 0
+    return spans
+
+
+def _room(s):
+    return int(s.attributes["pdlife.room"]) if "pdlife.room" in s.attributes else None
+
+
+def test_the_spans_say_what_the_trace_says(seeded):
+    run, rooms = seeded
+    spans = _spans(run, "every")
+    by_id = {s.context.span_id: s for s in spans}
+    requests = [s for s in spans if s.name == "pdlife.request"]
+    assert {_room(s) for s in requests} == set(rooms)
+    # the status spans, in order, are the trace's moves of each rank's request
+    moves = defaultdict(list)
+    for rec in read_trace(run):
+        if rec["t"] == "tr" and rec["queue"] != "drain":
+            moves[(rec["rank"], rec["room"])].append((KVPoll(rec["from"]).name, rec["trigger"]))
+    children = defaultdict(list)
+    for s in sorted(spans, key=lambda s: s.start_time):
+        if s.parent is not None and s.name != "pdlife.status.Draining":
+            req = by_id[s.parent.span_id]
+            key = (req.attributes["pdlife.rank"], _room(req))
+            children[key].append((s.name.rsplit(".", 1)[1], s.attributes["pdlife.ended_by"]))
+    assert children == moves
+    # one trace per room, every span of it in that trace
+    trace_of = {}
+    for s in spans:
+        room = _room(s) if s.parent is None else _room(by_id[s.parent.span_id])
+        assert trace_of.setdefault(room, s.context.trace_id) == s.context.trace_id
+    assert len(set(trace_of.values())) == len(rooms)
+
+
+def test_the_gate_and_the_failure_are_where_they_happened(seeded):
+    run, rooms = seeded
+    spans = _spans(run, "every")
+    requests = [s for s in spans if s.name == "pdlife.request"]
+    holds = [
+        (s.attributes["pdlife.rank"], _room(s), dict(e.attributes))
+        for s in requests
+        for e in s.events
+        if e.name == "pdlife.gate.hold"
+    ]
+    assert holds == [(1, rooms[HELD], {"pdlife.gate": "user", "pdlife.rank": 1})]
+    failed = [s for s in requests if _room(s) == rooms[FAILED]]
+    assert {s.attributes["pdlife.side"] for s in failed} == {"prefill", "decode"}
+    for s in failed:  # the agreed reason and origin, on every rank of a side alike
+        assert s.status.status_code is StatusCode.ERROR
+        assert s.attributes["error.type"] == "injected_fault"
+    origins = {(s.attributes["pdlife.side"], s.attributes["pdlife.origin_rank"]) for s in failed}
+    assert ("decode", 3) in origins and len(origins) == 2  # one per side
+    fired = {
+        s.attributes["pdlife.rank"] for s in failed for e in s.events if e.name == "pdlife.failure"
+    }
+    assert fired == {o for _, o in origins}  # on its origin rank only
+    assert all(
+        s.status.status_code is StatusCode.UNSET for s in requests if _room(s) != rooms[FAILED]
+    )
+
+
+def test_decode_links_to_prefill_and_the_default_volume_keeps_who_matters(seeded):
+    run, rooms = seeded
+    spans = _spans(run, "involved")
+    ids = {s.context.span_id: s for s in spans}
+    requests = [s for s in spans if s.name == "pdlife.request"]
+    kept = defaultdict(set)
+    for s in requests:
+        kept[(_room(s), s.attributes["pdlife.side"])].add(s.attributes["pdlife.rank"])
+        if s.attributes["pdlife.side"] == "decode":
+            (link,) = s.links
+            target = ids[link.context.span_id]  # prefill's lead's span, exported too
+            assert (target.name, target.attributes["pdlife.side"]) == ("pdlife.request", "prefill")
+            assert (_room(target), target.context.trace_id) == (_room(s), s.context.trace_id)
+    for room in rooms:  # each side's lead, always
+        assert min(kept[(room, "prefill")]) == 0 and min(kept[(room, "decode")]) == 2
+    assert kept[(rooms[HELD], "prefill")] == {0, 1}  # rank 1 held a gate
+    assert 3 in kept[(rooms[FAILED], "decode")]  # rank 3 failed it
+    quiet = [r for r in rooms if r not in (rooms[HELD], rooms[FAILED])]
+    assert all(kept[(r, "prefill")] == {0} and kept[(r, "decode")] == {2} for r in quiet)
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    bodies: ClassVar[list] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).bodies.append((self.path, self.headers["Content-Type"], body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def collector():
+    """An OTLP/HTTP collector on 127.0.0.1, on a port the OS picks as it binds."""
+    _Collector.bodies = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", _Collector.bodies
+    server.shutdown()
+    server.server_close()
+
+
+def _received(bodies):
+    spans = []
+    for path, ctype, body in bodies:
+        assert (path, ctype) == ("/v1/traces", "application/x-protobuf")
+        req = ExportTraceServiceRequest()
+        req.ParseFromString(body)
+        for rs in req.resource_spans:
+            res = {a.key: a.value.string_value for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                assert ss.scope.name == "pdlife.spans"
+                spans += [(res, s) for s in ss.spans]
+    return spans
+
+
+def _env(**more):
+    env = dict(os.environ, **more)
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    return env
+
+
+def test_trace_export_sends_the_wire_format_to_a_collector(seeded, collector):
+    run, rooms = seeded
+    url, bodies = collector
+    proc = zygote.run("trace", "export", "--otlp", str(run), "--endpoint", url, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    got = _received(bodies)
+    n = int(proc.stdout.split("trace export: ")[1].split()[0])
+    assert len(got) == n == len(_spans(run, "involved"))
+    names = {s.name for _, s in got}
+    assert {"pdlife.request", "pdlife.status.Transferring"} <= names
+    fail = [
+        (res, s)
+        for res, s in got
+        if s.name == "pdlife.request"
+        and any(
+            a.key == "error.type" and a.value.string_value == "injected_fault" for a in s.attributes
+        )
+    ]
+    assert fail and all(s.status.code == 2 for _, s in fail)  # STATUS_CODE_ERROR
+    assert {res["service.instance.id"] for res, _ in fail} >= {"decode rank 3"}
+    decode = [
+        s
+        for res, s in got
+        if s.name == "pdlife.request" and res["service.instance.id"].startswith("decode")
+    ]
+    ids = {s.span_id for _, s in got}
+    assert all(len(s.links) == 1 and s.links[0].span_id in ids for s in decode)
+    assert all(len(s.trace_id) == 16 and len(s.span_id) == 8 for _, s in got)
+
+
+def test_simulate_sends_its_spans_after_the_run(tmp_path, collector):
+    url, bodies = collector
+    out = tmp_path / "run"
+    proc = zygote.run(
+        "simulate", "--backend", "fake", "--quiet", "--no-timeline", "--out", str(out),
+        "--requests", "8", "--otlp-traces-endpoint", url, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = _received(bodies)
+    assert f"{len(got)} spans sent to {url}" in proc.stdout
+    rooms = {
+        a.value.string_value
+        for _, s in got
+        if s.name == "pdlife.request"
+        for a in s.attributes
+        if a.key == "pdlife.room"
+    }
+    assert len(rooms) == 8
+
+
+def test_a_collector_that_is_not_there_is_one_line(seeded, tmp_path):
+    run, _ = seeded
+    import socket
+
+    with socket.socket() as s:  # a port bound and not listening: refused at once
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1/traces"
+        env = _env(OTEL_EXPORTER_OTLP_TRACES_TIMEOUT="2")  # the exporter's retries: 2 s
+        proc = zygote.run(
+            "trace", "export", "--otlp", str(run), "--endpoint", url, env=env, timeout=60
+        )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "did not take the spans" in line and "Traceback" not in proc.stderr
