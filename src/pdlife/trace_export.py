@@ -1,6 +1,7 @@
 """``pdlife trace export``: a finished run's traces in other formats: a
 Chrome/Perfetto trace (:mod:`pdlife.perfetto`) or OpenTelemetry spans sent
-over OTLP/HTTP (:mod:`pdlife.spans`)."""
+over OTLP/HTTP (:mod:`pdlife.spans`). ``pdlife trace spans``: the spans of a
+run (or of one room) as a tree on the terminal, no collector needed."""
 
 from __future__ import annotations
 
@@ -36,6 +37,27 @@ def _otlp(args: argparse.Namespace) -> int:
 
     n, where = send(Path(args.run), args.endpoint, args.volume, args.sample, "--endpoint")
     print(f"trace export: {n} spans sent to {where}")
+    return 0
+
+
+def _spans(args: argparse.Namespace) -> int:
+    from pdlife.args import UsageError
+    from pdlife.spans import Selection, select, spans_of_records
+    from pdlife.spans.tree import lines
+    from pdlife.trace import TraceError, read_trace
+
+    try:
+        records = list(read_trace(Path(args.run)))
+        items = select(spans_of_records(records), "run", Selection(args.volume))
+    except TraceError as e:
+        raise UsageError(f"trace spans {args.run}", str(e)) from None
+    if args.room is not None:
+        items = [i for i in items if i.span.room == args.room]
+        if not items:
+            print(f"room {args.room}: no span in {args.run} (not a room of this run?)")
+            return 1
+    for line in lines(items):
+        print(line)
     return 0
 
 
@@ -80,3 +102,18 @@ def add_parser(sub: Any) -> None:
         "--sample", type=probability, default=1.0, help="the share of rooms traced (default 1)"
     )
     e.set_defaults(func=_export)
+    sp = tsub.add_parser("spans", help="print a run's spans (or one room's) as a tree")
+    sp.add_argument("run", help="the run's --out directory (pdlife simulate)")
+    sp.add_argument("--room", type=_room, help="only this room's spans")
+    sp.add_argument("--volume", choices=list(VOLUMES), default="involved", help="whose spans")
+    sp.set_defaults(func=_spans)
+
+
+def _room(text: str) -> int:
+    try:
+        room = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a room (an integer)") from None
+    if not 1 <= room < 2**64:
+        raise argparse.ArgumentTypeError(f"room {text} is out of range (1..2**64-1)")
+    return room

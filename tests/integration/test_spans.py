@@ -257,3 +257,17 @@ def test_a_collector_that_is_not_there_is_one_line(seeded, tmp_path):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "did not take the spans" in line and "Traceback" not in proc.stderr
+
+
+def test_trace_spans_prints_a_rooms_tree(seeded):
+    run, rooms = seeded
+    proc = zygote.run("trace", "spans", str(run), "--room", str(rooms[HELD]), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"room {rooms[HELD]} (trace ")
+    assert sum("gate.hold: gate user, rank 1" in x for x in lines) == 1
+    assert any("prefill rank 1 attempt 1: Success" in x for x in lines)
+    assert any("decode rank 2 attempt 1: Success" in x and "linked to prefill" in x for x in lines)
+    proc = zygote.run("trace", "spans", str(run), "--room", str(rooms[FAILED]), timeout=60)
+    assert "decode rank 3 attempt 1: Failed (injected_fault, origin rank 3)" in proc.stdout
+    assert zygote.run("trace", "spans", str(run), "--room", "77", timeout=60).returncode == 1
