@@ -23,15 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import attrs
-
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
+from pdlife.spans.model import Attempt, SpanData
 
-__all__ = ["DRAINS", "EVENTS", "SpanBuilder", "SpanData", "SpanEvent", "spans_of_records"]
-
-AttrValue = str | int | float | bool | tuple[int, ...]
-Attrs = Mapping[str, AttrValue]
+__all__ = ["DRAINS", "EVENTS", "SpanBuilder", "spans_of_records"]
 
 #: (side, agreed end) whose pages wait in a drain queue until the peer stops
 #: writing: the request span lasts until that release (the simulator's decode
@@ -76,125 +72,15 @@ def _check_tables() -> None:
 _check_tables()
 
 
-@attrs.frozen
-class SpanEvent:
-    name: str
-    #: wall-clock seconds
-    ts: float
-    attributes: Mapping[str, AttrValue] = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class SpanData:
-    """One finished span, before any id is given to it."""
-
-    #: "request" or "status"
-    kind: str
-    name: str
-    room: int
-    side: str
-    rank: int
-    #: 1 for the first attempt; a retry is the next
-    attempt: int
-    #: a status span's place among its request's children (0 for the request)
-    index: int
-    #: wall-clock seconds
-    start: float
-    end: float
-    attributes: Mapping[str, AttrValue]
-    events: tuple[SpanEvent, ...] = ()
-    #: a failed request's agreed reason (FailureReason name, lower case)
-    error: str | None = None
-    #: this rank held a gate, originated the failure or was named a holder
-    involved: bool = False
-
-
-@attrs.define
-class _Attempt:
-    side: str
-    rank: int
-    room: int
-    attempt: int
-    start: float
-    status: int
-    status_start: float
-    queue: str
-    steps: int = 0
-    gate: str | None = None
-    #: when it began waiting in a drain queue
-    draining_since: float | None = None
-    end: float | None = None
-    outcome: int | None = None
-    reason: str | None = None
-    origin: int = -1
-    involved: bool = False
-    queues: list[str] = attrs.field(factory=list)
-    events: list[SpanEvent] = attrs.field(factory=list)
-    children: list[SpanData] = attrs.field(factory=list)
-
-    def child(self, name: str, start: float, end: float, attributes: Attrs) -> None:
-        self.children.append(
-            SpanData(
-                "status",
-                name,
-                self.room,
-                self.side,
-                self.rank,
-                self.attempt,
-                len(self.children) + 1,
-                start,
-                end,
-                attributes,
-            )
-        )
-
-    def event(self, name: str, ts: float, attributes: Attrs) -> None:
-        self.events.append(SpanEvent(name, ts, attributes))
-
-    def spans(self) -> list[SpanData]:
-        end = self.start if self.end is None else self.end
-        outcome = "live" if self.outcome is None else KVPoll(self.outcome).name
-        attributes: dict[str, AttrValue] = {
-            # a room is 64 bits unsigned; OTLP's integers are signed
-            "pdlife.room": str(self.room),
-            "pdlife.side": self.side,
-            "pdlife.rank": self.rank,
-            "pdlife.queue": self.queues[0] if self.queues else self.queue,
-            "pdlife.queues": ",".join(self.queues) or self.queue,
-            "pdlife.attempt": self.attempt,
-            "pdlife.epoch": self.attempt - 1,
-            "pdlife.outcome": outcome,
-        }
-        if self.reason is not None:
-            attributes["error.type"] = self.reason
-            attributes["pdlife.origin_rank"] = self.origin
-        request = SpanData(
-            "request",
-            "pdlife.request",
-            self.room,
-            self.side,
-            self.rank,
-            self.attempt,
-            0,
-            self.start,
-            end,
-            attributes,
-            tuple(sorted(self.events, key=lambda e: e.ts)),
-            self.reason,
-            self.involved,
-        )
-        return [request, *self.children]
-
-
 class SpanBuilder:
     """One rank's spans, record by record (:meth:`feed`, then :meth:`finish`)."""
 
     def __init__(self) -> None:
         self.offset: float | None = None  # wall - monotonic, from the clock record
-        self.live: dict[int, _Attempt] = {}
-        self.draining: dict[int, list[_Attempt]] = {}
+        self.live: dict[int, Attempt] = {}
+        self.draining: dict[int, list[Attempt]] = {}
         self.attempts: dict[int, int] = {}
-        self.last_ended: dict[int, _Attempt] = {}
+        self.last_ended: dict[int, Attempt] = {}
         #: drain records of a room no ended attempt waited for (0 on a whole trace)
         self.unattached = 0
         #: the wall time of the last observation (a stuck report is made in its step)
@@ -280,7 +166,7 @@ class SpanBuilder:
                 return []  # a row agreed terminal already: its attempt has ended
             n = self.attempts[room] = self.attempts.get(room, 0) + 1
             prev = self.last_ended.pop(room, None)
-            a = self.live[room] = _Attempt(side, rank, room, n, ts, before, ts, queue)
+            a = self.live[room] = Attempt(side, rank, room, n, ts, before, ts, queue)
             if prev is not None:
                 # the recovery table retried it: this attempt is the decision's
                 retry = {"pdlife.decision": "retry", "pdlife.after": str(prev.reason)}

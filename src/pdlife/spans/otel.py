@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdlife.spans.build import SpanData, spans_of_records
+from pdlife.spans.build import spans_of_records
+from pdlife.spans.model import SpanData
 from pdlife.spans.select import Identified, Selection, select
 
 if TYPE_CHECKING:

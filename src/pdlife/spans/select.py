@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from lifecycle.errors import InvalidArgument
-from pdlife.spans.build import SpanData
+from pdlife.spans.model import SpanData
 
 __all__ = ["VOLUMES", "Identified", "Selection", "select", "span_id", "trace_id"]
 
