@@ -16,6 +16,12 @@ One :class:`LifecycleMetrics` per process; call :meth:`observe` with every
   a request, observed when it lets go (an exemplar names the room)
 - ``pdlife_step_seconds{queue}`` (histogram): the step's own time, reduce
   included, as its caller measured it
+- ``pdlife_kv_pages{side, state}``: KV pages held by live requests, quarantined
+  for a peer still writing, or fenced on a silent writer
+- ``pdlife_peer_legs_total{side, peer, outcome}``: legs that ended, by peer
+  rank: ``done``, or the reason a failure was blamed on that peer
+- ``pdlife_peer_leg_seconds{side, peer}`` (histogram): a leg's time from its
+  page list to its end (an exemplar names the room)
 
 Exemplars appear in the OpenMetrics exposition (``Accept:
 application/openmetrics-text``), each naming the room of a failure or hold.
@@ -24,7 +30,7 @@ application/openmetrics-text``), each naming the room of a failure or hold.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -98,6 +104,25 @@ class LifecycleMetrics:
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 1),
             registry=reg,
         )
+        self.kv_pages = Gauge(
+            "pdlife_kv_pages",
+            "KV pages kept from reuse, by what keeps them",
+            ["side", "state"],
+            registry=reg,
+        )
+        self.peer_legs = Counter(
+            "pdlife_peer_legs",
+            "Legs that ended, by peer rank: done, or the failure blamed on it",
+            ["side", "peer", "outcome"],
+            registry=reg,
+        )
+        self.peer_leg_time = Histogram(
+            "pdlife_peer_leg_seconds",
+            "A leg's time from its page list to its end, by peer rank",
+            ["side", "peer"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=reg,
+        )
         #: (queue, gate) -> room -> when its hold began
         self._held: dict[tuple[str, str], dict[int, float]] = {}
 
@@ -153,6 +178,20 @@ class LifecycleMetrics:
 
     def observe_step_time(self, queue: str, seconds: float) -> None:
         self.step_time.labels(queue).observe(seconds)
+
+    def observe_pages(self, side: str, pages: Mapping[str, int]) -> None:
+        """KV pages by state (``held``, ``quarantined``, ``fenced``)."""
+        for state, n in pages.items():
+            self.kv_pages.labels(side, state).set(n)
+
+    def observe_peer_legs(self, side: str, ended: Iterable[Any]) -> None:
+        """Legs that ended (:class:`transport.connector.peer_legs.LegEnded`)."""
+        for e in ended:
+            peer = str(e.peer)
+            self.peer_legs.labels(side, peer, e.outcome).inc()
+            if e.seconds is not None:
+                exemplar = {"room": str(e.room)}
+                self.peer_leg_time.labels(side, peer).observe(e.seconds, exemplar=exemplar)
 
 
 def serve(port: int, host: str = "127.0.0.1") -> int:

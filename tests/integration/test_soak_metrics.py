@@ -139,3 +139,44 @@ def test_a_soak_with_prefill_dp_groups_stops_every_group_at_one_request(run_sim)
     assert n >= 4 and s["succeeded"] + s["aborted"] + sum(s["failed"].values()) == n
     ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(3)]
     assert [len(r["outcome"]) for r in ranks] == [len(range(0, n, 2)), len(range(1, n, 2)), n]
+
+
+def test_a_transport_soak_serves_legs_by_peer_and_pages_by_state(tmp_path):
+    """On Mooncake, decode's ranks count their legs by prefill peer (done, and
+    their time) and their KV pages by what pins them, while the run goes on."""
+    from engines import engine_env, require
+
+    backend = require("mooncake")
+    out = tmp_path / "legs"
+    argv = [sys.executable, "-m", "pdlife", "simulate", "--backend", backend, "--quiet",
+            "--no-timeline", "--soak", "3", "--metrics-port", "0", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=engine_env())  # fmt: skip
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and len(seen) < 2:
+            for rank in (2, 3):
+                try:
+                    text = scrape(int((out / "ranks" / f"rank{rank}.metrics_port").read_text()))
+                except (OSError, ValueError):
+                    continue
+                # (the exposition writes labels in name order: sample() is asked in it)
+                done = "pdlife_peer_legs_total", "done"
+                legs = sum(
+                    sample(text, done[0], outcome=done[1], peer=str(p), side="decode") or 0
+                    for p in (0, 1)
+                )
+                if legs > 0 and rank not in seen:
+                    seen[rank] = text
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout + stderr[-2000:]
+    assert sorted(seen) == [2, 3], "a decode rank never showed a leg done"
+    for text in seen.values():
+        # TP 2 -> 2: each decode rank's leg goes to one prefill peer, each with its time
+        assert 'pdlife_peer_leg_seconds_count{peer="' in text
+        assert sample(text, "pdlife_kv_pages", side="decode", state="fenced") == 0
+        assert sample(text, "pdlife_kv_pages", side="decode", state="held") is not None

@@ -428,6 +428,7 @@ SIMULATE_BAD = {
     "corrupt_prob": [["--corrupt-prob", "1.5"], ["--corrupt-prob", "nan"], ["--corrupt-prob", "0.1", "--backend", "fake"]],
     "digest": [["--digest=yes"]],
     "peer_outage": [["--peer-outage", "0:5"], ["--peer-outage", "3:5:2"], ["--peer-outage", "0:5:9999"], ["--peer-outage", "0:5:2", "--pause-rank", "1"]],
+    "otlp_traces_endpoint": [["--otlp-traces-endpoint", "ftp://h/v1/traces"], ["--otlp-traces-endpoint", "localhost:4318"], ["--otlp-traces-endpoint", "http://"]],
     "plan": [["--plan", "{d}/missing.json"], ["--plan", "{d}/late.json"]],
     "kill_rank": [["--kill-rank", "4"], ["--kill-rank", "-1"]],
     "kill_step": [["--kill-step", "3"], ["--kill-rank", "1", "--kill-step", "0"], ["--kill-rank", "1", "--kill-step", "11", "--max-steps", "10"]],

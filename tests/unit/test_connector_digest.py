@@ -78,6 +78,14 @@ def test_a_corrupted_byte_fails_both_sides_checksum_mismatch(build, staged):
     err = dec[0].m.core.last_error
     assert isinstance(err, ChecksumMismatch) and "room=43" in str(err)
     assert "prefill rank 0" in str(err) and "prefill rank 1" not in str(err)
+    # by peer: the mismatch is blamed on the leg whose bytes differ, not its twin's
+    legs = dec[0].m.core.side.peer_legs
+    assert legs.totals == {
+        0: {"asked": 1, "done": 1, "failed": 1},
+        1: {"asked": 1, "done": 1, "failed": 0},
+    }
+    failed = [(e.peer, e.outcome) for e in legs.take() if e.outcome != "done"]
+    assert failed == [(0, "checksum mismatch")]
     settle(net, lambda: r.drained and all(s.drained for s in senders), "both drained")
 
 

@@ -159,6 +159,12 @@ def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
     _cleared(net, d, s, r)
     _succeeds(net, p, d, 8)  # it beats again: live for new requests
     assert net.fence.violations == []
+    # decode's legs by peer: the one the pause failed, blamed on it; the next, done
+    legs = d.core.side.peer_legs
+    assert legs.totals == {0: {"asked": 2, "done": 1, "failed": 1}}
+    ended = legs.take()
+    assert [(e.peer, e.outcome, e.room) for e in ended] == [(0, "peer dead", 7), (0, "done", 8)]
+    assert all(e.seconds is not None and e.seconds >= 0 for e in ended) and legs.take() == []
 
 
 @pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control"])

@@ -78,3 +78,34 @@ def test_failures_by_origin_gate_holds_and_their_exemplars():
     assert '# {room="3"} 1.0' in text  # the failure's exemplar names its room
     assert '# {room="2"} 2.5' in text  # and the hold's
     assert np.array_equal(steppers[0].last_holds().get("user", []), [])  # rank 0 has no gate
+
+
+def test_kv_pages_by_state_and_legs_by_peer_with_their_exemplars():
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from lifecycle import FailureReason as R
+    from pdlife.metrics import LifecycleMetrics
+    from transport.connector.peer_legs import PeerLegs
+
+    reg = prometheus_client.CollectorRegistry()
+    m = LifecycleMetrics(reg)
+    m.observe_pages("decode", {"held": 40, "quarantined": 8, "fenced": 2})
+    legs = PeerLegs()
+    legs.asked(7, 0, [0, 1], now=0.0)
+    legs.done(7, 0, 0, now=0.02)
+    legs.failed(7, 0, R.WAITING_TIMEOUT, now=3.0)  # the leg to peer 1 was still open
+    legs.asked(9, 0, [1], now=4.0)
+    legs.failed(9, 0, R.ABORTED, now=4.5)  # a client's abort: nobody's fault
+    m.observe_peer_legs("decode", legs.take())
+
+    def val(name, **labels):
+        return reg.get_sample_value(name, labels)
+
+    assert val("pdlife_kv_pages", side="decode", state="quarantined") == 8
+    assert val("pdlife_kv_pages", side="decode", state="fenced") == 2
+    assert val("pdlife_peer_legs_total", side="decode", peer="0", outcome="done") == 1
+    assert val("pdlife_peer_legs_total", side="decode", peer="1", outcome="waiting timeout") == 1
+    assert val("pdlife_peer_legs_total", side="decode", peer="1", outcome="aborted") is None
+    assert val("pdlife_peer_leg_seconds_count", side="decode", peer="1") == 1
+    assert val("pdlife_peer_leg_seconds_sum", side="decode", peer="1") == 3.0
+    assert '# {room="7"} 3.0' in generate_latest(reg).decode()  # the slow leg's room

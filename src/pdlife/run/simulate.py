@@ -141,6 +141,11 @@ def _run(args: argparse.Namespace) -> int:
         return compare(Path(args.compare[0]), Path(args.compare[1]))
     if args.soak is not None and args.max_steps == MAX_STEPS:
         args.max_steps = 2**31 - 1  # a soak ends by time
+    endpoint = args.otlp_traces_endpoint
+    if endpoint is not None:  # checked before the run: a run is not wasted on a typo
+        from pdlife.spans.cli import check
+
+        check(endpoint, "--otlp-traces-endpoint")
     quiet = choose(args.verbose)  # before any engine loads (a backend probe), here or in a rank
     torchrun = _torchrun()
     cfg, why = _config(args)  # every check, before anything starts
@@ -153,11 +158,6 @@ def _run(args: argparse.Namespace) -> int:
         note = staging_note(cfg)
         if note:
             print(note)
-    endpoint = args.otlp_traces_endpoint
-    if endpoint is not None:  # checked before the run: a run is not wasted on a typo
-        from pdlife.spans.cli import check
-
-        check(endpoint, "--otlp-traces-endpoint")
     if torchrun:
         rc = _under_torchrun(cfg, Path(args.out), args.role, quiet)
         if endpoint is None or os.environ["RANK"] != "0":

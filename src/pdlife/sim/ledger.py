@@ -89,6 +89,15 @@ class Ledger:
         rank of the group): their writer stopped beating."""
         return sum(e[2].size for r, e in self.draining.items() if r in settled and e[2] is not None)
 
+    def page_states(self, settled: set[int]) -> dict[str, int]:
+        """KV pages by what keeps them from reuse: a live request (``held``), a
+        failed one waiting for its peer to stop writing (``quarantined``), or a
+        fence on a writer that stopped beating (``fenced``)."""
+        draining = sum(e[2].size for e in self.draining.values() if e[2] is not None)
+        fenced = self.fenced_pages(settled)
+        held = sum(p.size for p in self.pages_of.values())
+        return {"held": held, "quarantined": draining - fenced, "fenced": fenced}
+
     def pinned(self, settled: set[int]) -> list[int]:
         """Draining requests whose peer never confirmed it stopped writing."""
         return [r for r in self.draining if r not in settled]

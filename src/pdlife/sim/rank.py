@@ -169,6 +169,15 @@ class RankRun:
         return self.work.limit if self.soak is None else self.soak.limit
 
     # -- the loop ----------------------------------------------------------------
+    def _observe_pages_and_legs(self) -> None:
+        """The metrics of what the step does not see: KV pages by what pins
+        them, and the legs that ended since the last iteration, by peer."""
+        pages = self.ledger.page_states(self.drain_poller.settled)
+        self.metrics.observe_pages(self.side, pages)
+        legs = getattr(self.manager, "peer_legs", None)
+        if legs is not None:
+            self.metrics.observe_peer_legs(self.side, legs.take())
+
     def _agree_digest(self, results: list[StepResult], done: bool) -> bool:
         """Check the side's ranks agree, and decide together whether to stop
         (a rank-local decision to leave the loop would hang the others). In a
@@ -212,6 +221,8 @@ class RankRun:
                 requests.client_aborts(step)
                 self.peer.hear(self.ledger.handles)
                 results = self.loop.iteration()
+                if self.metrics is not None:
+                    self._observe_pages_and_legs()
                 total = self.total()
                 done = (
                     total is not None

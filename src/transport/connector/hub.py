@@ -63,6 +63,7 @@ from transport.connector.core.wire import MalformedMessage
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.inflight import InFlight
 from transport.connector.mailbox import NEW, STALE, Mailbox
+from transport.connector.peer_legs import PeerLegs
 from transport.digest import Views
 from transport.engine import Engine, check_engine
 from transport.staging import Staging
@@ -136,6 +137,13 @@ class Connector:
     @property
     def stats(self) -> dict[str, int]:
         return self.core.stats
+
+    @property
+    def peer_legs(self) -> PeerLegs | None:
+        """Decode's legs by prefill peer (None on prefill); ``take()`` is safe
+        beside the connector's thread."""
+        legs = getattr(self.core.side, "peer_legs", None)
+        return legs if isinstance(legs, PeerLegs) else None
 
     @property
     def last_error(self) -> Exception | None:

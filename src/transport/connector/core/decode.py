@@ -52,6 +52,7 @@ from transport.connector.core.messages import (
     Stopped,
     Verified,
 )
+from transport.connector.peer_legs import PeerLegs
 from transport.digest import decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
 from transport.layout import layout_misfit, page_layout, state_misfit
@@ -85,6 +86,8 @@ class DecodeSide:
         self.owed: list[DecodeRequest] = []
         #: room -> byte offset: flip that byte of its committed data before the check
         self.corrupt: dict[tuple[int, int], int] = {}  # (room, epoch) -> byte offset
+        #: the legs by prefill peer: asked, done (and how long), failed (and why)
+        self.peer_legs = PeerLegs()
 
     def group_record(self) -> dict[str, Any] | None:
         """Nothing: decode reads prefill's group record, it publishes none."""
@@ -104,13 +107,15 @@ class DecodeSide:
         ):
             p.fire(req, "drain")
 
-    def fail(self, req: DecodeRequest, reason: FailureReason) -> None:
-        """Fail here and make every leg stop writing; Drained once every sender stopped."""
+    def fail(self, req: DecodeRequest, reason: FailureReason, named: tuple[int, ...] = ()) -> None:
+        """Fail here and make every leg stop writing; Drained once every sender
+        stopped. ``named``: the peers it failed for (a digest that differed)."""
         p = self.core
         before = p.phase_of(req)
         if not p.fire(req, "abort", reason):
             return
         req.reason = reason
+        self.peer_legs.failed(req.room, req.epoch, reason, p.now, dead=p.peer_dead, named=named)
         # not registered yet: plan the legs anyway, so that prefill hears of it
         # instead of waiting for a register that never comes; if the group's record
         # is not up yet (its ranks still starting), the loop tells them once it is
@@ -152,6 +157,7 @@ class DecodeSide:
             if came.notified and p.config.digest:
                 return  # the engine's own word carries no digest: prefill's will
             leg.move("done")
+            self.peer_legs.done(req.room, req.epoch, leg.peer, p.now)
             leg.digest = msg.leg_digest()
             if all(x.done for x in req.senders()):
                 self._landed(req)
@@ -166,6 +172,7 @@ class DecodeSide:
             if isinstance(msg, Failed):
                 leg.move("stop")
             reason = msg.reason
+            self.peer_legs.failed(req.room, req.epoch, reason, p.now, named=(leg.peer,))
             if leg.stopped and all(x.stopped for x in req.senders()):
                 _ = p.fire(req, "peer_failed", reason) or p.fire(req, "drain")
             elif p.fire(req, "abort", reason):
@@ -183,6 +190,7 @@ class DecodeSide:
 
     def released(self, req: DecodeRequest) -> None:
         self.corrupt.pop((req.room, req.epoch), None)
+        self.peer_legs.forget(req.room, req.epoch)
 
     def _plan(self, req: DecodeRequest, failing: bool = False) -> bool:
         """The legs of ``req`` once its prefill DP group is known; False until then."""
@@ -307,6 +315,7 @@ class DecodeSide:
             p.scatter_left[req.index] = pages.size
         for peer, msg in messages:
             p.send(peer, msg)
+        self.peer_legs.asked(req.room, req.epoch, (x.peer for x in req.senders()), p.now)
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Scatter the next pages of every staged request whose senders are all done."""
@@ -354,13 +363,15 @@ class DecodeSide:
         p = self.core
         if p.phase_of(req) != Phase.Verifying:
             return
-        why = []
+        why, bad = [], []
         for leg in req.senders():  # every leg's hash under way before any is waited for
             leg.pending = leg.pending or decode_progress(p, req, leg).finish()
         for leg in req.senders():
             mine, theirs = leg.pending.result(), leg.digest
             p.stats["digests_checked"] += 1
             p.stats["digest_bytes"] += mine.nbytes
+            if theirs is None or theirs.sig != mine.sig or theirs.value != mine.value:
+                bad.append(leg.peer)
             if theirs is None:
                 why.append(f"prefill rank {leg.peer} sent no digest (is its digest off?)")
             elif theirs.sig != mine.sig:
@@ -383,7 +394,7 @@ class DecodeSide:
         p.last_error = err
         logger.info("%s", err)  # (a typed failure and a count: the table may retry it)
         req.why = str(err)
-        self.fail(req, FailureReason.CHECKSUM_MISMATCH)
+        self.fail(req, FailureReason.CHECKSUM_MISMATCH, tuple(bad))
         word = Abort(req.room, req.epoch, FailureReason.CHECKSUM_MISMATCH, req.why)
         for peer in req.legs:  # every one said "done" (stopped): told all the same
             p.send(peer, word)
