@@ -50,6 +50,8 @@ class Why:
     moves: tuple[tuple[int, str, str, str, str, str, str, int], ...]
     faults: tuple[dict[str, Any], ...]  # the plan's faults that named the request
     stuck: tuple[dict[str, Any], ...]  # stuck reports about it
+    #: decode's legs of it that ended, by prefill peer (a byte-moving backend's)
+    legs: tuple[dict[str, Any], ...]
     outcome: tuple[str, str, int] | None  # (status, reason, attempts)
     sides: dict[int, str]  # rank -> its side
 
@@ -70,7 +72,7 @@ def why(directory: Path, room: int) -> Why:
     steps: dict[tuple[str, str], dict[int, dict[int, tuple[int, int, str | None]]]] = defaultdict(
         lambda: defaultdict(dict)
     )
-    moves, stuck, sides = [], [], {}
+    moves, stuck, legs, sides = [], [], [], {}
     for rec in read_trace(directory):
         kind = rec["t"]
         if kind == "obs":
@@ -97,6 +99,8 @@ def why(directory: Path, room: int) -> Why:
             )
         elif kind == "event" and rec.get("kind") == "stuck" and rec.get("room") == room:
             stuck.append(rec)
+        elif kind == "event" and rec.get("kind") == "leg" and rec.get("room") == room:
+            legs.append(rec)
     holds: list[Hold] = []
     for (side, queue), by_step in steps.items():
         for step in sorted(by_step):
@@ -126,7 +130,7 @@ def why(directory: Path, room: int) -> Why:
     moves = sorted(set(moves))  # (every rank records the same agreed move)
     holds.sort(key=lambda h: (h.first, h.side, h.queue))
     outcome = (out[0], out[1], int(out[2])) if out else None
-    return Why(room, tuple(holds), tuple(moves), faults, tuple(stuck), outcome, sides)
+    return Why(room, tuple(holds), tuple(moves), faults, tuple(stuck), tuple(legs), outcome, sides)
 
 
 def _fired(directory: Path, room: int) -> tuple[dict[str, Any], ...]:
@@ -169,6 +173,16 @@ def _hold_text(h: Hold, sides: dict[int, str]) -> str:
     return text
 
 
+def _leg_text(leg: dict[str, Any], sides: dict[int, str]) -> str:
+    """A leg's end: whose, to which peer, how it ended and after how long."""
+    rank = _rank(int(leg.get("rank", -1)), sides)
+    took = leg.get("seconds")
+    after = "" if took is None else f" after {float(took) * 1e3:.1f} ms"
+    outcome = str(leg.get("outcome"))
+    how = f"done{after}" if outcome == "done" else f"failed ({outcome}), blamed on it{after}"
+    return f"step {leg.get('step')}: {rank}'s leg to prefill rank {leg.get('peer')}: {how}"
+
+
 def explain(w: Why) -> list[str]:
     """``w`` as lines a person reads, in step order, then the plan's faults and
     the outcome."""
@@ -185,6 +199,8 @@ def explain(w: Why) -> list[str]:
         wire = f"; transport: {s['wire']}" if s.get("wire") else ""
         text = f"step {s.get('step')}: stuck at {s.get('status')}, held by ranks {s.get('holders')}"
         timeline.append((int(s.get("step", 0)), 2, text + wire))
+    for leg in w.legs:
+        timeline.append((int(leg.get("step", 0)), 3, _leg_text(leg, w.sides)))
     lines = [f"room {w.room}:"] + [f"  {text}" for _, _, text in sorted(timeline)]
     for f in w.faults:
         on = _rank(int(f.get("rank", -1)), w.sides)

@@ -65,3 +65,43 @@ def test_why_names_the_gate_the_rank_and_the_failures_origin(run_sim, tmp_path):
     holds = {(e["pid"], e["args"]["room"]) for e in doc["traceEvents"] if e["ph"] == "i"}
     assert (1, int(rooms[HELD])) in holds
     assert sum(e["ph"] == "s" for e in doc["traceEvents"]) >= REQUESTS - 1  # flows drawn
+
+
+def test_why_names_the_peer_whose_leg_failed_on_a_transport(run_sim):
+    """On Mooncake decode's legs are traced by prefill peer. Prefill rank 1
+    stops for 6 s (past decode's dead-peer bound of at most 3 s): the requests
+    in flight fail (peer dead), and each one's lines name the leg that failed
+    for it, decode rank 3's to prefill rank 1, and not rank 2's to the live
+    prefill rank 0. In a clean run a request shows both legs done, timed."""
+    from engines import require
+
+    backend = require("mooncake")
+    args = ["--requests", "40", "--abort-prob", "0", "--peer-outage", "1:3:6"]
+    proc, s, out = run_sim(backend, "why-legs", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    dead = [int(r) for r, o in s["outcomes"].items() if o[:2] == ["Failed", "peer dead"]]
+    assert dead, "the outage failed no request in flight"
+    for room in dead:
+        w = why(out, room)
+        blamed = {
+            (leg["rank"], leg["peer"], leg["outcome"]) for leg in w.legs if leg["outcome"] != "done"
+        }
+        assert blamed <= {(3, 1, "peer dead")}, (room, w.legs)
+    # (a request that failed before its page list went out had no leg)
+    with_legs = [
+        w for w in (why(out, r) for r in dead) if any(x["outcome"] != "done" for x in w.legs)
+    ]
+    assert with_legs, "no failed request had a leg blamed"
+    text = "\n".join(explain(with_legs[0]))
+    assert "rank 3 (decode)'s leg to prefill rank 1: failed (peer dead), blamed on it" in text
+
+    # a clean run: every request's two legs done, timed
+    _, s, out = run_sim(backend, "why-legs-ok", "--requests", "8", "--abort-prob", "0")
+    ok = next(int(r) for r, o in s["outcomes"].items() if o[0] == "Success")
+    legs = why(out, ok).legs
+    assert {(leg["rank"], leg["peer"], leg["outcome"]) for leg in legs} == {
+        (2, 0, "done"),
+        (3, 1, "done"),
+    }
+    assert all(leg["seconds"] > 0 for leg in legs)
+    assert "'s leg to prefill rank 0: done after" in "\n".join(explain(why(out, ok)))

@@ -257,3 +257,18 @@ def test_the_sdk_spans_carry_ids_times_status_events_and_links():
             assert s.attributes["error.type"] == i.span.error
         assert [link.context.span_id for link in s.links] == [p for _, p in i.links]
         assert [e.name for e in s.events] == [e.name for e in i.span.events]
+
+
+def test_a_legs_end_is_an_event_on_its_attempt_live_or_draining():
+    b = SpanBuilder()
+    recs = decode_failed_then_retried(2, origin=2)
+    leg = {"t": "event", "rank": 2, "kind": "leg", "step": 2, "room": R, "peer": 0}
+    recs.insert(4, {**leg, "outcome": "waiting timeout", "seconds": 1.5})  # after step 2
+    recs.insert(8, {**leg, "outcome": "done", "seconds": None})  # while the first drains
+    spans = [s for rec in recs for s in b.feed(rec)] + b.finish()
+    first = next(s for s in spans if s.kind == "request" and s.attempt == 1)
+    legs = [dict(e.attributes) for e in first.events if e.name == "pdlife.leg"]
+    assert legs == [
+        {"pdlife.peer": 0, "pdlife.outcome": "waiting timeout", "pdlife.seconds": 1.5},
+        {"pdlife.peer": 0, "pdlife.outcome": "done"},  # (no time: none was recorded)
+    ]

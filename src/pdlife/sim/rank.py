@@ -169,14 +169,21 @@ class RankRun:
         return self.work.limit if self.soak is None else self.soak.limit
 
     # -- the loop ----------------------------------------------------------------
-    def _observe_pages_and_legs(self) -> None:
-        """The metrics of what the step does not see: KV pages by what pins
-        them, and the legs that ended since the last iteration, by peer."""
-        pages = self.ledger.page_states(self.drain_poller.settled)
-        self.metrics.observe_pages(self.side, pages)
+    def _legs_and_pages(self) -> None:
+        """What the step does not see: the legs that ended since the last
+        iteration, by peer (into the trace, and the metrics), and the KV pages
+        by what pins them (the metrics)."""
         legs = getattr(self.manager, "peer_legs", None)
-        if legs is not None:
-            self.metrics.observe_peer_legs(self.side, legs.take())
+        ended = legs.take() if legs is not None else []
+        for e in ended:
+            seconds = None if e.seconds is None else round(e.seconds, 6)
+            self.trace.event(kind="leg", step=self.clock.step, room=e.room, peer=e.peer,
+                             outcome=e.outcome, seconds=seconds)  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.observe_pages(
+                self.side, self.ledger.page_states(self.drain_poller.settled)
+            )
+            self.metrics.observe_peer_legs(self.side, ended)
 
     def _agree_digest(self, results: list[StepResult], done: bool) -> bool:
         """Check the side's ranks agree, and decide together whether to stop
@@ -221,8 +228,7 @@ class RankRun:
                 requests.client_aborts(step)
                 self.peer.hear(self.ledger.handles)
                 results = self.loop.iteration()
-                if self.metrics is not None:
-                    self._observe_pages_and_legs()
+                self._legs_and_pages()
                 total = self.total()
                 done = (
                     total is not None

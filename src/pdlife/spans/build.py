@@ -25,7 +25,7 @@ from typing import Any
 
 from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from pdlife.spans.model import Attempt, SpanData
+from pdlife.spans.model import Attempt, Attrs, SpanData
 
 __all__ = ["DRAINS", "EVENTS", "SpanBuilder", "spans_of_records"]
 
@@ -45,6 +45,7 @@ EVENTS: Mapping[str, tuple[str, ...]] = {
     "pdlife.stuck": ("pdlife.status", "pdlife.holders"),
     "pdlife.recovery": ("pdlife.decision", "pdlife.after"),
     "pdlife.released": ("pdlife.outcome",),
+    "pdlife.leg": ("pdlife.peer", "pdlife.outcome", "pdlife.seconds"),
 }
 
 #: the status a request span's child is named after, for each non-terminal status
@@ -111,6 +112,8 @@ class SpanBuilder:
             self._obs = dict(rec)
         elif kind == "event" and rec.get("kind") == "stuck":
             self._stuck(rec)
+        elif kind == "event" and rec.get("kind") == "leg":
+            self._leg(rec)
         return out
 
     def finish(self) -> list[SpanData]:
@@ -258,6 +261,19 @@ class SpanBuilder:
                 del self.draining[int(room)]
             out += a.spans()
         return out
+
+    def _leg(self, rec: Mapping[str, Any]) -> None:
+        """A leg of the request ended (decode, by prefill peer): on its attempt,
+        live or waiting to drain."""
+        room = int(rec["room"])
+        waiting = self.draining.get(room)
+        a = self.live.get(room) or (waiting[-1] if waiting else None)
+        if a is None or self.last_ts is None:
+            return
+        attributes: Attrs = {"pdlife.peer": int(rec["peer"]), "pdlife.outcome": str(rec["outcome"])}
+        if rec.get("seconds") is not None:
+            attributes = {**attributes, "pdlife.seconds": float(rec["seconds"])}
+        a.event("pdlife.leg", self.last_ts, attributes)
 
     def _stuck(self, rec: Mapping[str, Any]) -> None:
         a = self.live.get(int(rec["room"]))
