@@ -112,6 +112,13 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     def ours() -> None:
         stepper.step(coll)
 
+    def ours_holds() -> None:
+        # the same step recording its gates' holds, as a trace (and so the
+        # spans built from it) asks: what observing the gates costs the step
+        stepper.record_holds = True
+        stepper.step(coll)
+        stepper.record_holds = False
+
     hooks = hooks_of(backend, meta, rooms)
 
     def hooks_floor() -> None:
@@ -183,6 +190,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     variants = {
         "floor": floor,
         "ours": ours,
+        "ours_holds": ours_holds,
         "ours_field": ours_field,
         "ours_gated": ours_gated,
         "hooks_floor": hooks_floor,
