@@ -202,7 +202,7 @@ class LocalStage:
                 before = closed.get(dest)
                 closed[dest] = GATE_SOURCES[rule.source](x, before)
                 if self.explain:
-                    self._attribute(rule.name, local, before, closed[dest])
+                    self._attribute(rule.name, x.success, before, closed[dest])
             if x.corrupt is not None or obs.hooked is not hooked:
                 # what the gates found: the late sources again (every source,
                 # when the quiet step skipped them)
@@ -226,18 +226,20 @@ class LocalStage:
     def _attribute(
         self,
         gate: str,
-        local: NDArray[np.int8],
+        success: _Lazy,
         before: NDArray[np.bool_] | None,
         after: NDArray[np.bool_] | None,
     ) -> None:
-        """Record the local Successes ``gate`` closed that no earlier gate had."""
-        if after is None:
+        """Record the local Successes ``gate`` closed that no earlier gate had
+        (``success``: the rows at Success, found once for every gate)."""
+        if after is None or after is before:  # this gate closed nothing of its own
             return
-        own = after & (local == _S)
+        own = np.logical_and(after, success())
         if before is not None:
-            own &= ~before
-        if own.any():
-            self.held[gate] = own.nonzero()[0]
+            np.greater(own, before, out=own)  # (booleans: own and not before)
+        rows = own.nonzero()[0]
+        if rows.size:
+            self.held[gate] = rows
 
     def _only_poll(self, t: RequestTable, f: Frame, cfg: StepConfig) -> bool:
         """No verdict source but the poll can hit (no fault hook, abort,
