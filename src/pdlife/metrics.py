@@ -44,9 +44,13 @@ __all__ = ["LifecycleMetrics", "serve"]
 
 
 class LifecycleMetrics:
-    def __init__(self, registry: Any = None) -> None:
+    """``run``: the run's id; given, each exemplar also carries the trace id of
+    its room's spans (:func:`pdlife.spans.select.trace_id`)."""
+
+    def __init__(self, registry: Any = None, run: str | None = None) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+        self.run = run
         reg = registry if registry is not None else REGISTRY
         self.transitions = Counter(
             "pdlife_transitions", "Agreed status transitions", ["queue", "from", "to"], registry=reg
@@ -126,6 +130,14 @@ class LifecycleMetrics:
         #: (queue, gate) -> room -> when its hold began
         self._held: dict[tuple[str, str], dict[int, float]] = {}
 
+    def _exemplar(self, room: int) -> dict[str, str]:
+        """An exemplar's labels: the room, and its trace id when the run is known."""
+        if self.run is None:
+            return {"room": str(room)}
+        from pdlife.spans.select import trace_id
+
+        return {"room": str(room), "trace_id": f"{trace_id(self.run, room):032x}"}
+
     def observe(self, queue: str, result: StepResult) -> None:
         if result.changed.size:
             prev = result.previous.tolist()
@@ -140,7 +152,7 @@ class LifecycleMetrics:
                 reason = FailureReason(f.reason).label
                 self.failures.labels(queue, reason).inc()
                 by = self.by_origin.labels(queue, reason, str(f.origin))
-                by.inc(exemplar={"room": str(f.room)})
+                by.inc(exemplar=self._exemplar(f.room))
         self.stuck.labels(queue).set(len(result.stuck))
         for state, n in result.counts.items():
             self.live.labels(queue, state.name).set(n)
@@ -167,7 +179,7 @@ class LifecycleMetrics:
                 self.holds.labels(queue, key[1], str(rank)).inc(len(began))
             for room in was.keys() - held:
                 since = was.pop(room)
-                exemplar = {"room": str(room)}
+                exemplar = self._exemplar(room)
                 self.hold_time.labels(queue, key[1]).observe(now - since, exemplar=exemplar)
             for room in began:
                 was[room] = now
@@ -190,7 +202,7 @@ class LifecycleMetrics:
             peer = str(e.peer)
             self.peer_legs.labels(side, peer, e.outcome).inc()
             if e.seconds is not None:
-                exemplar = {"room": str(e.room)}
+                exemplar = self._exemplar(e.room)
                 self.peer_leg_time.labels(side, peer).observe(e.seconds, exemplar=exemplar)
 
 

@@ -57,11 +57,14 @@ class TraceError(ValueError):
 
 
 class TraceWriter:
-    def __init__(self, path: Path, rank: int) -> None:
+    def __init__(self, path: Path, rank: int, run: str | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._f: IO[str] = path.open("w")
-        clock = {"t": "clock", "rank": rank, "mono": time.monotonic(), "wall": time.time()}
+        clock: dict[str, Any] = {"t": "clock", "rank": rank, "mono": time.monotonic()}
+        clock["wall"] = time.time()
+        if run is not None:  # the run's id, the same on every rank (its spans' trace ids)
+            clock["run"] = run
         self._f.write(json.dumps(clock) + "\n")
 
     def step(

@@ -2,6 +2,7 @@
 while, Prometheus answers on every rank meanwhile, RSS is sampled per rank."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -104,6 +105,17 @@ def test_soak_serves_metrics_and_samples_rss(tmp_path):
     lines = [x for x in failing[0].splitlines() if x.startswith("pdlife_failures_by_origin_total{")]
     assert lines and all('origin="' in x and 'reason="' in x for x in lines)
     assert any(' # {room="' in x for x in lines)
+    # each exemplar also names the trace of its room's spans: the run's id, the
+    # same in every rank's trace, and the room give it
+    from pdlife.spans.select import trace_id
+
+    runs = {
+        json.loads((out / "trace" / f"rank{r}.jsonl").open().readline())["run"] for r in range(4)
+    }
+    (run,) = runs
+    found = [re.search(r'# \{room="(\d+)",trace_id="([0-9a-f]{32})"\}', x) for x in lines]
+    found = [m for m in found if m]
+    assert found and all(m[2] == f"{trace_id(run, int(m[1])):032x}" for m in found)
     s = json.loads((out / "summary.json").read_text())
     # the soak admitted what it could in 3 s and finished every one of them
     assert s["soak_s"] == 3.0

@@ -109,3 +109,17 @@ def test_kv_pages_by_state_and_legs_by_peer_with_their_exemplars():
     assert val("pdlife_peer_leg_seconds_count", side="decode", peer="1") == 1
     assert val("pdlife_peer_leg_seconds_sum", side="decode", peer="1") == 3.0
     assert '# {room="7"} 3.0' in generate_latest(reg).decode()  # the slow leg's room
+
+
+def test_given_the_run_an_exemplar_names_its_rooms_trace():
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from pdlife.metrics import LifecycleMetrics
+    from pdlife.spans.select import trace_id
+    from transport.connector.peer_legs import LegEnded
+
+    reg = prometheus_client.CollectorRegistry()
+    m = LifecycleMetrics(reg, run="1700000000.000001")
+    m.observe_peer_legs("decode", [LegEnded(0, "done", 0.25, 77)])
+    want = f'# {{room="77",trace_id="{trace_id("1700000000.000001", 77):032x}"}} 0.25'
+    assert want in generate_latest(reg).decode()

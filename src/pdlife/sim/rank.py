@@ -131,12 +131,14 @@ class RankRun:
             self.clock,
         )
         self.stats = RankStats(cfg.rss_every)
-        self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank)
+        #: the run's id, the same on every rank: its spans' trace ids derive from it
+        self.run_id = shared_run_id(store)
+        self.trace = TraceWriter(out / "trace" / f"rank{rank}.jsonl", rank, self.run_id)
         self.metrics: Any = None
         if cfg.metrics_port is not None:
             from pdlife.metrics import LifecycleMetrics, serve
 
-            self.metrics = LifecycleMetrics()
+            self.metrics = LifecycleMetrics(run=self.run_id)
             base = cfg.metrics_port
             bound = serve(base + rank if base else 0)
             (out / "ranks" / f"rank{rank}.metrics_port").write_text(f"{bound}\n")
@@ -338,6 +340,13 @@ class RankRun:
             "backend_error": None if backend_error is None else repr(backend_error)[:300],
             "error": error,
         }
+
+
+def shared_run_id(store: Any) -> str:
+    """The run's id: the wall time of the first rank to ask (the store keeps
+    the first proposal: every rank reads the same)."""
+    mine = f"{time.time():.6f}".encode()
+    return bytes(store.compare_set("pdlife/run_id", b"", mine)).decode()
 
 
 def run_rank(

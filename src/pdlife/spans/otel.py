@@ -103,8 +103,14 @@ def readable_spans(items: Sequence[Identified], run: str) -> list[ReadableSpan]:
 
 
 def run_id(records: Iterable[dict[str, Any]]) -> str:
-    """A run's id: the wall time its first rank started at (the clock records)."""
-    walls = [float(r["wall"]) for r in records if r.get("t") == "clock"]
+    """A run's id: the one its ranks agreed and wrote in their clock records
+    (the one the metrics' exemplars derive trace ids from), else, for a trace
+    from before that, the wall time its first rank started at."""
+    clocks = [r for r in records if r.get("t") == "clock"]
+    agreed = {str(r["run"]) for r in clocks if "run" in r}
+    if len(agreed) == 1:
+        return agreed.pop()
+    walls = [float(r["wall"]) for r in clocks]
     return f"{min(walls):.6f}" if walls else "0"
 
 
