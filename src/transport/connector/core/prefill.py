@@ -24,6 +24,7 @@ and does no I/O: what it says and writes, the core hands its driver.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,6 +53,7 @@ from transport.connector.core.messages import (
     Stopped,
     Verified,
 )
+from transport.connector.core.side import PageList
 from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
@@ -277,16 +279,10 @@ class PrefillSide:
     def released(self, req: PrefillRequest) -> None:
         """Nothing: prefill keeps nothing of a released request beyond it."""
 
-    def tell_pages(
-        self,
-        req: PrefillRequest,
-        pages: NDArray[np.int64],
-        slot: int,
-        state: list[NDArray[np.int64]] | None,
-        skip: int,
-    ) -> None:
+    def tell_pages(self, lists: Sequence[PageList]) -> None:
+        room = lists[0][0].room if lists else "-"
         raise TransportError(
-            f"room={req.room}: prefill rank {self.core.rank} is told where to write; "
+            f"room={room}: prefill rank {self.core.rank} is told where to write; "
             "a page list is a decode receiver's to send"
         )
 
