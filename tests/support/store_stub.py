@@ -23,3 +23,11 @@ class Store:
 
     def queue_pop(self, key):
         return self.d[key].pop(0)
+
+    def compare_set(self, key, expected, desired):
+        """TCPStore's: ``desired`` where the key is missing and ``expected`` is
+        empty, or where it holds ``expected``; the value it holds after."""
+        held = self.d.get(key)
+        if (held is None and expected in (b"", "")) or held == expected:
+            self.d[key] = desired
+        return self.d[key]
