@@ -39,7 +39,7 @@ from numpy.typing import NDArray
 
 from lifecycle import Role
 from lifecycle.rules.recovery import Action
-from transport.connector.handles import ConnectorReceiver, ConnectorSender, send_metadata_many
+from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from vllm_connector.agreement import WorkerAgreement
 from vllm_connector.params import ParamsError
 from vllm_connector.scheduler import Meta
@@ -182,16 +182,15 @@ class WorkerSide:
     def finished(self) -> Report:
         """Step the group once; what ended and drained since the last call."""
         ended = self.agreement.step()
-        loads = []
         for rid in sorted(ended.ready):
             t = self.live[rid]
             if isinstance(t.handle, ConnectorReceiver):  # (a cached prefix is not written)
-                loads.append((t.handle, t.pages[t.skip // self.page_size :], -1, t.skip))
+                t.handle.send_metadata(
+                    t.pages[t.skip // self.page_size :], -1, decode_prefix_len=t.skip
+                )
             else:
                 t.handle.init(int(t.pages.size))
                 t.handle.send(t.pages)
-        if loads:
-            self.hand_over(loads)
         for rid in sorted(ended.succeeded):
             t = self.live.pop(rid)
             self.ending.append(_Ending(rid, t, SENT if t.role is Role.SENDER else RECEIVED))
@@ -212,11 +211,6 @@ class WorkerSide:
             else:
                 self.ending.append(_Ending(rid, t, SENT))
         return self._drained(now)
-
-    def hand_over(self, loads: list[tuple[ConnectorReceiver, NDArray[np.int64], int, int]]) -> None:
-        """Tell prefill where every ready load's pages are, in one call to the
-        connector (one lock, one move of their phases)."""
-        send_metadata_many(loads)
 
     def _drained(self, told: _Told) -> Report:
         sending, recving = told.sending, told.recving

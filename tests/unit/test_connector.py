@@ -320,39 +320,3 @@ def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(sim):
     settle(net, lambda: d.core.stats["malformed"] == len(bad), "every malformed message counted")
     assert r.poll() == KVPoll.Bootstrapping and d.core.last_error is None
     _move(net, s, r, pkv, dkv, [2], [6], 1, pmeta)  # the rank still serves the request
-
-
-def test_page_lists_of_several_requests_go_in_one_call(sim):
-    """send_metadata_many: every call checked before any is told; then one lock
-    and one move of their phases; a request failed meanwhile is skipped."""
-    from transport.connector.core.messages import Pages
-    from transport.connector.handles import send_metadata_many
-
-    net, sides = sim
-    p, pkv, _ = sides["prefill"]
-    d, dkv, _ = sides["decode"]
-    pkv[0].copy_(torch.arange(pkv[0].numel()).view_as(pkv[0]) % 251)
-    pairs = [_past_handshake(sim, room)[3:] for room in (81, 82, 83)]
-    (s1, r1), (s2, r2), (s3, r3) = pairs
-    other = pair(seed=8)[1]["decode"][0].receiver(84)
-    for bad, match in (
-        ([(r1, [1], 0, 0), (r1, [2], 1, 0)], "given twice"),
-        ([(r1, [1], 0, 0), (other, [2], 1, 0)], "another connector"),
-        ([(r1, [1], 0, 0), (r2, [2], 1, -1)], "decode_prefix_len -1"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            send_metadata_many(bad)
-        assert {d.core.phase[r.index] for r in (r1, r2, r3)} == {Phase.Handshaken}  # nothing told
-    r3.abort()  # failed meanwhile: nothing to tell it, and the others go on
-    sent = []
-    watch_sends(net, d, sent.append)
-    send_metadata_many([(r1, [1], 0, 0), (r2, [2], 1, 0), (r3, [3], 2, 0)])
-    settle(net, lambda: sum(isinstance(m, Pages) for m in sent) >= 2, "two page lists out")
-    assert sorted(m.room for m in sent if isinstance(m, Pages)) == [81, 82]
-    for s, r, page in ((s1, r1, 1), (s2, r2, 2)):
-        settle(net, lambda s=s: s.poll() == KVPoll.WaitingForInput, "prefill has the page list")
-        s.init(1, None)
-        s.send([page + 4])
-        settle(net, lambda r=r: r.poll() == KVPoll.Success, "decode success")
-        assert torch.equal(dkv[0][page], pkv[0][page + 4])
-    send_metadata_many([])  # nothing to tell: nothing happens

@@ -314,9 +314,6 @@ LONG_MODULES = {
     "transport/connector/core/prefill.py": "the prefill side of the protocol: a request's legs "
     "planned from decode's register, and every write of each leg checked and issued in order "
     "(pages, fields, state rows, the room last)",
-    "transport/connector/core/decode.py": "the decode side of the protocol: a request's legs "
-    "planned from prefill's group record, its page lists told (several at once), each sender's "
-    "word, and the digest checked before Success",
 }
 
 

@@ -112,13 +112,20 @@ class _Spending:
 
 
 class _TimedReceiver(ConnectorReceiver):
-    """The connector's decode handle; the time its release takes is summed apart
-    (the hand-off is timed by :class:`_TimedWorkerSide`): the transfer's own
+    """The connector's decode handle; the time its page hand-off (telling prefill
+    where to write) and its release take is summed apart: the transfer's own
     work, which ``finished()`` calls."""
 
     def __init__(self, manager: SimRank, room: int, epoch: int, spent: _Spending) -> None:
         super().__init__(manager, room, epoch)
         self._spent = spent
+
+    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+        t = time.perf_counter()
+        try:
+            super().send_metadata(*args, **kwargs)
+        finally:
+            self._spent.handoff += time.perf_counter() - t
 
     def clear(self) -> None:
         t = time.perf_counter()
@@ -139,22 +146,6 @@ class _DecodeHandles:
 
     def receiver(self, room: int, epoch: int = 0) -> ConnectorReceiver:
         return _TimedReceiver(self.rank, room, epoch, self.spent)
-
-
-class _TimedWorkerSide(WorkerSide):
-    """The worker side; the time its page hand-off (telling prefill where the
-    ready loads' pages are, all in one call) takes is summed apart."""
-
-    def __init__(self, *args: Any, spent: _Spending, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._spent = spent
-
-    def hand_over(self, loads: Any) -> None:
-        t = time.perf_counter()
-        try:
-            super().hand_over(loads)
-        finally:
-            self._spent.handoff += time.perf_counter() - t
 
 
 class _TimedAgreement(WorkerAgreement):
@@ -190,12 +181,11 @@ class OursLoop:
             cfg = ConnectorConfig(role=role, tp_rank=0, store_port=1)  # (no store: simulated)
             ranks[role] = self.net.add(kv_args_for([kv], meta.buf_infos(), 0), cfg)
         self.handles_spent, self.step_spent = _Spending(), _Spent()
-        self.decode = _TimedWorkerSide(
+        self.decode = WorkerSide(
             _DecodeHandles(ranks["decode"], self.handles_spent),
             _TimedAgreement(
                 rank, ranks["decode"].core, collective, StepConfig(), spent=self.step_spent
             ),
-            spent=self.handles_spent,
         )
         prefill, self.decode_rank = ranks["prefill"], ranks["decode"]
         self.prefill = WorkerSide(prefill, WorkerAgreement(0, prefill.core, SingleRank()))

@@ -4,12 +4,12 @@ reaches its connector through the calls of :class:`Requests` alone."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
@@ -17,11 +17,10 @@ from lifecycle.status import KVPoll
 from transport.connector.config import ConnectorConfig
 from transport.connector.core.graph import IS_TERMINAL, Phase, ProtocolError
 from transport.connector.core.legs import DecodeRequest, PrefillRequest, Request, rows_of
-from transport.connector.core.side import PageList
 from transport.staging import Staging
 from transport.status_arrays import Statuses, StatusHandle
 
-__all__ = ["ConnectorSender", "ConnectorReceiver", "Requests", "send_metadata_many"]
+__all__ = ["ConnectorSender", "ConnectorReceiver", "Requests"]
 
 T = int(KVPoll.Transferring)
 Q = TypeVar("Q", bound="Request[Any]")
@@ -53,7 +52,14 @@ class Requests(Protocol):
 
     def set_status(self, index: int, status: int) -> None: ...
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None: ...
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None: ...
 
     def wake(self) -> None: ...
 
@@ -192,23 +198,10 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
         """Tell prefill where to write: ``page_indices`` are this rank's pages for the
         request's pages after the first ``decode_prefix_len`` tokens, which decode
         holds already (a cached prefix, whole pages) and which are not sent."""
-        told = self.page_list(page_indices, metadata_slot, state_indices, decode_prefix_len)
-        if told is not None:
-            self.manager.tell_pages([told])
-
-    def page_list(
-        self,
-        page_indices: ArrayLike,
-        metadata_slot: int,
-        state_indices: Any = None,
-        decode_prefix_len: int = 0,
-    ) -> PageList | None:
-        """:meth:`send_metadata`'s arguments checked, as the connector takes them
-        (None: the request failed already, nothing to tell); nothing is told."""
         m, req = self.manager, self._req
         ph = m.phase_of(req)
         if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
-            return None  # it already failed: nothing to tell
+            return  # it already failed: nothing to tell
         if ph != Phase.Handshaken:
             raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata", m.config.role)
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
@@ -228,28 +221,4 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
                 f"slots; got {pages.size} pages for slot {metadata_slot} "
                 "(raise ConnectorConfig.staging_pages)"
             )
-        return (req, pages, metadata_slot, rows, decode_prefix_len // ps)
-
-
-def send_metadata_many(calls: Sequence[tuple[ConnectorReceiver, ArrayLike, int, int]]) -> None:
-    """Several receivers' :meth:`~ConnectorReceiver.send_metadata` at once:
-    ``(receiver, page_indices, metadata_slot, decode_prefix_len)`` each, all on
-    one connector. Every call is checked before any is told; then their page
-    lists go out under one lock, their phases moved in one call."""
-    if not calls:
-        return
-    manager = calls[0][0].manager
-    seen: set[int] = set()
-    for r, *_ in calls:
-        if r.manager is not manager:
-            raise ValueError(
-                f"room={r.bootstrap_room}: its receiver is another connector's; "
-                "send_metadata_many takes one connector's receivers"
-            )
-        if id(r) in seen:
-            raise ValueError(f"room={r.bootstrap_room}: its receiver is given twice")
-        seen.add(id(r))
-    lists = [r.page_list(pages, slot, None, skip) for r, pages, slot, skip in calls]
-    told = [pl for pl in lists if pl is not None]
-    if told:
-        manager.tell_pages(told)
+        m.tell_pages(req, pages, metadata_slot, rows, decode_prefix_len // ps)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -58,7 +58,6 @@ from transport.connector.core.graph import IS_TERMINAL
 from transport.connector.core.legs import Request
 from transport.connector.core.machine import ConnectorCore
 from transport.connector.core.messages import Done, Incoming, Landed, parse
-from transport.connector.core.side import PageList
 from transport.connector.core.sides import SIDES
 from transport.connector.core.wire import MalformedMessage
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
@@ -227,11 +226,16 @@ class Connector:
             self.core.set(index, status)
         self._wake.set()
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None:
-        """Page lists from decode's scheduler, one request's or several: one
-        lock, one move of their phases, their messages sent from here."""
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
         with self.lock:
-            self.core.tell_pages(lists, self.clock())
+            self.core.tell_pages(req, pages, slot, state, skip, self.clock())
             sends = self._take_sends()
         if sends:
             self._perform_taken(sends, self._caller_store)

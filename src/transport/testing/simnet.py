@@ -25,10 +25,12 @@ import contextlib
 import ctypes
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
+import numpy as np
+from numpy.typing import NDArray
 
 from buffers.kv_args import KVArgs
 from lifecycle.reasons import FailureReason
@@ -49,7 +51,6 @@ from transport.connector.core.events import (
 from transport.connector.core.legs import Request
 from transport.connector.core.machine import ConnectorCore
 from transport.connector.core.messages import Done, Incoming, Landed, parse
-from transport.connector.core.side import PageList
 from transport.connector.core.sides import SIDES
 from transport.connector.core.wire import MalformedMessage
 from transport.connector.handles import ConnectorReceiver, ConnectorSender
@@ -139,8 +140,15 @@ class SimRank:
     def set_status(self, index: int, status: int) -> None:
         self.core.set(index, status)
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None:
-        self.core.tell_pages(lists, self.net.now)
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
+        self.core.tell_pages(req, pages, slot, state, skip, self.net.now)
 
     def wake(self) -> None:
         """Nothing: the network steps every rank."""

@@ -30,15 +30,14 @@ and does no I/O: what it says, the core hands its driver.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle.reasons import FailureReason
 from transport.connector.core.graph import Phase
-from transport.connector.core.legs import DecodeLeg, DecodeRequest, Request
+from transport.connector.core.legs import DecodeLeg, DecodeRequest
 from transport.connector.core.machine import ConnectorCore
 from transport.connector.core.messages import (
     Abort,
@@ -53,7 +52,6 @@ from transport.connector.core.messages import (
     Stopped,
     Verified,
 )
-from transport.connector.core.side import PageList
 from transport.connector.peer_legs import PeerLegs
 from transport.digest import decode_parts, decode_progress, flip
 from transport.errors import ChecksumMismatch
@@ -277,42 +275,18 @@ class DecodeSide:
     def give_up(self, req: DecodeRequest) -> None:
         """Nothing: decode issues no writes, and its peers' fate is theirs to tell."""
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None:
-        """Tell every leg of each request where to write (the arguments are
-        checked by the caller); the requests' phases move in one call."""
-        p = self.core
-        reqs = [pl[0] for pl in lists]
-        if not all(isinstance(r, DecodeRequest) for r in reqs):
-            raise TypeError("a page list names a request that is not decode's")
-        said = [self._page_lists(*pl) for pl in lists]
-        # one that failed meanwhile (a timeout, a dead peer) does not move: its legs
-        # may be stopped and its pages released already, so no page list may go out
-        moved = p.fire_many(reqs, "metadata").tolist() if reqs else []
-        for (r, pages, slot, state, _), (messages, blocks), ok in zip(lists, said, moved):
-            req = cast(DecodeRequest, r)
-            if not ok:
-                continue
-            p.waited[req.index] = p.now
-            req.num_pages = int(pages.size)  # what a fence on its writer holds
-            req.pages, req.slot, req.rows = pages.copy(), slot, state
-            if blocks:
-                req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
-                p.scatter_left[req.index] = pages.size
-            for peer, msg in messages:
-                p.send(peer, msg)
-            self.peer_legs.asked(req.room, req.epoch, (x.peer for x in req.senders()), p.now)
-
-    def _page_lists(
+    def tell_pages(
         self,
-        req: Request[Any],
+        req: DecodeRequest,
         pages: NDArray[np.int64],
         slot: int,
         state: list[NDArray[np.int64]] | None,
         skip: int,
-    ) -> tuple[list[tuple[int, Pages]], list[tuple[int, int]]]:
-        """Each leg's page list, and the staging blocks the request's slices take."""
-        assert isinstance(req, DecodeRequest)
-        messages, blocks = [], []
+    ) -> None:
+        """Tell every leg where to write (the arguments are checked by the caller)."""
+        p = self.core
+        messages = []
+        blocks = []
         none = np.empty(0, dtype=np.int64)
         for leg in req.legs.values():
             ptrs = None
@@ -323,14 +297,25 @@ class DecodeSide:
                 ptrs = np.asarray(self.staging.block(slot, leg.dst_head), dtype=np.int64)
                 blocks.append((leg.dst_head, leg.count))
             else:
-                dst, heads = pages, self.core.kv_args.kv_head_num
+                dst, heads = pages, p.kv_args.kv_head_num
             row = slot if leg.sends and leg.primary else -1
             # whole rows (primary) or this leg's share of split ones
             rows = state if leg.state else None
-            messages.append(
-                (leg.peer, Pages(req.room, req.epoch, dst, row, skip, heads, ptrs, rows))
-            )
-        return messages, blocks
+            msg = Pages(req.room, req.epoch, dst, row, skip, heads, ptrs, rows)
+            messages.append((leg.peer, msg))
+        if not p.fire(req, "metadata"):
+            # failed meanwhile (a timeout, a dead peer): its legs may be stopped and
+            # its pages released already, so no page list may go out
+            return
+        p.waited[req.index] = p.now
+        req.num_pages = int(pages.size)  # what a fence on its writer holds
+        req.pages, req.slot, req.rows = pages.copy(), slot, state
+        if blocks:
+            req.scatter = Scatter(slot, pages.copy(), sorted(blocks))
+            p.scatter_left[req.index] = pages.size
+        for peer, msg in messages:
+            p.send(peer, msg)
+        self.peer_legs.asked(req.room, req.epoch, (x.peer for x in req.senders()), p.now)
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Scatter the next pages of every staged request whose senders are all done."""

@@ -61,7 +61,7 @@ from transport.connector.core.events import (
 from transport.connector.core.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
 from transport.connector.core.legs import Request, describe
 from transport.connector.core.messages import Incoming, Message, Register
-from transport.connector.core.side import PageList, Side
+from transport.connector.core.side import Side
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
@@ -340,10 +340,17 @@ class ConnectorCore(StatusArrays):
         req.tokens.clear()
 
     # -- the scheduler's calls (through its handles and the gate) -----------------------------
-    def tell_pages(self, lists: Sequence[PageList], now: float) -> None:
-        """Page lists from the scheduler (decode): one or several requests'."""
+    def tell_pages(
+        self,
+        req: Request[Any],
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+        now: float,
+    ) -> None:
         self.now = now
-        self.side.tell_pages(lists)
+        self.side.tell_pages(req, pages, slot, state, skip)
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64], now: float) -> None:
         """Place the next pages of every staged request whose data all landed."""

@@ -24,7 +24,6 @@ and does no I/O: what it says and writes, the core hands its driver.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,7 +52,6 @@ from transport.connector.core.messages import (
     Stopped,
     Verified,
 )
-from transport.connector.core.side import PageList
 from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
@@ -279,10 +277,16 @@ class PrefillSide:
     def released(self, req: PrefillRequest) -> None:
         """Nothing: prefill keeps nothing of a released request beyond it."""
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None:
-        room = lists[0][0].room if lists else "-"
+    def tell_pages(
+        self,
+        req: PrefillRequest,
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
         raise TransportError(
-            f"room={room}: prefill rank {self.core.rank} is told where to write; "
+            f"room={req.room}: prefill rank {self.core.rank} is told where to write; "
             "a page list is a decode receiver's to send"
         )
 

@@ -4,7 +4,6 @@ answer the same calls, and the core is built with one of them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -15,13 +14,9 @@ from transport.connector.core.legs import Request
 from transport.connector.core.messages import Incoming, Msg
 from transport.staging import Staging
 
-__all__ = ["PageList", "Side"]
+__all__ = ["Side"]
 
 Req_contra = TypeVar("Req_contra", bound="Request[Any]", contravariant=True)
-
-#: one request's page list, as the scheduler gave it: the request, its pages,
-#: its metadata slot, its state rows (None: none) and the cached pages skipped
-PageList = tuple[Request[Any], NDArray[np.int64], int, list[NDArray[np.int64]] | None, int]
 
 
 class Side(Protocol[Req_contra]):
@@ -69,9 +64,15 @@ class Side(Protocol[Req_contra]):
     def ask_stop(self, req: Req_contra, reason: FailureReason) -> None:
         """Ask every leg that has not stopped yet to stop writing the request."""
 
-    def tell_pages(self, lists: Sequence[PageList]) -> None:
-        """The scheduler said where these requests' data goes (a receiver's call;
-        several at once cost one move of their phases)."""
+    def tell_pages(
+        self,
+        req: Req_contra,
+        pages: NDArray[np.int64],
+        slot: int,
+        state: list[NDArray[np.int64]] | None,
+        skip: int,
+    ) -> None:
+        """The scheduler said where the request's data goes (a receiver's call)."""
 
     def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
         """Place the next staged pages of these requests (the staging gate)."""
