@@ -50,7 +50,8 @@ class Why:
     moves: tuple[tuple[int, str, str, str, str, str, str, int], ...]
     faults: tuple[dict[str, Any], ...]  # the plan's faults that named the request
     stuck: tuple[dict[str, Any], ...]  # stuck reports about it
-    #: decode's legs of it that ended, by prefill peer (a byte-moving backend's)
+    #: its legs that ended, by peer (decode's by prefill peer, prefill's by
+    #: decode peer; a byte-moving backend's)
     legs: tuple[dict[str, Any], ...]
     outcome: tuple[str, str, int] | None  # (status, reason, attempts)
     sides: dict[int, str]  # rank -> its side
@@ -175,12 +176,13 @@ def _hold_text(h: Hold, sides: dict[int, str]) -> str:
 
 def _leg_text(leg: dict[str, Any], sides: dict[int, str]) -> str:
     """A leg's end: whose, to which peer, how it ended and after how long."""
-    rank = _rank(int(leg.get("rank", -1)), sides)
+    r = int(leg.get("rank", -1))
+    rank, other = _rank(r, sides), "decode" if sides.get(r) == "prefill" else "prefill"
     took = leg.get("seconds")
     after = "" if took is None else f" after {float(took) * 1e3:.1f} ms"
     outcome = str(leg.get("outcome"))
     how = f"done{after}" if outcome == "done" else f"failed ({outcome}), blamed on it{after}"
-    return f"step {leg.get('step')}: {rank}'s leg to prefill rank {leg.get('peer')}: {how}"
+    return f"step {leg.get('step')}: {rank}'s leg to {other} rank {leg.get('peer')}: {how}"
 
 
 def explain(w: Why) -> list[str]:

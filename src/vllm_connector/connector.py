@@ -179,6 +179,8 @@ class PdLifecycleConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if isinstance(meta, PdLifecycleMetadata):
             self._worker().start(meta.meta)
+        else:
+            self._worker().hand_over()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing: a request's KV is loaded whole, between steps."""

@@ -8,7 +8,10 @@ handles: :class:`Handles`), and keeps every transfer in a
 steps the group once; then, on every worker alike:
 
 - a transfer every worker sees handshaken is handed its pages (decode says
-  where to write; prefill hands over the pages decode's list names);
+  where to write; prefill hands over the pages decode's list names) by the
+  next ``start_load_kv`` (:meth:`WorkerSide.hand_over`), where vLLM's own
+  connectors start their reads: the call that answers ``get_finished`` only
+  steps and reports;
 - a transfer that ended is reported once its pages are drained (no write of it
   can land any more), never before: vLLM reuses the blocks it is told of.
   A load that failed is the exception: it is reported at once (with its
@@ -131,9 +134,12 @@ class WorkerSide:
         #: loads the scheduler gave up after they ended here: reported as sent
         #: (their blocks freeable) once drained
         self.freeable: set[str] = set()
+        #: transfers the group agreed ready, to be handed their pages (:meth:`hand_over`)
+        self.ready: list[tuple[str, _Transfer]] = []
 
     def start(self, meta: Meta) -> None:
-        """Start the step's loads and sends; abort the loads it gives up. Every
+        """Start the step's loads and sends; abort the loads it gives up; hand
+        the transfers found ready their pages (:meth:`hand_over`). Every
         request is checked before any is started."""
         planned = {rid: _pages(rid, x.block_ids) for rid, x in meta.loads.items()}
         planned |= {rid: _pages(rid, x.block_ids) for rid, x in meta.sends.items()}
@@ -160,6 +166,7 @@ class WorkerSide:
                 t.aborted = True
                 t.handle.abort()
                 self.agreement.abort(rid)
+        self.hand_over()
 
     def _begin(
         self,
@@ -179,11 +186,15 @@ class WorkerSide:
         self.live[rid] = _Transfer(room, epoch, role, pages, h, skip=skip)
         self.agreement.add(rid, room, h.index, role, epoch)
 
-    def finished(self) -> Report:
-        """Step the group once; what ended and drained since the last call."""
-        ended = self.agreement.step()
-        for rid in sorted(ended.ready):
-            t = self.live[rid]
+    def hand_over(self) -> None:
+        """Hand the transfers the group agreed ready their pages (decode says
+        where to write; prefill starts writing where decode's list says): what
+        ``start_load_kv`` does, as vLLM's own connectors start their reads
+        there. A transfer that ended or was aborted since is skipped."""
+        ready, self.ready = self.ready, []
+        for rid, t in ready:
+            if self.live.get(rid) is not t or t.aborted:
+                continue
             if isinstance(t.handle, ConnectorReceiver):  # (a cached prefix is not written)
                 t.handle.send_metadata(
                     t.pages[t.skip // self.page_size :], -1, decode_prefix_len=t.skip
@@ -191,6 +202,14 @@ class WorkerSide:
             else:
                 t.handle.init(int(t.pages.size))
                 t.handle.send(t.pages)
+
+    def finished(self) -> Report:
+        """Step the group once; what ended and drained since the last call. The
+        transfers it finds ready are handed their pages by the next
+        :meth:`start` (or, if none comes first, the next call of this)."""
+        self.hand_over()
+        ended = self.agreement.step()
+        self.ready.extend((rid, self.live[rid]) for rid in sorted(ended.ready))
         for rid in sorted(ended.succeeded):
             t = self.live.pop(rid)
             self.ending.append(_Ending(rid, t, SENT if t.role is Role.SENDER else RECEIVED))

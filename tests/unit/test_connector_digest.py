@@ -87,6 +87,15 @@ def test_a_corrupted_byte_fails_both_sides_checksum_mismatch(build, staged):
     failed = [(e.peer, e.outcome) for e in legs.take() if e.outcome != "done"]
     assert failed == [(0, "checksum mismatch")]
     settle(net, lambda: r.drained and all(s.drained for s in senders), "both drained")
+    # prefill's legs by decode peer: each prefill rank's one leg, to decode rank 0,
+    # done, then failed by the decode rank that said the bytes differed
+    for p in pre:
+        legs = p.m.core.side.peer_legs
+        assert legs.totals == {0: {"asked": 1, "done": 1, "failed": 1}}
+        assert [(e.peer, e.outcome, e.room) for e in legs.take()] == [
+            (0, "done", 43),
+            (0, "checksum mismatch", 43),
+        ]
 
 
 def test_with_the_digest_off_the_same_corruption_goes_unseen(build):

@@ -165,6 +165,11 @@ def test_a_paused_prefill_fails_its_requests_then_serves_again(pair):
     ended = legs.take()
     assert [(e.peer, e.outcome, e.room) for e in ended] == [(0, "peer dead", 7), (0, "done", 8)]
     assert all(e.seconds is not None and e.seconds >= 0 for e in ended) and legs.take() == []
+    # prefill's, by decode peer (decode rank 0 is its peer 0): the one decode gave
+    # up on is not blamed on decode (peer dead names prefill); the next, done
+    legs = p.core.side.peer_legs
+    assert legs.totals == {0: {"asked": 2, "done": 1, "failed": 0}}
+    assert [(e.peer, e.outcome, e.room) for e in legs.take()] == [(0, "done", 8)]
 
 
 @pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control"])

@@ -313,7 +313,7 @@ LONG_MODULES = {
     "of what a leg writes",
     "transport/connector/core/prefill.py": "the prefill side of the protocol: a request's legs "
     "planned from decode's register, and every write of each leg checked and issued in order "
-    "(pages, fields, state rows, the room last)",
+    "(pages, fields, state rows, the room last), each leg's end counted by its decode peer",
 }
 
 

@@ -52,6 +52,9 @@ COLUMNS = (
     "ratio_without_handoff",
     "ratio_p25",
     "ratio_per_worker",
+    "ours_start_us",
+    "vllm_start_us",
+    "ratio_with_start",
     "ours_step_us",
     "ours_reduce_us",
     "ours_handoff_us",
@@ -112,7 +115,12 @@ def _rank(
         if rank == 0:
             outputs = [mine, *(loop.runner_cls.with_kv_conn_output_only(o) for o in kv[1:])]
             agg, finished = loop.aggregate(outputs)
-        return {"vllm_report": took, "vllm_aggregate": agg, "vllm_finished": float(finished)}
+        return {
+            "vllm_report": took,
+            "vllm_aggregate": agg,
+            "vllm_finished": float(finished),
+            "vllm_start": loop.started,
+        }
 
     def run_allreduce(n: int) -> dict[str, float]:
         dtype, size = ours[n].collective.sent
@@ -200,6 +208,14 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
             / (1.2 * _q(np.asarray(r[f"vllm_report/{n}"]) + agg, 50) + _q(r[f"allreduce/{n}"], 50))
             for r in per_rank
         )
+        # the whole iteration's connector work: start_load_kv (each new load
+        # begun, and ours' page lists of the loads found ready) and get_finished
+        ours_start, vllm_start = col("ours_start") * 1e6, col("vllm_start") * 1e6
+        row["ours_start_us"], row["vllm_start_us"] = _q(ours_start, 50), _q(vllm_start, 50)
+        row["ours_start_handoff_us"] = _q(col("ours_start_handoff") * 1e6, 50)
+        row["ratio_with_start"] = _q(ours + ours_start, 50) / (
+            1.2 * _q(vllm + vllm_start, 50) + row["allreduce_us"]
+        )
         row["ours_step_us"] = _q(step, 50)
         row["ours_reduce_us"] = _q(col("ours_reduce") * 1e6, 50)
         row["ours_handoff_us"] = _q(handoff, 50)
@@ -225,6 +241,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'n':>5} {'ours us':>18} {'vLLM us':>18} {'allreduce us':>16} "
         f"{'ratio':>17} pass {'w/o handoff':>11} {'p25s':>5} {'per worker':>10}"
+        f" | {'start: ours':>11} {'vLLM':>5} {'with start':>10}"
     ]
     for r in rows:
 
@@ -236,6 +253,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['ratio']:>4.2f} ({r['ratio_low']:.2f}-{r['ratio_high']:.2f}) "
             f"{'yes' if r['passes'] else 'no':>4} {r['ratio_without_handoff']:>11.2f}"
             f" {r['ratio_p25']:>5.2f} {r['ratio_per_worker']:>10.2f}"
+            f" | {r['ours_start_us']:>11.0f} {r['vllm_start_us']:>5.0f} {r['ratio_with_start']:>10.2f}"
         )
     lines.append(
         f"{'n':>5} {'ours: step':>10} {'(reduce)':>8} {'handoff':>8} {'release':>8} {'rest':>6} | "

@@ -193,14 +193,17 @@ class OursLoop:
         self.unserved: collections.deque[int] = collections.deque()  # loads prefill has not begun
         self.to_start = n
         self.last: dict[str, float] = {}
+        self.started: dict[str, float] = {}
 
     def _blocks(self, i: int) -> tuple[tuple[int, ...], ...]:
         s = (i % self.slots) * PAGES
         return (tuple(range(s, s + PAGES)),)
 
     def prepare(self) -> None:
-        """Untimed: the scheduler's new loads (as many as ended last time), prefill
-        begins the oldest ``k`` sends, the network runs, prefill reports."""
+        """Before the timed call: the scheduler's new loads (as many as ended last
+        time) started by decode's ``start_load_kv``, timed apart (``started``);
+        then, untimed, prefill begins the oldest ``k`` sends, the network runs,
+        prefill reports."""
         loads = {}
         for _ in range(self.to_start):
             i, self.seq = self.seq, self.seq + 1
@@ -209,7 +212,15 @@ class OursLoop:
             # decode's pages are this load's now: a write of another lands as a violation
             self.net.fence.assign(self.decode_rank, self._blocks(i)[0], 1 + i, 0)
             self.unserved.append(i)
+        # timed apart: decode's start_load_kv (the new loads begun, and the page
+        # lists of the loads the last get_finished found ready)
+        self.handles_spent.handoff = 0.0
+        t = time.perf_counter()
         self.decode.start(Meta(loads=loads))
+        self.started = {
+            "start": time.perf_counter() - t,
+            "start_handoff": self.handles_spent.handoff,
+        }
         sends = {}
         for _ in range(min(self.k, len(self.unserved))):
             i = self.unserved.popleft()
@@ -242,6 +253,7 @@ class OursLoop:
             "reduces": float(self.collective.reduces - reduces),
             "in_flight": float(live),
             "violations": float(len(self.net.fence.violations)),
+            **self.started,
         }
         return took
 
@@ -284,17 +296,21 @@ class CountingLoop:
         self.due: dict[int, list[int]] = collections.defaultdict(list)
         self.it = self.seq = 0
         self.aggregator = KVOutputAggregator(world) if rank == 0 else None
+        self.started = 0.0
         for _ in range(life):  # the steady state: loads started over the last `life` iterations
             self.prepare()
 
     def prepare(self) -> None:
-        """Untimed: the scheduler's ``k`` new loads start (as in ``start_load_kv``);
-        the loads due now land."""
+        """Before the timed call: the scheduler's ``k`` new loads start (as in
+        ``start_load_kv``), timed apart (``started``); the loads due now land."""
+        t = time.perf_counter()
         for _ in range(self.k):
             i, self.seq = self.seq, self.seq + 1
             h = self.engine.transfer()
             self.recving[f"d{i}"] = [h]
             self.due[self.it + self.life + (1 if self.late and i % 4 == 0 else 0)].append(h)
+        #: the time its start_load_kv took (each new load's transfer begun)
+        self.started = time.perf_counter() - t
         for h in self.due.pop(self.it, ()):
             self.engine.state[h] = "DONE"
         self.it += 1

@@ -263,8 +263,8 @@ class SpanBuilder:
         return out
 
     def _leg(self, rec: Mapping[str, Any]) -> None:
-        """A leg of the request ended (decode, by prefill peer): on its attempt,
-        live or waiting to drain."""
+        """A leg of the request ended (by peer: decode's prefill peer, or
+        prefill's decode peer): on its attempt, live or waiting to drain."""
         room = int(rec["room"])
         waiting = self.draining.get(room)
         a = self.live.get(room) or (waiting[-1] if waiting else None)

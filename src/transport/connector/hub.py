@@ -140,8 +140,8 @@ class Connector:
 
     @property
     def peer_legs(self) -> PeerLegs | None:
-        """Decode's legs by prefill peer (None on prefill); ``take()`` is safe
-        beside the connector's thread."""
+        """This rank's legs by peer (decode's by prefill peer, prefill's by decode
+        peer); ``take()`` is safe beside the connector's thread."""
         legs = getattr(self.core.side, "peer_legs", None)
         return legs if isinstance(legs, PeerLegs) else None
 

@@ -1,6 +1,7 @@
-"""Decode's legs by prefill peer: how many were asked for (a page list sent),
-how many ended done and how long each took, and which failed and why. No I/O,
-no clock: times come with the calls (the core's ``now``).
+"""A rank's legs by peer (decode's by prefill peer, prefill's by decode peer):
+how many were asked for (a page list sent, or received), how many ended done
+and how long each took, and which failed and why. No I/O, no clock: times come
+with the calls (the core's ``now``).
 
 A failure counts against a peer only for a reason the peer table counts
 (:data:`lifecycle.rules.peers.COUNTS`: not a client's abort, not a hook's
@@ -54,7 +55,7 @@ class LegEnded:
 
 
 class PeerLegs:
-    """The legs of one decode rank, by prefill peer (see the module)."""
+    """The legs of one rank, by peer (see the module)."""
 
     def __init__(self) -> None:
         self._open: dict[

@@ -184,3 +184,47 @@ def test_the_bytes_would_differ_without_the_transfer():
     _, (p, pkv), (d, dkv), _, _ = setup()
     assert not torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
     assert np.array_equal(np.asarray(SRC[0]), [3, 4, 5])
+
+
+def _until_ready(n, w):
+    """Step until decode's worker finds its load ready (its page list not sent)."""
+    for _ in range(4000):
+        n.step()
+        for r in w:
+            w[r].finished()
+        if w["decode"].ready:
+            return
+    raise AssertionError("decode's load never became ready")
+
+
+def _counting_page_lists(dec):
+    (t,) = dec.live.values()
+    sent, send = [], t.handle.send_metadata
+    t.handle.send_metadata = lambda *a, **kw: (sent.append(a), send(*a, **kw))
+    return sent
+
+
+def test_the_page_list_leaves_from_start_load_kv_not_from_get_finished():
+    # get_finished only steps and reports; the load it found ready is handed its
+    # pages by the next start_load_kv, where vLLM's own connectors start reads
+    n, (p, pkv), (d, dkv), w, s = setup()
+    hand_over(s, w)
+    sent = _counting_page_lists(w["decode"])
+    _until_ready(n, w)
+    assert sent == []
+    w["decode"].start(Meta())
+    assert len(sent) == 1 and w["decode"].ready == []
+    got = run(n, w, s, lambda g: g["decode"].recving)
+    assert got["decode"] == Report(recving=frozenset({"req-d"})) and len(sent) == 1
+    assert torch.equal(dkv[0][[6, 1, 7]], pkv[0][[3, 4, 5]])
+
+
+def test_a_load_given_up_before_its_hand_over_is_not_handed_its_pages():
+    n, (p, pkv), (d, dkv), w, s = setup()
+    hand_over(s, w)
+    sent = _counting_page_lists(w["decode"])
+    _until_ready(n, w)
+    w["decode"].start(Meta(aborts={"req-d": 0}))
+    assert sent == [] and w["decode"].ready == []
+    got = run(n, w, s, lambda g: "req-d" in g["decode"].sending)  # freeable once drained
+    assert "req-d" not in got["decode"].recving

@@ -52,6 +52,7 @@ from transport.connector.core.messages import (
     Stopped,
     Verified,
 )
+from transport.connector.peer_legs import PeerLegs
 from transport.digest import landing_note, prefill_digest
 from transport.errors import TransportError
 from transport.layout import StateShare, layout_misfit, row_writes, state_misfit, state_writes
@@ -80,6 +81,9 @@ class PrefillSide:
         self.expected: frozenset[int] = frozenset()
         #: rooms given up at the drain timeout with writes the engine never finished
         self.abandoned: set[int] = set()
+        #: the legs by decode peer: asked (a page list came), done (every write
+        #: landed, and how long it took), failed (and why)
+        self.peer_legs = PeerLegs()
 
     def group_record(self) -> dict[str, Any] | None:
         """This DP group's record (published before pairing): decode plans its legs from it."""
@@ -90,8 +94,19 @@ class PrefillSide:
 
     def fail(self, req: PrefillRequest, reason: FailureReason) -> None:
         """Fail here; every leg is told once no write is in flight (see :meth:`steps`)."""
-        if self.core.fire(req, "abort", reason):
-            req.reason = reason
+        self._fail(req, reason)
+
+    def _fail(
+        self, req: PrefillRequest, reason: FailureReason, named: tuple[int, ...] = ()
+    ) -> bool:
+        """:meth:`fail`, the legs to ``named`` blamed (a decode rank whose digest
+        differed); False if it had ended already."""
+        p = self.core
+        if not p.fire(req, "abort", reason):
+            return False
+        req.reason = reason
+        self.peer_legs.failed(req.room, req.epoch, reason, p.now, dead=p.peer_dead, named=named)
+        return True
 
     def _refuse(self, req: PrefillRequest, why: str) -> None:
         """A peer's message does not fit this rank's topology: fail the request, loudly."""
@@ -153,6 +168,7 @@ class PrefillSide:
             leg.dst_heads = msg.dst_heads
             leg.dst_ptrs = None if msg.dst_ptrs is None else msg.dst_ptrs.tolist()
             leg.dst_state = msg.state
+            self.peer_legs.asked(req.room, req.epoch, (peer,), p.now)
             if all(x.told for x in req.legs.values()):
                 p.fire(req, "metadata")
         elif isinstance(msg, Verified) and peer in req.legs:  # that leg's bytes matched
@@ -172,9 +188,9 @@ class PrefillSide:
             leg = req.legs[peer] = PrefillLeg(peer, sends=False)
         if leg is not None:
             leg.move("ask_stop")
-        if p.fire(req, "abort", reason):
-            req.reason = reason
-        elif req.abandoned:  # released with writes the engine never finished
+        if self._fail(req, reason, named=(peer,)):
+            return  # (the leg hears "stopped" once no write is in flight)
+        if req.abandoned:  # released with writes the engine never finished
             p.send(peer, GaveUp(req.room, req.epoch, req.reason))
         elif IS_TERMINAL[p.phase_of(req)] or leg is None:
             p.send(peer, Stopped(req.room, req.epoch))
@@ -243,6 +259,7 @@ class PrefillSide:
         if p.fire(req, "verify" if asked else "complete"):  # (close() may have failed it)
             for peer, msg in words.items():
                 p.send(peer, msg)
+                self.peer_legs.done(req.room, req.epoch, peer, p.now)
 
     def tell_legs(self, req: PrefillRequest) -> None:
         """Tell every leg why the request failed ("stopped" to one that asked), a
@@ -275,7 +292,8 @@ class PrefillSide:
         """Nothing: prefill holds no committed bytes (the core refuses the call)."""
 
     def released(self, req: PrefillRequest) -> None:
-        """Nothing: prefill keeps nothing of a released request beyond it."""
+        """Its legs still open close uncounted."""
+        self.peer_legs.forget(req.room, req.epoch)
 
     def tell_pages(
         self,
