@@ -18,6 +18,9 @@ One :class:`LifecycleMetrics` per process; call :meth:`observe` with every
   included, as its caller measured it
 - ``pdlife_kv_pages{side, state}``: KV pages held by live requests, quarantined
   for a peer still writing, or fenced on a silent writer
+- ``pdlife_requests{side, state}``: a side's requests, its queues' live ones
+  by agreed status, and its failed ones whose pages wait for the peer to stop
+  writing (``quarantined``) or on a writer that stopped beating (``fenced``)
 - ``pdlife_peer_legs_total{side, peer, outcome}``: legs that ended, by peer
   rank: ``done``, or the reason a failure was blamed on that peer
 - ``pdlife_peer_leg_seconds{side, peer}`` (histogram): a leg's time from its
@@ -114,6 +117,13 @@ class LifecycleMetrics:
             ["side", "state"],
             registry=reg,
         )
+        self.side_requests = Gauge(
+            "pdlife_requests",
+            "A side's requests: live ones by agreed status, failed ones whose pages "
+            "wait for their peer (quarantined) or on a silent writer (fenced)",
+            ["side", "state"],
+            registry=reg,
+        )
         self.peer_legs = Counter(
             "pdlife_peer_legs",
             "Legs that ended, by peer rank: done, or the failure blamed on it",
@@ -195,6 +205,12 @@ class LifecycleMetrics:
         """KV pages by state (``held``, ``quarantined``, ``fenced``)."""
         for state, n in pages.items():
             self.kv_pages.labels(side, state).set(n)
+
+    def observe_requests(self, side: str, counts: Mapping[str, int]) -> None:
+        """A side's requests by state (the agreed statuses' names, ``quarantined``,
+        ``fenced``)."""
+        for state, n in counts.items():
+            self.side_requests.labels(side, state).set(n)
 
     def observe_peer_legs(self, side: str, ended: Iterable[Any]) -> None:
         """Legs that ended (:class:`transport.connector.peer_legs.LegEnded`)."""

@@ -154,8 +154,9 @@ def test_a_soak_with_prefill_dp_groups_stops_every_group_at_one_request(run_sim)
 
 
 def test_a_transport_soak_serves_legs_by_peer_and_pages_by_state(tmp_path):
-    """On Mooncake, decode's ranks count their legs by prefill peer (done, and
-    their time) and their KV pages by what pins them, while the run goes on."""
+    """On Mooncake, each rank counts its legs by peer (decode's by prefill peer,
+    prefill's by decode peer: done, and their time), its side's requests by
+    state and its KV pages by what pins them, while the run goes on."""
     from engines import engine_env, require
 
     backend = require("mooncake")
@@ -164,21 +165,22 @@ def test_a_transport_soak_serves_legs_by_peer_and_pages_by_state(tmp_path):
             "--no-timeline", "--soak", "3", "--metrics-port", "0", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=engine_env())  # fmt: skip
+    side = {0: "prefill", 1: "prefill", 2: "decode", 3: "decode"}
     seen: dict[int, str] = {}
     deadline = time.monotonic() + 120
     try:
-        while time.monotonic() < deadline and proc.poll() is None and len(seen) < 2:
-            for rank in (2, 3):
+        while time.monotonic() < deadline and proc.poll() is None and len(seen) < 4:
+            for rank in side:
                 try:
                     text = scrape(int((out / "ranks" / f"rank{rank}.metrics_port").read_text()))
                 except (OSError, ValueError):
                     continue
                 # (the exposition writes labels in name order: sample() is asked in it)
-                done = "pdlife_peer_legs_total", "done"
                 legs = sum(
-                    sample(text, done[0], outcome=done[1], peer=str(p), side="decode") or 0
+                    sample(text, "pdlife_peer_legs_total", outcome="done", peer=str(p),
+                           side=side[rank]) or 0
                     for p in (0, 1)
-                )
+                )  # fmt: skip
                 if legs > 0 and rank not in seen:
                     seen[rank] = text
             time.sleep(0.2)
@@ -186,9 +188,14 @@ def test_a_transport_soak_serves_legs_by_peer_and_pages_by_state(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, stdout + stderr[-2000:]
-    assert sorted(seen) == [2, 3], "a decode rank never showed a leg done"
-    for text in seen.values():
-        # TP 2 -> 2: each decode rank's leg goes to one prefill peer, each with its time
+    assert sorted(seen) == [0, 1, 2, 3], "a rank never showed a leg done"
+    for rank, text in seen.items():
+        s = side[rank]
+        # TP 2 -> 2: each rank's leg goes to one peer, each with its time
         assert 'pdlife_peer_leg_seconds_count{peer="' in text
-        assert sample(text, "pdlife_kv_pages", side="decode", state="fenced") == 0
-        assert sample(text, "pdlife_kv_pages", side="decode", state="held") is not None
+        assert sample(text, "pdlife_kv_pages", side=s, state="fenced") == 0
+        assert sample(text, "pdlife_kv_pages", side=s, state="held") is not None
+        for state in ("Bootstrapping", "WaitingForInput", "Transferring", "Success"):
+            assert sample(text, "pdlife_requests", side=s, state=state) is not None
+        assert sample(text, "pdlife_requests", side=s, state="fenced") == 0
+        assert sample(text, "pdlife_requests", side=s, state="quarantined") is not None

@@ -90,6 +90,7 @@ def test_kv_pages_by_state_and_legs_by_peer_with_their_exemplars():
     reg = prometheus_client.CollectorRegistry()
     m = LifecycleMetrics(reg)
     m.observe_pages("decode", {"held": 40, "quarantined": 8, "fenced": 2})
+    m.observe_requests("prefill", {"Transferring": 5, "quarantined": 1, "fenced": 0})
     legs = PeerLegs()
     legs.asked(7, 0, [0, 1], now=0.0)
     legs.done(7, 0, 0, now=0.02)
@@ -103,6 +104,8 @@ def test_kv_pages_by_state_and_legs_by_peer_with_their_exemplars():
 
     assert val("pdlife_kv_pages", side="decode", state="quarantined") == 8
     assert val("pdlife_kv_pages", side="decode", state="fenced") == 2
+    assert val("pdlife_requests", side="prefill", state="Transferring") == 5
+    assert val("pdlife_requests", side="prefill", state="quarantined") == 1
     assert val("pdlife_peer_legs_total", side="decode", peer="0", outcome="done") == 1
     assert val("pdlife_peer_legs_total", side="decode", peer="1", outcome="waiting timeout") == 1
     assert val("pdlife_peer_legs_total", side="decode", peer="1", outcome="aborted") is None

@@ -98,6 +98,12 @@ class Ledger:
         held = sum(p.size for p in self.pages_of.values())
         return {"held": held, "quarantined": draining - fenced, "fenced": fenced}
 
+    def draining_states(self, settled: set[int]) -> dict[str, int]:
+        """Failed requests whose pages are kept: waiting for their peer to stop
+        writing (``quarantined``), or held only by a fence (``fenced``)."""
+        fenced = sum(1 for r in self.draining if r in settled)
+        return {"quarantined": len(self.draining) - fenced, "fenced": fenced}
+
     def pinned(self, settled: set[int]) -> list[int]:
         """Draining requests whose peer never confirmed it stopped writing."""
         return [r for r in self.draining if r not in settled]

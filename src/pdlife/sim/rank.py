@@ -24,6 +24,7 @@ from lifecycle.core.fingerprint import fingerprint
 from lifecycle.drive.collective import Collective, TorchCollective
 from lifecycle.errors import LifecycleError, RankFailure
 from lifecycle.result import StepResult
+from lifecycle.status import KVPoll
 from pdlife.cluster.config import SimConfig, Workload
 from pdlife.cluster.faults import rank_faults
 from pdlife.cluster.topology import place
@@ -173,8 +174,8 @@ class RankRun:
     # -- the loop ----------------------------------------------------------------
     def _legs_and_pages(self) -> None:
         """What the step does not see: the legs that ended since the last
-        iteration, by peer (into the trace, and the metrics), and the KV pages
-        by what pins them (the metrics)."""
+        iteration, by peer (into the trace, and the metrics), and the side's
+        requests and KV pages by what pins them (the metrics)."""
         legs = getattr(self.manager, "peer_legs", None)
         ended = legs.take() if legs is not None else []
         for e in ended:
@@ -182,8 +183,13 @@ class RankRun:
             self.trace.event(kind="leg", step=self.clock.step, room=e.room, peer=e.peer,
                              outcome=e.outcome, seconds=seconds)  # fmt: skip
         if self.metrics is not None:
-            self.metrics.observe_pages(
-                self.side, self.ledger.page_states(self.drain_poller.settled)
+            settled = self.drain_poller.settled
+            self.metrics.observe_pages(self.side, self.ledger.page_states(settled))
+            live = np.concatenate([q.table.states() for q in (self.queues.q1, self.queues.q2)])
+            counts = np.bincount(live.astype(np.intp), minlength=len(KVPoll))
+            by_state = {s.name: int(counts[s]) for s in KVPoll if s is not KVPoll.Failed}
+            self.metrics.observe_requests(
+                self.side, by_state | self.ledger.draining_states(settled)
             )
             self.metrics.observe_peer_legs(self.side, ended)
 
