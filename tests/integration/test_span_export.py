@@ -1,5 +1,5 @@
-"""A seeded run's spans (pdlife.spans): a user gate held on prefill rank 1, a
-fault injected on decode rank 3. Under an in-memory exporter the spans agree
+"""A seeded run's spans (pdlife.spans; the run of tests/support/seeded_plan.py):
+a staging gate held on prefill rank 1, a transfer error on prefill rank 0. Under an in-memory exporter the spans agree
 with the trace; over OTLP/HTTP a collector on 127.0.0.1 receives them as the
 wire format says (ExportTraceServiceRequest, decoded here, not mocked)."""
 
@@ -23,21 +23,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from opentelemetry.trace import StatusCode
 
 from lifecycle.status import KVPoll
-from pdlife.cluster.config import SimConfig, Workload
 from pdlife.spans.otel import export_run
 from pdlife.spans.select import Selection
 from pdlife.trace import read_trace
+from support.seeded_plan import ARGS, FAILED, HELD, HOLDER, PEER, PLAN, rooms
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
-
-REQUESTS = 12
-HELD, FAILED = 3, 5  # request indices
-PLAN = {
-    "faults": [
-        {"kind": "hold_gate", "rank": 1, "request": HELD, "at": "Transferring", "steps": 4},
-        {"kind": "fail", "rank": 3, "request": FAILED, "at": "Transferring"},
-    ]
-}
 
 
 class Kept(InMemorySpanExporter):
@@ -51,14 +42,13 @@ class Kept(InMemorySpanExporter):
 def seeded(tmp_path_factory):
     d = tmp_path_factory.mktemp("spans")
     (d / "plan.json").write_text(json.dumps(PLAN))
-    args = ["--requests", str(REQUESTS), "--abort-prob", "0", "--plan", str(d / "plan.json")]
+    args = [*ARGS, "--plan", str(d / "plan.json")]
     proc = zygote.run("simulate", "--backend", "fake", "--quiet", "--no-timeline", "--out",
                       str(d / "run"), *args)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads((d / "run" / "summary.json").read_text())
     assert s["faults_fired"] == 2
-    rooms = Workload(SimConfig(requests=REQUESTS, seed=0)).all_rooms(REQUESTS)
-    return d / "run", [int(r) for r in rooms]
+    return d / "run", rooms()
 
 
 def _spans(run, volume):
@@ -109,14 +99,14 @@ def test_the_gate_and_the_failure_are_where_they_happened(seeded):
         for e in s.events
         if e.name == "pdlife.gate.hold"
     ]
-    assert holds == [(1, rooms[HELD], {"pdlife.gate": "user", "pdlife.rank": 1})]
+    assert holds == [(HOLDER, rooms[HELD], {"pdlife.gate": "staging", "pdlife.rank": HOLDER})]
     failed = [s for s in requests if _room(s) == rooms[FAILED]]
     assert {s.attributes["pdlife.side"] for s in failed} == {"prefill", "decode"}
     for s in failed:  # the agreed reason and origin, on every rank of a side alike
         assert s.status.status_code is StatusCode.ERROR
-        assert s.attributes["error.type"] == "injected_fault"
+        assert s.attributes["error.type"] == "transfer_error"
     origins = {(s.attributes["pdlife.side"], s.attributes["pdlife.origin_rank"]) for s in failed}
-    assert ("decode", 3) in origins and len(origins) == 2  # one per side
+    assert ("prefill", PEER) in origins and len(origins) == 2  # one per side
     fired = {
         s.attributes["pdlife.rank"] for s in failed for e in s.events if e.name == "pdlife.failure"
     }
@@ -141,8 +131,8 @@ def test_decode_links_to_prefill_and_the_default_volume_keeps_who_matters(seeded
             assert (_room(target), target.context.trace_id) == (_room(s), s.context.trace_id)
     for room in rooms:  # each side's lead, always
         assert min(kept[(room, "prefill")]) == 0 and min(kept[(room, "decode")]) == 2
-    assert kept[(rooms[HELD], "prefill")] == {0, 1}  # rank 1 held a gate
-    assert 3 in kept[(rooms[FAILED], "decode")]  # rank 3 failed it
+    assert kept[(rooms[HELD], "prefill")] == {0, HOLDER}  # it held a gate
+    assert PEER in kept[(rooms[FAILED], "prefill")]  # its transfer broke
     quiet = [r for r in rooms if r not in (rooms[HELD], rooms[FAILED])]
     assert all(kept[(r, "prefill")] == {0} and kept[(r, "decode")] == {2} for r in quiet)
 
@@ -208,11 +198,11 @@ def test_trace_export_sends_the_wire_format_to_a_collector(seeded, collector):
         for res, s in got
         if s.name == "pdlife.request"
         and any(
-            a.key == "error.type" and a.value.string_value == "injected_fault" for a in s.attributes
+            a.key == "error.type" and a.value.string_value == "transfer_error" for a in s.attributes
         )
     ]
     assert fail and all(s.status.code == 2 for _, s in fail)  # STATUS_CODE_ERROR
-    assert {res["service.instance.id"] for res, _ in fail} >= {"decode rank 3"}
+    assert {res["service.instance.id"] for res, _ in fail} >= {f"prefill rank {PEER}"}
     decode = [
         s
         for res, s in got
@@ -265,9 +255,11 @@ def test_trace_spans_prints_a_rooms_tree(seeded):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"room {rooms[HELD]} (trace ")
-    assert sum("gate.hold: gate user, rank 1" in x for x in lines) == 1
-    assert any("prefill rank 1 attempt 1: Success" in x for x in lines)
+    assert sum(f"gate.hold: gate staging, rank {HOLDER}" in x for x in lines) == 1
+    assert any(f"prefill rank {HOLDER} attempt 1: Success" in x for x in lines)
     assert any("decode rank 2 attempt 1: Success" in x and "linked to prefill" in x for x in lines)
     proc = zygote.run("trace", "spans", str(run), "--room", str(rooms[FAILED]), timeout=60)
-    assert "decode rank 3 attempt 1: Failed (injected_fault, origin rank 3)" in proc.stdout
+    assert (
+        f"prefill rank {PEER} attempt 1: Failed (transfer_error, origin rank {PEER})" in proc.stdout
+    )
     assert zygote.run("trace", "spans", str(run), "--room", "77", timeout=60).returncode == 1

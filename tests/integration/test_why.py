@@ -1,60 +1,51 @@
-"""``pdlife why ROOM RUN`` on a seeded run: a user gate held on one prefill
-rank names that rank and gate; a failure injected on one decode rank names
-its reason and origin on both sides."""
+"""``pdlife why ROOM RUN`` on a seeded run (tests/support/seeded_plan.py): a
+staging gate held on one prefill rank names that rank and gate; a transfer
+error on one prefill rank names its reason and origin (the peer) on both
+sides."""
 
 import json
 
 import pytest
 import zygote
 
-from pdlife.cluster.config import SimConfig, Workload
 from pdlife.why import explain, why
+from support.seeded_plan import ARGS, FAILED, HELD, HOLDER, PEER, PLAN, REQUESTS, rooms
 from support.trace_events import problems
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
-REQUESTS = 12
-HELD, FAILED = 3, 5  # request indices
-PLAN = {
-    "faults": [
-        {"kind": "hold_gate", "rank": 1, "request": HELD, "at": "Transferring", "steps": 4},
-        {"kind": "fail", "rank": 3, "request": FAILED, "at": "Transferring"},
-    ]
-}
-
 
 def test_why_names_the_gate_the_rank_and_the_failures_origin(run_sim, tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    args = ["--requests", str(REQUESTS), "--abort-prob", "0", "--plan", str(tmp_path / "plan.json")]
-    proc, s, out = run_sim("fake", "why", *args)
+    proc, s, out = run_sim("fake", "why", *ARGS, "--plan", str(tmp_path / "plan.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert s["faults_fired"] == 2
-    rooms = Workload(SimConfig(requests=REQUESTS, seed=0)).all_rooms(REQUESTS)
+    rooms_ = rooms()
 
-    held = why(out, int(rooms[HELD]))
+    held = why(out, rooms_[HELD])
     gated = [h for h in held.holds if h.gates]
-    assert gated and all(h.side == "prefill" and h.holders == (1,) for h in gated)
-    assert {g for h in gated for g in h.gates} == {(1, "user")}
+    assert gated and all(h.side == "prefill" and h.holders == (HOLDER,) for h in gated)
+    assert {g for h in gated for g in h.gates} == {(HOLDER, "staging")}
     assert held.outcome == ("Success", "none", 1)
     text = "\n".join(explain(held))
-    assert "held at Transferring by rank 1 (prefill)" in text
-    assert "rank 1's poll said Success, its user gate held it" in text
+    assert f"held at Transferring by rank {HOLDER} (prefill)" in text
+    assert f"rank {HOLDER}'s poll said Success, its staging gate held it" in text
 
-    failed = why(out, int(rooms[FAILED]))
+    failed = why(out, rooms_[FAILED])
     fails = [m for m in failed.moves if m[4] == "Failed"]
     assert {m[1] for m in fails} == {"prefill", "decode"}  # both sides, one reason
-    assert {m[6] for m in fails} == {"injected fault"}
-    # decode agreed on the rank that failed it; prefill, on the rank of its own
-    # that heard it from decode (an origin is a rank of the side's own group)
-    assert {m[7] for m in fails if m[1] == "decode"} == {3}
-    assert {m[7] for m in fails if m[1] == "prefill"} <= {0, 1}
+    assert {m[6] for m in fails} == {"transfer error"}
+    # prefill agreed on the peer whose transfer broke; decode, on the rank of its
+    # own that heard it from prefill (an origin is a rank of the side's own group)
+    assert {m[7] for m in fails if m[1] == "prefill"} == {PEER}
+    assert {m[7] for m in fails if m[1] == "decode"} <= {2, 3}
     text = "\n".join(explain(failed))
-    assert "-> Failed (injected fault, origin rank 3 (decode))" in text
-    assert "fault fired: fail on rank 3 (decode)" in text
+    assert f"-> Failed (transfer error, origin rank {PEER} (prefill))" in text
+    assert f"fault fired: transfer_error on rank {PEER} (prefill)" in text
 
     # the command: one line per finding, exit 0; a room the run never saw: exit 1
-    cli = zygote.run("why", str(rooms[HELD]), str(out), timeout=60)
-    assert cli.returncode == 0 and "user gate held it" in cli.stdout
+    cli = zygote.run("why", str(rooms_[HELD]), str(out), timeout=60)
+    assert cli.returncode == 0 and "staging gate held it" in cli.stdout
     assert zygote.run("why", "77", str(out), timeout=60).returncode == 1
 
     # the same run as a Perfetto trace: well formed, the hold on its rank
@@ -63,7 +54,7 @@ def test_why_names_the_gate_the_rank_and_the_failures_origin(run_sim, tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     assert problems(doc) == []
     holds = {(e["pid"], e["args"]["room"]) for e in doc["traceEvents"] if e["ph"] == "i"}
-    assert (1, int(rooms[HELD])) in holds
+    assert (HOLDER, rooms_[HELD]) in holds
     assert sum(e["ph"] == "s" for e in doc["traceEvents"]) >= REQUESTS - 1  # flows drawn
 
 

@@ -331,3 +331,54 @@ def test_a_request_either_side_is_to_fail_is_held_until_it_ends_here():
     assert want and p.peer_fail == want
     own = {x.room for x in ds if x.wins and x.kind == "fail" and x.rank == 1}
     assert {r for r in rooms if p.holds(r)} == want | own
+
+
+def test_a_transfer_error_fires_once_its_phase_is_reached_and_is_held_until_then():
+    """transfer_error: the rank's backend reports the request Failed (a transfer
+    error), once, at the first poll after its phase was reached; its data is
+    held back on this rank until then, and on the other side's ranks until the
+    request ends there."""
+    plan = parse_plan(
+        {"faults": [{"kind": "transfer_error", "rank": 0, "room": 10, "at": "Transferring"}]}
+    )
+    rf = RankFaults(plan, 0, [], mode="phase", world=4, prefill_ranks=2)
+    rf.admit([10, 11], aborts_here=False)
+    assert (rf.holds(10), rf.holds(11)) == (True, False)
+    w, t = 2, 3
+    assert not rf.transfer_fails(10, 1)  # its phase not reached yet
+    rf.inject_phase(states_ctx([10], [w]), np.array([t], np.int8))  # reached, at step 1
+    assert rf.holds(10)  # not fired yet: held
+    assert rf.transfer_fails(10, 1) and rf.fired == [(1, "transfer_error", 10)]
+    assert not rf.holds(10) and not rf.transfer_fails(10, 2)  # once
+    d = RankFaults(plan, 2, [], mode="phase", world=4, prefill_ranks=2)
+    d.admit([10], aborts_here=True)
+    assert d.holds(10)  # decode holds it for prefill's fault
+
+
+def test_a_staging_hold_is_active_for_its_steps_on_its_rank():
+    plan = parse_plan(
+        {"faults": [{"kind": "hold_staging", "rank": 1, "room": 20, "step": 3, "steps": 2}]}
+    )
+    rf = RankFaults(plan, 1, [])
+    assert [rf.staging_held(20, s) for s in (2, 3, 4, 5)] == [False, True, True, False]
+    assert not rf.gate_held(20, 3)  # the user gate is not the staging gate
+    assert not RankFaults(plan, 0, []).staging_held(20, 3)
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        (
+            {"faults": [{"kind": "transfer_error", "rank": 0, "room": 1, "steps": 2}]},
+            r"faults\[0\]\.steps",
+        ),
+        ({"faults": [{"kind": "hold_staging", "rank": 0, "steps": 2}]}, r"faults\[0\]"),
+        (
+            {"faults": [{"kind": "hold_staging", "rank": 0, "room": 1, "at": "Done"}]},
+            r"faults\[0\]\.at",
+        ),
+    ],
+)
+def test_the_new_kinds_fields_are_validated(doc, field):
+    with pytest.raises(FaultPlanError, match=field):
+        parse_plan(doc)

@@ -42,14 +42,21 @@ different requests; use it for soak-style noise::
     [probabilistic]
     prob = 0.01             # per rank, per request, per step
     [[faults]]
-    kind = "delay"          # fail | delay | hold_gate | drop_metadata |
-                            # corrupt_metadata | raise_in_poll | kill_rank |
-                            # pause_rank
+    kind = "delay"          # fail | delay | hold_gate | hold_staging |
+                            # drop_metadata | corrupt_metadata |
+                            # raise_in_poll | kill_rank | pause_rank
     request = 12
     rank = 3
     step = 5                # scheduler iteration on that rank (default: first
                             # step the request is live there, or ``at``)
-    steps = 4               # for delay and hold_gate: how long
+    steps = 4               # for delay, hold_gate and hold_staging: how long
+
+``fail`` fails the request through the step's fault hook (injected fault);
+``transfer_error`` makes the rank's backend report it Failed with a transfer
+error, once (the rank is then the failure's origin: a peer whose transfer
+broke). ``hold_gate`` closes the step's user gate on that rank, ``hold_staging`` its
+staging gate (as a scatter from the staging buffer still running would):
+either holds the request at Transferring there while its poll says Success.
 
 A rank's whole process can be killed (``kill_rank``) or stopped for a while
 (``pause_rank``, every thread including the engine's, as a long GC pause or
@@ -84,6 +91,9 @@ from pdlife.cluster.plan_doc import (
 )
 
 __all__ = ["RankFaults"]
+
+#: the kinds that fail a request (the other side holds its data back for them)
+_FAILS = ("fail", "transfer_error")
 
 
 class RankFaults:
@@ -138,7 +148,7 @@ class RankFaults:
         #: room -> the ranks of the other side a targeted ``at`` fault has fail it
         self._other_targets: dict[int | None, list[int]] = {}
         for f in plan.faults:
-            if f.kind == "fail" and f.at and f.rank in self._others:
+            if f.kind in _FAILS and f.at and f.rank in self._others:
                 self._other_targets.setdefault(self.room(f), []).append(f.rank)
         self.peer_fail: set[int] = set()
 
@@ -213,10 +223,11 @@ class RankFaults:
         if room in self.pending_fail or room in self.peer_fail:
             return True
         return any(
-            f.kind == "fail"
-            and f.at
-            and self._rooms[i] == room
-            and (i, room) not in self.reached_at
+            self._rooms[i] == room
+            and (
+                (f.kind == "fail" and f.at and (i, room) not in self.reached_at)
+                or (f.kind == "transfer_error" and i not in self._fired_idx)
+            )
             for i, f in enumerate(self.mine)
         )
 
@@ -296,11 +307,32 @@ class RankFaults:
             hit |= self.prob.inject(ctx)
         return hit
 
+    def transfer_fails(self, room: int, step: int) -> bool:
+        """A ``transfer_error`` fault of this rank fires for ``room`` now: its
+        phase was reached (or its step came), and it has not fired yet (it
+        fires once: a retry's attempt is not failed again)."""
+        for i, f in enumerate(self.mine):
+            if f.kind != "transfer_error" or self._rooms[i] != room or i in self._fired_idx:
+                continue
+            if f.at is not None:
+                start = self.reached_at.get((i, room))
+                if start is None:
+                    continue
+            else:
+                start = f.step if f.step is not None else self.first_seen.get(room, step)
+            if step >= start:
+                self._fired(i, step, room)
+                return True
+        return False
+
     def delayed(self, room: int, step: int) -> bool:
         return self._active("delay", room, step)
 
     def gate_held(self, room: int, step: int) -> bool:
         return self._active("hold_gate", room, step)
+
+    def staging_held(self, room: int, step: int) -> bool:
+        return self._active("hold_staging", room, step)
 
     def raises(self, room: int, step: int) -> bool:
         return self._active("raise_in_poll", room, step)

@@ -31,8 +31,10 @@ __all__ = [
 
 KINDS = (
     "fail",
+    "transfer_error",
     "delay",
     "hold_gate",
+    "hold_staging",
     "drop_metadata",
     "corrupt_metadata",
     "raise_in_poll",
@@ -43,8 +45,8 @@ FaultKind = str
 #: a whole rank's faults: they take a rank and a step, not a request
 _RANK_WIDE = {"kill_rank", "pause_rank"}
 _NEEDS_REQUEST = set(KINDS) - _RANK_WIDE
-_NEEDS_STEPS = {"delay", "hold_gate"}
-_TIMED = {"fail", "delay", "hold_gate", "raise_in_poll"}
+_NEEDS_STEPS = {"delay", "hold_gate", "hold_staging"}
+_TIMED = {"fail", "transfer_error", "delay", "hold_gate", "hold_staging", "raise_in_poll"}
 _FIELDS = {"kind", "request", "room", "rank", "step", "steps", "at", "seconds"}
 #: the longest pause_rank: a stall of an hour is a dead rank
 MAX_PAUSE_S = 3600.0
@@ -176,7 +178,8 @@ def parse_plan(doc: Mapping[str, Any]) -> FaultPlan:
         steps = _int(e, "steps", where, minimum=1)
         if steps is not None and kind not in _NEEDS_STEPS:
             raise FaultPlanError(
-                f"{where}.steps", f"only delay and hold_gate take steps, not {kind}"
+                f"{where}.steps",
+                f"only {', '.join(sorted(_NEEDS_STEPS))} take steps, not {kind}",
             )
         at = e.get("at")
         if at is not None:

@@ -54,8 +54,9 @@ class StepClock:
 
 
 class SimPoller:
-    """The backend's batch poll with the plan's delay and raise-in-poll faults.
-    Keeps what it reported, for the phase-keyed fault hook of the same step."""
+    """The backend's batch poll with the plan's delay, raise-in-poll and
+    transfer-error faults. Keeps what it reported, for the phase-keyed fault
+    hook of the same step."""
 
     def __init__(self, manager: Any, faults: RankFaults, table: RequestTable) -> None:
         self.manager = manager
@@ -64,6 +65,8 @@ class SimPoller:
         self.step = 0
         self.by_room = getattr(manager, "by_room", False)
         self.observed: tuple[NDArray[np.uint64], NDArray[np.int64]] | None = None
+        #: rooms a transfer-error fault failed here: their reason is a transfer error
+        self.errored: set[int] = set()
 
     def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
         out = np.asarray(self.manager.poll_many(rooms, indices)).astype(np.int64)
@@ -74,13 +77,24 @@ class SimPoller:
                     out[i] = self.table.state[self.table.slot_of(room)]  # no news this step
                 if self.faults.raises(room, self.step):
                     errors[i] = RuntimeError(f"injected poll error for room {room}")
+                if self.faults.transfer_fails(room, self.step):
+                    out[i] = F
+                    self.errored.add(room)
         self.observed = (rooms, out)
         if errors:
             raise PartialPollError(out, errors)
         return out
 
     def failure_reasons(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> Any:
-        return self.manager.failure_reasons(rooms, indices)
+        out = self.manager.failure_reasons(rooms, indices)
+        if not self.errored:
+            return out
+        out = np.array(out, dtype=np.int8)
+        for i, room in enumerate(rooms.tolist()):
+            if room in self.errored:
+                out[i] = FailureReason.TRANSFER_ERROR
+                self.errored.discard(room)
+        return out
 
 
 class QueueFaults:
@@ -165,6 +179,26 @@ class HoldGate:
         return np.array([self.faults.gate_held(r, self.step) for r in rooms.tolist()], dtype=bool)
 
 
+class HoldStaging:
+    """A queue's staging gate with the plan's ``hold_staging`` faults of this
+    rank: a held request's scatter is pending (as one still running from the
+    staging buffer would be), besides what the backend's own gate says."""
+
+    def __init__(self, gate: HoldGate, inner: Any = None) -> None:
+        self.gate, self.inner = gate, inner
+
+    def advance(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> None:
+        if self.inner is not None:
+            self.inner.advance(rooms, indices)
+
+    def pending(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.bool_]:
+        faults, step = self.gate.faults, self.gate.step
+        held = np.array([faults.staging_held(r, step) for r in rooms.tolist()], dtype=bool)
+        if self.inner is not None:
+            held |= np.asarray(self.inner.pending(rooms, indices), dtype=bool)
+        return held
+
+
 class SimQueue:
     """One queue of a rank: its request table and the stepper that moves it."""
 
@@ -184,6 +218,8 @@ class SimQueue:
         self.table = RequestTable(rank=rank)
         self.poller = SimPoller(manager, faults or RankFaults(FaultPlan(), rank, []), self.table)
         self.gate = HoldGate(self.poller.faults)
+        if any(f.kind == "hold_staging" for f in self.poller.faults.mine):
+            staging = HoldStaging(self.gate, staging)
         fake = cfg.backend == "fake"
         floor = T if name == "transfer" else None  # (decode's: see QueueFaults)
         hook = (
