@@ -81,3 +81,15 @@ def test_blame_names_only_reasons_the_peer_table_counts():
     from lifecycle.rules.peers import COUNTS
 
     assert set(BLAME) <= COUNTS and set(BLAME.values()) <= {"dead", "named", "open"}
+
+
+def test_a_side_that_blames_no_open_leg_blames_the_named_peer_alone():
+    # prefill: a failure its own side agreed on is not its decode peers' doing;
+    # a decode peer that said why (its abort) is blamed
+    legs = PeerLegs()
+    legs.asked(7, 0, [0, 1], now=0.0)
+    legs.failed(7, 0, R.TRANSFER_ERROR, now=1.0, open_blamed=False)
+    legs.asked(8, 0, [0, 1], now=2.0)
+    legs.failed(8, 0, R.WAITING_TIMEOUT, now=3.0, named=(1,), open_blamed=False)
+    assert [(e.room, e.peer, e.outcome) for e in legs.take()] == [(8, 1, "waiting timeout")]
+    assert legs.totals[0] == {"asked": 2, "done": 0, "failed": 0}

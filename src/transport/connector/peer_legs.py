@@ -93,11 +93,17 @@ class PeerLegs:
         *,
         dead: Iterable[int] = (),
         named: Iterable[int] = (),
+        open_blamed: bool = True,
     ) -> None:
         """The request failed for ``reason``: the legs :data:`BLAME` names fail,
-        the others close uncounted."""
+        the others close uncounted. ``open_blamed`` False: a reason blamed on
+        the open legs is blamed on the ``named`` ones alone (prefill: a
+        failure its own side agreed on, a transfer error of another prefill
+        rank say, is not its decode peers' doing)."""
         mine = self._open.pop((room, epoch), {})
         who = BLAME.get(reason, "open")
+        if who == "open" and not open_blamed:
+            who = "named"
         blamed = set(dead) if who == "dead" else set(named) if who == "named" else None
         for peer, since in mine.items():
             if reason in COUNTS and (blamed is None or peer in blamed):

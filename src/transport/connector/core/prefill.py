@@ -99,13 +99,17 @@ class PrefillSide:
     def _fail(
         self, req: PrefillRequest, reason: FailureReason, named: tuple[int, ...] = ()
     ) -> bool:
-        """:meth:`fail`, the legs to ``named`` blamed (a decode rank whose digest
-        differed); False if it had ended already."""
+        """:meth:`fail`; a leg is blamed only on a decode peer that is dead or
+        that said why (``named``: its abort with a finding), never for being
+        open: prefill's own failures (its side's agreed ones) are not its
+        peers' doing. False if it had ended already."""
         p = self.core
         if not p.fire(req, "abort", reason):
             return False
         req.reason = reason
-        self.peer_legs.failed(req.room, req.epoch, reason, p.now, dead=p.peer_dead, named=named)
+        legs = self.peer_legs
+        legs.failed(req.room, req.epoch, reason, p.now, dead=p.peer_dead, named=named,
+                    open_blamed=False)  # fmt: skip
         return True
 
     def _refuse(self, req: PrefillRequest, why: str) -> None:
@@ -188,7 +192,9 @@ class PrefillSide:
             leg = req.legs[peer] = PrefillLeg(peer, sends=False)
         if leg is not None:
             leg.move("ask_stop")
-        if self._fail(req, reason, named=(peer,)):
+        # blamed on that peer only for what it found itself (its "why": a digest
+        # that differed, say), not for echoing a failure agreed elsewhere
+        if self._fail(req, reason, named=(peer,) if msg.why else ()):
             return  # (the leg hears "stopped" once no write is in flight)
         if req.abandoned:  # released with writes the engine never finished
             p.send(peer, GaveUp(req.room, req.epoch, req.reason))
