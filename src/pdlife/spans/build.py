@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
-from pdlife.spans.model import Attempt, Attrs, SpanData
+from pdlife.spans.model import ENDS, STATUS_SPANS, Attempt, Attrs, SpanData
 
 __all__ = ["DRAINS", "EVENTS", "SpanBuilder", "spans_of_records"]
 
@@ -48,12 +47,8 @@ EVENTS: Mapping[str, tuple[str, ...]] = {
     "pdlife.leg": ("pdlife.peer", "pdlife.outcome", "pdlife.seconds"),
 }
 
-#: the status a request span's child is named after, for each non-terminal status
-STATUS_SPANS: Mapping[int, str] = {
-    int(s): f"pdlife.status.{s.name}" for s in KVPoll if not s.terminal
-}
 DRAINING = "pdlife.status.Draining"
-_ENDS = (int(KVPoll.Success), int(KVPoll.Failed))
+_ENDS = ENDS
 
 
 def _check_tables() -> None:
@@ -180,44 +175,13 @@ class SpanBuilder:
             a.steps += 1
         if a.queues[-1] != queue:
             a.queues.append(queue)
-        if gate != a.gate:
-            if a.gate is not None:
-                a.event("pdlife.gate.release", ts, {"pdlife.gate": a.gate, "pdlife.rank": rank})
-            if gate is not None:
-                a.event("pdlife.gate.hold", ts, {"pdlife.gate": gate, "pdlife.rank": rank})
-                a.involved = True
-            a.gate = gate
+        a.hold(gate, ts)
         if move is None:
             return []
         new = int(move["to"])
-        status = STATUS_SPANS.get(a.status, f"pdlife.status.{a.status}")
-        a.child(
-            status,
-            a.status_start,
-            ts,
-            {
-                "pdlife.steps": a.steps,
-                "pdlife.ended_by": str(move["trigger"]),
-                "pdlife.queue": queue,
-            },
-        )
-        a.status, a.status_start, a.steps = new, ts, 0
-        if new not in _ENDS:
+        reason, origin = int(move["reason"]), int(move["origin"])
+        if not a.move(new, ts, str(move["trigger"]), queue, reason, origin):
             return []
-        if new == int(KVPoll.Failed):
-            reason = FailureReason(int(move["reason"]))
-            a.reason, a.origin = reason.name.lower(), int(move["origin"])
-            if a.origin == rank:
-                a.involved = True
-                a.event(
-                    "pdlife.failure", ts, {"pdlife.reason": a.reason, "pdlife.origin_rank": rank}
-                )
-                if reason is FailureReason.CHECKSUM_MISMATCH:
-                    a.event("pdlife.digest.mismatch", ts, {"pdlife.origin_rank": rank})
-        if a.gate is not None:
-            a.event("pdlife.gate.release", ts, {"pdlife.gate": a.gate, "pdlife.rank": rank})
-            a.gate = None
-        a.outcome, a.end = new, ts
         del self.live[room]
         if new == int(KVPoll.Failed):
             self.last_ended[room] = a  # a retry of it names it

@@ -8,9 +8,17 @@ from collections.abc import Mapping
 
 import attrs
 
+from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 
-__all__ = ["AttrValue", "Attempt", "Attrs", "SpanData", "SpanEvent"]
+__all__ = ["ENDS", "STATUS_SPANS", "AttrValue", "Attempt", "Attrs", "SpanData", "SpanEvent"]
+
+#: the status a request span's child is named after, for each non-terminal status
+STATUS_SPANS: Mapping[int, str] = {
+    int(s): f"pdlife.status.{s.name}" for s in KVPoll if not s.terminal
+}
+#: the agreed statuses that end an attempt
+ENDS = (int(KVPoll.Success), int(KVPoll.Failed))
 
 AttrValue = str | int | float | bool | tuple[int, ...]
 Attrs = Mapping[str, AttrValue]
@@ -92,6 +100,47 @@ class Attempt:
 
     def event(self, name: str, ts: float, attributes: Attrs) -> None:
         self.events.append(SpanEvent(name, ts, attributes))
+
+    def hold(self, gate: str | None, ts: float) -> None:
+        """The gate holding it on this rank is now ``gate`` (None: none): the
+        last one's release and the new one's hold, as events."""
+        if gate == self.gate:
+            return
+        if self.gate is not None:
+            self.event(
+                "pdlife.gate.release", ts, {"pdlife.gate": self.gate, "pdlife.rank": self.rank}
+            )
+        if gate is not None:
+            self.event("pdlife.gate.hold", ts, {"pdlife.gate": gate, "pdlife.rank": self.rank})
+            self.involved = True
+        self.gate = gate
+
+    def move(self, new: int, ts: float, trigger: str, queue: str, reason: int, origin: int) -> bool:
+        """Its agreed status became ``new`` at ``ts`` (by ``trigger``): the span
+        of the status it left ends, with the steps it lasted (``steps``, as the
+        caller counted them). True if the attempt ended (Success or Failed: a
+        failure's reason and origin are set, and on its origin rank the
+        failure, and a digest mismatch, are events)."""
+        attributes: dict[str, AttrValue] = {"pdlife.ended_by": trigger, "pdlife.queue": queue}
+        if self.steps >= 0:
+            attributes["pdlife.steps"] = self.steps
+        name = STATUS_SPANS.get(self.status, f"pdlife.status.{self.status}")
+        self.child(name, self.status_start, ts, attributes)
+        self.status, self.status_start, self.steps = new, ts, 0
+        if new not in ENDS:
+            return False
+        if new == int(KVPoll.Failed):
+            why = FailureReason(reason)
+            self.reason, self.origin = why.name.lower(), origin
+            if origin == self.rank:
+                self.involved = True
+                fired: Attrs = {"pdlife.reason": self.reason, "pdlife.origin_rank": origin}
+                self.event("pdlife.failure", ts, fired)
+                if why is FailureReason.CHECKSUM_MISMATCH:
+                    self.event("pdlife.digest.mismatch", ts, {"pdlife.origin_rank": origin})
+        self.hold(None, ts)
+        self.outcome, self.end = new, ts
+        return True
 
     def spans(self) -> list[SpanData]:
         end = self.start if self.end is None else self.end
