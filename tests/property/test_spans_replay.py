@@ -20,6 +20,7 @@ from lifecycle import KVPoll, RequestTable, StepConfig, Stepper
 from lifecycle.testing import StatusBoard
 from lifecycle.testing.lockstep import lockstep
 from pdlife.spans import Selection, select, spans_of_records
+from pdlife.spans.live import LiveSpans
 from pdlife.trace import TraceWriter, read_trace, replay
 
 MOVES = ("keep", "keep", "advance", "advance", "fail")
@@ -50,6 +51,11 @@ def _side(trace_dir, side, first_rank, width, history, gate):
     writers = [
         TraceWriter(trace_dir / f"rank{first_rank + r}.jsonl", first_rank + r) for r in range(width)
     ]
+    # the same steps, as a host engine's steppers feed spans live
+    live_spans: list = []
+    lives = [
+        LiveSpans(side, first_rank + r, "run", selection=Selection("every")) for r in range(width)
+    ]
     next_room = 1 + first_rank * 1000
     for admit, moves in history:
         rooms = list(range(next_room, next_room + admit))
@@ -72,10 +78,16 @@ def _side(trace_dir, side, first_rank, width, history, gate):
             assert not isinstance(res, BaseException), res
             _, local, reason = steppers[r].last_local
             writers[r].step(side, "q", res, local, reason, steppers[r].last_holds())
+            lives[r].observe("q", res, steppers[r].last_holds())
+            if len(history) % 2:  # taken as they come, or all at the end
+                live_spans += lives[r].take()
         for r, res in enumerate(results):
             tables[r].remove_many(np.concatenate([res.succeeded, res.failed]))
     for w in writers:
         w.close()
+    for live in lives:
+        live_spans += live.close()
+    return live_spans
 
 
 def _moves_of_spans(spans):
@@ -119,8 +131,8 @@ def test_spans_give_back_the_moves_replay_recomputes(
 ):
     run = tmp_path_factory.mktemp("run")
     p, d = widths
-    _side(run / "trace", "prefill", 0, p, prefill, gate)
-    _side(run / "trace", "decode", p, d, decode, gate)
+    live = _side(run / "trace", "prefill", 0, p, prefill, gate)
+    live += _side(run / "trace", "decode", p, d, decode, gate)
     (run / "summary.json").write_text(json.dumps({"ranks": {"prefill": p, "decode": d}}))
     report = replay(run)
     assert report.ok, report.first_difference
@@ -139,3 +151,18 @@ def test_spans_give_back_the_moves_replay_recomputes(
     for (rank, room), moves in got.items():
         assert moves == replayed[(side_of[rank], room)]
     assert {(side_of[r], room) for r, room in got} == set(replayed)
+    # the live spans say the same: the same moves, the same gate holds and
+    # failures where they happened, and each span in its room's trace
+    assert _moves_of_spans(live) == got
+    assert _events(live) == _events(spans)
+    traces = {i.span.room: i.trace_id for i in spans}
+    assert all(i.trace_id == traces[i.span.room] for i in live if i.span.room in traces)
+
+
+def _events(spans):
+    """(rank, room, attempt) -> the names of its request's events, in order."""
+    return {
+        (i.span.rank, i.span.room, i.span.attempt): [e.name for e in i.span.events]
+        for i in spans
+        if i.span.kind == "request" and i.span.events
+    }

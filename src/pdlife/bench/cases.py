@@ -134,11 +134,13 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, A
     return fused3, separate3, hooks3
 
 
-def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
+def churn_case(rank: int, n: int, coll: Any, split: bool = True, spans: Any = None) -> Any:
     """A queue where 1% of the requests change status every step: half reach
     Success, half fail. ``split``: rank 0 fails some of them and rank 1 the
     others, so the step fetches their origins (a second, small reduce);
-    otherwise rank 0 fails them all and the header names it."""
+    otherwise rank 0 fails them all and the header names it. ``spans``: a
+    :class:`~pdlife.spans.live.LiveSpans` the step feeds, its gates' holds
+    recorded (timed with the step)."""
     from lifecycle import KVPoll, RequestTable, Stepper
 
     backend = ChurnBackend(n)
@@ -151,6 +153,7 @@ def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
         handle_indices=np.arange(1, n + 1) % ring,
     )
     stepper = Stepper(table, rank, poller=backend)
+    stepper.record_holds = spans is not None
     k = max(4, n // 100)  # at least two failures, one per rank when split
     rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
 
@@ -166,6 +169,8 @@ def churn_case(rank: int, n: int, coll: Any, split: bool = True) -> Any:
         backend.status[mine] = KVPoll.Failed
         t0 = time.perf_counter()
         res = stepper.step(coll)
+        if spans is not None:
+            spans.observe("churn", res, stepper.last_holds())
         elapsed = time.perf_counter() - t0
         done = np.concatenate([res.succeeded, res.failed])
         backend.status[done.astype(np.int64) % ring] = KVPoll.Transferring

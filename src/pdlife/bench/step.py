@@ -80,6 +80,7 @@ from pdlife.bench.field_cases import (
     staged_view,
 )
 from pdlife.bench.report import format_table, summarise
+from pdlife.spans.live import LiveSpans
 
 __all__ = ["add_parser", "run_bench"]
 
@@ -147,6 +148,17 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
 
     churn = churn_case(rank, n, coll)
     churn_one = churn_case(rank, n, coll, split=False)
+    # the same churn with live spans at the default volume (rank 0 the lead: it
+    # keeps every request's spans); the step hands over its changed rows, and
+    # the spans are taken untimed, as an exporter's thread takes them
+    # (pdlife.spans.otel.LiveExport)
+    live = LiveSpans("decode", rank, "bench", lead=rank == 0)
+    churn_spans_step = churn_case(rank, n, coll, spans=live)
+
+    def churn_spans() -> float:
+        took: float = churn_spans_step()
+        live.take()
+        return took
 
     def overlapped(worker: bool) -> Any:
         def visible() -> float:
@@ -200,6 +212,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "hooks3_floor": hooks3_floor,
         "churn": churn,
         "churn_one": churn_one,
+        "churn_spans": churn_spans,
         "overlap_visible": overlapped(True),
         "overlap_inline": overlapped(False),
         "compat": compat,

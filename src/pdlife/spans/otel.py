@@ -17,14 +17,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdlife.spans.build import spans_of_records
+from pdlife.spans.live import LiveSpans
 from pdlife.spans.model import SpanData
 from pdlife.spans.select import Identified, Selection, select
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
 
-__all__ = ["MissingExtra", "export_run", "otlp_exporter", "readable_spans", "run_id"]
+__all__ = [
+    "MissingExtra",
+    "export_run",
+    "LiveExport",
+    "otlp_exporter",
+    "readable_spans",
+    "run_id",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,60 @@ def readable_spans(items: Sequence[Identified], run: str) -> list[ReadableSpan]:
             )
         )
     return out
+
+
+class LiveExport:
+    """A :class:`~pdlife.spans.live.LiveSpans`' spans handed to ``processor``
+    (the SDK's; a ``BatchSpanProcessor`` exports them on its own thread) from a
+    thread of its own, every ``interval`` seconds: the step only queues what
+    changed. :meth:`flush` hands over what is there now; :meth:`stop` closes
+    the open attempts and hands them over too."""
+
+    def __init__(
+        self, spans: LiveSpans, processor: SpanProcessor, run: str, interval: float = 0.5
+    ) -> None:
+        import threading
+
+        readable_spans([], run)  # (raises MissingExtra at once without the extra)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            from lifecycle.errors import InvalidArgument
+
+            raise InvalidArgument("interval", interval, "seconds, more than 0")
+        self.spans, self.processor, self.run, self.interval = spans, processor, run, interval
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdlife-spans", daemon=True)
+        self.handed = 0
+
+    def start(self) -> LiveExport:
+        self._thread.start()
+        return self
+
+    def _hand(self, items: list[Identified]) -> None:
+        for span in readable_spans(items, self.run):
+            self.processor.on_end(span)
+        self.handed += len(items)
+
+    def flush(self) -> int:
+        """Hand over the spans of the attempts ended so far; how many."""
+        with self._lock:
+            items = self.spans.take()
+            self._hand(items)
+        return len(items)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush()
+            except Exception:  # a span that cannot be made must not stop the rest
+                logger.exception("live spans: handing spans to the processor failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._lock:
+            self._hand(self.spans.close())
 
 
 def run_id(records: Iterable[dict[str, Any]]) -> str:
