@@ -26,6 +26,7 @@ MEDIANS = {
     "hooks3_floor": 700.0,
     "churn": 1000.0,
     "churn_one": 980.0,
+    "churn_spans": 1010.0,
     "overlap_visible": 120.0,
     "overlap_inline": 300.0,
     "compat": 660.0,
@@ -62,6 +63,7 @@ def test_the_like_for_like_columns_are_the_quotients_of_the_same_runs_medians():
     assert r["field/floor"] == pytest.approx(1600 / 500)
     assert r["ours_gated/floor"] == pytest.approx(700 / 500)
     assert r["ours_holds/ours"] == pytest.approx(820 / 800)
+    assert r["churn_spans/churn"] == pytest.approx(1010 / 1000)
     # the columns there were keep their meaning
     assert r["field/ours"] == pytest.approx(1600 / 800)
     assert r["field/hooks_floor"] == pytest.approx(1600 / 650)
