@@ -1,5 +1,5 @@
 """A finished run's traces as a Chrome/Perfetto trace (the trace-event JSON
-format that ui.perfetto.dev and chrome://tracing open).
+format that ui.perfetto.dev opens, and :mod:`pdlife.trace_picture` draws).
 
 - one process per rank ("prefill rank 0", ...), one thread per queue;
 - per request and queue on each rank, an async slice from its first

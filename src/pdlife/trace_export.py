@@ -1,7 +1,9 @@
 """``pdlife trace export``: a finished run's traces in other formats: a
 Chrome/Perfetto trace (:mod:`pdlife.perfetto`) or OpenTelemetry spans sent
 over OTLP/HTTP (:mod:`pdlife.spans`). ``pdlife trace spans``: the spans of a
-run (or of one room) as a tree on the terminal, no collector needed."""
+run (or of one room) as a tree on the terminal, no collector needed.
+``pdlife trace picture``: a Chrome/Perfetto trace drawn as a PNG
+(:mod:`pdlife.trace_picture`)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ def _perfetto(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError("--output", f"cannot write {out} ({e.strerror})") from None
     n = len(doc["traceEvents"])
-    print(f"trace export: {n} events in {out} (open it in ui.perfetto.dev or chrome://tracing)")
+    print(
+        f"trace export: {n} events in {out} (open it in ui.perfetto.dev; or pdlife trace picture)"
+    )
     return 0
 
 
@@ -61,6 +65,34 @@ def _spans(args: argparse.Namespace) -> int:
     return 0
 
 
+def _picture(args: argparse.Namespace) -> int:
+    from pdlife.args import UsageError
+
+    src = Path(args.trace)
+    try:
+        doc = json.loads(src.read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+            raise ValueError("no traceEvents list")
+    except OSError as e:
+        raise UsageError("TRACE", f"cannot read {src} ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:
+        why = "nested too deep" if isinstance(e, RecursionError) else e
+        raise UsageError("TRACE", f"{src} is not a trace-event JSON file ({why})") from None
+    try:
+        from pdlife.trace_picture import draw
+    except ImportError:  # pragma: no cover (matplotlib: the plot extra)
+        raise UsageError("trace picture", "needs matplotlib: install the plot extra") from None
+    out = Path(args.output or src.with_suffix(".png"))
+    if not out.parent.is_dir():
+        raise UsageError("--output", f"{out.parent} is not a directory")
+    try:
+        rooms = draw(doc, out, args.rooms)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError("TRACE", f"{src}: an event this picture cannot read ({e!r})") from None
+    print(f"trace picture: {len(rooms)} room(s) drawn in {out}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from pdlife.args import UsageError
 
@@ -72,7 +104,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from pdlife.args import probability
+    from pdlife.args import positive_int, probability
     from pdlife.spans.select import VOLUMES
 
     t = sub.add_parser("trace", help="a finished run's traces in other formats")
@@ -107,6 +139,13 @@ def add_parser(sub: Any) -> None:
     sp.add_argument("--room", type=_room, help="only this room's spans")
     sp.add_argument("--volume", choices=list(VOLUMES), default="involved", help="whose spans")
     sp.set_defaults(func=_spans)
+    pic = tsub.add_parser("picture", help="draw a Chrome/Perfetto trace (trace export) as a PNG")
+    pic.add_argument("trace", help="the trace-event JSON (pdlife trace export --perfetto)")
+    pic.add_argument("-o", "--output", help="the PNG (default: beside TRACE, .png)")
+    pic.add_argument(
+        "--rooms", type=positive_int, default=4, help="how many rooms to draw (default 4)"
+    )
+    pic.set_defaults(func=_picture)
 
 
 def _room(text: str) -> int:

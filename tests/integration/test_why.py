@@ -56,6 +56,13 @@ def test_why_names_the_gate_the_rank_and_the_failures_origin(run_sim, tmp_path):
     holds = {(e["pid"], e["args"]["room"]) for e in doc["traceEvents"] if e["ph"] == "i"}
     assert (HOLDER, rooms_[HELD]) in holds
     assert sum(e["ph"] == "s" for e in doc["traceEvents"]) >= REQUESTS - 1  # flows drawn
+    # and drawn: the held and the failed room first
+    from pdlife.trace_picture import draw
+
+    assert set(draw(doc, tmp_path / "p.png", most=2)) == {rooms_[HELD], rooms_[FAILED]}
+    cli = zygote.run("trace", "picture", str(tmp_path / "p.json"), timeout=60)
+    assert cli.returncode == 0 and "4 room(s) drawn" in cli.stdout, cli.stderr
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_why_names_the_peer_whose_leg_failed_on_a_transport(run_sim):

@@ -49,6 +49,9 @@ def files(tmp_path):
     _run_dir(tmp_path / "oldsummary", {0: _obs(0, "prefill"), 1: _obs(1, "decode")}, summary={})
     _run_dir(tmp_path / "extra", {r: _obs(r, "prefill") for r in (0, 1, 5)})
     (tmp_path / "empty").mkdir()
+    (tmp_path / "events.json").write_text(json.dumps({"traceEvents": []}))
+    (tmp_path / "badevents.json").write_text(json.dumps({"traceEvents": [{"ph": "b"}]}))
+    (tmp_path / "noevents.json").write_text(json.dumps({"events": []}))
     return tmp_path
 
 
@@ -177,6 +180,14 @@ BAD = [
     (["trace", "spans", "{d}/corrupt"], "corrupt"),
     (["trace", "spans", "{d}/empty", "--room", "x"], "--room"),
     (["trace", "spans", "{d}/empty", "--room", "0"], "--room"),
+    (["trace", "picture", "{d}/nonexistent.json"], "nonexistent.json"),
+    (["trace", "picture", "{d}/afile"], "afile"),
+    (["trace", "picture", "{d}/deep.json"], "deep.json"),
+    (["trace", "picture", "{d}/binary.json"], "binary.json"),
+    (["trace", "picture", "{d}/noevents.json"], "traceEvents"),
+    (["trace", "picture", "{d}/badevents.json"], "badevents.json"),
+    (["trace", "picture", "{d}/events.json", "--rooms", "0"], "--rooms"),
+    (["trace", "picture", "{d}/events.json", "-o", "{d}/nodir/x.png"], "--output"),
     (["bench", "--sizes", "x"], "--sizes"),
     (["bench", "--reps", "0"], "--reps"),
     (["bench-transfer", "--mib", "-1"], "--mib"),
