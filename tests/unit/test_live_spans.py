@@ -198,3 +198,31 @@ def test_a_step_where_nothing_happened_hands_nothing_over():
     board.status[1] = KVPoll.WaitingForInput
     step()
     assert len(spans._queue) == 1
+
+
+def test_a_queue_without_holds_lets_go_of_nothing_another_queue_holds():
+    # one LiveSpans fed by two steppers (two queues of a rank): queue b's quiet
+    # step must not end queue a's hold
+    table, board, gate, spans, step, got = _host()
+    other_table, other_board = RequestTable(rank=0), StatusBoard()
+    other = Stepper(other_table, 0, poller=other_board, config=StepConfig())
+    other.record_holds = True
+    table.extend([7])
+    board.status[7] = KVPoll.Success
+    gate.rooms.add(7)
+    step()
+    other_table.extend([8])
+    other_board.status[8] = KVPoll.WaitingForInput
+    spans.observe("handshake", other.step(SingleRank(0)), other.last_holds())
+    gate.rooms.clear()
+    step()
+    (request,) = [i for i in got + spans.take() if i.span.kind == "request" and i.span.room == 7]
+    assert [e.name for e in request.span.events] == ["pdlife.gate.hold", "pdlife.gate.release"]
+    assert [e.ts for e in request.span.events] == sorted(e.ts for e in request.span.events)
+    release = request.span.events[1].ts
+    assert release == request.span.end  # let go when it succeeded, not at queue b's step
+
+
+def test_a_rank_that_is_not_an_integer_is_refused():
+    with pytest.raises(InvalidArgument, match="rank"):
+        LiveSpans("decode", "0", "r")

@@ -45,6 +45,7 @@ from lifecycle.errors import InvalidArgument
 from lifecycle.result import StepResult, StuckReport
 from lifecycle.rules.graph import TRIGGERS
 from lifecycle.status import KVPoll
+from lifecycle.validate import is_integer
 from pdlife.spans.model import ENDS, Attempt, Attrs, SpanData, SpanEvent
 from pdlife.spans.select import Identified, Selection, sampled, span_id, trace_id
 
@@ -108,6 +109,8 @@ class LiveSpans:
     ) -> None:
         if side not in ("prefill", "decode"):
             raise InvalidArgument("side", side, "prefill or decode")
+        if not is_integer(rank) or rank < 0:
+            raise InvalidArgument("rank", rank, "a rank, an integer >= 0")
         self.side, self.rank, self.run = side, int(rank), str(run)
         self.lead, self.selection = bool(lead), selection or Selection()
         self.prefill_lead, self.clock = prefill_lead, clock
@@ -118,13 +121,16 @@ class LiveSpans:
         self._failed: dict[int, tuple[str | None, int]] = {}  # (reason, its attempt)
         #: what happened to a room before it was opened: held by, and events
         self._early: dict[int, list[SpanEvent]] = {}
+        #: room -> the gate holding it, and per queue the rooms its gates hold
         self._gate: dict[int, str] = {}
+        self._held_in: dict[str, set[int]] = {}
         #: room -> (trace id, parent span id) the host gave
         self._parents: dict[int, tuple[int, int]] = {}
         #: the steps observed and not taken yet; how many were dropped untaken
         self._queue: deque[_Step] = deque(maxlen=QUEUED)
         self.dropped = 0
-        self._held_before = False
+        #: the queues whose gates held something at their last step
+        self._held_before: set[str] = set()
 
     def parent(self, room: int, traceparent: str) -> None:
         """The host's trace context of ``room`` (its request's span); kept
@@ -139,8 +145,8 @@ class LiveSpans:
         held: Mapping[str, NDArray[np.uint64]] | None = None,
     ) -> None:
         """One step of ``queue``'s stepper: ``result`` and ``stepper.last_holds()``."""
-        holds = bool(held)
-        if not (result.changed.size or holds or self._held_before or result.stuck):
+        holds, before = bool(held), queue in self._held_before
+        if not (result.changed.size or holds or before or result.stuck):
             return
         rows = result.changed
         kept = {g: np.array(r, dtype=np.uint64) for g, r in held.items()} if held else {}
@@ -155,13 +161,16 @@ class LiveSpans:
             result.reasons[rows],
             result.origins[rows],
             np.array(result.dwell),
-            kept if holds or self._held_before else None,
+            kept if holds or before else None,
             result.stuck,
         )
         if len(self._queue) == QUEUED:
             self.dropped += 1
         self._queue.append(step)
-        self._held_before = holds
+        if holds:
+            self._held_before.add(queue)
+        else:
+            self._held_before.discard(queue)
 
     # -- the spans: on the taker's thread -----------------------------------------
     def take(self) -> list[Identified]:
@@ -175,7 +184,7 @@ class LiveSpans:
     def _apply(self, st: _Step) -> list[Identified]:
         ts = st.ts
         if st.held is not None:
-            self._holds(st.held, ts)
+            self._holds(st.queue, st.held, ts)
         for report in st.stuck:
             holders = tuple(int(h) for h in report.holders)
             attrs: Attrs = {"pdlife.status": KVPoll(report.status).name, "pdlife.holders": holders}
@@ -186,9 +195,12 @@ class LiveSpans:
                     a.involved = True
         return self._moves(st) if st.rooms.size else []
 
-    def _holds(self, held: Mapping[str, NDArray[np.uint64]], ts: float) -> None:
+    def _holds(self, queue: str, held: Mapping[str, NDArray[np.uint64]], ts: float) -> None:
+        """``queue``'s gates hold ``held`` now: holds begun, and let go."""
         now = {int(r): gate for gate, rooms in held.items() for r in np.asarray(rooms).tolist()}
-        for room in set(self._gate) | set(now):
+        mine = self._held_in.get(queue, set())
+        self._held_in[queue] = set(now)
+        for room in mine | set(now):
             gate = now.get(room)
             if gate == self._gate.get(room):
                 continue
