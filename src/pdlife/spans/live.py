@@ -154,13 +154,15 @@ class LiveSpans:
             self.clock(),
             queue,
             result.step,
+            # (previous, triggers and dwell are the step's own, made for its result:
+            # kept as they are; the rest are the table's columns, copied)
             result.rooms[rows],
-            np.array(result.previous),
+            result.previous,
             result.statuses[rows],
-            np.array(result.triggers),
+            result.triggers,
             result.reasons[rows],
             result.origins[rows],
-            np.array(result.dwell),
+            result.dwell,
             kept if holds or before else None,
             result.stuck,
         )
