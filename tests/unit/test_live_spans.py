@@ -226,3 +226,15 @@ def test_a_queue_without_holds_lets_go_of_nothing_another_queue_holds():
 def test_a_rank_that_is_not_an_integer_is_refused():
     with pytest.raises(InvalidArgument, match="rank"):
         LiveSpans("decode", "0", "r")
+
+
+def test_what_is_kept_for_rooms_not_opened_is_bounded(monkeypatch):
+    from pdlife.spans import live
+
+    monkeypatch.setattr(live, "KEPT", 3)
+    table, board, gate, spans, step, got = _host()
+    table.extend([1, 2, 3, 4, 5], state=KVPoll.Transferring)  # (added there: no move yet)
+    board.status.update({r: KVPoll.Success for r in (1, 2, 3, 4, 5)})
+    gate.rooms.update({1, 2, 3, 4, 5})  # held before any of them moved (opened)
+    step()
+    assert len(spans._early) == 3 and 5 in spans._early  # the oldest forgotten

@@ -210,7 +210,7 @@ class LiveSpans:
             if a is not None:
                 a.hold(gate, ts)
             else:  # opened later (its first move): the events wait for it
-                early, last = self._early.setdefault(room, []), self._gate.get(room)
+                early, last = self._early_of(room), self._gate.get(room)
                 if last is not None:
                     early.append(SpanEvent("pdlife.gate.release", ts, self._gate_attrs(last)))
                 if gate is not None:
@@ -223,12 +223,21 @@ class LiveSpans:
     def _gate_attrs(self, gate: str) -> Attrs:
         return {"pdlife.gate": gate, "pdlife.rank": self.rank}
 
+    def _early_of(self, room: int) -> list[SpanEvent]:
+        """The events kept for ``room`` until it is opened (a room never opened,
+        one the host dropped unmoved, is forgotten once KEPT others came after)."""
+        early = self._early.get(room)
+        if early is None:
+            early = []
+            _remember(self._early, room, early)
+        return early
+
     def _event(self, room: int, event: SpanEvent) -> None:
         a = self.live.get(room)
         if a is not None:
             a.events.append(event)
         else:
-            self._early.setdefault(room, []).append(event)
+            self._early_of(room).append(event)
 
     def _open(self, room: int, queue: str, status: int, start: float) -> Attempt:
         # attempts are counted as a finished run's are: a room opened again after
