@@ -353,6 +353,10 @@ def test_a_transfer_error_fires_once_its_phase_is_reached_and_is_held_until_then
     d = RankFaults(plan, 2, [], mode="phase", world=4, prefill_ranks=2)
     d.admit([10], aborts_here=True)
     assert d.holds(10)  # decode holds it for prefill's fault
+    # step-keyed: it fires at its step if the request is live then; nothing is held
+    stepped = parse_plan({"faults": [{"kind": "transfer_error", "rank": 0, "room": 10, "step": 3}]})
+    rs = RankFaults(stepped, 0, [])
+    assert not rs.holds(10) and not rs.transfer_fails(10, 2) and rs.transfer_fails(10, 3)
 
 
 def test_a_staging_hold_is_active_for_its_steps_on_its_rank():

@@ -42,9 +42,10 @@ different requests; use it for soak-style noise::
     [probabilistic]
     prob = 0.01             # per rank, per request, per step
     [[faults]]
-    kind = "delay"          # fail | delay | hold_gate | hold_staging |
-                            # drop_metadata | corrupt_metadata |
-                            # raise_in_poll | kill_rank | pause_rank
+    kind = "delay"          # fail | transfer_error | delay | hold_gate |
+                            # hold_staging | drop_metadata |
+                            # corrupt_metadata | raise_in_poll |
+                            # kill_rank | pause_rank
     request = 12
     rank = 3
     step = 5                # scheduler iteration on that rank (default: first
@@ -226,7 +227,7 @@ class RankFaults:
             self._rooms[i] == room
             and (
                 (f.kind == "fail" and f.at and (i, room) not in self.reached_at)
-                or (f.kind == "transfer_error" and i not in self._fired_idx)
+                or (f.kind == "transfer_error" and f.at and i not in self._fired_idx)
             )
             for i, f in enumerate(self.mine)
         )
