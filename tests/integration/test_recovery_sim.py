@@ -129,3 +129,19 @@ def test_recompute_hands_failed_requests_back_to_be_prefilled_locally(run_sim):
     recomputed = [o for o in s["outcomes"].values() if o[0] == "Recomputed"]
     assert len(recomputed) == s["recomputed"]
     assert {o[1] for o in recomputed} == {"injected fault"}  # what a retry would cure
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_request_whose_decode_attempts_fail_faster_than_prefill_admits_them_ends(run_sim, run):
+    # TP 2 -> 1, a fifth of the attempts failing, aborts, retries: decode can
+    # fail attempts 2 and 3 of a room before prefill admits attempt 2. Prefill
+    # must hear of both (each notice kept by its attempt): with only the last
+    # kept, attempt 2 stayed Transferring on prefill until --max-steps (about
+    # half of such runs from the command line). Three runs in fresh processes,
+    # as the sides' relative pace varies; tests/unit/test_router.py pins the
+    # cause itself, deterministically
+    args = ["--requests", "200", "--fail-prob", "0.2", "--abort-prob", "0.1", "--recovery",
+            "retry", "--prefill-tp", "2", "--decode-tp", "1", "--max-steps", "1500"]  # fmt: skip
+    _, s, _ = run_sim("fake", f"pace{run}", *args, fresh=True)
+    assert s["ok"], s["problems"] + s["invariant_violations"]
+    assert s["leaked_slots"] == s["leaked_kv_pages"] == 0

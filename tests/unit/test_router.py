@@ -56,3 +56,26 @@ def test_a_notice_is_applied_only_to_the_attempt_it_names():
     assert live.failed == FailureReason.TRANSFER_ERROR
     word.on_admit(3, ahead)  # attempt 2 of room 3 starts: its notice applies now
     assert ahead.failed == FailureReason.TRANSFER_ERROR
+
+
+def test_notices_of_two_attempts_not_admitted_yet_are_each_kept():
+    # decode failed attempts 1 and 2 of room 5 before prefill admitted attempt 1:
+    # the later notice must not hide the earlier one (attempt 1 would stay live
+    # on prefill for ever, waiting for a decode that gave up on it)
+    store = Store()
+    word = _word(store, 0, side="prefill")
+    for epoch, reason in ((1, FailureReason.INJECTED_FAULT), (2, FailureReason.TRANSFER_ERROR)):
+        store.queue_push("fakepeer/0", f"5 {int(reason)} {epoch}".encode())
+    word.hear({5: Handle(0)})  # attempt 0 live: both notices are about later ones
+    first, second = Handle(1), Handle(2)
+    word.on_admit(5, first)
+    assert first.failed == FailureReason.INJECTED_FAULT
+    word.on_admit(5, second)
+    assert second.failed == FailureReason.TRANSFER_ERROR
+    assert word.early == {}
+    # a notice of an attempt before the one admitted is dropped, not applied
+    store.queue_push("fakepeer/0", f"6 {int(FailureReason.ABORTED)} 1".encode())
+    word.hear({})
+    third = Handle(2)
+    word.on_admit(6, third)
+    assert third.failed is None and word.early == {}

@@ -110,6 +110,9 @@ class SimConfig:
     pg_timeout: float = attrs.field(default=30.0, validator=_C.number(0.0, MAX_PG_TIMEOUT_S))
     #: draw timeline.png at the end (matplotlib)
     timeline: bool = attrs.field(default=True, validator=_C.flag())
+    #: feed each rank's steps to live spans (pdlife.spans.live) as a host engine
+    #: would, and write them to ranks/rankR.spans.json at the end
+    live_spans: bool = attrs.field(default=False, validator=_C.flag())
     #: rank r serves Prometheus metrics on port + r (0: each on a port the OS picks)
     metrics_port: int | None = attrs.field(
         default=None, validator=_C.integer(0, 65535, none="no metrics served")

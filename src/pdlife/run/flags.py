@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "holding part of it)",
     )
     p.add_argument(
+        "--live-spans",
+        action="store_true",
+        help="feed each rank's steps to live spans as a host engine would "
+        "(pdlife.spans.live); written to OUT/ranks/rankR.spans.json",
+    )
+    p.add_argument(
         "--staging",
         action="store_true",
         help="decode lands head-sliced KV in a staging buffer, then scatters it",

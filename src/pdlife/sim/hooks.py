@@ -318,6 +318,8 @@ class QueueSteps:
         self.stats = stats
         self.trace = trace
         self.metrics = metrics
+        #: live spans fed each step, as a host engine feeds them (None: off)
+        self.live: Any = None
 
     def step(self, q: SimQueue) -> StepResult:
         step = self.clock.step
@@ -330,6 +332,8 @@ class QueueSteps:
         _, local, reason = q.stepper.last_local
         holds = q.stepper.last_holds()
         self.trace.step(self.side, q.name, res, local, reason, holds)
+        if self.live is not None:
+            self.live.observe(q.name, res, holds)
         if self.metrics is not None:
             name = f"{self.side}/{q.name}"
             self.metrics.observe(name, res)

@@ -49,7 +49,9 @@ class PeerWord:
         self.store = store
         self.silent = silent
         self.told: dict[int, int] = {}  # room -> reason the other side gave
-        self.early: dict[int, tuple[int, int]] = {}  # room -> (epoch, reason), not admitted yet
+        #: room -> {epoch: reason} of attempts not admitted here yet (each attempt's
+        #: notice is kept apart: a later attempt's must not hide an earlier one's)
+        self.early: dict[int, dict[int, int]] = {}
         self.group: dict[int, int] = {}  # decode: room -> its prefill DP group
 
     def tell(self, room: int, reason: int, epoch: int = 0) -> None:
@@ -81,9 +83,9 @@ class PeerWord:
             if epoch < live:
                 continue  # about an older attempt than the live one: never applied
             if h is None or epoch > live:  # its attempt not admitted here yet
-                if len(self.early) >= _EARLY:
+                if room not in self.early and len(self.early) >= _EARLY:
                     self.early.pop(next(iter(self.early)))
-                self.early[room] = (epoch, reason)
+                self.early.setdefault(room, {})[epoch] = reason
                 continue
             self.told[room] = reason
             h.fail(FailureReason(reason))
@@ -92,15 +94,18 @@ class PeerWord:
         """A room the other side failed before this rank admitted it fails now."""
         if not self.early:
             return
-        got = self.early.get(room)
-        if got is None:
+        notices = self.early.get(room)
+        if notices is None:
             return
-        if got[0] < getattr(h, "epoch", 0):  # about an attempt before this one: dropped
+        epoch = getattr(h, "epoch", 0)
+        reason = notices.pop(epoch, None)
+        for old in [e for e in notices if e < epoch]:  # about attempts before this one
+            del notices[old]
+        if not notices:
             del self.early[room]
-        elif got[0] == getattr(h, "epoch", 0):
-            del self.early[room]
-            self.told[room] = got[1]
-            h.fail(FailureReason(got[1]))
+        if reason is not None:
+            self.told[room] = reason
+            h.fail(FailureReason(reason))
 
 
 class Router:

@@ -44,6 +44,7 @@ from pdlife.sim.report import (
     standing,
     stopped_problem,
     who_died,
+    write_spans,
 )
 from pdlife.sim.requests import Requests
 from pdlife.sim.soak import Soak
@@ -76,7 +77,7 @@ class RankRun:
         from transport.registry import get_backend
 
         self.cfg = cfg
-        self.rank = rank
+        self.rank, self.out = rank, out
         self.place = place(rank, cfg.prefill, cfg.prefill_dp, cfg.decode)
         self.side = self.place.side
         self.coll = coll
@@ -146,6 +147,14 @@ class RankRun:
         steps = QueueSteps(
             coll, self.side, self.clock, self.manager, self.stats, self.trace, self.metrics
         )
+        self.live: Any = None
+        if cfg.live_spans:
+            from pdlife.spans import Selection
+            from pdlife.spans.live import LiveSpans
+
+            self.live = steps.live = LiveSpans(
+                self.side, rank, self.run_id, selection=Selection("every")
+            )
         parts = LoopParts(
             cfg,
             self.clock,
@@ -281,6 +290,8 @@ class RankRun:
         stats, requests, side = self.stats, self.requests, self.side
         stats.sample_rss(requests.finished, force=True)
         self.trace.close()
+        if self.live is not None:
+            write_spans(self.out / "ranks" / f"rank{self.rank}.spans.json", self.live.close())
         outcome = requests.close()
         backend_error = getattr(self.manager, "last_error", None)
         stands = ""

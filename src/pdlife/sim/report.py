@@ -4,9 +4,11 @@ faults fired, what is wrong, and which rank died when a collective failed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,7 @@ __all__ = [
     "standing",
     "stopped_problem",
     "who_died",
+    "write_spans",
 ]
 
 
@@ -166,3 +169,27 @@ def peer_health(loop: Any) -> dict[str, Any]:
         return {}
     view = {str(p): v.state.name.lower() for p, v in sorted(health.view().items())}
     return {"peer_health": view, "peer_health_fp": health.fingerprint()}
+
+
+def write_spans(path: Path, items: list[Any]) -> None:
+    """Live spans as JSON (one object per span: what a test compares)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = [
+        {
+            "kind": i.span.kind,
+            "name": i.span.name,
+            "room": i.span.room,
+            "side": i.span.side,
+            "rank": i.span.rank,
+            "attempt": i.span.attempt,
+            "index": i.span.index,
+            "start": i.span.start,
+            "end": i.span.end,
+            "error": i.span.error,
+            "attributes": dict(i.span.attributes),
+            "events": [e.name for e in i.span.events],
+            "trace_id": f"{i.trace_id:032x}",
+        }
+        for i in items
+    ]
+    path.write_text(json.dumps(out))

@@ -46,6 +46,7 @@ from lifecycle.result import StepResult, StuckReport
 from lifecycle.rules.graph import TRIGGERS
 from lifecycle.status import KVPoll
 from lifecycle.validate import is_integer
+from pdlife.spans.build import DRAIN_QUEUES, DRAINING, DRAINS
 from pdlife.spans.model import ENDS, Attempt, Attrs, SpanData, SpanEvent
 from pdlife.spans.select import Identified, Selection, sampled, span_id, trace_id
 
@@ -126,6 +127,8 @@ class LiveSpans:
         self._held_in: dict[str, set[int]] = {}
         #: room -> (trace id, parent span id) the host gave
         self._parents: dict[int, tuple[int, int]] = {}
+        #: room -> failed attempts whose pages wait in a drain queue (:data:`DRAINS`)
+        self._draining: dict[int, list[Attempt]] = {}
         #: the steps observed and not taken yet; how many were dropped untaken
         self._queue: deque[_Step] = deque(maxlen=QUEUED)
         self.dropped = 0
@@ -264,6 +267,9 @@ class LiveSpans:
         done: list[SpanData] = []
         succeeded: list[int] = []
         for j, room in enumerate(rooms):
+            if queue in DRAIN_QUEUES:
+                done += self._drained(room, queue, new[j], ts, dwell[j])
+                continue
             a = self.live.get(room)
             if a is None:
                 if previous[j] in ENDS:
@@ -283,11 +289,31 @@ class LiveSpans:
                 _remember(self._failed, room, (a.reason, a.attempt))
             else:
                 succeeded.append(room)
+            if (self.side, a.outcome) in DRAINS:  # its span lasts until its pages are released
+                self._draining.setdefault(room, []).append(a)
+                continue
             done += a.spans()
         out = self._identify(done)
         for room in succeeded:
             self._parents.pop(room, None)
         return out
+
+    def _drained(self, room: int, queue: str, new: int, ts: float, dwell: float) -> list[SpanData]:
+        """A row of a drain queue moved: the failed attempt that waits there ends
+        once its pages are released (as a finished run's builder ends it)."""
+        waiting = self._draining.get(room)
+        if not waiting or new not in ENDS:
+            return []
+        a = waiting.pop(0)
+        if not waiting:
+            del self._draining[room]
+        released = "drained" if new == int(KVPoll.Success) else "drain failed"
+        since = max(a.end or ts, ts - max(dwell, 0.0))
+        a.queues.append(queue)
+        a.child(DRAINING, since, ts, {"pdlife.ended_by": released, "pdlife.queue": queue})
+        a.event("pdlife.released", ts, {"pdlife.outcome": released})
+        a.end = ts
+        return a.spans()
 
     # -- what leaves ----------------------------------------------------------
     def _kept(self, request: SpanData) -> bool:
@@ -332,4 +358,8 @@ class LiveSpans:
             a.outcome, a.end = None, ts
             done += a.spans()
         self.live.clear()
+        for waiting in self._draining.values():  # still waiting for their pages
+            for a in waiting:
+                done += a.spans()
+        self._draining.clear()
         return out + self._identify(done)
