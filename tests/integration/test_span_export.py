@@ -23,8 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from opentelemetry.trace import StatusCode
 
 from lifecycle.status import KVPoll
+from pdlife.spans import spans_of_records
 from pdlife.spans.otel import export_run
-from pdlife.spans.select import Selection
+from pdlife.spans.select import Selection, select
 from pdlife.trace import read_trace
 from support.seeded_plan import ARGS, FAILED, HELD, HOLDER, PEER, PLAN, rooms
 
@@ -263,3 +264,59 @@ def test_trace_spans_prints_a_rooms_tree(seeded):
         f"prefill rank {PEER} attempt 1: Failed (transfer_error, origin rank {PEER})" in proc.stdout
     )
     assert zygote.run("trace", "spans", str(run), "--room", "77", timeout=60).returncode == 1
+
+
+def _shapes(spans):
+    """(rank, room, attempt) -> (outcome, error, events, queues, status spans in order)."""
+    out = {}
+    for s in sorted(spans, key=lambda s: s["index"]):
+        k = (s["rank"], s["room"], s["attempt"])
+        req, kids = out.get(k, (None, []))
+        if s["kind"] == "request":
+            events = tuple(e for e in s["events"] if e != "pdlife.leg")  # (live: no legs)
+            a = s["attributes"]
+            req = (a["pdlife.outcome"], s["error"], events, a["pdlife.queues"])
+        else:
+            kids = [*kids, s["name"]]
+        out[k] = (req, kids)
+    return out
+
+
+def _as_records(items):
+    return [
+        {"kind": i.span.kind, "index": i.span.index, "rank": i.span.rank, "room": i.span.room,
+         "attempt": i.span.attempt, "name": i.span.name, "error": i.span.error,
+         "events": [e.name for e in i.span.events], "attributes": dict(i.span.attributes)}
+        for i in items
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["fake", "mooncake"])
+def test_live_spans_of_a_run_are_its_traces_spans(tmp_path, backend):
+    """``pdlife simulate --live-spans``: each rank's steps fed to live spans as
+    a host engine feeds them. With retries, failures, aborts, the seeded gate
+    hold and transfer error, two queues a side and decode's drain, every
+    attempt's spans say what the trace's say: outcome, reason, events, queues
+    and status spans in order."""
+    if backend != "fake":
+        from engines import require
+
+        backend = require(backend)
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    out = tmp_path / "run"
+    proc = zygote.run("simulate", "--backend", backend, "--quiet", "--no-timeline", "--out",
+                      str(out), "--requests", "60", "--fail-prob", "0.1", "--abort-prob",
+                      "0.05", "--recovery", "retry", "--live-spans", "--plan",
+                      str(tmp_path / "plan.json"), timeout=180)  # fmt: skip
+    s = json.loads((out / "summary.json").read_text())
+    assert s["retries"] > 0 and sum(s["failed"].values()) > 0, s
+    live = [
+        x
+        for p in sorted((out / "ranks").glob("rank*.spans.json"))
+        for x in json.loads(p.read_text())
+    ]
+    built = _as_records(select(spans_of_records(read_trace(out)), "run", Selection("every")))
+    assert len(live) == len(built) > 0, proc.stderr[-2000:]
+    assert _shapes(live) == _shapes(built)
+    retried = [x for x in live if x["kind"] == "request" and x["attempt"] > 1]
+    assert retried and all("pdlife.recovery" in x["events"] for x in retried)

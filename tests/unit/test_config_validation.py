@@ -240,6 +240,7 @@ SIM_BAD = {
     "backend": text(extra=[("auto", False), ("tcp", False)]),
     "pg_timeout": secs(hi=86400.0),
     "timeline": FLAG,
+    "live_spans": FLAG,
     "metrics_port": ints(0, 65535, none=True),
     "plan": [(None, True), ({"faults": []}, True), ("plan.json", True)],
     "fault_mode": text(extra=[("sometimes", False)]),
@@ -446,6 +447,7 @@ SIMULATE_BAD = {
     "compare": [["--compare", "{d}/nowhere", "{d}"], ["--compare", "{d}"]],
     "quiet": [["--quiet=1"]],
     "timeline": [["--timeline=1"]],
+    "live_spans": [["--live-spans=1"]],
     "verbose": [["--verbose=1"]],
     "role": [["--role", "sender"], ["--role", "prefill"]],
 }  # fmt: skip
