@@ -145,3 +145,15 @@ def test_a_request_whose_decode_attempts_fail_faster_than_prefill_admits_them_en
     _, s, _ = run_sim("fake", f"pace{run}", *args, fresh=True)
     assert s["ok"], s["problems"] + s["invariant_violations"]
     assert s["leaked_slots"] == s["leaked_kv_pages"] == 0
+
+
+def test_retries_reach_every_prefill_dp_group(run_sim):
+    # with prefill DP, each DP group's first rank reads the router's hand-overs
+    # for its group: before, only prefill rank 0 did, so a retry routed to DP
+    # group 1 never started and decode waited at WaitingForInput to the end
+    args = ["--requests", "150", "--prefill-tp", "1", "--decode-tp", "1", "--prefill-dp", "2",
+            "--fail-prob", "0.2", "--abort-prob", "0.1", "--recovery", "retry",
+            "--max-steps", "1500"]  # fmt: skip
+    _, s, _ = run_sim("fake", "dp", *args)
+    assert s["ok"], s["problems"] + s["invariant_violations"]
+    assert s["retries"] > 0 and set(s["attempts"]) >= {"1", "2"}

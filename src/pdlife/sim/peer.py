@@ -137,8 +137,9 @@ class Router:
             self.store.set("router/closed", "1")
 
     def words(self, leads: bool) -> tuple[int, int]:
-        """What this rank saw (prefill's first rank; 0s elsewhere): attempts
-        handed over, and whether decode is done."""
+        """What this rank saw (``leads``: the first rank of a prefill DP group,
+        which speaks for its group; 0s elsewhere): attempts handed over, and
+        whether decode is done."""
         if not (self.on and leads and self.side == "prefill"):
             return 0, 0
         closed = int(self.store.check(["router/closed"]))  # (first: it follows the last count)

@@ -210,7 +210,9 @@ class RankRun:
         parts = [r.rooms for r in results] + [r.statuses.astype(np.uint64) for r in results]
         h = fingerprint(np.concatenate(parts).astype(np.uint64)) & (2**62 - 1) if parts else 0
         extra = (0, 0) if self.soak is None else self.soak.words(self.stats.elapsed())
-        routed = self.router.words(self.leads)
+        # the router's words: each prefill DP group's first rank reads them for its
+        # group (the collective is the group's: its first rank is got[0])
+        routed = self.router.words(self.place.tp_rank == 0)
         mine = np.array([h >> 31, h & 0x7FFFFFFF, int(done), *extra, *routed], dtype=np.int32)
         got = self.coll.all_gather(mine)
         self.router.agree(int(got[0, 5]), int(got[0, 6]))
