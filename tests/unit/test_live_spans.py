@@ -238,3 +238,21 @@ def test_what_is_kept_for_rooms_not_opened_is_bounded(monkeypatch):
     gate.rooms.update({1, 2, 3, 4, 5})  # held before any of them moved (opened)
     step()
     assert len(spans._early) == 3 and 5 in spans._early  # the oldest forgotten
+
+
+def test_a_failed_decode_attempt_waits_for_its_drain_when_the_host_has_one():
+    table, board, gate, spans, step, got = _host(drains=("drain",))
+    drain_table, drain_board = RequestTable(rank=0), StatusBoard()
+    drain = Stepper(drain_table, 0, poller=drain_board, config=StepConfig())
+    table.extend([9])
+    board.status[9] = KVPoll.Failed
+    board.reasons[9] = FailureReason.TRANSFER_ERROR
+    step()
+    assert got == []  # failed, its pages not drained yet: its span is still open
+    drain_table.extend([9], state=KVPoll.Transferring)
+    drain_board.status[9] = KVPoll.Success  # (its peer stopped writing)
+    spans.observe("drain", drain.step(SingleRank(0)), {})
+    request, *states = spans.take()
+    assert [s.span.name for s in states][-1] == "pdlife.status.Draining"
+    assert [e.name for e in request.span.events][-1] == "pdlife.released"
+    assert request.span.attributes["pdlife.queues"] == "transfer,drain"

@@ -150,10 +150,12 @@ class RankRun:
         self.live: Any = None
         if cfg.live_spans:
             from pdlife.spans import Selection
+            from pdlife.spans.build import DRAIN_QUEUES
             from pdlife.spans.live import LiveSpans
 
+            every = Selection("every")
             self.live = steps.live = LiveSpans(
-                self.side, rank, self.run_id, selection=Selection("every")
+                self.side, rank, self.run_id, selection=every, drains=DRAIN_QUEUES
             )
         parts = LoopParts(
             cfg,

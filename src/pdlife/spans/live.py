@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,7 +46,7 @@ from lifecycle.result import StepResult, StuckReport
 from lifecycle.rules.graph import TRIGGERS
 from lifecycle.status import KVPoll
 from lifecycle.validate import is_integer
-from pdlife.spans.build import DRAIN_QUEUES, DRAINING, DRAINS
+from pdlife.spans.build import DRAINING, DRAINS
 from pdlife.spans.model import ENDS, Attempt, Attrs, SpanData, SpanEvent
 from pdlife.spans.select import Identified, Selection, sampled, span_id, trace_id
 
@@ -107,6 +107,7 @@ class LiveSpans:
         selection: Selection | None = None,
         prefill_lead: int | None = None,
         clock: Callable[[], float] = time.time,
+        drains: Collection[str] = (),
     ) -> None:
         if side not in ("prefill", "decode"):
             raise InvalidArgument("side", side, "prefill or decode")
@@ -115,6 +116,10 @@ class LiveSpans:
         self.side, self.rank, self.run = side, int(rank), str(run)
         self.lead, self.selection = bool(lead), selection or Selection()
         self.prefill_lead, self.clock = prefill_lead, clock
+        #: the host's queues where decode's failed requests wait for their pages to
+        #: drain (the simulator's ``drain``): a failed decode attempt's span lasts
+        #: until its row there ends; with none, it ends where it failed
+        self.drains = frozenset(drains)
         self.live: dict[int, Attempt] = {}
         #: room -> the step its status was agreed in (its first: not known)
         self._since: dict[int, int] = {}
@@ -267,7 +272,7 @@ class LiveSpans:
         done: list[SpanData] = []
         succeeded: list[int] = []
         for j, room in enumerate(rooms):
-            if queue in DRAIN_QUEUES:
+            if queue in self.drains:
                 done += self._drained(room, queue, new[j], ts, dwell[j])
                 continue
             a = self.live.get(room)
@@ -289,7 +294,7 @@ class LiveSpans:
                 _remember(self._failed, room, (a.reason, a.attempt))
             else:
                 succeeded.append(room)
-            if (self.side, a.outcome) in DRAINS:  # its span lasts until its pages are released
+            if self.drains and (self.side, a.outcome) in DRAINS:  # until its pages drain
                 self._draining.setdefault(room, []).append(a)
                 continue
             done += a.spans()
