@@ -280,17 +280,20 @@ class RankFaults:
             self._fired_idx.add(i)
         self.fired.append((step, self.mine[i].kind, room))
 
+    def _start(self, i: int, room: int, step: int) -> int | None:
+        """The step fault ``i`` begins for ``room``: its phase's (None: not
+        reached yet), its own, or the room's first (``step`` if not seen)."""
+        f = self.mine[i]
+        if f.at is not None:
+            return self.reached_at.get((i, room))
+        return f.step if f.step is not None else self.first_seen.get(room, step)
+
     def _active(self, kind: str, room: int, step: int) -> bool:
         for i, f in enumerate(self.mine):
             if f.kind != kind or self._rooms[i] != room:
                 continue
-            if f.at is not None:
-                start = self.reached_at.get((i, room))
-                if start is None:
-                    continue
-            else:
-                start = f.step if f.step is not None else self.first_seen.get(room, step)
-            if start <= step < start + f.steps:
+            start = self._start(i, room, step)
+            if start is not None and start <= step < start + f.steps:
                 if i not in self._fired_idx:
                     self._fired(i, step, room)
                 return True
@@ -315,13 +318,8 @@ class RankFaults:
         for i, f in enumerate(self.mine):
             if f.kind != "transfer_error" or self._rooms[i] != room or i in self._fired_idx:
                 continue
-            if f.at is not None:
-                start = self.reached_at.get((i, room))
-                if start is None:
-                    continue
-            else:
-                start = f.step if f.step is not None else self.first_seen.get(room, step)
-            if step >= start:
+            start = self._start(i, room, step)
+            if start is not None and step >= start:
                 self._fired(i, step, room)
                 return True
         return False
