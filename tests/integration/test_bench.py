@@ -19,7 +19,7 @@ def test_the_bench_reports_every_variant_and_ratio():
     assert set(res["sizes"]) == {"64", "300"}
     for row in res["sizes"].values():
         assert set(VARIANTS) < set(row)
-        for name in set(row) - {"ratios", "ratios_p25"}:
+        for name in set(row) - {"ratios", "ratios_p25", "paired"}:
             assert row[name]["median_us"] > 0
             assert row[name]["rank0_median_us"] >= row[name]["median_us"] * 0.999
         assert set(RATIOS) < set(row["ratios"]) and set(RATIOS) < set(row["ratios_p25"])
@@ -27,8 +27,18 @@ def test_the_bench_reports_every_variant_and_ratio():
         # two noisy medians, so only its presence is checked here
         assert {"ours-hooks_floor/floor", "fused3-hooks3_floor/floor"} < set(row["ratios"])
         assert all(v > 0 for k, v in row["ratios"].items() if "-" not in k)
+        # the pairs timed back to back: the median of the repetitions' own ratios
+        pair = row["paired"]["churn_spans/churn"]
+        assert 0 < pair["p25"] <= pair["median"] <= pair["p75"] and pair["mean_ratio"] > 0
+    # the one-process part: churn against a step where nothing changes, and spans
+    assert set(res["one_process"]) == {"64", "300"}
+    for row in res["one_process"].values():
+        assert min(row[f"{v}_us"] for v in ("quiet", "churn", "churn_spans")) > 0
+        for ratio in ("churn/quiet", "churn_spans/churn"):
+            assert 0 < row[ratio]["p25"] <= row[ratio]["median"] <= row[ratio]["p75"]
     assert res["table"]["bytes_per_live_request"] > 0
     text = format_table(res)
+    assert "one process (no collective)" in text and "churn_spans/churn" in text
     assert "ours/floor" in text and "overlap_visible" in text
     # the field's own function: measured beside ours, or skipped in one line
     if "field_skipped" in res:

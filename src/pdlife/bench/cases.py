@@ -134,13 +134,16 @@ def three_queues(rank: int, n: int, layout: Any, coll: Any) -> tuple[Any, Any, A
     return fused3, separate3, hooks3
 
 
-def churn_case(rank: int, n: int, coll: Any, split: bool = True, spans: Any = None) -> Any:
+def churn_case(
+    rank: int, n: int, coll: Any, split: bool = True, spans: Any = None, moving: bool = True
+) -> Any:
     """A queue where 1% of the requests change status every step: half reach
     Success, half fail. ``split``: rank 0 fails some of them and rank 1 the
     others, so the step fetches their origins (a second, small reduce);
     otherwise rank 0 fails them all and the header names it. ``spans``: a
     :class:`~pdlife.spans.live.LiveSpans` the step feeds, its gates' holds
-    recorded (timed with the step)."""
+    recorded (timed with the step). ``moving`` False: the same queue where
+    nothing changes (the step a churn step is compared with)."""
     from lifecycle import KVPoll, RequestTable, Stepper
 
     backend = ChurnBackend(n)
@@ -158,6 +161,10 @@ def churn_case(rank: int, n: int, coll: Any, split: bool = True, spans: Any = No
     rng = np.random.default_rng(7)  # the same on both ranks: the same rows change
 
     def churn() -> float:
+        if not moving:
+            t0 = time.perf_counter()
+            stepper.step(coll)
+            return time.perf_counter() - t0
         rooms = table.rooms()
         pick = rooms[rng.choice(rooms.size, size=min(k, rooms.size), replace=False)]
         idx = pick.astype(np.int64) % ring

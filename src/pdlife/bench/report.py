@@ -6,7 +6,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_table", "summarise"]
+__all__ = ["PAIRED", "format_table", "summarise"]
+
+#: variants timed back to back in each repetition (each first in turn), by the
+#: one timed as the base: their ratio is also the median of the repetitions' own
+#: ratios (a slow collective then slows both halves of a pair alike)
+PAIRED = {"churn": "churn_spans"}
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -30,6 +35,17 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     # a collective here is bimodal (an idle vCPU halts, and its wake-up can
     # take milliseconds): the lower quartiles compare the fast mode
     row["ratios_p25"] = _ratios({k: v["p25_us"] for k, v in row.items() if k != "ratios"})
+    row["paired"] = {}
+    for base, other in PAIRED.items():
+        b = np.min([r["times"][base] for r in ranks], axis=0)
+        o = np.min([r["times"][other] for r in ranks], axis=0)
+        each = o / b
+        row["paired"][f"{other}/{base}"] = {
+            "median": float(np.median(each)),
+            "p25": float(np.percentile(each, 25)),
+            "p75": float(np.percentile(each, 75)),
+            "mean_ratio": float(o.mean() / b.mean()),
+        }
     return row
 
 
@@ -182,6 +198,15 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(
             f"{n:>6} " + " ".join(f"{row['ratios_p25'][r]:{_width(r)}.2f}" for r in _RATIOS)
         )
+    lines.append("pairs timed back to back: the median of the repetitions' own ratios (quartiles)")
+    for n, row in res["sizes"].items():
+        cells = [
+            f"{name} {p['median']:.3f} ({p['p25']:.3f}-{p['p75']:.3f})"
+            for name, p in row.get("paired", {}).items()
+        ]
+        lines.append(f"{n:>6} " + "; ".join(cells))
+    if res.get("one_process"):
+        lines.extend(_one_process(res["one_process"]))
     t = res.get("table")
     if t:
         lines.append(
@@ -189,3 +214,19 @@ def format_table(res: dict[str, Any]) -> str:
             f"remove 10k {t['remove_10k_ms']:.2f} ms, {t['bytes_per_live_request']:.0f} bytes per live request"
         )
     return "\n".join(lines)
+
+
+def _one_process(res: dict[str, Any]) -> list[str]:
+    lines = [
+        "one process (no collective): medians us; ratios are the median of the "
+        "repetitions' own (of medians)"
+    ]
+    for n, row in res.items():
+        cq, sc = row["churn/quiet"], row["churn_spans/churn"]
+        lines.append(
+            f"{n:>6} quiet {row['quiet_us']:.1f}, churn {row['churn_us']:.1f}, "
+            f"churn_spans {row['churn_spans_us']:.1f}; churn/quiet {cq['median']:.2f} "
+            f"({cq['of_medians']:.2f}); churn_spans/churn {sc['median']:.3f} "
+            f"({sc['of_medians']:.3f}; quartiles {sc['p25']:.3f}-{sc['p75']:.3f})"
+        )
+    return lines

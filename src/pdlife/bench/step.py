@@ -55,6 +55,13 @@ milliseconds on a loaded machine) while the rank that left last waited for
 nobody. Rank 0's own medians are kept in the JSON as ``rank0_median_us``.
 Table mutation (add and remove 10,000 requests) and memory per live request
 are measured on rank 0.
+
+``churn_spans`` (the churn step feeding live spans) is timed back to back
+with ``churn`` (each first in turn), and its ratio is also given as the
+median of the repetitions' own ratios (``paired``). After the two ranks, the
+parent process times the churn step against a step where nothing changes,
+and with spans against without, with a group of one
+(:mod:`pdlife.bench.one_process`, ``one_process`` in the JSON).
 """
 
 from __future__ import annotations
@@ -79,12 +86,15 @@ from pdlife.bench.field_cases import (
     gated_stepper,
     staged_view,
 )
-from pdlife.bench.report import format_table, summarise
+from pdlife.bench.one_process import one_process
+from pdlife.bench.report import PAIRED, format_table, summarise
 from pdlife.spans.live import LiveSpans
 
 __all__ = ["add_parser", "run_bench"]
 
 SIZES = (64, 1024, 4096, 16384)
+#: the one-process part's repetitions, per repetition of the two-rank part
+ONE_PROCESS_REPS = 10
 
 
 def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
@@ -249,14 +259,27 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     # the vCPU sat idle, and a rotation would put each variant after the same
     # one every time (one of them after overlap_inline's 5 ms sleep)
     shuffle = np.random.default_rng(n)
-    for _ in range(reps):
+
+    def timed(name: str, f: Any) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        visible = f()
+        elapsed = time.perf_counter() - t0
+        times[name].append(visible if isinstance(visible, float) else elapsed)
+
+    for rep in range(reps):
         for i in shuffle.permutation(len(order)).tolist():
             name, f = order[i]
-            dist.barrier()
-            t0 = time.perf_counter()
-            visible = f()
-            elapsed = time.perf_counter() - t0
-            times[name].append(visible if isinstance(visible, float) else elapsed)
+            if name in PAIRED.values():
+                continue  # timed beside its partner
+            if name not in PAIRED:
+                timed(name, f)
+                continue
+            # a pair timed back to back, each first in turn: the machine's state
+            # (a halted vCPU, cold caches) is the same for both
+            pair = [(name, f), (PAIRED[name], variants[PAIRED[name]])]
+            for other, g in pair if rep % 2 else pair[::-1]:
+                timed(other, g)
     # one transitions machine per request, one trigger per request per step
     t0 = time.perf_counter()
     machines = [RequestMachine(int(r), rank, initial=KVPoll.Bootstrapping) for r in room_list]
@@ -337,6 +360,7 @@ def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
     res: dict[str, Any] = {
         "sizes": {n: summarise([r["sizes"][n] for r in results]) for n in results[0]["sizes"]},
         "table": results[0]["table"],
+        "one_process": one_process(sizes, ONE_PROCESS_REPS * reps),
     }
     why = field_calls().why
     if why:
