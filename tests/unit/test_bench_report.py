@@ -27,6 +27,7 @@ MEDIANS = {
     "churn": 1000.0,
     "churn_one": 980.0,
     "churn_spans": 1010.0,
+    "churn_twin": 1001.0,
     "overlap_visible": 120.0,
     "overlap_inline": 300.0,
     "compat": 660.0,
@@ -135,7 +136,7 @@ def test_a_pair_timed_back_to_back_is_the_median_of_its_repetitions_own_ratios()
     assert row["paired"]["churn_spans/churn"]["median"] == pytest.approx(1.0)
     assert row["paired"]["churn_spans/churn"]["p75"] == pytest.approx(1.1)
     text = format_table({"sizes": {"1024": row}, "table": None})
-    assert "1024 churn_spans/churn 1.000 (1.000-1.100)" in text
+    assert "1024 churn_spans/churn 1.000 (1.000-1.100); churn_twin/churn 1.001" in text
 
 
 def test_the_one_process_part_is_printed_with_its_ratios():

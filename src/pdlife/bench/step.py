@@ -56,9 +56,11 @@ nobody. Rank 0's own medians are kept in the JSON as ``rank0_median_us``.
 Table mutation (add and remove 10,000 requests) and memory per live request
 are measured on rank 0.
 
-``churn_spans`` (the churn step feeding live spans) is timed back to back
-with ``churn`` (each first in turn), and its ratio is also given as the
-median of the repetitions' own ratios (``paired``). After the two ranks, the
+``churn_spans`` (the churn step feeding live spans) and ``churn_twin`` (the
+churn step again, on a queue of its own) are timed back to back with
+``churn``, in an order that turns, and their ratios to it are also given as
+the median of the repetitions' own ratios (``paired``): ``churn_twin``'s is
+what that measurement scatters by itself. After the two ranks, the
 parent process times the churn step against a step where nothing changes,
 and with spans against without, with a group of one
 (:mod:`pdlife.bench.one_process`, ``one_process`` in the JSON).
@@ -157,6 +159,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         floor()
 
     churn = churn_case(rank, n, coll)
+    churn_twin = churn_case(rank, n, coll)  # the same again: the pairs' own scatter
     churn_one = churn_case(rank, n, coll, split=False)
     # the same churn with live spans at the default volume (rank 0 the lead: it
     # keeps every request's spans); the step hands over its changed rows, and
@@ -223,6 +226,7 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         "churn": churn,
         "churn_one": churn_one,
         "churn_spans": churn_spans,
+        "churn_twin": churn_twin,
         "overlap_visible": overlapped(True),
         "overlap_inline": overlapped(False),
         "compat": compat,
@@ -267,19 +271,21 @@ def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         times[name].append(visible if isinstance(visible, float) else elapsed)
 
+    partners = {p for members in PAIRED.values() for p in members}
     for rep in range(reps):
         for i in shuffle.permutation(len(order)).tolist():
             name, f = order[i]
-            if name in PAIRED.values():
-                continue  # timed beside its partner
+            if name in partners:
+                continue  # timed beside its base
             if name not in PAIRED:
                 timed(name, f)
                 continue
-            # a pair timed back to back, each first in turn: the machine's state
-            # (a halted vCPU, cold caches) is the same for both
-            pair = [(name, f), (PAIRED[name], variants[PAIRED[name]])]
-            for other, g in pair if rep % 2 else pair[::-1]:
-                timed(other, g)
+            # timed back to back, in an order that turns: the machine's state
+            # (a halted vCPU, cold caches) is alike for all of them
+            members = [name, *PAIRED[name]]
+            turn = rep % len(members)
+            for member in members[turn:] + members[:turn]:
+                timed(member, variants[member])
     # one transitions machine per request, one trigger per request per step
     t0 = time.perf_counter()
     machines = [RequestMachine(int(r), rank, initial=KVPoll.Bootstrapping) for r in room_list]
