@@ -13,6 +13,8 @@ from lifecycle.status import NUM_STATUSES, KVPoll
 __all__ = ["Failure", "Retry", "StuckReport", "StepResult", "LastStep"]
 
 _NO_EPOCHS = np.zeros(0, dtype=np.uint16)
+#: statuses as plain integers (an enum member's lookup on its class is slow)
+_SUCCESS, _FAILED = int(KVPoll.Success), int(KVPoll.Failed)
 
 
 @attrs.frozen
@@ -77,18 +79,20 @@ class StepResult:
     recovery: RecoveryTable = FAIL_ALL
 
     def _new(self, status: int) -> NDArray[np.int64]:
+        if not self.changed.size:
+            return self.changed
         rows: NDArray[np.int64] = self.changed[self.statuses[self.changed] == status]
         return rows
 
     @property
     def succeeded(self) -> NDArray[np.uint64]:
         """Rooms that reached Success in this step."""
-        return self.rooms[self._new(KVPoll.Success)]
+        return self.rooms[self._new(_SUCCESS)]
 
     @property
     def failed(self) -> NDArray[np.uint64]:
         """Rooms that reached Failed in this step."""
-        return self.rooms[self._new(KVPoll.Failed)]
+        return self.rooms[self._new(_FAILED)]
 
     def _epochs(self, rows: NDArray[np.int64]) -> NDArray[np.uint16]:
         if self.epochs.size != self.rooms.size:
@@ -100,7 +104,7 @@ class StepResult:
         """For the rows that failed in this step: (rows, the recovery table's
         action, the epoch of the next attempt). A pure function of agreed
         columns (reason, epoch) and the config's table: the same on every rank."""
-        rows = self._new(KVPoll.Failed)
+        rows = self._new(_FAILED)
         action, nxt = self.recovery.decide(self.reasons[rows], self._epochs(rows))
         return rows, action, nxt
 
@@ -108,6 +112,8 @@ class StepResult:
         """The newly failed requests with the agreed reason and origin rank,
         the attempt that failed and the action the recovery table took."""
         rows, action, _ = self.decisions()
+        if not rows.size:
+            return []
         return [
             Failure(int(r), FailureReason(int(c)), int(o), int(e), Action(int(a)))
             for r, c, o, e, a in zip(

@@ -21,9 +21,9 @@ handle index the transfer's poller answers for.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import attrs
-import numpy as np
 
 from lifecycle import Collective, KVPoll, RequestTable, Role, StepConfig, Stepper
 from lifecycle.errors import InvalidArgument
@@ -31,6 +31,14 @@ from lifecycle.protocols import BatchPoller
 from lifecycle.result import Failure, StepResult
 
 __all__ = ["Ended", "WorkerAgreement"]
+
+#: statuses as plain integers (an enum member's lookup on its class is slow)
+_WAITING, _SUCCESS, _FAILED = (
+    int(KVPoll.WaitingForInput),
+    int(KVPoll.Success),
+    int(KVPoll.Failed),
+)
+_NONE: frozenset[str] = frozenset()
 
 
 @attrs.frozen
@@ -49,6 +57,10 @@ class Ended:
     def ids(self) -> frozenset[str]:
         """Every request this step ended, succeeded or failed."""
         return self.succeeded | frozenset(self.failed)
+
+
+#: a step that moved nothing (Ended is frozen: one serves every such step)
+_NOTHING = Ended(failed=MappingProxyType({}))
 
 
 class WorkerAgreement:
@@ -100,20 +112,22 @@ class WorkerAgreement:
     def step(self) -> Ended:
         """Step every transfer in flight with the group; what ended, once."""
         res: StepResult = self.stepper.step(self.collective)
-        if res.changed.size == 0:
-            return Ended()
-        now = res.statuses[res.changed]
-        ready = frozenset(
-            self._ids[int(r)]
-            for r in res.rooms[res.changed[now == KVPoll.WaitingForInput]].tolist()
-        )
-        ended = res.changed[(now == KVPoll.Success) | (now == KVPoll.Failed)]
+        changed = res.changed
+        if changed.size == 0:
+            return _NOTHING
+        ids = self._ids
+        now = res.statuses[changed]
+        waiting = changed[now == _WAITING]
+        ready = frozenset([ids[r] for r in res.rooms[waiting].tolist()]) if waiting.size else _NONE
+        failing = now == _FAILED
+        ended = changed[failing | (now == _SUCCESS)]
         if ended.size == 0:
             return Ended(ready=ready)
-        failed = {self._ids[f.room]: f for f in res.failures()}
+        failed = {ids[f.room]: f for f in res.failures()} if failing.any() else {}
         rooms = res.rooms[ended]
-        succeeded = frozenset(self._ids[int(r)] for r in rooms.tolist()) - failed.keys()
-        self.table.remove_many(np.asarray(rooms, dtype=np.uint64))
-        for r in rooms.tolist():
-            self._rooms.pop(self._ids.pop(int(r)))
+        self.table.remove_many(rooms)
+        gone = [ids.pop(r) for r in rooms.tolist()]
+        for rid in gone:
+            del self._rooms[rid]
+        succeeded = frozenset(gone).difference(failed) if failed else frozenset(gone)
         return Ended(succeeded, failed, ready)

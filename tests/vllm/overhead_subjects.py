@@ -26,6 +26,7 @@ import copy
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from numpy.typing import NDArray
 
@@ -60,12 +61,18 @@ class SizedCollective(TorchCollective):
     def __init__(self, group: Any = None) -> None:
         super().__init__(group)
         self.reduces = 0
-        self.sent: tuple[str, int] = ("uint8", 0)
+        self._sent: tuple[Any, int] = (np.dtype(np.uint8), 0)
         self.seconds = 0.0
 
+    @property
+    def sent(self) -> tuple[str, int]:
+        """The dtype's name and the size of the last reduce's buffer."""
+        return self._sent[0].name, self._sent[1]
+
     def _saw(self, buf: NDArray[Any]) -> None:
+        # (inside the timed call: a dtype's name is computed by a Python property)
         self.reduces += 1
-        self.sent = (buf.dtype.name, int(buf.size))
+        self._sent = (buf.dtype, buf.size)
 
     def all_reduce_min(self, buf: NDArray[Any]) -> None:
         self._saw(buf)

@@ -213,17 +213,22 @@ class RecoveryTable:
         e = np.asarray(epochs, dtype=np.int64)
         if r.shape != e.shape or r.ndim != 1:
             raise InvalidArgument("decide", (r.shape, e.shape), "one reason and one epoch per row")
-        known = r.size == 0 or (r.min() >= 0 and r.max() < R.NONE and self._action[r].min() >= 0)
+        if not r.size:  # (the common step: no row failed)
+            return _NO_ACTIONS.copy(), _NO_NEXT.copy()
+        known = r.min() >= 0 and r.max() < _NONE and self._action[r].min() >= 0
         if not known or (e.size and (e.min() < 0 or e.max() >= 1 << 16)):
             raise InvalidArgument(
                 "decide reasons/epochs",
                 (r.tolist()[:8], e.tolist()[:8]),
                 "failure reason codes (not NONE) and epochs in 0..65535",
             )
-        action = self._action[r].copy()
-        spent = (action == Action.RETRY) & (e + 1 >= self._max[r])
-        action[spent] = Action.FAIL
-        nxt = np.where(action == Action.RETRY, e + 1, e).astype(np.uint16)
+        action = self._action[r]  # (a gather: a new array)
+        retry = action == _RETRY
+        spent = retry & (e + 1 >= self._max[r])
+        if spent.any():
+            action[spent] = _FAIL
+            retry &= ~spent
+        nxt = (e + retry).astype(np.uint16)
         return action, nxt
 
     @property
@@ -240,6 +245,12 @@ class RecoveryTable:
     def __repr__(self) -> str:
         return f"RecoveryTable({self.fingerprint})"
 
+
+#: the codes :meth:`RecoveryTable.decide` reads, as plain integers (an enum
+#: member's lookup on its class is a slow path of Python's enum)
+_NONE, _RETRY, _FAIL = int(R.NONE), int(Action.RETRY), int(Action.FAIL)
+_NO_ACTIONS = np.zeros(0, dtype=np.int8)
+_NO_NEXT = np.zeros(0, dtype=np.uint16)
 
 #: retry what a new attempt can cure, three attempts in all; fail the rest
 DEFAULT_RECOVERY = RecoveryTable(

@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +89,7 @@ from pdlife.bench.field_cases import (
 )
 from pdlife.bench.one_process import one_process
 from pdlife.bench.report import PAIRED, format_table, summarise
+from pdlife.bench.table_cost import table_costs
 from pdlife.spans.live import LiveSpans
 
 __all__ = ["add_parser", "run_bench"]
@@ -321,42 +321,8 @@ def _bench_rank(
     for n in sizes:
         out["sizes"][str(n)] = _bench_size(rank, n, reps, t_reps)
     if rank == 0:
-        out["table"] = _table_costs()
+        out["table"] = table_costs()
     return out
-
-
-def _table_costs() -> dict[str, float]:
-    from lifecycle import RequestTable
-
-    rooms = np.arange(1, 10_001, dtype=np.uint64)
-    add, rem = [], []
-    for _ in range(7):
-        t = RequestTable(capacity=64)
-        t0 = time.perf_counter()
-        t.extend(rooms)
-        add.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        t.remove_many(rooms)
-        t.order()
-        rem.append(time.perf_counter() - t0)
-    one = RequestTable(capacity=64)
-    t0 = time.perf_counter()
-    for r in range(1, 10_001):
-        one.add(r)
-    add_single = time.perf_counter() - t0
-    tracemalloc.start()
-    t = RequestTable(capacity=1)
-    before = tracemalloc.get_traced_memory()[0]
-    t.extend(np.arange(1, 16_385, dtype=np.uint64))
-    t.order()
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    return {
-        "add_10k_ms": float(np.median(add) * 1e3),
-        "remove_10k_ms": float(np.median(rem) * 1e3),
-        "add_10k_one_by_one_ms": add_single * 1e3,
-        "bytes_per_live_request": (after - before) / 16_384,
-    }
 
 
 def run_bench(sizes: tuple[int, ...], reps: int, t_reps: int) -> dict[str, Any]:
