@@ -80,7 +80,7 @@ class StepResult:
 
     def _new(self, status: int) -> NDArray[np.int64]:
         if not self.changed.size:
-            return self.changed
+            return self.changed[:0]  # (a view: the shared empty array stays unreachable)
         rows: NDArray[np.int64] = self.changed[self.statuses[self.changed] == status]
         return rows
 

@@ -21,7 +21,6 @@ handle index the transfer's poller answers for.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 
 import attrs
 
@@ -57,10 +56,6 @@ class Ended:
     def ids(self) -> frozenset[str]:
         """Every request this step ended, succeeded or failed."""
         return self.succeeded | frozenset(self.failed)
-
-
-#: a step that moved nothing (Ended is frozen: one serves every such step)
-_NOTHING = Ended(failed=MappingProxyType({}))
 
 
 class WorkerAgreement:
@@ -114,7 +109,7 @@ class WorkerAgreement:
         res: StepResult = self.stepper.step(self.collective)
         changed = res.changed
         if changed.size == 0:
-            return _NOTHING
+            return Ended()
         ids = self._ids
         now = res.statuses[changed]
         waiting = changed[now == _WAITING]
