@@ -29,13 +29,16 @@ def test_the_bench_reports_every_variant_and_ratio():
         assert all(v > 0 for k, v in row["ratios"].items() if "-" not in k)
         # the pairs timed back to back: the median of the repetitions' own ratios
         pair = row["paired"]["churn_spans/churn"]
-        assert 0 < pair["p25"] <= pair["median"] <= pair["p75"] and pair["mean_ratio"] > 0
+        assert 0 < pair["q1"] <= pair["median"] <= pair["q3"] and pair["mean_ratio"] > 0
     # the one-process part: churn against a step where nothing changes, and spans
     assert set(res["one_process"]) == {"64", "300"}
     for row in res["one_process"].values():
         assert min(row[f"{v}_us"] for v in ("quiet", "churn", "churn_spans")) > 0
+        for v in ("gated", "hooks", "fused3", "hooks3"):
+            assert row[f"{v}_us"] > 0
+        assert row["gated-hooks_us"] == row["gated_us"] - row["hooks_us"]
         for ratio in ("churn/quiet", "churn_spans/churn"):
-            assert 0 < row[ratio]["p25"] <= row[ratio]["median"] <= row[ratio]["p75"]
+            assert 0 < row[ratio]["q1"] <= row[ratio]["median"] <= row[ratio]["q3"]
     assert res["table"]["bytes_per_live_request"] > 0
     text = format_table(res)
     assert "one process (no collective)" in text and "churn_spans/churn" in text

@@ -128,24 +128,26 @@ def test_a_pair_timed_back_to_back_is_the_median_of_its_repetitions_own_ratios()
         [{"times": times, "create_machine_us": 3.0}, {"times": other, "create_machine_us": 3.0}]
     )
     pair = row["paired"]["churn_spans/churn"]
-    assert pair["median"] == pytest.approx(1.02) and pair["p25"] == pytest.approx(1.02)
-    assert pair["p75"] == pytest.approx(1.02) and pair["mean_ratio"] == pytest.approx(1.02)
+    assert pair["median"] == pytest.approx(1.02) and pair["q1"] == pytest.approx(1.02)
+    assert pair["q3"] == pytest.approx(1.02) and pair["mean_ratio"] == pytest.approx(1.02)
     # a pair whose partner was slower in some repetitions: the median of those ratios
     times["churn_spans"] = [1.1e-3, 1.0e-3, 1.0e-3, 5.5e-3, 5.0e-3]
     row = summarise([{"times": times, "create_machine_us": 3.0}] * 2)
     assert row["paired"]["churn_spans/churn"]["median"] == pytest.approx(1.0)
-    assert row["paired"]["churn_spans/churn"]["p75"] == pytest.approx(1.1)
+    assert row["paired"]["churn_spans/churn"]["q3"] == pytest.approx(1.1)
     text = format_table({"sizes": {"1024": row}, "table": None})
     assert "1024 churn_spans/churn 1.000 (1.000-1.100); churn_twin/churn 1.001" in text
 
 
 def test_the_one_process_part_is_printed_with_its_ratios():
     def ratio(m: float) -> dict:
-        return {"median": m, "p25": m - 0.01, "p75": m + 0.01, "of_medians": m + 0.002}
+        return {"median": m, "q1": m - 0.01, "q3": m + 0.01, "of_medians": m + 0.002}
 
     one = {"quiet_us": 20.0, "churn_us": 100.0, "churn_spans_us": 101.5}
+    one |= {"gated_us": 30.0, "gated-hooks_us": 16.5, "fused3_us": 70.0, "fused3-hooks3_us": 44.0}
     one |= {"churn/quiet": ratio(5.0), "churn_spans/churn": ratio(1.015)}
     res = {**_result(MEDIANS), "one_process": {"1024": one}}
     line = next(x for x in format_table(res).splitlines() if x.startswith("  1024 quiet"))
     assert "quiet 20.0, churn 100.0, churn_spans 101.5; churn/quiet 5.00 (5.00)" in line
     assert "churn_spans/churn 1.015 (1.017; quartiles 1.005-1.025)" in line
+    assert "gated step 30.0 = its hooks + 16.5; fused3 70.0 = its hooks + 44.0" in line

@@ -294,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         "the run's times are then not the measurement",
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds before the run is killed")
+    p.add_argument(
+        "--workers",
+        type=int,
+        choices=(1, WORLD),
+        default=WORLD,
+        help=f"TP workers ({WORLD}); 1: a gloo group of one, each side's own work without "
+        "a round trip (the step's reduce is skipped, the bare all-reduce is one rank's)",
+    )
     args = p.parse_args(argv)
     if args.reps < 1 or args.life < 1 or args.warmup < 0 or min(args.n) < 1:
         p.error("--reps, --life and every --n must be at least 1, --warmup at least 0")
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout = args.timeout or 180.0 + 0.05 * work * max(1, max(args.n) // 64)
     per_rank = run_ranks(
         _rank,
-        WORLD,
+        args.workers,
         args.n,
         args.reps,
         args.life,
@@ -321,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         pg_timeout=120.0,
     )
     rows = summarize(per_rank, args.n)
-    print(f"{WORLD} TP workers, gloo on 127.0.0.1; load average before: {load[0]:.2f}")
+    print(f"{args.workers} TP workers, gloo on 127.0.0.1; load average before: {load[0]:.2f}")
     print(table(rows))
     if args.profile:
         _print_profiles(args.profile, args.n)
     if args.json:
         doc = {
-            "world": WORLD,
+            "world": args.workers,
             "reps": args.reps,
             "life": args.life,
             "warmup": args.warmup,

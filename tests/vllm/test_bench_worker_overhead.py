@@ -28,3 +28,15 @@ def test_every_column_comes_out(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert row["fence_violations"] == 0  # no load wrote into another's pages
     printed = capsys.readouterr().out
     assert "ratio" in printed and "vLLM" in printed
+
+
+def test_one_worker_times_each_side_without_a_round_trip(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--reps", "3", "--warmup", "3", "--n", "8", "--workers", "1", "--json", str(out)]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["world"] == 1 and len(doc["samples"]) == 1
+    row = doc["rows"][0]
+    assert row["ours_us"] > 0 and row["vllm_us"] > 0 and row["fence_violations"] == 0
+    # the step still hands its collective one reduce per iteration (a no-op over one rank)
+    assert row["reduces_per_step"] >= 1

@@ -13,6 +13,7 @@ __all__ = [
     "ArrayBackend",
     "ChurnBackend",
     "ObjPoller",
+    "bench_layout",
     "gated_queue",
     "hooks_of",
     "three_queues",
@@ -63,6 +64,13 @@ class ChurnBackend:
     def poll_many(self, rooms: NDArray[np.uint64], indices: NDArray[np.int64]) -> NDArray[np.int8]:
         out: NDArray[np.int8] = self.status[indices]
         return out
+
+
+def bench_layout() -> Any:
+    """The metadata layout of every gated queue the bench steps."""
+    from buffers import MetadataLayout
+
+    return MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
 
 
 def gated_queue(

@@ -1,4 +1,6 @@
-"""``pdlife bench``'s table: medians, ratios of medians and of lower quartiles."""
+"""``pdlife bench``'s table: medians, ratios of medians and of lower quartiles,
+and the ratios of pairs timed back to back (:func:`pair_ratios`, which
+``pdlife bench-transfer`` shares)."""
 
 from __future__ import annotations
 
@@ -6,13 +8,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PAIRED", "format_table", "summarise"]
+__all__ = ["PAIRED", "format_table", "pair_ratios", "summarise"]
 
 #: variants timed back to back in each repetition (in an order that turns), by
 #: the one timed as the base: each one's ratio to the base is also the median of
 #: the repetitions' own ratios. ``churn_twin`` is the churn step again, on a
 #: queue of its own: its ratio is what the measurement itself scatters
 PAIRED: dict[str, tuple[str, ...]] = {"churn": ("churn_spans", "churn_twin")}
+
+
+def pair_ratios(raw: list[float], life: list[float]) -> dict[str, float]:
+    """``raw/life`` of each repetition (a pair timed back to back, in turn
+    first), summarised: the median, the quartiles and the extremes. A pair's
+    ratio keeps a drift of the machine's speed out of the comparison, which a
+    ratio of the two medians does not."""
+    r = np.asarray(raw, dtype=np.float64) / np.asarray(life, dtype=np.float64)
+    q1, med, q3 = (float(x) for x in np.quantile(r, [0.25, 0.5, 0.75]))
+    return {"median": med, "q1": q1, "q3": q3, "min": float(r.min()), "max": float(r.max())}
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -40,14 +52,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for base, others in PAIRED.items():
         b = np.min([r["times"][base] for r in ranks], axis=0)
         for other in others:
-            if other not in ranks[0]["times"]:
-                continue
             o = np.min([r["times"][other] for r in ranks], axis=0)
-            each = o / b
             row["paired"][f"{other}/{base}"] = {
-                "median": float(np.median(each)),
-                "p25": float(np.percentile(each, 25)),
-                "p75": float(np.percentile(each, 75)),
+                **pair_ratios(list(o), list(b)),
                 "mean_ratio": float(o.mean() / b.mean()),
             }
     return row
@@ -205,7 +212,7 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append("pairs timed back to back: the median of the repetitions' own ratios (quartiles)")
     for n, row in res["sizes"].items():
         cells = [
-            f"{name} {p['median']:.3f} ({p['p25']:.3f}-{p['p75']:.3f})"
+            f"{name} {p['median']:.3f} ({p['q1']:.3f}-{p['q3']:.3f})"
             for name, p in row.get("paired", {}).items()
         ]
         lines.append(f"{n:>6} " + "; ".join(cells))
@@ -231,6 +238,8 @@ def _one_process(res: dict[str, Any]) -> list[str]:
             f"{n:>6} quiet {row['quiet_us']:.1f}, churn {row['churn_us']:.1f}, "
             f"churn_spans {row['churn_spans_us']:.1f}; churn/quiet {cq['median']:.2f} "
             f"({cq['of_medians']:.2f}); churn_spans/churn {sc['median']:.3f} "
-            f"({sc['of_medians']:.3f}; quartiles {sc['p25']:.3f}-{sc['p75']:.3f})"
+            f"({sc['of_medians']:.3f}; quartiles {sc['q1']:.3f}-{sc['q3']:.3f}); "
+            f"gated step {row['gated_us']:.1f} = its hooks + {row['gated-hooks_us']:.1f}; "
+            f"fused3 {row['fused3_us']:.1f} = its hooks + {row['fused3-hooks3_us']:.1f}"
         )
     return lines

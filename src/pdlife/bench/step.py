@@ -78,7 +78,14 @@ import numpy as np
 import torch
 
 from pdlife.args import positive_int
-from pdlife.bench.cases import ObjPoller, churn_case, gated_queue, hooks_of, three_queues
+from pdlife.bench.cases import (
+    ObjPoller,
+    bench_layout,
+    churn_case,
+    gated_queue,
+    hooks_of,
+    three_queues,
+)
 from pdlife.bench.field_cases import (
     check_agreement,
     field_calls,
@@ -102,13 +109,12 @@ ONE_PROCESS_REPS = 10
 def _bench_size(rank: int, n: int, reps: int, t_reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from buffers import MetadataLayout
     from field.step.consensus import poll_and_all_reduce as compat_poll
     from lifecycle import KVPoll, TorchCollective
     from lifecycle.rules.reference import RequestMachine
 
     coll = TorchCollective()
-    layout = MetadataLayout(hidden_size=16, hidden_dtype=torch.float32, max_top_logprobs=16)
+    layout = bench_layout()
     stepper, backend, meta, rooms = gated_queue(rank, n, layout)
     # the pattern's per-request objects
     pollers = [ObjPoller() for _ in range(n)]

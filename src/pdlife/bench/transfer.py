@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from pdlife.bench.report import pair_ratios
 from pdlife.bench.transfer_args import check_args, heads_flags
 from pdlife.bench.transfer_rank import rank_main
 from pdlife.bench.transfer_shape import Shape, shape_of
@@ -56,16 +57,6 @@ _LAYOUT_TEXT = {"token": "token-major", "head": "head-major", "group": "cut in h
 def _span(per_rank: list[list[tuple[float, float]]]) -> list[float]:
     """Per repetition: from the first rank's start to the last rank's end."""
     return [max(e for _, e in rep) - min(s for s, _ in rep) for rep in zip(*per_rank)]
-
-
-def pair_ratios(raw: list[float], life: list[float]) -> dict[str, float]:
-    """``raw/life`` of each repetition (a pair timed back to back, in turn
-    first), summarised: the median, the quartiles and the extremes. A pair's
-    ratio keeps a drift of the machine's speed out of the comparison, which a
-    ratio of the two medians does not."""
-    r = np.asarray(raw, dtype=np.float64) / np.asarray(life, dtype=np.float64)
-    q1, med, q3 = (float(x) for x in np.quantile(r, [0.25, 0.5, 0.75]))
-    return {"median": med, "q1": q1, "q3": q3, "min": float(r.min()), "max": float(r.max())}
 
 
 def run_transfer_bench(
