@@ -34,7 +34,7 @@ whose blocks span several KV cache groups is refused by name.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import attrs
 import numpy as np
@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 
 from lifecycle import Role
 from lifecycle.rules.recovery import Action
-from transport.connector.handles import ConnectorReceiver, ConnectorSender
+from transport.connector.handles import ConnectorReceiver, ConnectorSender, clear_drained
 from vllm_connector.agreement import WorkerAgreement
 from vllm_connector.params import ParamsError
 from vllm_connector.scheduler import Meta
@@ -90,8 +90,7 @@ class _Transfer:
 SENT, RECEIVED, UNSEEN = "sent", "received", "unseen"
 
 
-@attrs.frozen
-class _Ending:
+class _Ending(NamedTuple):
     request_id: str
     transfer: _Transfer
     #: what it is reported as once drained
@@ -234,16 +233,15 @@ class WorkerSide:
     def _drained(self, told: _Told) -> Report:
         sending, recving = told.sending, told.recving
         keep = []
-        for e in self.ending:
-            t = e.transfer
-            if not t.handle.drained:
-                keep.append(e)
-                continue
-            t.handle.clear()
-            if e.then == SENT:
-                sending.add(e.request_id)
-            elif e.then == RECEIVED:
-                recving.add(e.request_id)
+        ending = self.ending
+        if ending:  # (the connector asked once for every handle)
+            for e, gone in zip(ending, clear_drained([e.transfer.handle for e in ending])):
+                if not gone:
+                    keep.append(e)
+                elif e.then == SENT:
+                    sending.add(e.request_id)
+                elif e.then == RECEIVED:
+                    recving.add(e.request_id)
         self.ending = keep
         waiting = {e.request_id for e in keep}
         done = {rid for rid in self.freeable if rid not in waiting and rid not in self.live}

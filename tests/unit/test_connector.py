@@ -10,6 +10,7 @@ from lifecycle import FailureReason, KVPoll
 from support.simcases import deliver, handshaken, pair, post, settle, watch_sends
 from transport.connector.core.graph import Phase, ProtocolError
 from transport.connector.core.messages import Msg
+from transport.connector.handles import clear_drained
 from transport.testing.simnet import Faults
 
 
@@ -320,3 +321,31 @@ def test_a_message_that_does_not_parse_is_counted_and_changes_nothing(sim):
     settle(net, lambda: d.core.stats["malformed"] == len(bad), "every malformed message counted")
     assert r.poll() == KVPoll.Bootstrapping and d.core.last_error is None
     _move(net, s, r, pkv, dkv, [2], [6], 1, pmeta)  # the rank still serves the request
+
+
+def test_clear_drained_is_each_handles_drained_then_clear(sim):
+    """The batch release asks each connector once and does what each handle's
+    ``drained`` then ``clear`` would: drained handles cleared (released, their
+    answers frozen), the others untouched; handles of two connectors at once."""
+    net, sides = sim
+    p, _, _ = sides["prefill"]
+    d, _, _ = sides["decode"]
+    aborted = [d.receiver(200 + i) for i in range(3)]
+    for h in aborted:
+        h.abort()  # no page list sent: drained at once
+    live = [d.receiver(300 + i) for i in range(2)]
+    for h in live:
+        h.init()
+    sender = p.sender(400)
+    sender.abort()
+    handles = [aborted[0], live[0], sender, aborted[1], live[1], aborted[2]]
+    want = [h.drained for h in handles]
+    assert want[:2] == [True, False] and want[3:] == [True, False, True]
+    polls = [h.poll() for h in handles]
+    assert clear_drained(handles) == want
+    for h, gone, answer in zip(handles, want, polls):
+        assert h.detached is gone  # a cleared handle answers what it last saw
+        assert h._req.released is gone
+        assert h.poll() == answer
+    assert clear_drained(handles) == want  # a second time: nothing left to clear
+    assert clear_drained([]) == []

@@ -142,6 +142,22 @@ class _TimedReceiver(ConnectorReceiver):
             self._spent.release += time.perf_counter() - t
 
 
+def _time_release(rank: SimRank, spent: _Spending) -> None:
+    """The decode connector's batch calls that release drained handles, timed
+    into ``spent.release`` (as a handle's own ``clear`` is)."""
+    for name in ("drained_many", "clear_many"):
+        call = getattr(rank, name)
+
+        def timed(reqs: Any, call: Any = call) -> Any:
+            t = time.perf_counter()
+            try:
+                return call(reqs)
+            finally:
+                spent.release += time.perf_counter() - t
+
+        setattr(rank, name, timed)
+
+
 class _DecodeHandles:
     """Decode's connector, handing out timed receivers."""
 
@@ -188,6 +204,7 @@ class OursLoop:
             cfg = ConnectorConfig(role=role, tp_rank=0, store_port=1)  # (no store: simulated)
             ranks[role] = self.net.add(kv_args_for([kv], meta.buf_infos(), 0), cfg)
         self.handles_spent, self.step_spent = _Spending(), _Spent()
+        _time_release(ranks["decode"], self.handles_spent)
         self.decode = WorkerSide(
             _DecodeHandles(ranks["decode"], self.handles_spent),
             _TimedAgreement(

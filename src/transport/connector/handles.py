@@ -4,7 +4,7 @@ reaches its connector through the calls of :class:`Requests` alone."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -47,6 +47,10 @@ class Requests(Protocol):
     def fail(self, req: Request[Any], reason: FailureReason) -> None: ...
 
     def clear(self, req: Request[Any]) -> None: ...
+
+    def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]: ...
+
+    def clear_many(self, reqs: Sequence[Request[Any]]) -> None: ...
 
     def phase_of(self, req: Request[Any]) -> int: ...
 
@@ -102,6 +106,29 @@ class _Handle(StatusHandle, Generic[Q]):
     def clear(self) -> None:
         if self._detach():
             self.manager.clear(self._req)
+
+
+def clear_drained(handles: Sequence[_Handle[Any]]) -> list[bool]:
+    """For each of ``handles``: is it :attr:`~_Handle.drained`? Those that are
+    are cleared, as :meth:`~_Handle.clear` does; the others are left as they
+    were. Two calls to each connector for the lot, where each handle's own
+    ``drained`` and ``clear`` would take the connector's lock twice."""
+    out = [False] * len(handles)
+    by_manager: dict[int, tuple[Requests, list[int]]] = {}
+    for i, h in enumerate(handles):
+        by_manager.setdefault(id(h.manager), (h.manager, []))[1].append(i)
+    for manager, at in by_manager.values():
+        drained = manager.drained_many([handles[i]._req for i in at])
+        cleared = []
+        for i, d in zip(at, drained):
+            if d:
+                out[i] = True
+                h = handles[i]
+                if h._detach():
+                    cleared.append(h._req)
+        if cleared:
+            manager.clear_many(cleared)
+    return out
 
 
 class ConnectorSender(_Handle[PrefillRequest]):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -216,6 +216,14 @@ class Connector:
     def clear(self, req: Request[Any]) -> None:
         with self.lock:
             self.core.clear(req)
+
+    def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
+        with self.lock:
+            return self.core.drained_many(reqs)
+
+    def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
+        with self.lock:
+            self.core.clear_many(reqs)
 
     def phase_of(self, req: Request[Any]) -> int:
         with self.lock:

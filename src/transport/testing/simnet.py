@@ -25,7 +25,7 @@ import contextlib
 import ctypes
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -133,6 +133,12 @@ class SimRank:
 
     def clear(self, req: Request[Any]) -> None:
         self.core.clear(req)
+
+    def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
+        return self.core.drained_many(reqs)
+
+    def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
+        self.core.clear_many(reqs)
 
     def phase_of(self, req: Request[Any]) -> int:
         return self.core.phase_of(req)

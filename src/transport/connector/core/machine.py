@@ -286,6 +286,16 @@ class ConnectorCore(StatusArrays):
         """Fail locally and make the peers stop writing."""
         self.side.fail(req, reason)
 
+    def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
+        """For each of ``reqs``: can nothing of it land any more (released, or terminal)?"""
+        phase, terminal = self.phase, IS_TERMINAL
+        return [r.released or bool(terminal[phase[r.index]]) for r in reqs]
+
+    def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
+        """:meth:`clear` of each of ``reqs``, in turn."""
+        for r in reqs:
+            self.clear(r)
+
     def clear(self, req: Request[Any]) -> None:
         """The scheduler let go of ``req``: released once nothing of it can land."""
         req.cleared = True
