@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= dev,plot,mooncake,nixl,metrics,otel
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-test vllm-env vllm-test vllm-upstream-test vllm-bench
+.PHONY: install sysdeps demo test lint typecheck bytecode unit property integration bench deep clean field-env field-bench field-bench-transfer field-test vllm-env vllm-test vllm-upstream-test vllm-bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,15 @@ field-env: sysdeps $(FIELD_STAMP)
 FIELD_BENCH_JSON ?= bench-field.json
 field-bench: field-env
 	$(FIELD_PY) -W ignore -m pdlife bench --sizes 64,1024,4096,16384 --reps 200 --json $(FIELD_BENCH_JSON)
+
+# the scattered-pages case (8 buffers of 256 pages of 32 KiB, destinations
+# shuffled) through SGLang 0.5.23's own connector and through ours, alternated
+# in one session: three rounds of 12 requests each, Mooncake then NIXL
+field-bench-transfer: field-env $(STAMP)
+	for i in 1 2 3; do for b in mooncake nixl; do \
+	  $(FIELD_PY) tests/field/sglang_transfer.py --backend $$b --reps 12 || exit 1; \
+	  $(VENV)/bin/pdlife bench-transfer --backend $$b --reps 12 --buffers 8 --page-kib 32 --shuffle || exit 1; \
+	done; done
 
 field-test: field-env
 	$(FIELD_PY) -m compileall -q -j 0 src tests
