@@ -172,43 +172,27 @@ def _publish(role: str, backend: str, bootstrap_port: int) -> Any:
 
 
 def _kv_args(backend: str, kv: list[Any], meta: Any) -> Any:
+    """SGLang's own KVArgs over ``kv`` and ``meta``: every field it declares starts
+    at the empty value of the field-facing ``field.conn.kv_args.KVArgs`` (no
+    state, no host copies, one head, one page size), then this case's own."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
+    from field.conn.kv_args import KVArgs as EmptyKVArgs
+
     args = get_kv_class(TransferBackend(backend), KVClassType.KVARGS)()
-    args.engine_rank = 0
+    declared = {n for c in type(args).__mro__ for n in getattr(c, "__annotations__", {})}
+    for name, value in vars(EmptyKVArgs()).items():
+        if name in declared:
+            setattr(args, name, value)
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
-    args.kv_item_lens = [PAGE_BYTES] * len(kv)
-    args.kv_layer_ids = []  # plain MHA: K buffers then V buffers, paired by position
+    args.kv_item_lens = [PAGE_BYTES] * len(kv)  # pages are opaque: one "token" per page
     args.kv_cache_dtype_str = "auto"
     args.aux_data_ptrs = [meta.data_ptr()]
     args.aux_data_lens = [meta.numel()]
     args.aux_item_lens = [META_ROW_BYTES]
-    args.state_types = []
-    args.state_data_ptrs = []
-    args.state_data_lens = []
-    args.state_item_lens = []
-    args.state_layer_ids = []
-    args.state_dim_per_tensor = []
-    args.state_slice_outer_counts = []
-    args.state_conv_shard_groups = []
-    args.swa_kv_cache_layout = None
-    args.is_hybrid_mla_backend = False
-    args.ib_device = None
-    args.gpu_id = 0
-    args.kv_head_num = 1
-    args.total_kv_head_num = 1
-    args.page_size = 1  # pages are opaque here: one "token" of 32 KiB per page
-    args.system_dp_rank = 0
-    args.rust_http_port = None
-    args.pp_rank = 0
-    args.prefill_start_layer = 0
-    args.prefill_end_layer = len(kv) // 2
-    args.mla_compression_ratios = None
-    args.kv_buf_groups = 1
-    args.hidden_kv_layers = len(kv) // 2
-    args.draft_kv_layers = 0
-    args.num_draft_entries = 0
+    # plain MHA: K buffers then V buffers, paired by position
+    args.prefill_end_layer = args.hidden_kv_layers = len(kv) // 2
     if backend == "nixl":
         args.kv_data_mem_kinds = ["DRAM"] * len(kv)
     return args

@@ -120,8 +120,8 @@ class _Spending:
 
 class _TimedReceiver(ConnectorReceiver):
     """The connector's decode handle; the time its page hand-off (telling prefill
-    where to write) and its release take is summed apart: the transfer's own
-    work, which ``finished()`` calls."""
+    where to write) takes is summed apart: the transfer's own work, which
+    ``finished()`` calls (its release is timed by :func:`_time_release`)."""
 
     def __init__(self, manager: SimRank, room: int, epoch: int, spent: _Spending) -> None:
         super().__init__(manager, room, epoch)
@@ -134,17 +134,10 @@ class _TimedReceiver(ConnectorReceiver):
         finally:
             self._spent.handoff += time.perf_counter() - t
 
-    def clear(self) -> None:
-        t = time.perf_counter()
-        try:
-            super().clear()
-        finally:
-            self._spent.release += time.perf_counter() - t
-
 
 def _time_release(rank: SimRank, spent: _Spending) -> None:
-    """The decode connector's batch calls that release drained handles, timed
-    into ``spent.release`` (as a handle's own ``clear`` is)."""
+    """The decode connector's batch calls that release drained handles
+    (:func:`~transport.connector.handles.clear_drained`), timed into ``spent.release``."""
     for name in ("drained_many", "clear_many"):
         call = getattr(rank, name)
 

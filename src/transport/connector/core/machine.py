@@ -287,9 +287,8 @@ class ConnectorCore(StatusArrays):
         self.side.fail(req, reason)
 
     def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
-        """For each of ``reqs``: can nothing of it land any more (released, or terminal)?"""
-        phase, terminal = self.phase, IS_TERMINAL
-        return [r.released or bool(terminal[phase[r.index]]) for r in reqs]
+        """For each of ``reqs``: can nothing of it land any more (its phase terminal)?"""
+        return [bool(IS_TERMINAL[self.phase_of(r)]) for r in reqs]
 
     def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
         """:meth:`clear` of each of ``reqs``, in turn."""
