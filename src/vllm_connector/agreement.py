@@ -20,7 +20,8 @@ handle index the transfer's poller answers for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -29,7 +30,7 @@ from lifecycle.errors import InvalidArgument
 from lifecycle.protocols import BatchPoller
 from lifecycle.result import Failure, StepResult
 
-__all__ = ["Ended", "WorkerAgreement"]
+__all__ = ["Begun", "Ended", "WorkerAgreement"]
 
 #: statuses as plain integers (an enum member's lookup on its class is slow)
 _WAITING, _SUCCESS, _FAILED = (
@@ -38,6 +39,16 @@ _WAITING, _SUCCESS, _FAILED = (
     int(KVPoll.Failed),
 )
 _NONE: frozenset[str] = frozenset()
+
+
+class Begun(NamedTuple):
+    """A transfer that starts on this worker (:meth:`WorkerAgreement.add_many`)."""
+
+    request_id: str
+    room: int
+    handle_index: int
+    role: Role
+    epoch: int = 0
 
 
 @attrs.frozen
@@ -86,15 +97,41 @@ class WorkerAgreement:
     ) -> None:
         """A transfer starts on this worker (every worker of the group adds the
         same requests, in the same order, before the next step)."""
-        if not isinstance(request_id, str):
-            raise InvalidArgument("request id", request_id, "a string (vLLM's request id)")
-        if request_id in self._rooms:
-            raise InvalidArgument(
-                f"request {request_id}", "added twice", "one transfer per request at a time"
+        self.add_many([Begun(request_id, room, handle_index, role, epoch)])
+
+    def add_many(self, begun: Sequence[Begun]) -> None:
+        """:meth:`add` of each of ``begun``, in order, with one table extend per
+        run of one role. Every one is checked first; a refused batch adds none."""
+        rooms = self._rooms
+        seen: set[str] = set()
+        for b in begun:
+            rid = b.request_id
+            if not isinstance(rid, str):
+                raise InvalidArgument("request id", rid, "a string (vLLM's request id)")
+            if rid in rooms or rid in seen:
+                raise InvalidArgument(
+                    f"request {rid}", "added twice", "one transfer per request at a time"
+                )
+            seen.add(rid)
+        runs: list[list[Begun]] = []
+        for b in begun:
+            if runs and runs[-1][0].role == b.role:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        t = self.table
+        # the table checks rooms, roles and indices before it changes: a
+        # refused run leaves the runs before it added (as one add at a time would)
+        for run in runs:
+            t.extend(
+                [b.room for b in run],
+                role=run[0].role,
+                handle_indices=[b.handle_index for b in run],
+                epochs=[b.epoch for b in run],
             )
-        self.table.add(room, role=role, handle_index=handle_index, epoch=epoch)
-        self._ids[int(room)] = request_id
-        self._rooms[request_id] = int(room)
+            for b in run:
+                self._ids[int(b.room)] = b.request_id
+                rooms[b.request_id] = int(b.room)
 
     def abort(self, request_id: str) -> None:
         """The scheduler gave up on ``request_id``: it ends Failed (aborted) at the

@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 from lifecycle import Role
 from lifecycle.rules.recovery import Action
 from transport.connector.handles import ConnectorReceiver, ConnectorSender, clear_drained
-from vllm_connector.agreement import WorkerAgreement
+from vllm_connector.agreement import Begun, WorkerAgreement
 from vllm_connector.params import ParamsError
 from vllm_connector.scheduler import Meta
 
@@ -153,10 +153,18 @@ class WorkerSide:
                     load.skip_tokens,
                     f"a whole number of {self.page_size}-token blocks (a prefix-cache hit)",
                 )
-        for rid, load in meta.loads.items():
-            self._begin(rid, load.room, load.epoch, Role.RECEIVER, planned[rid], load.skip_tokens)
-        for rid, send in meta.sends.items():
-            self._begin(rid, send.room, send.epoch, Role.SENDER, planned[rid])
+        begun: list[Begun] = []
+        try:
+            for rid, load in meta.loads.items():
+                begun.append(
+                    self._begin(
+                        rid, load.room, load.epoch, Role.RECEIVER, planned[rid], load.skip_tokens
+                    )
+                )
+            for rid, send in meta.sends.items():
+                begun.append(self._begin(rid, send.room, send.epoch, Role.SENDER, planned[rid]))
+        finally:  # (those begun before one that raised are in flight: the group steps them)
+            self.agreement.add_many(begun)
         for rid in meta.aborts:
             t = self.live.get(rid)
             if t is None:  # it ended here before the scheduler knew: freeable once drained
@@ -175,7 +183,8 @@ class WorkerSide:
         role: Role,
         pages: NDArray[np.int64],
         skip: int = 0,
-    ) -> None:
+    ) -> Begun:
+        """The transfer's handle on this worker's connector; what the group adds."""
         h: ConnectorSender | ConnectorReceiver
         if role is Role.RECEIVER:
             r = h = self.handles.receiver(room, epoch)
@@ -183,7 +192,7 @@ class WorkerSide:
         else:
             h = self.handles.sender(room, epoch)
         self.live[rid] = _Transfer(room, epoch, role, pages, h, skip=skip)
-        self.agreement.add(rid, room, h.index, role, epoch)
+        return Begun(rid, room, h.index, role, epoch)
 
     def hand_over(self) -> None:
         """Hand the transfers the group agreed ready their pages (decode says
@@ -218,7 +227,9 @@ class WorkerSide:
             if f.action is Action.RETRY and not t.aborted:
                 # the failed attempt drains unseen while the next one runs (fenced by its epoch)
                 self.ending.append(_Ending(rid, t, UNSEEN))
-                self._begin(rid, t.room, t.epoch + 1, t.role, t.pages, t.skip)
+                self.agreement.add_many(
+                    [self._begin(rid, t.room, t.epoch + 1, t.role, t.pages, t.skip)]
+                )
             elif t.role is Role.RECEIVER and not t.aborted:
                 # told at once, so vLLM never waits on a silent writer; its blocks are
                 # reported freeable (sending) only once no write can land

@@ -2,6 +2,8 @@
 virtual time): the protocol's phases, the bytes, the room-last ordering, and the
 API's illegal moves."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -349,3 +351,73 @@ def test_clear_drained_is_each_handles_drained_then_clear(sim):
         assert h.poll() == answer
     assert clear_drained(handles) == want  # a second time: nothing left to clear
     assert clear_drained([]) == []
+
+
+@pytest.mark.parametrize("count", [3, 40])  # one by one, and the batch's own path
+def test_a_batch_release_leaves_the_connector_as_one_handle_at_a_time(count):
+    """clear_drained on many handles leaves every column, the free slots, the
+    attempts' records and each handle's frozen answer as each handle's own
+    ``drained`` then ``clear`` would (a handle given twice is cleared once)."""
+
+    def run(batch):
+        _, sides = pair(seed=7)
+        d, _, _ = sides["decode"]
+        hs = [d.receiver(500 + i, epoch=i % 2) for i in range(count)]
+        for i, h in enumerate(hs):
+            if i % 3:
+                h.fail(FailureReason.PEER_DEAD if i % 3 == 1 else FailureReason.ABORTED)
+            else:
+                h.init()  # live: not drained
+        given = [*hs, hs[1]]
+        if batch:
+            gone = clear_drained(given)
+        else:
+            gone = []
+            for h in given:
+                gone.append(h.drained)
+                if gone[-1]:
+                    h.clear()
+        core = d.core
+        att = core.attempts
+        return (
+            gone,
+            [(h.detached, h._req.released, h.poll(), h.failure_reason()) for h in hs],
+            list(core._free),
+            {k: getattr(core, k).tolist() for k in ("status", "reason", "phase", "scatter_left")},
+            (sorted(att.reqs), dict(att.latest), dict(att.cleared), dict(att.older)),
+        )
+
+    assert run(True) == run(False)
+
+
+def _fire_batch_of_one(core, req, trigger, reason):
+    return bool(core.fire_many([req], trigger, reason)[0])
+
+
+def test_firing_one_request_is_firing_a_batch_of_it():
+    """ConnectorCore.fire (Python integers) moves a request as fire_many does,
+    for every side, trigger, phase and status."""
+    from transport.connector.core.graph import ROLES, TRIGGERS
+
+    for role in ROLES:
+        _, sides = pair(seed=3)
+        rank = sides[role][0]
+        core = rank.core
+        h = rank.receiver(1) if role == "decode" else rank.sender(1)
+        req, i = h._req, h.index
+        cols = ("phase", "status", "reason", "failed_at")
+        for trigger in TRIGGERS:
+            for phase in Phase:
+                for status in range(5):
+                    outs = []
+                    for fn in (core.fire, functools.partial(_fire_batch_of_one, core)):
+                        core.phase[i], core.status[i] = phase, status
+                        core.reason[i], core.failed_at[i] = 0, -1.0
+                        core.now = 5.0
+                        moved = fn(req, trigger, FailureReason.PEER_DEAD)
+                        outs.append((moved, [float(getattr(core, c)[i]) for c in cols]))
+                    assert outs[0] == outs[1], (role, trigger, phase, status)
+        req.released = True
+        assert core.fire(req, TRIGGERS[0]) is False
+        with pytest.raises(ValueError, match="unknown protocol trigger"):
+            core.fire(req, "no such trigger")

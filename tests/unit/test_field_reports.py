@@ -99,15 +99,21 @@ def make_pair():
 
 def _log_decode_moves(d, log):
     """Record every protocol move of decode's requests, in order with prefill's landings."""
-    fire = d.core.fire_many
+    fire_many, fire = d.core.fire_many, d.core.fire
 
-    def logged(reqs, trigger, reason=FailureReason.NONE):
-        moved = fire(reqs, trigger, reason)
+    def logged_many(reqs, trigger, reason=FailureReason.NONE):
+        moved = fire_many(reqs, trigger, reason)
         if moved.any():
             log.append(f"decode {trigger}")
         return moved
 
-    d.core.fire_many = logged
+    def logged(req, trigger, reason=FailureReason.NONE):
+        moved = fire(req, trigger, reason)
+        if moved:
+            log.append(f"decode {trigger}")
+        return moved
+
+    d.core.fire_many, d.core.fire = logged_many, logged
 
 
 def _ready(s, r, pages, slot):

@@ -308,6 +308,9 @@ LONG_MODULES = {
     "transport/connector/core/machine.py": "ConnectorCore: one rank's requests and the one "
     "entry through which every event, effect and scheduler call passes (the phases fired in "
     "batch, the writes and records it asks for)",
+    "transport/connector/core/graph.py": "the connector's protocol graph: its declared edges, "
+    "the tables compiled from them and their execution (a batch, or one request in Python "
+    "integers), and the reference machine they are held to",
     "transport/connector/core/legs.py": "a request's legs: each side's leg machine (declared "
     "on the graph kernel, checked at import), the leg and request records, and the checks "
     "of what a leg writes",

@@ -18,7 +18,7 @@ from transport.connector.config import ConnectorConfig
 from transport.connector.core.graph import IS_TERMINAL, Phase, ProtocolError
 from transport.connector.core.legs import DecodeRequest, PrefillRequest, Request, rows_of
 from transport.staging import Staging
-from transport.status_arrays import Statuses, StatusHandle
+from transport.status_arrays import Statuses, StatusHandle, detach_many
 
 __all__ = ["ConnectorSender", "ConnectorReceiver", "Requests"]
 
@@ -119,15 +119,16 @@ def clear_drained(handles: Sequence[_Handle[Any]]) -> list[bool]:
         by_manager.setdefault(id(h.manager), (h.manager, []))[1].append(i)
     for manager, at in by_manager.values():
         drained = manager.drained_many([handles[i]._req for i in at])
-        cleared = []
+        fresh: dict[int, _Handle[Any]] = {}  # (a handle given twice is cleared once)
         for i, d in zip(at, drained):
             if d:
                 out[i] = True
                 h = handles[i]
-                if h._detach():
-                    cleared.append(h._req)
-        if cleared:
-            manager.clear_many(cleared)
+                if not h.detached:
+                    fresh[id(h)] = h
+        if fresh:
+            detach_many(list(fresh.values()), manager.arrays)
+            manager.clear_many([h._req for h in fresh.values()])
     return out
 
 

@@ -228,3 +228,61 @@ def test_a_load_given_up_before_its_hand_over_is_not_handed_its_pages():
     assert sent == [] and w["decode"].ready == []
     got = run(n, w, s, lambda g: "req-d" in g["decode"].sending)  # freeable once drained
     assert "req-d" not in got["decode"].recving
+
+
+def _agreement():
+    _, sides = pair(0)
+    d = sides["decode"][0]
+    return WorkerAgreement(0, d.core, SingleRank())
+
+
+def test_adding_a_batch_is_adding_each_in_turn():
+    """add_many (one table extend per run of one role) leaves the table and the
+    ids as one add at a time would."""
+    from lifecycle import Role
+    from vllm_connector.agreement import Begun
+
+    begun = [
+        Begun(f"r{i}", 40 + i, 7 + i, Role.SENDER if i in (2, 3) else Role.RECEIVER, i % 2)
+        for i in range(6)
+    ]
+    batch, one = _agreement(), _agreement()
+    batch.add_many(begun)
+    for b in begun:
+        one.add(*b)
+    for a in (batch, one):
+        assert a.table.rooms().tolist() == [40, 41, 42, 43, 44, 45]
+    cols = ("role", "handle_index", "epoch", "state", "room_key")
+    for c in cols:
+        got = getattr(batch.table, c)[batch.table.order()].tolist()
+        assert got == getattr(one.table, c)[one.table.order()].tolist(), c
+    assert batch._ids == one._ids and batch._rooms == one._rooms
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("twice", "added twice"),
+        ("present", "added twice"),
+        ("not a str", "request id"),
+        ("room taken", "room"),
+    ],
+)
+def test_a_refused_batch_adds_none_of_it(bad, match):
+    from lifecycle import Role
+    from vllm_connector.agreement import Begun
+
+    a = _agreement()
+    a.add("old", 9, 1, Role.RECEIVER)
+    begun = [Begun("x", 10, 2, Role.RECEIVER), Begun("y", 11, 3, Role.RECEIVER)]
+    if bad == "twice":
+        begun.append(Begun("x", 12, 4, Role.RECEIVER))
+    elif bad == "present":
+        begun.append(Begun("old", 12, 4, Role.RECEIVER))
+    elif bad == "not a str":
+        begun.append(Begun(5, 12, 4, Role.RECEIVER))  # type: ignore[arg-type]
+    else:
+        begun.append(Begun("z", 9, 4, Role.RECEIVER))  # room 9 is in flight
+    with pytest.raises(Exception, match=match):
+        a.add_many(begun)
+    assert a.table.rooms().tolist() == [9] and set(a._rooms) == {"old"} and len(a) == 1

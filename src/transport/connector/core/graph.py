@@ -71,6 +71,8 @@ __all__ = [
     "LIVE",
     "EDGES",
     "TRIGGERS",
+    "fire_one",
+    "POLL_LISTS",
     "TRIGGER_ID",
     "TERMINAL",
     "KERNELS",
@@ -315,6 +317,21 @@ def fire(
     dest = DEST[ROLE_ID[role], TRIGGER_ID[trigger], ph]
     illegal = dest < 0
     return np.where(illegal, ph, dest).astype(np.int8, copy=False), illegal
+
+
+def fire_one(phase: int, trigger: str, role: str) -> int:
+    """:func:`fire` of one row, in Python integers: the phase it moves to, -1
+    where the trigger is illegal there."""
+    t = TRIGGER_ID.get(trigger)
+    if t is None:
+        raise ValueError(f"unknown protocol trigger {trigger!r}; declared: {TRIGGERS}")
+    return _DEST_LISTS[ROLE_ID[role]][t][phase]
+
+
+#: DEST as nested lists (an element of a list costs less to read than a numpy one)
+_DEST_LISTS: list[list[list[int]]] = DEST.tolist()
+#: POLL as nested lists
+POLL_LISTS: list[list[int]] = POLL.tolist()
 
 
 def build_machine(model: Any, role: str, initial: Phase = Phase.Bootstrap) -> Any:

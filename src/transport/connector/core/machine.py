@@ -58,7 +58,16 @@ from transport.connector.core.events import (
     Write,
     Written,
 )
-from transport.connector.core.graph import IS_TERMINAL, POLL, ROLE_ID, TRIGGER_ID, Phase, fire
+from transport.connector.core.graph import (
+    IS_TERMINAL,
+    POLL,
+    POLL_LISTS,
+    ROLE_ID,
+    TRIGGER_ID,
+    Phase,
+    fire,
+    fire_one,
+)
 from transport.connector.core.legs import Request, describe
 from transport.connector.core.messages import Incoming, Message, Register
 from transport.connector.core.side import Side
@@ -77,6 +86,9 @@ logger = logging.getLogger(__name__)
 SUPERSEDED = FailureReason.TRANSFER_ERROR
 
 R = TypeVar("R", bound="Request[Any]")
+
+#: below this many requests a batch call goes one by one (numpy's calls cost more)
+_FEW = 16
 
 #: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
 #: writer (unfenced: once it spoke); stale: a word from an old incarnation of a
@@ -277,7 +289,26 @@ class ConnectorCore(StatusArrays):
     def fire(
         self, req: Request[Any], trigger: str, reason: FailureReason = FailureReason.NONE
     ) -> bool:
-        return bool(self.fire_many([req], trigger, reason)[0])
+        """:meth:`fire_many` of one request, in Python integers (held equal to it
+        by a test over every phase, trigger, status and side)."""
+        role = self.config.role
+        if req.released:
+            fire_one(0, trigger, role)  # (raises for an unknown trigger, as fire_many does)
+            return False
+        i = req.index
+        new = fire_one(int(self.phase[i]), trigger, role)
+        if new < 0:
+            return False
+        self.phase[i] = new
+        effect = POLL_LISTS[ROLE_ID[role]][TRIGGER_ID[trigger]]
+        st = int(self.status[i])
+        if effect == F:
+            if st != S and st != F:
+                self.status[i], self.reason[i] = F, reason
+            self.failed_at[i] = self.now
+        elif effect >= 0 and st != S and st != F and effect > st:
+            self.status[i] = effect
+        return True
 
     def phase_of(self, req: Request[Any]) -> int:
         return int(Phase.Drained) if req.released else int(self.phase[req.index])
@@ -288,12 +319,45 @@ class ConnectorCore(StatusArrays):
 
     def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
         """For each of ``reqs``: can nothing of it land any more (its phase terminal)?"""
-        return [bool(IS_TERMINAL[self.phase_of(r)]) for r in reqs]
+        if len(reqs) < _FEW:
+            return [bool(IS_TERMINAL[self.phase_of(r)]) for r in reqs]
+        at = np.fromiter([r.index for r in reqs], dtype=np.int64, count=len(reqs))
+        out: list[bool] = IS_TERMINAL[self.phase[at]].tolist()
+        for i, r in enumerate(reqs):
+            if r.released:  # (its slot may be another request's now)
+                out[i] = True
+        return out
 
     def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
-        """:meth:`clear` of each of ``reqs``, in turn."""
+        """:meth:`clear` of each of ``reqs``, in turn, with one read of the
+        columns for the lot."""
+        if len(reqs) < _FEW:
+            for r in reqs:
+                self.clear(r)
+            return
         for r in reqs:
-            self.clear(r)
+            r.cleared = True
+        go = [r for r in reqs if not r.released and not r.tokens]
+        if not go:
+            return
+        if len({id(r) for r in go}) < len(go):  # one request twice: released once
+            go = list({id(r): r for r in go}.values())
+        at = np.fromiter([r.index for r in go], dtype=np.int64, count=len(go))
+        ends = IS_TERMINAL[self.phase[at]]
+        if not ends.all():
+            go = [r for r, e in zip(go, ends.tolist()) if e]
+            at = at[ends]
+        self.scatter_left[at] = 0
+        # a Success is told apart from a failure by its reason: NONE
+        why = np.where(self.status[at] == F, self.reason[at], int(FailureReason.NONE)).tolist()
+        slots = at.tolist()
+        with self._lock:
+            self._free.extend(slots)
+        release, released = self.attempts.release, self.side.released
+        for r, reason in zip(go, why):
+            r.released = True
+            release(r.room, r.epoch, reason)
+            released(r)
 
     def clear(self, req: Request[Any]) -> None:
         """The scheduler let go of ``req``: released once nothing of it can land."""
