@@ -292,8 +292,10 @@ class RequestTable:
         """Remove several requests; all must be live (checked before any is removed)."""
         self._check_idle()
         room_list = validate.rooms(rooms, self.rank)
+        index = self._index
         for r in room_list:
-            self.slot_of(r)
+            if r not in index:
+                self.slot_of(r)  # raises UnknownRequest
         if len(set(room_list)) != len(room_list):
             raise UnknownRequest(next(r for r in room_list if room_list.count(r) > 1), self.rank)
         slots = [self._index.pop(r) for r in room_list]
@@ -303,16 +305,19 @@ class RequestTable:
 
     def _drop(self, slots: list[int]) -> None:
         """Mark the slots of requests just taken out of the index dead."""
-        self.abort_count -= int(self.abort_requested[slots].sum())
-        self.terminal_count -= int(TERMINAL[self.state[slots]].sum())
+        at = np.array(slots, dtype=np.int64)  # (once, not once per column)
+        if self.abort_count:
+            self.abort_count -= int(np.count_nonzero(self.abort_requested[at]))
+            self.abort_requested[at] = False
+        self.terminal_count -= int(np.count_nonzero(TERMINAL[self.state[at]]))
         if self.carried:
-            self.carried -= int(self.carries[slots].sum())
+            self.carried -= int(np.count_nonzero(self.carries[at]))
         if self.epoched:
-            self.epoched -= int(np.count_nonzero(self.epoch[slots]))
-        self.abort_requested[slots] = False
-        self.alive[slots] = False
+            self.epoched -= int(np.count_nonzero(self.epoch[at]))
+        self.alive[at] = False
+        handles = self.handles
         for s in slots:
-            self.handles[s] = None
+            handles[s] = None
         self._limbo.extend(slots)
         self.version += 1
 

@@ -120,18 +120,24 @@ class WorkerAgreement:
             else:
                 runs.append([b])
         t = self.table
-        # the table checks rooms, roles and indices before it changes: a
-        # refused run leaves the runs before it added (as one add at a time would)
-        for run in runs:
-            t.extend(
-                [b.room for b in run],
-                role=run[0].role,
-                handle_indices=[b.handle_index for b in run],
-                epochs=[b.epoch for b in run],
-            )
-            for b in run:
-                self._ids[int(b.room)] = b.request_id
-                rooms[b.request_id] = int(b.room)
+        added: list[int] = []
+        try:  # the table checks each run before it changes; a refused run undoes the others
+            for run in runs:
+                t.extend(
+                    [b.room for b in run],
+                    role=run[0].role,
+                    handle_indices=[b.handle_index for b in run],
+                    epochs=[b.epoch for b in run],
+                )
+                added.extend(int(b.room) for b in run)
+        except BaseException:
+            if added:
+                t.remove_many(added)
+            raise
+        ids = self._ids
+        for b in begun:
+            ids[int(b.room)] = b.request_id
+            rooms[b.request_id] = int(b.room)
 
     def abort(self, request_id: str) -> None:
         """The scheduler gave up on ``request_id``: it ends Failed (aborted) at the

@@ -88,6 +88,7 @@ class _Transfer:
 #: ended, an aborted or failed load), a load ended, or nothing (an attempt the
 #: next one replaced)
 SENT, RECEIVED, UNSEEN = "sent", "received", "unseen"
+_SENDER = Role.SENDER  # (an enum member's lookup on its class is slow)
 
 
 class _Ending(NamedTuple):
@@ -218,9 +219,10 @@ class WorkerSide:
         self.hand_over()
         ended = self.agreement.step()
         self.ready.extend((rid, self.live[rid]) for rid in sorted(ended.ready))
+        live, ending = self.live, self.ending
         for rid in sorted(ended.succeeded):
-            t = self.live.pop(rid)
-            self.ending.append(_Ending(rid, t, SENT if t.role is Role.SENDER else RECEIVED))
+            t = live.pop(rid)
+            ending.append(_Ending(rid, t, SENT if t.role is _SENDER else RECEIVED))
         now = _Told()
         for rid, f in sorted(ended.failed.items()):
             t = self.live.pop(rid)

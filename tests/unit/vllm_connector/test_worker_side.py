@@ -266,6 +266,7 @@ def test_adding_a_batch_is_adding_each_in_turn():
         ("present", "added twice"),
         ("not a str", "request id"),
         ("room taken", "room"),
+        ("room taken by a later run", "room"),
     ],
 )
 def test_a_refused_batch_adds_none_of_it(bad, match):
@@ -281,8 +282,10 @@ def test_a_refused_batch_adds_none_of_it(bad, match):
         begun.append(Begun("old", 12, 4, Role.RECEIVER))
     elif bad == "not a str":
         begun.append(Begun(5, 12, 4, Role.RECEIVER))  # type: ignore[arg-type]
-    else:
+    elif bad == "room taken":
         begun.append(Begun("z", 9, 4, Role.RECEIVER))  # room 9 is in flight
+    else:  # the receivers' run is added, then the senders' is refused: neither stays
+        begun.append(Begun("z", 9, 4, Role.SENDER))
     with pytest.raises(Exception, match=match):
         a.add_many(begun)
     assert a.table.rooms().tolist() == [9] and set(a._rooms) == {"old"} and len(a) == 1
