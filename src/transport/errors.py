@@ -150,6 +150,8 @@ class InvalidEpoch(TransportError, ValueError):
 
 def epoch_of_arg(room: object, epoch: object, role: str, rank: int) -> int:
     """``epoch`` as an int, or :class:`InvalidEpoch` (numpy integers are taken)."""
+    if type(epoch) is int and 0 <= epoch < 1 << 16:  # the common case, without the ABC
+        return epoch
     import numbers
 
     if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral):

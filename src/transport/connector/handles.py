@@ -23,6 +23,8 @@ from transport.status_arrays import Statuses, StatusHandle, detach_many
 __all__ = ["ConnectorSender", "ConnectorReceiver", "Requests"]
 
 T = int(KVPoll.Transferring)
+#: the phases of a request that failed already (a page list is no longer told)
+_FAILED_ALREADY = frozenset([int(Phase.Aborted), *[int(p) for p in Phase if IS_TERMINAL[p]]])
 Q = TypeVar("Q", bound="Request[Any]")
 R = TypeVar("R", bound="Request[Any]")
 
@@ -228,7 +230,7 @@ class ConnectorReceiver(_Handle[DecodeRequest]):
         holds already (a cached prefix, whole pages) and which are not sent."""
         m, req = self.manager, self._req
         ph = m.phase_of(req)
-        if self.detached or ph in (Phase.Aborted, *[p for p in Phase if IS_TERMINAL[p]]):
+        if self.detached or ph in _FAILED_ALREADY:
             return  # it already failed: nothing to tell
         if ph != Phase.Handshaken:
             raise ProtocolError(req.room, m.config.tp_rank, ph, "metadata", m.config.role)
