@@ -72,7 +72,6 @@ __all__ = [
     "EDGES",
     "TRIGGERS",
     "fire_one",
-    "POLL_LISTS",
     "TRIGGER_ID",
     "TERMINAL",
     "KERNELS",
@@ -330,8 +329,6 @@ def fire_one(phase: int, trigger: str, role: str) -> int:
 
 #: DEST as nested lists (an element of a list costs less to read than a numpy one)
 _DEST_LISTS: list[list[list[int]]] = DEST.tolist()
-#: POLL as nested lists
-POLL_LISTS: list[list[int]] = POLL.tolist()
 
 
 def build_machine(model: Any, role: str, initial: Phase = Phase.Bootstrap) -> Any:

@@ -61,7 +61,6 @@ from transport.connector.core.events import (
 from transport.connector.core.graph import (
     IS_TERMINAL,
     POLL,
-    POLL_LISTS,
     ROLE_ID,
     TRIGGER_ID,
     Phase,
@@ -89,6 +88,20 @@ R = TypeVar("R", bound="Request[Any]")
 
 #: below this many requests a batch call goes one by one (numpy's calls cost more)
 _FEW = 16
+
+#: (the POLL table, as nested lists): what one request's move reads
+_POLL_SEEN: list[Any] = [None, None]
+
+
+def _poll_lists() -> list[list[int]]:
+    """:data:`POLL` as nested lists (an element of a list costs less to read
+    than a numpy one), made again if this module's table was replaced (as a
+    negative control replaces it, to switch a rule off in code)."""
+    if _POLL_SEEN[0] is not POLL:
+        _POLL_SEEN[:] = [POLL, POLL.tolist()]
+    out: list[list[int]] = _POLL_SEEN[1]
+    return out
+
 
 #: what a connector counts: bytes and writes issued (prefill); fenced: on a silent
 #: writer (unfenced: once it spoke); stale: a word from an old incarnation of a
@@ -300,7 +313,7 @@ class ConnectorCore(StatusArrays):
         if new < 0:
             return False
         self.phase[i] = new
-        effect = POLL_LISTS[ROLE_ID[role]][TRIGGER_ID[trigger]]
+        effect = _poll_lists()[ROLE_ID[role]][TRIGGER_ID[trigger]]
         st = int(self.status[i])
         if effect == F:
             if st != S and st != F:
