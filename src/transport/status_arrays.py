@@ -19,9 +19,11 @@ from lifecycle.reasons import FailureReason
 from lifecycle.status import KVPoll
 from transport.errors import TransferFailed
 
-__all__ = ["Statuses", "StatusArrays", "StatusHandle", "detach_many"]
+__all__ = ["FEW", "Statuses", "StatusArrays", "StatusHandle", "detach_many"]
 
 _F = int(KVPoll.Failed)
+#: below this many requests a batch call goes one by one (numpy's calls cost more)
+FEW = 16
 _S = int(KVPoll.Success)
 
 
@@ -138,7 +140,7 @@ def detach_many(handles: Sequence[StatusHandle], arrays: Statuses) -> None:
     """:meth:`StatusHandle._detach` of each of ``handles`` (none detached yet,
     each on ``arrays``), with one read of the arrays for the lot (a few, one
     by one: numpy's calls cost more)."""
-    if len(handles) < 16:
+    if len(handles) < FEW:
         for h in handles:
             h._detach()
         return

@@ -225,10 +225,10 @@ class WorkerSide:
             ending.append(_Ending(rid, t, SENT if t.role is _SENDER else RECEIVED))
         now = _Told()
         for rid, f in sorted(ended.failed.items()):
-            t = self.live.pop(rid)
+            t = live.pop(rid)
             if f.action is Action.RETRY and not t.aborted:
                 # the failed attempt drains unseen while the next one runs (fenced by its epoch)
-                self.ending.append(_Ending(rid, t, UNSEEN))
+                ending.append(_Ending(rid, t, UNSEEN))
                 self.agreement.add_many(
                     [self._begin(rid, t.room, t.epoch + 1, t.role, t.pages, t.skip)]
                 )
@@ -238,9 +238,9 @@ class WorkerSide:
                 now.recving.add(rid)
                 now.failed.add(rid)
                 now.errors.update(t.pages.tolist())
-                self.ending.append(_Ending(rid, t, SENT))
+                ending.append(_Ending(rid, t, SENT))
             else:
-                self.ending.append(_Ending(rid, t, SENT))
+                ending.append(_Ending(rid, t, SENT))
         return self._drained(now)
 
     def _drained(self, told: _Told) -> Report:

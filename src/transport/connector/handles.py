@@ -121,16 +121,16 @@ def clear_drained(handles: Sequence[_Handle[Any]]) -> list[bool]:
         by_manager.setdefault(id(h.manager), (h.manager, []))[1].append(i)
     for manager, at in by_manager.values():
         drained = manager.drained_many([handles[i]._req for i in at])
-        fresh: dict[int, _Handle[Any]] = {}  # (a handle given twice is cleared once)
+        fresh: list[_Handle[Any]] = []
         for i, d in zip(at, drained):
             if d:
                 out[i] = True
                 h = handles[i]
                 if not h.detached:
-                    fresh[id(h)] = h
-        if fresh:
-            detach_many(list(fresh.values()), manager.arrays)
-            manager.clear_many([h._req for h in fresh.values()])
+                    fresh.append(h)
+        if fresh:  # (a handle given twice reads the same answer twice, and is released once)
+            detach_many(fresh, manager.arrays)
+            manager.clear_many([h._req for h in fresh])
     return out
 
 

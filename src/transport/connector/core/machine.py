@@ -73,7 +73,7 @@ from transport.connector.core.side import Side
 from transport.digest import Views
 from transport.errors import DuplicateRoom, TransportError, epoch_of_arg
 from transport.layout import Writes, splits_state, state_geometry
-from transport.status_arrays import StatusArrays
+from transport.status_arrays import FEW, StatusArrays
 
 __all__ = ["ConnectorCore", "STATS", "DIGEST_STATS"]
 
@@ -85,9 +85,6 @@ logger = logging.getLogger(__name__)
 SUPERSEDED = FailureReason.TRANSFER_ERROR
 
 R = TypeVar("R", bound="Request[Any]")
-
-#: below this many requests a batch call goes one by one (numpy's calls cost more)
-_FEW = 16
 
 #: (the POLL table, as nested lists): what one request's move reads
 _POLL_SEEN: list[Any] = [None, None]
@@ -332,7 +329,7 @@ class ConnectorCore(StatusArrays):
 
     def drained_many(self, reqs: Sequence[Request[Any]]) -> list[bool]:
         """For each of ``reqs``: can nothing of it land any more (its phase terminal)?"""
-        if len(reqs) < _FEW:
+        if len(reqs) < FEW:
             return [bool(IS_TERMINAL[self.phase_of(r)]) for r in reqs]
         at = np.fromiter([r.index for r in reqs], dtype=np.int64, count=len(reqs))
         out: list[bool] = IS_TERMINAL[self.phase[at]].tolist()
@@ -344,7 +341,7 @@ class ConnectorCore(StatusArrays):
     def clear_many(self, reqs: Sequence[Request[Any]]) -> None:
         """:meth:`clear` of each of ``reqs``, in turn, with one read of the
         columns for the lot."""
-        if len(reqs) < _FEW:
+        if len(reqs) < FEW:
             for r in reqs:
                 self.clear(r)
             return
