@@ -83,6 +83,35 @@ def test_bench_transfer_with_the_digest_reports_its_cpu_time_against_a_bare_pass
         assert res[f"{side}_digest_cpu/bare"] > 0
 
 
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_bench_transfer_timeline_lines_up_each_request_from_page_list_to_success(backend):
+    # every rank's connector events with the bench's marks: each lifecycle-driven
+    # request's hops add up to its time from decode's page list to its Success
+    from pdlife.bench.transfer import HOPS, run_transfer_bench
+    from transport.connector.timeline import chrome_trace, hops
+
+    res = run_transfer_bench(8, 256, 3, backend, timeline=True)
+    tracks = res["timeline_tracks"]
+    assert set(tracks) == {"prefill 0", "decode 0"} and res["hops_requests"] == 3
+    assert list(res["hops_ms"]) == [name for _, name in HOPS[1:]]
+    assert all(ms >= 0 for ms in res["hops_ms"].values())
+    labels = {label for recs in tracks.values() for _, label, _ in recs}
+    assert {"send register", "recv register", "send pages", "recv pages", "write"} <= labels
+    assert {"landed", "page list", "pages in", "handed over", "success", "raw write"} <= labels
+    marks = {room: {} for _, _, room in tracks["decode 0"] if room >= 0}
+    for t, label, room in tracks["decode 0"]:
+        if label in ("page list", "success"):
+            marks[room][label] = t
+    gaps = hops(tracks, [m for m, _ in HOPS])
+    assert len(gaps) == 3
+    for room, g in gaps.items():
+        assert None not in g
+        assert sum(g) == pytest.approx(marks[room]["success"] - marks[room]["page list"])
+    trace = chrome_trace(tracks)["traceEvents"]
+    assert sum(e["ph"] == "i" for e in trace) == sum(len(r) for r in tracks.values())
+
+
 #: what the head-sliced case reports (more may be added beside them, never taken away)
 HETERO_KEYS = ("raw-1:1_gbps", "lifecycle_gbps", "lifecycle/raw-1:1", "raw_sliced_gbps")
 HETERO_KEYS += ("raw-sliced/raw-1:1", "lifecycle/raw-sliced", "handshake_median_s")

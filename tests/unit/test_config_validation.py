@@ -458,6 +458,7 @@ BENCH_BAD = {
                  ["--prefill-tp", "2", "--page-kib", "32"]],
     "reps": [["--reps", "0"], ["--reps", "x"], ["--reps", "5000"]],
     "json": [["--json", "{d}/nowhere/x.json"], ["--json", "{d}"]],
+    "timeline": [["--timeline", "{d}/nowhere/t.json"], ["--timeline", "{d}"]],
     "verbose": [["--verbose=1"]],
     "buffers": [["--buffers", "0"], ["--buffers", "3"], ["--mib", "1", "--buffers", "2048"]],
     "shuffle": [["--shuffle=1"]],

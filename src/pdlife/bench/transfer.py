@@ -69,10 +69,13 @@ def run_transfer_bench(
     shuffle: bool = False,
     step_us: int = 200,
     digest: bool = False,
+    timeline: bool = False,
     **heads: Any,
 ) -> dict[str, Any]:
     """One run of every part, side by side (``step_us``: each rank's pause between
-    steps; ``heads``: :func:`shape_of`'s TP sizes, head geometry, layout, staging)."""
+    steps; ``heads``: :func:`shape_of`'s TP sizes, head geometry, layout, staging;
+    ``timeline``: every rank's connector timeline kept, as ``timeline_tracks``,
+    and each lifecycle-driven request's hops, as ``hops_ms``)."""
     from lifecycle.testing.spawn import rank_context, store_server
 
     shape = shape_of(total_mib, page_kib, buffers, shuffle, **heads)
@@ -85,7 +88,19 @@ def run_transfer_bench(
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(backend, role, r, shape, reps, store.port, q, quiet, step_us * 1e-6, digest),
+            args=(
+                backend,
+                role,
+                r,
+                shape,
+                reps,
+                store.port,
+                q,
+                quiet,
+                step_us * 1e-6,
+                digest,
+                timeline,
+            ),
         )
         for role, r in ranks
     ]
@@ -157,6 +172,37 @@ def run_transfer_bench(
         "handshake_median_s": hand,
         "bytes_verified": True,
         **(_digest_numbers(pre, dec, pairs["median"]) if digest else {"digest": False}),
+        **(_timeline(got) if timeline else {}),
+    }
+
+
+#: a lifecycle-driven request's marks in order (prefill rank 0 and decode rank 0:
+#: the track, the label, its first or last record) and the name of the gap each ends
+HOPS = (
+    (("decode 0", "page list", "first"), ""),
+    (("prefill 0", "recv pages", "first"), "page list reaches prefill's connector"),
+    (("prefill 0", "pages in", "first"), "prefill's step sees it"),
+    (("prefill 0", "handed over", "first"), "init and send"),
+    (("prefill 0", "write", "first"), "the connector posts the first write"),
+    (("prefill 0", "write", "last"), "until the last write is posted"),
+    (("prefill 0", "landed", "last"), "until the last write landed"),
+    (("decode 0", "success", "first"), "until decode's agreed Success"),
+)
+
+
+def _timeline(got: dict[tuple[str, int], tuple[Any, Any, Any]]) -> dict[str, Any]:
+    """Every rank's timeline records, and the median of each hop over the
+    lifecycle-driven requests that have every mark."""
+    from transport.connector.timeline import hops
+
+    tracks = {f"{role} {r}": stats.pop("timeline") for (role, r), (_, _, stats) in got.items()}
+    per = [g for g in hops(tracks, [m for m, _ in HOPS]).values() if None not in g]
+    names = [name for _, name in HOPS[1:]]
+    medians = np.median(np.asarray(per, dtype=np.float64), axis=0) * 1e3 if per else ()
+    return {
+        "timeline_tracks": tracks,
+        "hops_requests": len(per),
+        "hops_ms": {name: float(ms) for name, ms in zip(names, medians, strict=False)},
     }
 
 
@@ -212,6 +258,7 @@ def _run(args: argparse.Namespace) -> int:
         args.shuffle,
         args.step_us,
         args.digest,
+        args.timeline is not None,
         **heads_flags(args),
     )
     over = {"mooncake": "Mooncake TCP", "nixl": "NIXL UCX"}[args.backend]
@@ -253,6 +300,17 @@ def _run(args: argparse.Namespace) -> int:
             f"{res['prefill_digest_bytes'] >> 20} MiB), decode "
             f"{1e3 * res['decode_digest_cpu_s']:.1f} ms "
             f"({res['decode_digest_cpu/bare']:.2f}x)"
+        )
+    if args.timeline:
+        from transport.connector.timeline import chrome_trace
+
+        trace = chrome_trace(res.pop("timeline_tracks"))
+        Path(args.timeline).write_text(json.dumps(trace) + "\n")
+        hops = "; ".join(f"{name} {ms:.2f} ms" for name, ms in res["hops_ms"].items())
+        print(
+            f"where a lifecycle-driven request's time went (medians over "
+            f"{res['hops_requests']} requests, from decode's page list): {hops}; "
+            f"every rank's connector events in {args.timeline} (a Chrome trace: Perfetto opens it)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
@@ -314,5 +372,11 @@ def add_parser(sub: Any) -> None:
         help="the lifecycle-driven request with the KV digest on (ConnectorConfig.digest)",
     )
     p.add_argument("--json")
+    p.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write every rank's connector events and the bench's marks as a Chrome trace "
+        "(Perfetto opens it), and print where each lifecycle-driven request's time went",
+    )
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")
     p.set_defaults(func=_run)

@@ -127,11 +127,13 @@ def check_args(args: argparse.Namespace) -> Shape:
             f"--reps {args.reps}",
             f"at most {MAX_REPS}: the launcher waits 600 s for each side's timings",
         )
-    if args.json is not None:
-        out = Path(args.json)
-        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+    for flag, path in (("--json", args.json), ("--timeline", getattr(args, "timeline", None))):
+        out = None if path is None else Path(path)
+        if out is not None and (
+            out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+        ):
             raise UsageError(
-                f"--json {args.json}",
+                f"{flag} {path}",
                 "cannot write a file there; give a file path in an existing, writable directory",
             )
     try:

@@ -30,6 +30,7 @@ import numpy as np
 
 from pdlife.bench.transfer_shape import Shape, pattern, raw_runs
 from pdlife.engine_output import divert
+from transport.connector.timeline import Timeline
 
 __all__ = ["rank_main"]
 
@@ -75,11 +76,14 @@ def rank_main(
     quiet: bool,
     step_s: float = POLL,
     digest: bool = False,
+    timeline: bool = False,
 ) -> None:
     """Run one rank; put ``(role, rank, {part: [(start, end), ...]}, verified, stats)``
-    on ``q``, or ``(role, rank, None, why, None)`` if it failed."""
+    on ``q``, or ``(role, rank, None, why, None)`` if it failed. ``timeline``: the
+    connector's :class:`~transport.connector.timeline.Timeline` on, with this
+    bench's marks, its records in ``stats["timeline"]``."""
     try:
-        _run(backend, role, rank, shape, reps, port, q, quiet, step_s, digest)
+        _run(backend, role, rank, shape, reps, port, q, quiet, step_s, digest, timeline)
     except Exception as e:
         q.put((role, rank, None, f"{type(e).__name__}: {e}", None))
         raise
@@ -96,6 +100,7 @@ def _run(
     quiet: bool,
     step_s: float,
     digest: bool = False,
+    timeline: bool = False,
 ) -> None:
     if quiet:
         divert(None)  # the engine's own lines; --verbose keeps them
@@ -138,6 +143,7 @@ def _run(
         **staged,
     )
     mgr = get_backend(backend).manager(args, config)
+    tl = mgr.timeline = Timeline() if timeline else None
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     want = [torch.from_numpy(pattern(shape, heads, b)) for b in range(shape.buffers)]
     if role == "prefill":
@@ -173,8 +179,11 @@ def _run(
             if what != "life":
                 if role == "prefill":
                     times[what].append(_raw(mgr, infos, writes[what]))
+                    if tl is not None:
+                        tl.mark(f"{what} write", -1, times[what][-1][0])
+                        tl.mark(f"{what} landed", -1, times[what][-1][1])
             elif role == "decode":
-                hand, life = _decode(mgr, meta, room, dst, shape.staging, step_s)
+                hand, life = _decode(mgr, meta, room, dst, shape.staging, step_s, tl)
                 times["handshake"].append(hand)
                 times["life"].append(life)
                 rows = torch.from_numpy(dst)
@@ -182,11 +191,13 @@ def _run(
                 verified &= meta.room_of(1) == room
                 meta.clear_room(1)
             else:
-                _prefill(mgr, meta, room, shape.pages, step_s)
+                _prefill(mgr, meta, room, shape.pages, step_s, tl)
             if what == "life":
                 after = hash_cpu()
                 hashed.append((after[0] - before[0], after[1] - before[1]))
     stats: dict[str, Any] = dict(mgr.stats)
+    if tl is not None:
+        stats["timeline"] = tl.take()
     if digest:
         per = int(np.median([b for _, b in hashed]))
         stats["digest_cpu_s"] = [c for c, _ in hashed]
@@ -226,7 +237,7 @@ def _raw(mgr: Any, infos: dict[int, Any], raw: dict[int, Any]) -> tuple[float, f
 
 
 def _decode(
-    mgr: Any, meta: Any, room: int, dst: Any, staged: bool, step_s: float
+    mgr: Any, meta: Any, room: int, dst: Any, staged: bool, step_s: float, tl: Timeline | None
 ) -> tuple[tuple[float, float], ...]:
     """One request on a decode rank: (handshake (start, end), transfer (start, end)),
     the transfer timed from ``send_metadata`` to the agreed Success (staged: once
@@ -244,19 +255,25 @@ def _decode(
         res = stepper.step(SingleRank())
         if not sent and res.statuses[0] == 2:
             t1 = time.monotonic()  # handshake done: decode says where to write
+            if tl is not None:
+                tl.mark("page list", room, t1)
             r.send_metadata(dst, 1)
             sent = True
         if res.statuses[0] in (0, 4):
             break
         time.sleep(step_s)
     t2 = time.monotonic()
+    if tl is not None:
+        tl.mark("success", room, t2)
     if res.statuses[0] != 4:
         raise RuntimeError(f"lifecycle transfer of room {room} failed: {res.failures()}")
     r.clear()
     return (t0, t1), (t1, t2)
 
 
-def _prefill(mgr: Any, meta: Any, room: int, pages: int, step_s: float) -> None:
+def _prefill(
+    mgr: Any, meta: Any, room: int, pages: int, step_s: float, tl: Timeline | None
+) -> None:
     """One request on a prefill rank: ``init`` + ``send`` once decode's page list is in."""
     from lifecycle import RequestTable, SingleRank, Stepper
 
@@ -269,9 +286,13 @@ def _prefill(mgr: Any, meta: Any, room: int, pages: int, step_s: float) -> None:
     while True:
         res = stepper.step(SingleRank())
         if not inited and res.statuses[0] == 2:
+            if tl is not None:
+                tl.mark("pages in", room)
             h.init(pages, 2)
             h.send(np.arange(pages, dtype=np.int64))
             inited = True
+            if tl is not None:
+                tl.mark("handed over", room)
         if res.statuses[0] in (0, 4):
             break
         time.sleep(step_s)

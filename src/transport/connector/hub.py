@@ -64,6 +64,7 @@ from transport.connector.handles import ConnectorReceiver, ConnectorSender
 from transport.connector.inflight import InFlight
 from transport.connector.mailbox import NEW, STALE, Mailbox
 from transport.connector.peer_legs import PeerLegs
+from transport.connector.timeline import Timeline
 from transport.digest import Views
 from transport.engine import Engine, check_engine
 from transport.staging import Staging
@@ -119,6 +120,8 @@ class Connector:
         #: the store client of the scheduler's own sends (used under :attr:`order` alone)
         self._caller_store = self.mail.client()
         info.update(self.core.record())
+        #: where requests' time goes, if set (see :mod:`transport.connector.timeline`)
+        self.timeline: Timeline | None = None
         #: the engine's writes in flight (the thread's alone)
         self.inflight = InFlight(engine)
         # a first beat before any record: a peer that finds one can always tell,
@@ -320,6 +323,8 @@ class Connector:
 
     # -- the background thread ------------------------------------------------------------------
     def _handle(self, events: list[Event], now: float) -> None:
+        if self.timeline is not None:
+            self.timeline.events(events, now)
         with self.lock:
             for ev in events:
                 self.core.handle(ev, now)
@@ -379,6 +384,8 @@ class Connector:
     def _perform(self, effects: list[Effect], store: Any) -> list[Event]:
         """Do what the core asked, in order; writes found unreachable at once."""
         out: list[Event] = []
+        if self.timeline is not None:
+            self.timeline.effects(effects, self.clock())
         for e in effects:
             if isinstance(e, Send):
                 try:
@@ -412,6 +419,8 @@ class Connector:
         events = notes + list[Event](self.inflight.reap()) + self._records(store)
         busy = False
         for _ in range(ROUNDS):
+            if self.timeline is not None:  # (when each round's events are handed over)
+                self.timeline.events(events, self.clock())
             with self.lock:
                 for ev in events:
                     self.core.handle(ev, now)
