@@ -15,7 +15,10 @@ interleaved in an order drawn anew each repetition:
   outputs to the aggregator is not counted (vLLM moves every worker's output
   whichever connector runs);
 - ``allreduce``: one bare gloo all-reduce of the size the step sends, on the
-  same group.
+  same group;
+- ``floor``: the least any numpy agreement step does for the same loads, its
+  all-reduce included (tests/vllm/overhead_floor.py): a lower bound for ours,
+  not a step (``floor_ratio`` = floor / the bound).
 
 Each iteration's time is the slower worker's (a barrier starts every timed
 iteration). ``ratio`` = ours / (1.2 x vllm + allreduce), medians; at most 1 passes.
@@ -39,7 +42,7 @@ from typing import Any
 import numpy as np
 
 WORLD = 2
-KINDS = ("ours", "vllm", "allreduce")
+KINDS = ("ours", "vllm", "allreduce", "floor")
 #: the columns of each row, in the table's order
 COLUMNS = (
     "n",
@@ -55,6 +58,9 @@ COLUMNS = (
     "ours_start_us",
     "vllm_start_us",
     "ratio_with_start",
+    "floor_us",
+    "floor_ratio",
+    "floor_ratio_p25",
     "ours_step_us",
     "ours_reduce_us",
     "ours_handoff_us",
@@ -82,9 +88,11 @@ def _rank(
 
     import torch
     import torch.distributed as dist
+    from overhead_floor import NumpyFloor
     from overhead_subjects import CountingLoop, OursLoop, SizedCollective
 
     ours = {n: OursLoop(n, life, rank, SizedCollective()) for n in ns}
+    floors = {n: NumpyFloor(ours[n], SizedCollective()) for n in ns}
     counting = {n: CountingLoop(n, life, rank, world) for n in ns}
     buffers: dict[int, torch.Tensor] = {}
     out: dict[str, list[float]] = collections.defaultdict(list)
@@ -140,7 +148,17 @@ def _rank(
         gc.collect()
         dist.barrier()
 
-    runs = {"ours": run_ours, "vllm": run_vllm, "allreduce": run_allreduce}
+    def run_floor(n: int) -> dict[str, float]:
+        # on ours' table and connector as the last iteration left them (its new
+        # loads begun, the sends of this iteration not yet landed)
+        _settle()
+        took = floors[n].iterate()
+        whole, _, legal = floors[n].last
+        if not (whole and legal):
+            raise AssertionError(f"the floor at n={n} found a list or a move ours would refuse")
+        return {"floor": took}
+
+    runs = {"ours": run_ours, "vllm": run_vllm, "allreduce": run_allreduce, "floor": run_floor}
     gc.collect()
     gc.freeze()  # (what lives now, vLLM's modules among it, is never traversed again)
     for _ in range(warmup):  # the steady state, and every path warm
@@ -216,6 +234,13 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
         row["ratio_with_start"] = _q(ours + ours_start, 50) / (
             1.2 * _q(vllm + vllm_start, 50) + row["allreduce_us"]
         )
+        floor = col("floor") * 1e6
+        row["floor_us"] = _q(floor, 50)
+        row["floor_p25_us"] = _q(floor, 25)
+        row["floor_ratio"] = row["floor_us"] / row["bound_us"]
+        row["floor_ratio_p25"] = row["floor_p25_us"] / (
+            1.2 * row["vllm_p25_us"] + row["allreduce_p25_us"]
+        )
         row["ours_step_us"] = _q(step, 50)
         row["ours_reduce_us"] = _q(col("ours_reduce") * 1e6, 50)
         row["ours_handoff_us"] = _q(handoff, 50)
@@ -241,7 +266,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'n':>5} {'ours us':>18} {'vLLM us':>18} {'allreduce us':>16} "
         f"{'ratio':>17} pass {'w/o handoff':>11} {'p25s':>5} {'per worker':>10}"
-        f" | {'start: ours':>11} {'vLLM':>5} {'with start':>10}"
+        f" | {'start: ours':>11} {'vLLM':>5} {'with start':>10} | {'floor us':>8} {'ratio':>5} {'p25s':>5}"
     ]
     for r in rows:
 
@@ -254,6 +279,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{'yes' if r['passes'] else 'no':>4} {r['ratio_without_handoff']:>11.2f}"
             f" {r['ratio_p25']:>5.2f} {r['ratio_per_worker']:>10.2f}"
             f" | {r['ours_start_us']:>11.0f} {r['vllm_start_us']:>5.0f} {r['ratio_with_start']:>10.2f}"
+            f" | {r['floor_us']:>8.0f} {r['floor_ratio']:>5.2f} {r['floor_ratio_p25']:>5.2f}"
         )
     lines.append(
         f"{'n':>5} {'ours: step':>10} {'(reduce)':>8} {'handoff':>8} {'release':>8} {'rest':>6} | "
