@@ -8,8 +8,10 @@ from transport.connector.core.events import (
     LANDED,
     Arrived,
     Forget,
+    Restarted,
     Send,
     Silence,
+    Stale,
     Write,
     Written,
 )
@@ -29,10 +31,13 @@ def test_events_and_effects_are_labelled_by_kind_and_room():
     tl = Timeline(clock=lambda: 9.0)
     tl.events([Arrived(Incoming(1, 7, _pages(5)))], 1.0)
     tl.events([Arrived(Incoming(1, None, Done(room=5, epoch=0), notified=True))], 2.0)
-    tl.effects([Send(1, Done(room=6, epoch=0)), _write(40, 6), _write(41, 7)], 3.0)
+    for e in (Send(1, Done(room=6, epoch=0)), _write(40, 6), _write(41, 7)):
+        tl.effect(e, 3.0)
     tl.events([Written(40, LANDED), Written(41, FAILED), Written(42, LANDED)], 4.0)
-    tl.effects([_write(43, 8), Forget(43)], 5.0)
-    tl.events([Silence(frozenset({2}))], 6.0)
+    tl.effect(_write(43, 8), 5.0)
+    tl.effect(Forget(43), 5.0)
+    tl.events([Silence(frozenset({2, 1})), Silence(frozenset()), Restarted({})], 6.0)
+    tl.events([Stale(Incoming(3, 1, _pages(9))), Restarted({3: 2})], 7.0)
     tl.mark("success", 5)
     assert tl.take() == [
         (1.0, "recv pages", 5),
@@ -45,17 +50,25 @@ def test_events_and_effects_are_labelled_by_kind_and_room():
         (4.0, "landed", -1),  # a write this timeline never saw posted
         (5.0, "write", 8),
         (5.0, "forget", 8),
-        (6.0, "Silence", -1),
+        (6.0, "silent [1, 2]", -1),  # (a look that found nobody silent is not kept)
+        (7.0, "stale pages", 9),
+        (7.0, "restarted [3]", -1),
         (9.0, "success", 5),
     ]
     assert tl.take() == []
 
 
-def test_a_full_timeline_keeps_its_first_records_and_counts_the_rest():
+def test_a_full_timeline_keeps_its_newest_records_and_counts_the_rest():
     tl = Timeline(limit=2)
     for i in range(5):
         tl.mark("m", i, float(i))
-    assert tl.records == [(0.0, "m", 0), (1.0, "m", 1)] and tl.dropped == 3
+    assert tl.records == [(3.0, "m", 3), (4.0, "m", 4)] and tl.dropped == 3
+    assert tl.take() == [(3.0, "m", 3), (4.0, "m", 4)] and tl.records == []
+
+
+def test_marks_that_name_neither_the_first_nor_the_last_record_are_refused():
+    with pytest.raises(ValueError, match="'first' nor the 'last'"):
+        hops({}, [("decode 0", "page list", "first"), ("decode 0", "success", "median")])
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "10"])

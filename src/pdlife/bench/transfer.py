@@ -176,16 +176,15 @@ def run_transfer_bench(
     }
 
 
-#: a lifecycle-driven request's marks in order (prefill rank 0 and decode rank 0:
-#: the track, the label, its first or last record) and the name of the gap each ends
+#: a lifecycle-driven request's marks (the track, the label, its first or last
+#: record), each of which can only follow the one before it, and the name of the
+#: gap each ends; prefill rank 0 and decode rank 0 (the other ranks are in the trace)
 HOPS = (
     (("decode 0", "page list", "first"), ""),
     (("prefill 0", "recv pages", "first"), "page list reaches prefill's connector"),
     (("prefill 0", "pages in", "first"), "prefill's step sees it"),
-    (("prefill 0", "handed over", "first"), "init and send"),
-    (("prefill 0", "write", "first"), "the connector posts the first write"),
-    (("prefill 0", "write", "last"), "until the last write is posted"),
-    (("prefill 0", "landed", "last"), "until the last write landed"),
+    (("prefill 0", "write", "first"), "init, send and the first write issued"),
+    (("prefill 0", "write", "last"), "until the last write (metadata, room, note) is issued"),
     (("decode 0", "success", "first"), "until decode's agreed Success"),
 )
 
@@ -308,8 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.timeline).write_text(json.dumps(trace) + "\n")
         hops = "; ".join(f"{name} {ms:.2f} ms" for name, ms in res["hops_ms"].items())
         print(
-            f"where a lifecycle-driven request's time went (medians over "
-            f"{res['hops_requests']} requests, from decode's page list): {hops}; "
+            f"where a lifecycle-driven request's time went (prefill rank 0 and decode rank 0; "
+            f"medians over {res['hops_requests']} requests, from decode's page list): {hops}; "
             f"every rank's connector events in {args.timeline} (a Chrome trace: Perfetto opens it)"
         )
     if args.json:
@@ -376,7 +375,8 @@ def add_parser(sub: Any) -> None:
         "--timeline",
         metavar="FILE",
         help="write every rank's connector events and the bench's marks as a Chrome trace "
-        "(Perfetto opens it), and print where each lifecycle-driven request's time went",
+        "(Perfetto opens it), and print where each lifecycle-driven request's time went "
+        "(prefill rank 0 and decode rank 0)",
     )
     p.add_argument("--verbose", action="store_true", help="the engines' own log lines too")
     p.set_defaults(func=_run)

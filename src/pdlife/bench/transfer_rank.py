@@ -24,13 +24,15 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdlife.bench.transfer_shape import Shape, pattern, raw_runs
 from pdlife.engine_output import divert
-from transport.connector.timeline import Timeline
+
+if TYPE_CHECKING:
+    from transport.connector.timeline import Timeline
 
 __all__ = ["rank_main"]
 
@@ -109,6 +111,7 @@ def _run(
 
     from buffers import MetadataBuffers, MetadataLayout
     from transport.connector.config import ConnectorConfig
+    from transport.connector.timeline import Timeline
     from transport.layout import kv_args_for
     from transport.registry import get_backend
 

@@ -324,7 +324,7 @@ class Connector:
     # -- the background thread ------------------------------------------------------------------
     def _handle(self, events: list[Event], now: float) -> None:
         if self.timeline is not None:
-            self.timeline.events(events, now)
+            self.timeline.events(events, self.clock())
         with self.lock:
             for ev in events:
                 self.core.handle(ev, now)
@@ -384,8 +384,7 @@ class Connector:
     def _perform(self, effects: list[Effect], store: Any) -> list[Event]:
         """Do what the core asked, in order; writes found unreachable at once."""
         out: list[Event] = []
-        if self.timeline is not None:
-            self.timeline.effects(effects, self.clock())
+        tl = self.timeline
         for e in effects:
             if isinstance(e, Send):
                 try:
@@ -394,11 +393,14 @@ class Connector:
                     logger.debug(
                         "message %s to rank %d not sent", e.msg.KIND, e.peer, exc_info=True
                     )
+                    continue  # (not sent: not on the timeline)
             elif isinstance(e, Write):
                 if (now_known := self.inflight.issue(e)) is not None:
                     out.append(now_known)
             elif isinstance(e, Forget):
                 self.inflight.forget(e.write)
+            if tl is not None:
+                tl.effect(e, self.clock())
         return out
 
     def _pass(self, store: Any, look: bool) -> bool:

@@ -10,78 +10,110 @@ it); :func:`hops` lines up each request's marks into the gaps between them.
 Each record is ``(seconds, label, room)``. The connector notes every event its
 core is handed (``recv <kind>`` for a peer's message, ``note <kind>`` for the
 engine's own, ``landed``/``failed``/``unreachable`` for a write's outcome,
-the rest by their type) and every effect it performs (``send <kind>``,
-``write``, ``forget``); a caller adds its own marks with :meth:`Timeline.mark`.
+``stale <kind>``, ``silent [peers]`` and ``restarted [peers]``, the rest by
+their type) and every effect it performs (``send <kind>``,
+``write``, ``forget``, each once performed); a caller adds its own marks with
+:meth:`Timeline.mark`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from transport.connector.core.events import Arrived, Effect, Event, Forget, Send, Write, Written
+from transport.connector.core.events import (
+    Arrived,
+    Effect,
+    Event,
+    Forget,
+    Restarted,
+    Send,
+    Silence,
+    Stale,
+    Write,
+    Written,
+)
 
 __all__ = ["Record", "Timeline", "chrome_trace", "hops"]
 
 #: (seconds on the monotonic clock, what happened, the request's room or -1)
 Record = tuple[float, str, int]
 
-#: the records one timeline keeps by default (older ones are kept, newer dropped)
+#: the records one timeline keeps by default (the newest; older ones give way)
 LIMIT = 200_000
 
 
 class Timeline:
-    """A bounded record of one connector's events and effects (see the module).
-    Appends only: the connector's thread and a caller's thread may both note."""
+    """A bounded record of one connector's events and effects (see the module):
+    the newest ``limit`` records. The connector's thread and a caller's thread
+    (a scheduler's call that sends messages itself) may both add to it."""
 
     def __init__(self, limit: int = LIMIT, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise ValueError(f"Timeline limit={limit!r}: give a positive int (records kept)")
         self.limit, self.clock = limit, clock
-        self.records: list[Record] = []
-        #: records not kept once the limit was reached
+        self._records: deque[Record] = deque(maxlen=limit)
+        self._lock = threading.Lock()
+        #: records that gave way to newer ones once the limit was reached
         self.dropped = 0
         self._rooms: dict[int, int] = {}  # write id -> room, for its outcome
+
+    @property
+    def records(self) -> list[Record]:
+        """The records kept, oldest first (a copy)."""
+        with self._lock:
+            return list(self._records)
 
     def mark(self, label: str, room: int = -1, at: float | None = None) -> None:
         """A caller's own mark (``at``: its time, else now)."""
         self._add(self.clock() if at is None else at, label, room)
 
     def events(self, events: Iterable[Event], now: float) -> None:
-        """What the core is handed at ``now``."""
+        """What the core is handed at ``now`` (a look that found no silent or
+        restarted peer is not recorded)."""
         for ev in events:
             if isinstance(ev, Arrived):
                 m = ev.msg
-                kind = f"{'note' if m.notified else 'recv'} {m.msg.KIND}"
-                self._add(now, kind, getattr(m.msg, "room", -1))
+                self._add(now, f"{'note' if m.notified else 'recv'} {m.msg.KIND}", m.room)
             elif isinstance(ev, Written):
                 self._add(now, ev.outcome, self._rooms.pop(ev.write, -1))
+            elif isinstance(ev, Stale):
+                self._add(now, f"stale {ev.msg.msg.KIND}", ev.msg.room)
+            elif isinstance(ev, Silence):
+                if ev.peers:
+                    self._add(now, f"silent {sorted(ev.peers)}", -1)
+            elif isinstance(ev, Restarted):
+                if ev.incarnations:
+                    self._add(now, f"restarted {sorted(ev.incarnations)}", -1)
             else:
                 self._add(now, type(ev).__name__, -1)
 
-    def effects(self, effects: Iterable[Effect], now: float) -> None:
-        """What the connector performs at ``now``."""
-        for e in effects:
-            if isinstance(e, Send):
-                self._add(now, f"send {e.msg.KIND}", getattr(e.msg, "room", -1))
-            elif isinstance(e, Write):
-                self._rooms[e.write] = e.room
-                self._add(now, "write", e.room)
-            elif isinstance(e, Forget):
-                self._add(now, "forget", self._rooms.pop(e.write, -1))
+    def effect(self, e: Effect, now: float) -> None:
+        """An effect the connector performed at ``now``."""
+        if isinstance(e, Send):
+            self._add(now, f"send {e.msg.KIND}", e.msg.room)
+        elif isinstance(e, Write):
+            self._rooms[e.write] = e.room
+            self._add(now, "write", e.room)
+        elif isinstance(e, Forget):
+            self._add(now, "forget", self._rooms.pop(e.write, -1))
 
     def take(self) -> list[Record]:
         """The records so far, oldest first; the timeline starts empty again."""
-        out, self.records = self.records, []
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
         return out
 
     def _add(self, t: float, label: str, room: int) -> None:
-        if len(self.records) >= self.limit:
-            self.dropped += 1
-            return
-        self.records.append((t, label, int(room)))
+        with self._lock:
+            if len(self._records) == self.limit:
+                self.dropped += 1
+            self._records.append((t, label, int(room)))
 
 
 def chrome_trace(tracks: Mapping[str, Sequence[Record]]) -> dict[str, Any]:
@@ -112,6 +144,9 @@ def hops(
     """Per room, the time between consecutive ``marks`` (each ``(track, label,
     which)``: the ``first`` or ``last`` record of that label for the room on that
     track), in seconds; None where a mark is missing or comes before the last."""
+    bad = [m for m in marks if m[2] not in ("first", "last")]
+    if bad:
+        raise ValueError(f"hops: marks {bad} name neither the 'first' nor the 'last' record")
     by: dict[tuple[str, str, int], list[float]] = {}
     for name, recs in tracks.items():
         for t, label, room in recs:
