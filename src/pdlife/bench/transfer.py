@@ -183,8 +183,8 @@ HOPS = (
     (("decode 0", "page list", "first"), ""),
     (("prefill 0", "recv pages", "first"), "page list reaches prefill's connector"),
     (("prefill 0", "pages in", "first"), "prefill's step sees it"),
-    (("prefill 0", "write", "first"), "init, send and the first write issued"),
-    (("prefill 0", "write", "last"), "until the last write (metadata, room, note) is issued"),
+    (("prefill 0", "write", "first"), "init, send and the first write handed to the engine"),
+    (("prefill 0", "write", "last"), "until the last write (metadata, room, note) is handed over"),
     (("decode 0", "success", "first"), "until decode's agreed Success"),
 )
 

@@ -395,8 +395,11 @@ class Connector:
                     )
                     continue  # (not sent: not on the timeline)
             elif isinstance(e, Write):
+                if tl is not None:  # (as it is handed over: an engine may copy inline)
+                    tl.effect(e, self.clock())
                 if (now_known := self.inflight.issue(e)) is not None:
                     out.append(now_known)
+                continue
             elif isinstance(e, Forget):
                 self.inflight.forget(e.write)
             if tl is not None:

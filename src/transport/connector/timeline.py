@@ -12,7 +12,8 @@ core is handed (``recv <kind>`` for a peer's message, ``note <kind>`` for the
 engine's own, ``landed``/``failed``/``unreachable`` for a write's outcome,
 ``stale <kind>``, ``silent [peers]`` and ``restarted [peers]``, the rest by
 their type) and every effect it performs (``send <kind>``,
-``write``, ``forget``, each once performed); a caller adds its own marks with
+``forget`` once performed, ``write`` as it is handed to the engine, whose post
+may copy the bytes before it returns); a caller adds its own marks with
 :meth:`Timeline.mark`.
 """
 
