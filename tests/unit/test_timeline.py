@@ -3,6 +3,7 @@ the hops a request's marks line up into."""
 
 import pytest
 
+from support.trace_events import problems
 from transport.connector.core.events import (
     FAILED,
     LANDED,
@@ -103,8 +104,9 @@ def test_hops_are_the_gaps_between_a_rooms_marks_across_tracks():
 def test_chrome_trace_has_a_process_per_track_and_an_instant_per_record():
     trace = chrome_trace({"a": [(2.0, "x", 1)], "b": [(2.5, "y", -1), (3.0, "z", 2)]})
     events = trace["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {1: "a", 2: "b"}
+    assert problems(trace) == []  # well formed for a viewer: processes and threads named
     inst = [(e["pid"], e["name"], e["ts"], e["args"]["room"]) for e in events if e["ph"] == "i"]
     assert inst == [(1, "x", 0.0, 1), (2, "y", 500000.0, -1), (2, "z", 1000000.0, 2)]
     assert chrome_trace({}) == {"traceEvents": [], "displayTimeUnit": "ms"}

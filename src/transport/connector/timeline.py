@@ -119,11 +119,15 @@ class Timeline:
 
 def chrome_trace(tracks: Mapping[str, Sequence[Record]]) -> dict[str, Any]:
     """The records of each track (a rank's name: its records) as a Chrome trace
-    of instant events, a process per track, microseconds from the earliest record."""
+    of instant events, a process per track (its one thread named too, as a
+    viewer needs), microseconds from the earliest record."""
     t0 = min((r[0] for recs in tracks.values() for r in recs), default=0.0)
     out: list[dict[str, Any]] = []
     for pid, (name, recs) in enumerate(tracks.items(), start=1):
         out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        out.append(
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "connector"}}
+        )
         for t, label, room in recs:
             out.append(
                 {
